@@ -1,0 +1,1 @@
+"""ssm-compile: a torch.compile backend that makes unmodified Mamba code fast."""
