@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import inspect
 import logging
+import operator
 from typing import Any, Callable
 
 import torch
@@ -55,6 +56,44 @@ class PassContext:
         log.debug("ssm near-miss %s: %s", family, reason)
 
 
+_INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.imatmul, operator.ipow, operator.iand, operator.ior, operator.ixor)
+# Namespaces whose public functions compute values and touch no global state.
+_PURE_MODULES = ("torch", "torch.functional", "torch.nn.functional", "torch._C._nn", "torch._C._linalg",
+                 "torch._C._special", "torch._C._fft", "torch.linalg", "torch.special", "torch.fft")
+# Tensor methods without a trailing underscore that still act on the world.
+_IMPURE_METHODS = ("backward", "register_hook", "retain_grad", "record_stream", "share_memory_", "tolist", "item")
+
+
+def _removable_if_unused(node: torch.fx.Node) -> bool:
+    """Whether dead-code elimination may drop ``node`` once nothing uses it.
+
+    Dynamo's torch-level graph is full of calls FX's ``Node.is_impure`` calls pure but are not:
+    in-place methods (``x_dbl.mul_(2)``, whose write later readers of ``x_dbl`` see) and the
+    functorch bookkeeping of an inlined ``associative_scan``/``vmap`` (``_vmap_increment_nesting``,
+    ``_add_batch_dim``), whose removal breaks the graph at run time. So only what is known to be
+    a pure computation is removable: out-of-place tensor methods, operator arithmetic, ops with a
+    non-mutating schema, and public functions of the torch namespaces.
+    """
+    if node.op in ("placeholder", "output", "get_attr"):
+        return node.op == "get_attr"
+    if node.is_impure() or "out" in node.kwargs:
+        return False
+    target = node.target
+    if node.op == "call_method":
+        return not target.endswith("_") and not target.startswith("_") and target not in _IMPURE_METHODS
+    if node.op != "call_function":
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return not schema.is_mutable
+    if getattr(target, "__module__", None) in ("_operator", "operator"):
+        return target not in _INPLACE_OPERATORS
+    name = getattr(target, "__name__", "_")
+    return (getattr(target, "__module__", None) in _PURE_MODULES and not name.startswith("_")
+            and not name.endswith("_"))
+
+
 class PassManager:
     """An ordered list of named passes. Pass modules add themselves through ``register(pm)``."""
 
@@ -70,7 +109,10 @@ class PassManager:
         for name, fn in self.passes:
             fn(gm, ctx)
             gm.graph.lint()
-        gm.graph.eliminate_dead_code()
+        if ctx.rewrites:
+            # Clean up what the rewrites orphaned; a graph no pass rewrote keeps every node dynamo
+            # put in it.
+            gm.graph.eliminate_dead_code(is_impure_node=lambda n: not _removable_if_unused(n))
         gm.recompile()
         return ctx
 
@@ -82,3 +124,32 @@ class PassManager:
             h.update(inspect.getsource(inspect.getmodule(fn)).encode())
         h.update(repr(sorted(self.options.items())).encode())
         return h.hexdigest()
+
+    def cache_key_pass(self, inner: Any = None) -> "torch._inductor.custom_graph_pass.CustomGraphPass":
+        """A post-grad inductor pass that carries this manager's ``uuid()`` into inductor's caches.
+
+        Our passes run on dynamo's graph, before AOTAutograd, so inductor never sees them: its FX
+        graph cache and AOTAutograd cache key only on the graph they receive. Installed as
+        ``post_grad_custom_post_pass``, whose ``uuid()`` those caches hash, this makes a change in a
+        pass (or in the options) miss the cache instead of reusing an artifact compiled from a
+        graph an older pass produced. ``inner`` is what was configured there before (None, a pass,
+        or a list of passes); it still runs, and its uuid joins ours.
+        """
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        uuid = self.uuid()
+        inners = [] if inner is None else list(inner) if isinstance(inner, (list, tuple)) else [inner]
+
+        class _SSMCacheKeyPass(CustomGraphPass):
+            def __call__(self, graph: torch.fx.Graph) -> None:
+                for p in inners:
+                    p(graph)
+
+            def uuid(self) -> Any:
+                inner_uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in inners]
+                # An inner pass without a uuid makes the graph uncacheable, as it would be alone.
+                if any(u is None for u in inner_uuids):
+                    return None
+                return (uuid, *inner_uuids) if inner_uuids else uuid
+
+        return _SSMCacheKeyPass()

@@ -1,0 +1,172 @@
+"""Benchmark ``ssm::causal_conv1d`` (Triton) against F.conv1d + slice + silu, eager and inductor.
+
+Shapes: batch 8, dim 1536, W=4, L in {2048, 8192}, bf16 and fp32, with bias and silu; x is
+contiguous (batch, dim, L), and for bf16 also the strided view HF Mamba passes (the x half of the
+(batch, L, 2*dim) in_proj output, transposed). For each case it times the forward alone and
+forward+backward, and reports the bandwidth achieved on the minimal bytes moved (forward: read x,
+write y; backward: read x and dy, write dx; the (dim, W) parameters are negligible) as a fraction
+of the copy bandwidth measured in the same run.
+It also checks our output and gradients against eager before timing, so a wrong kernel cannot
+post a good number.
+
+Run on a GPU:  python benchmarks/bench_conv1d.py   (writes $OUT/bench_conv1d.md when OUT is set)
+Needs torch >= 2.11, triton >= 3.6; takes about a minute on an H200.
+"""
+import logging
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ssm_compile.kernels.causal_conv1d.op import causal_conv1d_fn, register
+
+BATCH, DIM, WIDTH = 8, 1536, 4
+# (dtype name, L, x layout)
+CASES = [
+    (dtype, seqlen, layout)
+    for dtype in ("bf16", "fp32")
+    for seqlen in (2048, 8192)
+    for layout in (("contiguous", "in_proj view") if dtype == "bf16" else ("contiguous",))
+]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Relative error allowed against eager (eager itself rounds differently in bf16).
+CHECK_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+log = logging.getLogger("ssm_compile.bench")
+
+
+def eager_conv(x, weight, bias):
+    seqlen = x.shape[-1]
+    y = F.conv1d(x, weight.unsqueeze(1), bias, padding=WIDTH - 1, groups=x.shape[1])[..., :seqlen]
+    return F.silu(y)
+
+
+def ours(x, weight, bias):
+    return causal_conv1d_fn(x, weight, bias, activation="silu")
+
+
+def time_ms(fn, warmup=5, iters=30):
+    """Median of per-iteration CUDA-event times, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs():
+    """Device-to-device copy bandwidth (read + write bytes / time) on a 1 GiB buffer."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def check(x, weight, bias, dy):
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    y_ours = ours(*leaves)
+    g_ours = torch.autograd.grad(y_ours, leaves, dy)
+    leaves32 = [t.detach().float().requires_grad_() for t in (x, weight, bias)]
+    y_ref = eager_conv(*leaves32)
+    g_ref = torch.autograd.grad(y_ref, leaves32, dy.float())
+    errs = [rel_err(y_ours, y_ref)] + [rel_err(a, b) for a, b in zip(g_ours, g_ref)]
+    return max(errs)
+
+
+def make_x(dtype, seqlen, layout, g):
+    if layout == "in_proj view":
+        # HF MambaMixer: in_proj(h).transpose(1, 2).chunk(2, dim=1)[0], strides (2*dim*L, 1, 2*dim).
+        xz = torch.randn(BATCH, seqlen, 2 * DIM, device="cuda", dtype=dtype, generator=g)
+        return xz.transpose(1, 2)[:, :DIM]
+    return torch.randn(BATCH, DIM, seqlen, device="cuda", dtype=dtype, generator=g)
+
+
+def bench_shape(dtype, seqlen, layout, copy_gbs):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = make_x(dtype, seqlen, layout, g)
+    weight = torch.randn(DIM, WIDTH, device="cuda", dtype=dtype, generator=g) / WIDTH**0.5
+    bias = torch.randn(DIM, device="cuda", dtype=dtype, generator=g)
+    dy = torch.randn(x.shape, device="cuda", dtype=dtype, generator=g)
+    err = check(x, weight, bias, dy)
+    if not err < CHECK_TOL[dtype]:
+        raise RuntimeError(
+            f"ours differs from eager: rel err {err:.2e} ({dtype}, L={seqlen}, {layout})"
+        )
+
+    unit = x.numel() * x.element_size()
+    minimal_bytes = {"fwd": 2 * unit, "fwd+bwd": 5 * unit}
+    torch._dynamo.reset()
+    impls = {
+        "ssm (Triton)": ours,
+        "eager conv1d+slice+silu": eager_conv,
+        "inductor conv1d+slice+silu": torch.compile(eager_conv, dynamic=False),
+    }
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    rows = []
+    for name, fn in impls.items():
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn(x, weight, bias)
+
+        def fwd_bwd(fn=fn):
+            torch.autograd.grad(fn(*leaves), leaves, dy)
+
+        for pass_name, run in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            ms = time_ms(run)
+            gbs = minimal_bytes[pass_name] / ms / 1e6
+            rows.append((pass_name, name, ms, gbs, gbs / copy_gbs))
+    return err, rows
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("bench_conv1d.py needs a CUDA GPU")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    register()
+    # Exact fp32 for the eager baseline's conv, so the correctness check compares like with like.
+    torch.backends.cudnn.allow_tf32 = False
+    copy_gbs = copy_bandwidth_gbs()
+    lines = [
+        f"# causal_conv1d: batch {BATCH}, dim {DIM}, W={WIDTH}, bias + silu",
+        "",
+        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+        f"copy bandwidth {copy_gbs:.0f} GB/s (1 GiB D2D copy, read+write).",
+        "Minimal bytes: fwd = read x + write y; fwd+bwd adds read x, read dy, write dx.",
+        "",
+        "| dtype | L | x layout | pass | impl | time (us) | GB/s (minimal bytes) | % of copy BW "
+        "| speedup vs eager |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for dtype_name, seqlen, layout in CASES:
+        err, rows = bench_shape(DTYPES[dtype_name], seqlen, layout, copy_gbs)
+        log.info("%s L=%d %s: max rel err vs eager %.2e", dtype_name, seqlen, layout, err)
+        eager_ms = {p: ms for p, name, ms, _, _ in rows if name.startswith("eager")}
+        for pass_name, name, ms, gbs, frac in rows:
+            lines.append(
+                f"| {dtype_name} | {seqlen} | {layout} | {pass_name} | {name} | {ms * 1e3:.1f} | "
+                f"{gbs:.0f} | {100 * frac:.0f}% | {eager_ms[pass_name] / ms:.2f}x |"
+            )
+    table = "\n".join(lines) + "\n"
+    log.info("%s", table)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "bench_conv1d.md"), "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Generation benchmark: HF Mamba-130m-shaped model (random weights, bf16) on one GPU.
+
+Measures, per configuration and batch size:
+- TTFT: the prefill of a 2048-token prompt, through the argmax of the first new token;
+- decode tokens/s: greedy single-token steps continuing from that prefill.
+
+Configurations: ``eager`` (HF's torch fallbacks), ``inductor`` (``torch.compile`` default),
+``ssm`` (``backend="ssm"``) and ``ssm-cg`` (``ssm_compile.backend(mode="reduce-overhead")``,
+CUDA graphs). Every configuration gets the same pre-allocated cache (``static_cache``): HF marks
+cache tensors static only when they are created outside compiled code, which CUDA graphs need,
+and reusing one cache across runs (``cache.reset()``) keeps the graphs' addresses valid.
+
+The greedy loop calls ``model.forward`` directly (not ``generate()``) so that the numbers are the
+model's, not the generation loop's. Runs within ~6 minutes: batch 1 for every configuration
+first (the 5x decode target is at batch 1), then batch 16; whatever would exceed
+``--time-budget`` is reported as skipped. Works with torch 2.11 / transformers 5.17 (whose
+``forward`` calls the cache ``cache_params``) and later.
+
+    python benchmarks/bench_generate.py [--batches 1,16] [--configs eager,inductor,ssm,ssm-cg]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+
+import torch
+from common import markdown_table, write_out
+from transformers import DynamicCache, MambaConfig, MambaForCausalLM
+
+import ssm_compile
+
+CONFIG_130M = dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, expand=2, conv_kernel=4)
+CACHE_KW = "cache" if "cache" in inspect.signature(MambaForCausalLM.forward).parameters else "cache_params"
+
+
+def static_cache(model, batch):
+    cfg, p = model.config, next(model.parameters())
+    cache = DynamicCache(config=cfg)
+    for layer in cache.layers:
+        layer.lazy_initialization(conv_states=torch.zeros(batch, cfg.intermediate_size, cfg.conv_kernel,
+                                                          dtype=p.dtype, device=p.device),
+                                  conv_kernel_size=cfg.conv_kernel)
+        layer.lazy_initialization(recurrent_states=torch.zeros(batch, cfg.intermediate_size, cfg.state_size,
+                                                               dtype=torch.float32, device=p.device))
+    return cache
+
+
+def make_forward(model, name):
+    if name == "eager":
+        return model.forward
+    if name == "inductor":
+        return torch.compile(model.forward)
+    if name == "ssm":
+        return torch.compile(model.forward, backend="ssm")
+    if name == "ssm-cg":
+        return torch.compile(model.forward, backend=ssm_compile.backend(mode="reduce-overhead"))
+    raise ValueError(f"unknown config {name!r}")
+
+
+def step(forward, ids, cache, cudagraphs):
+    if cudagraphs:
+        # Each call starts a new CUDA-graph generation: the previous logits are consumed already.
+        torch.compiler.cudagraph_mark_step_begin()
+    out = forward(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KW: cache})
+    return out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def sync_time(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def run_config(model, name, batch, prompt, decode_tokens, timed_reps):
+    forward = make_forward(model, name)
+    cg = name == "ssm-cg"
+    cache = static_cache(model, batch)
+
+    def prefill():
+        cache.reset()
+        return step(forward, prompt, cache, cg)
+
+    def decode(tok, n):
+        toks = [tok]
+        for _ in range(n):
+            toks.append(step(forward, toks[-1], cache, cg))
+        return torch.cat(toks, dim=1)
+
+    # Warm-up: compiles (and, for CUDA graphs, records) the prefill and decode graphs.
+    t0 = time.perf_counter()
+    warm_reps = 1 if name == "eager" else 2
+    for _ in range(warm_reps):
+        tok = prefill()
+        decode(tok, 3)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+
+    ttft = min(sync_time(prefill)[1] for _ in range(timed_reps))
+    tok = prefill()
+    tokens, t_dec = sync_time(lambda: decode(tok, decode_tokens))
+    return dict(ttft_ms=ttft * 1e3, decode_tps=batch * decode_tokens / t_dec, warm_s=warm_s, tokens=tokens.cpu())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--configs", default="eager,inductor,ssm,ssm-cg")
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--time-budget", type=float, default=330.0, help="seconds; later runs are skipped")
+    args = parser.parse_args()
+    start = time.perf_counter()
+
+    torch.manual_seed(0)
+    model = MambaForCausalLM(MambaConfig(**CONFIG_130M)).to("cuda", torch.bfloat16).eval()
+    batches = [int(b) for b in args.batches.split(",")]
+    configs = args.configs.split(",")
+    # A compile for another batch size after the first is a recompile; allow it.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+
+    rows, eager = [], {}
+    for batch in batches:
+        prompt = torch.randint(0, CONFIG_130M["vocab_size"], (batch, args.prompt_len),
+                               generator=torch.Generator().manual_seed(batch)).cuda()
+        for name in configs:
+            elapsed = time.perf_counter() - start
+            if elapsed > args.time_budget:
+                rows.append([name, batch, "-", "-", "-", "-", f"skipped (time budget, {elapsed:.0f} s used)"])
+                continue
+            torch._dynamo.reset()
+            try:
+                with torch.no_grad():
+                    r = run_config(model, name, batch, prompt, args.decode_tokens, 1 if name == "eager" else 3)
+            except Exception as e:  # noqa: BLE001 - one failing configuration must not hide the others
+                rows.append([name, batch, "-", "-", "-", "-", f"error: {type(e).__name__}: {str(e)[:120]}"])
+                continue
+            finally:
+                torch.cuda.empty_cache()
+            if name == "eager":
+                eager[batch] = r
+            ref = eager.get(batch)
+            speedup = f"{r['decode_tps'] / ref['decode_tps']:.2f}x" if ref else "-"
+            same = "-" if ref is None else str(torch.equal(r["tokens"], ref["tokens"]))
+            rows.append([name, batch, f"{r['ttft_ms']:.1f}", f"{r['decode_tps']:.1f}", speedup,
+                         f"{r['warm_s']:.1f}", f"greedy tokens = eager: {same}"])
+
+    import transformers
+
+    head = (f"## bench_generate: HF Mamba-130m shape, random weights, bf16, prompt {args.prompt_len}, "
+            f"{args.decode_tokens} decode steps\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}. TTFT = best of the timed prefills; decode tokens/s = "
+            "batch x steps / time; speedup = decode tokens/s vs eager at the same batch. Warm-up includes "
+            "compilation (and CUDA-graph recording). With random bf16 weights greedy tokens may legitimately "
+            "diverge after a near-tie; it is reported, not asserted.\n\n")
+    table = markdown_table(["config", "batch", "TTFT ms", "decode tok/s", "decode speedup", "warm-up s", "notes"], rows)
+    write_out("bench_generate.md", head + table + f"\n\ntotal {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Issue 2 benchmark: the fused selective-scan forward vs baselines and the roofline floor.
+
+Run on a CUDA machine from the repo root:  python benchmarks/bench_scan.py [--sweep]
+Writes bench_scan.md (and bench_scan_sweep.md with --sweep) to $OUT when it is set.
+
+Setup: batch 8, dim 1536, N 16, L in {1024 .. 16384}, plus batch 1 at L in {128, 2048, 16384};
+fp32 and bf16; with z, D, delta_bias and softplus. Columns:
+  ours        median ms (CUDA events, triton.testing.do_bench) of the launcher
+  naive       a PyTorch loop over L (short L only)
+  assoc       torch.compile of torch._higher_order_ops.associative_scan over the materialised
+              (batch, dim, L, N) tensors (skipped when that needs > ~40 GB, or when the time
+              budget for compiles is spent)
+  floor       max(minimal bytes / measured copy BW, B*D*L*N exps / (SMs * 16/clk * clock))
+  %floor      floor / ours
+  peak MB     torch.cuda.max_memory_allocated() above the inputs during our call, beside the
+              output bytes (linear memory: the two should be of the same size)
+  mamba_ssm   the issue's anchor figures for the CUDA kernel on an H200
+--sweep additionally times a grid of tile configs on the main shapes (for tuning the heuristic).
+"""
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, markdown_table, median_ms, sm_clock_ghz, write_out  # noqa: E402
+
+from ssm_compile.kernels.selective_scan.triton_fwd import (  # noqa: E402
+    ScanFwdConfig,
+    scan_fwd_config,
+    selective_scan_fwd,
+)
+
+DIM, N = 1536, 16
+SHAPES = [(8, L) for L in (1024, 2048, 4096, 8192, 16384)] + [(1, L) for L in (128, 2048, 16384)]
+# mamba_ssm selective_scan_fwd on an H200, ms, (fp32, bf16), from the issue.
+MAMBA = {(8, 1024): (0.450, 0.231), (8, 2048): (0.887, 0.463), (8, 4096): (1.766, 0.896),
+         (8, 8192): (3.738, 1.889), (8, 16384): (7.58, 4.33), (1, 2048): (0.146, 0.076),
+         (1, 128): (0.033, 0.032)}
+NAIVE_MAX_L = 2048
+ASSOC_MAX_BYTES = 40e9
+ASSOC_BUDGET_S = 150  # compiles of the associative_scan baseline are slow; cap their total
+
+
+def make_inputs(batch, L, dtype):
+    dev = "cuda"
+    return dict(
+        u=torch.randn(batch, DIM, L, device=dev, dtype=dtype),
+        delta=(torch.randn(batch, DIM, L, device=dev) * 0.5 - 1.0).to(dtype),
+        A=-torch.exp(torch.randn(DIM, N, device=dev) * 0.5),
+        B=torch.randn(batch, 1, N, L, device=dev, dtype=dtype),
+        C=torch.randn(batch, 1, N, L, device=dev, dtype=dtype),
+        D=torch.randn(DIM, device=dev),
+        z=torch.randn(batch, DIM, L, device=dev, dtype=dtype),
+        delta_bias=torch.randn(DIM, device=dev) * 0.3,
+    )
+
+
+def ours(x, config=None):
+    return selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
+                              x["delta_bias"], True, None, False, config=config)[0]
+
+
+def naive(x):
+    u, z = x["u"].float(), x["z"].float()
+    dt = F.softplus(x["delta"].float() + x["delta_bias"][:, None])
+    B, C = x["B"][:, 0].float(), x["C"][:, 0].float()
+    h = u.new_zeros(u.shape[0], DIM, N)
+    ys = []
+    for t in range(u.shape[-1]):
+        h = torch.exp(dt[:, :, t, None] * x["A"]) * h + (dt[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    y = torch.stack(ys, -1) + x["D"][:, None] * u
+    return (y * F.silu(z)).to(x["u"].dtype)
+
+
+def _assoc_fn(u, delta, A, B, C, D, z, delta_bias):
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    dt = F.softplus(delta.float() + delta_bias[:, None])
+    a = torch.exp(dt[..., None] * A[:, None, :])  # (batch, dim, L, N)
+    b = (dt * u.float())[..., None] * B[:, 0].float().transpose(1, 2)[:, None]
+
+    def combine(x, y):
+        return x[0] * y[0], y[0] * x[1] + y[1]
+
+    _, h = associative_scan(combine, (a, b), dim=2, combine_mode="pointwise")
+    y = (h * C[:, 0].float().transpose(1, 2)[:, None]).sum(-1) + D[:, None] * u.float()
+    return (y * F.silu(z.float())).to(u.dtype)
+
+
+_assoc_compiled = None
+
+
+def assoc(x):
+    global _assoc_compiled
+    if _assoc_compiled is None:
+        # One static compile per shape; lift dynamo's recompile cap (renamed across versions)
+        # so that later shapes do not silently fall back to eager.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
+        _assoc_compiled = torch.compile(_assoc_fn, dynamic=False)
+    return _assoc_compiled(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
+                           x["delta_bias"])
+
+
+def floor_ms(batch, L, elt, bw_gbs, n_sms, clock_ghz):
+    nbytes = 4 * batch * DIM * L * elt + 2 * batch * N * L * elt
+    exps = batch * DIM * L * N
+    return max(nbytes / (bw_gbs * 1e9), exps / (n_sms * 16 * clock_ghz * 1e9)) * 1e3
+
+
+def try_time(fn, *args, **kw):
+    try:
+        return median_ms(lambda: fn(*args), **kw)
+    except Exception:  # noqa: BLE001 - one broken baseline must not stop the benchmark
+        traceback.print_exc()
+        return "error"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
+    args = ap.parse_args()
+    start = time.time()
+    props = torch.cuda.get_device_properties(0)
+    n_sms = props.multi_processor_count
+    clock = sm_clock_ghz()
+    bw = copy_bandwidth_gbs()
+    print(f"{props.name}: {n_sms} SMs, SM clock {clock:.2f} GHz (nvidia-smi max, 1.98 if "
+          f"unknown), copy BW {bw:.0f} GB/s (read+write)", flush=True)
+
+    header = ["dtype", "batch", "L", "config", "ours ms", "naive ms", "assoc ms", "floor ms",
+              "%floor", "peak MB", "y MB", "mamba_ssm ms", "vs mamba"]
+    rows = []
+    assoc_spent = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        elt = torch.finfo(dtype).bits // 8
+        for batch, L in SHAPES:
+            x = make_inputs(batch, L, dtype)
+            cfg = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
+            cfg_s = f"d{cfg.block_d}/t{cfg.chunk_t}/ln{cfg.lanes_n}/w{cfg.num_warps}/s{cfg.n_segments}"
+            t_ours = try_time(ours, x)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                ours(x)
+                torch.cuda.synchronize()
+                peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+            except Exception:  # noqa: BLE001
+                peak_mb = "error"
+            y_mb = batch * DIM * L * elt / 2**20
+            t_naive = try_time(naive, x, warmup_ms=1, rep_ms=1) if L <= NAIVE_MAX_L else "skip (long L)"
+            assoc_bytes = 5 * batch * DIM * L * N * 4
+            if assoc_bytes > ASSOC_MAX_BYTES:
+                t_assoc = f"skip ({assoc_bytes / 1e9:.0f} GB)"
+            elif assoc_spent > ASSOC_BUDGET_S:
+                t_assoc = "skip (compile budget)"
+            else:
+                t0 = time.time()
+                t_assoc = try_time(assoc, x)
+                assoc_spent += time.time() - t0
+                torch.cuda.empty_cache()
+            fl = floor_ms(batch, L, elt, bw, n_sms, clock)
+            frac = f"{100 * fl / t_ours:.0f}%" if isinstance(t_ours, float) else "-"
+            m = MAMBA.get((batch, L))
+            m_ms = m[0 if dtype == torch.float32 else 1] if m else "-"
+            vs = f"{m_ms / t_ours:.2f}x" if m and isinstance(t_ours, float) else "-"
+            dname = "fp32" if dtype == torch.float32 else "bf16"
+            rows.append([dname, batch, L, cfg_s, t_ours, t_naive, t_assoc, fl, frac, peak_mb,
+                         y_mb, m_ms, vs])
+            print(rows[-1], f"[{time.time() - start:.0f}s]", flush=True)
+            del x
+            torch.cuda.empty_cache()
+    text = (f"GPU {props.name}, {n_sms} SMs, clock {clock:.2f} GHz, copy BW {bw:.0f} GB/s\n\n"
+            + markdown_table(header, rows))
+    write_out("bench_scan.md", text)
+    if args.sweep:
+        sweep(n_sms, bw, clock)
+    print(f"total {time.time() - start:.0f}s")
+
+
+def sweep(n_sms, bw, clock):
+    """Time a grid of tile configs on the headline shapes; the best per shape is the data the
+    heuristic in scan_fwd_config should reproduce. ~100 kernel compiles: a few minutes."""
+    rows = []
+    cases = [(torch.float32, 8, 2048, (1,)), (torch.bfloat16, 8, 2048, (1,)),
+             (torch.bfloat16, 1, 2048, (1, 4, 8))]
+    for dtype, batch, L, seg_options in cases:
+        elt = torch.finfo(dtype).bits // 8
+        x = make_inputs(batch, L, dtype)
+        results = []
+        for lanes_n in (2, 4, 8):
+            for chunk_t in (8, 16):
+                if chunk_t * N // lanes_n > 64:
+                    continue
+                for num_warps in (2, 4, 8):
+                    for segs in seg_options:
+                        cfg = ScanFwdConfig((32 // lanes_n) * num_warps, chunk_t, lanes_n,
+                                            num_warps, segs)
+                        t = try_time(ours, x, cfg, warmup_ms=10, rep_ms=30)
+                        if isinstance(t, float):
+                            results.append((t, cfg))
+        results.sort(key=lambda r: r[0])
+        fl = floor_ms(batch, L, elt, bw, n_sms, clock)
+        default = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
+        shown = results[:6] + [r for r in results[6:] if r[1] == default]
+        for t, cfg in shown:
+            rows.append(["fp32" if dtype == torch.float32 else "bf16", batch, L, str(tuple(cfg)),
+                         t, f"{100 * fl / t:.0f}%", "default" if cfg == default else ""])
+        del x
+        torch.cuda.empty_cache()
+    write_out("bench_scan_sweep.md", markdown_table(
+        ["dtype", "batch", "L", "config (block_d, chunk_t, lanes_n, warps, segs)", "ms",
+         "%floor", ""], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Shared measurement helpers for the GPU benchmarks: timing, copy bandwidth, matmul rate.
+
+All timings are medians of CUDA-event measurements after warm-up (triton's do_bench).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 200) -> float:
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written (GB/s)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
+    """Dense matmul rate on random data (TFLOP/s)."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = median_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def sm_clock_ghz() -> float:
+    """Max SM clock in GHz from the driver (nvidia-smi's clocks.max.sm), 1.98 if unavailable."""
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+        return float(out) / 1000
+    except Exception:  # noqa: BLE001 - a missing nvidia-smi only loses the exact clock
+        return 1.98
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_out(name: str, text: str) -> None:
+    """Print the table and, when the device tool's $OUT is set, keep a copy there."""
+    print(text, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text + "\n")

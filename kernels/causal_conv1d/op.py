@@ -1,0 +1,197 @@
+"""``ssm::causal_conv1d``: depthwise causal conv1d with fused bias and silu.
+
+Layers: Triton kernels in ``triton_conv.py`` (CUDA), PyTorch in ``cpu.py`` (CPU), the fp64 spec in
+``reference.py``; this file defines the ``torch.library`` ops, their fake implementations, the
+autograd formula (through a second op, ``ssm::causal_conv1d_backward``, so that the backward is
+also a single opaque kernel under AOTAutograd), and the public wrapper ``causal_conv1d_fn``.
+Nothing is registered until ``register()`` is called.
+"""
+import functools
+from typing import Optional
+
+import torch
+
+from . import cpu, triton_conv
+
+_FWD_SCHEMA = (
+    "causal_conv1d(Tensor x, Tensor weight, Tensor? bias=None, str? activation=None, "
+    "Tensor? initial_state=None) -> Tensor"
+)
+_BWD_SCHEMA = (
+    "causal_conv1d_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, str? activation, "
+    "Tensor? initial_state) -> (Tensor dx, Tensor dweight, Tensor dbias, Tensor dinitial_state)"
+)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# mamba_ssm and the causal-conv1d package accept "swish" as a synonym of silu.
+_ACTIVATIONS = (None, "silu", "swish")
+MIN_WIDTH, MAX_WIDTH = 2, 8
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple, device: torch.device) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+    # fp64 is accepted on CPU only, for gradcheck: the Triton kernels accumulate in fp32, so
+    # fp64 on CUDA would silently lose precision.
+    allowed = _DTYPES + ((torch.float64,) if device.type == "cpu" else ())
+    if t.dtype not in allowed:
+        raise TypeError(
+            f"{name}: expected dtype float32, bfloat16 or float16 (float64 on CPU only), "
+            f"got {t.dtype}"
+        )
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (x's device), got {t.device}")
+
+
+def check_causal_conv1d_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: Optional[str],
+    initial_state: Optional[torch.Tensor],
+) -> None:
+    """Raise ValueError/TypeError naming the argument if the inputs break the op's contract."""
+    if x.dim() != 3 or x.numel() == 0:
+        raise ValueError(
+            f"x: expected a non-empty (batch, dim, seqlen) tensor, got shape {tuple(x.shape)}"
+        )
+    batch, dim, _ = x.shape
+    _check_tensor("x", x, tuple(x.shape), x.device)
+    if weight.dim() != 2 or weight.shape[0] != dim:
+        raise ValueError(f"weight: expected shape (dim={dim}, W), got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if not MIN_WIDTH <= width <= MAX_WIDTH:
+        raise ValueError(
+            f"weight: expected width W in [{MIN_WIDTH}, {MAX_WIDTH}], got shape "
+            f"{tuple(weight.shape)} (W={width})"
+        )
+    _check_tensor("weight", weight, (dim, width), x.device)
+    if bias is not None:
+        _check_tensor("bias", bias, (dim,), x.device)
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, (batch, dim, width - 1), x.device)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
+
+
+def _check_grad(dy: torch.Tensor, x: torch.Tensor) -> None:
+    _check_tensor("dy", dy, tuple(x.shape), x.device)
+
+
+def _is_silu(activation: Optional[str]) -> bool:
+    return activation in ("silu", "swish")
+
+
+def _fwd_fake(x, weight, bias=None, activation=None, initial_state=None):
+    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    return x.new_empty(x.shape)
+
+
+def _fwd_cpu(x, weight, bias=None, activation=None, initial_state=None):
+    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    return cpu.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation))
+
+
+def _fwd_cuda(x, weight, bias=None, activation=None, initial_state=None):
+    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    return triton_conv.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation))
+
+
+def _bwd_fake(dy, x, weight, bias, activation, initial_state):
+    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    _check_grad(dy, x)
+    absent = x.new_empty(0, dtype=torch.float32)
+    return (
+        x.new_empty(x.shape),
+        weight.new_empty(weight.shape),
+        absent if bias is None else bias.new_empty(bias.shape),
+        absent.clone() if initial_state is None else initial_state.new_empty(initial_state.shape),
+    )
+
+
+def _bwd_cpu(dy, x, weight, bias, activation, initial_state):
+    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    _check_grad(dy, x)
+    return tuple(cpu.causal_conv1d_bwd(dy, x, weight, bias, initial_state, _is_silu(activation)))
+
+
+def _bwd_cuda(dy, x, weight, bias, activation, initial_state):
+    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    _check_grad(dy, x)
+    grads = triton_conv.causal_conv1d_bwd(dy, x, weight, bias, initial_state, _is_silu(activation))
+    return tuple(grads)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, activation, initial_state = inputs
+    ctx.save_for_backward(x, weight, bias, initial_state)
+    ctx.activation = activation
+
+
+def _backward(ctx, dy):
+    x, weight, bias, initial_state = ctx.saved_tensors
+    grads = cpu.ConvGrads(
+        *torch.ops.ssm.causal_conv1d_backward(dy, x, weight, bias, ctx.activation, initial_state)
+    )
+    # The op returns empty placeholders for absent inputs; autograd wants None there.
+    dbias = None if bias is None else grads.dbias
+    dinitial_state = None if initial_state is None else grads.dinitial_state
+    dactivation = None  # a string has no gradient
+    return grads.dx, grads.dweight, dbias, dactivation, dinitial_state
+
+
+@functools.cache
+def register() -> torch.library.Library:
+    """Define ``ssm::causal_conv1d`` and ``ssm::causal_conv1d_backward`` (idempotent).
+
+    Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
+    """
+    lib = torch.library.Library("ssm", "FRAGMENT")
+    lib.define(_FWD_SCHEMA)
+    lib.define(_BWD_SCHEMA)
+    lib.impl("causal_conv1d", _fwd_cpu, "CPU")
+    lib.impl("causal_conv1d", _fwd_cuda, "CUDA")
+    lib.impl("causal_conv1d_backward", _bwd_cpu, "CPU")
+    lib.impl("causal_conv1d_backward", _bwd_cuda, "CUDA")
+    torch.library.register_fake("ssm::causal_conv1d", _fwd_fake, lib=lib)
+    torch.library.register_fake("ssm::causal_conv1d_backward", _bwd_fake, lib=lib)
+    torch.library.register_autograd(
+        "ssm::causal_conv1d", _backward, setup_context=_setup_context, lib=lib
+    )
+    return lib
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
+) -> torch.Tensor:
+    """Depthwise causal conv1d with fused bias and activation (the causal-conv1d package's call).
+
+    ``y[b, d, t] = bias[d] + sum_k weight[d, k] * x[b, d, t - (W-1) + k]``, then silu if asked,
+    where inputs before time 0 come from ``initial_state`` (zeros when None). Differentiable in
+    x, weight, bias and initial_state. Triton kernels on CUDA, PyTorch on CPU.
+
+    Args:
+        x: (batch, dim, seqlen), fp32/bf16/fp16, any strides.
+        weight: (dim, W) with 2 <= W <= 8.
+        bias: (dim,) or None.
+        initial_state: (batch, dim, W-1), the W-1 inputs that precede x, or None for zeros.
+        activation: None, "silu" or "swish" (the same as "silu").
+
+    Returns:
+        y: (batch, dim, seqlen), contiguous, in x's dtype.
+
+    Example:
+        >>> x = torch.randn(2, 64, 128)
+        >>> weight, bias = torch.randn(64, 4), torch.randn(64)
+        >>> y = causal_conv1d_fn(x, weight, bias, activation="silu")
+        >>> y.shape
+        torch.Size([2, 64, 128])
+    """
+    # Dynamo cannot trace the creation of a Library, so under torch.compile the op must already
+    # be registered: by an eager call of this function, or by ssm_compile.kernels.register_ops().
+    if not torch.compiler.is_compiling():
+        register()
+    return torch.ops.ssm.causal_conv1d(x, weight, bias, activation, initial_state)

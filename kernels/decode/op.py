@@ -1,0 +1,195 @@
+"""The decode ops ``ssm::selective_state_update`` and ``ssm::causal_conv1d_update``.
+
+Both update a cache tensor in place, and say so in their schema (``Tensor(a!)``), so that
+functionalization turns the call into a functional op plus a copy back, and CUDA graphs capture
+the write to the static cache buffer. They are inference-only: no autograd formula is
+registered (PyTorch refuses one for a mutating op), so a backward through either raises
+"no autograd formula was registered" instead of returning wrong gradients.
+"""
+import functools
+from typing import Optional
+
+import torch
+
+from . import cpu
+
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACTIVATIONS = (None, "silu")
+MAX_N = 256
+MIN_W, MAX_W = 2, 8
+
+
+def _check_tensor(name, t, shape, dtypes, device):
+    """``t`` has exactly ``shape``, one of ``dtypes`` and sits on ``device``, else an error naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (like state), got {t.device}")
+
+
+def check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias) -> None:
+    """Validate the arguments of ``selective_state_update``; errors name the argument."""
+    if not isinstance(state, torch.Tensor) or state.dim() != 3:
+        raise ValueError(f"state must be a (batch, dim, N) Tensor, got {getattr(state, 'shape', type(state))}")
+    if state.dtype != torch.float32:
+        raise TypeError(f"state must be fp32 (the recurrent state is kept in fp32 whatever the activation "
+                        f"dtype), got {state.dtype}")
+    batch, dim, N = state.shape
+    if N > MAX_N:
+        raise ValueError(f"state has N={N} state channels; at most {MAX_N} are supported")
+    device = state.device
+    _check_tensor("x", x, (batch, dim), _ACT_DTYPES, device)
+    _check_tensor("dt", dt, (batch, dim), _ACT_DTYPES, device)
+    _check_tensor("A", A, (dim, N), _ACT_DTYPES, device)
+    if not isinstance(B, torch.Tensor) or B.dim() not in (2, 3):
+        raise ValueError(f"B must be (batch, N) or (batch, G, N), got {getattr(B, 'shape', type(B))}")
+    G = 1 if B.dim() == 2 else B.shape[1]
+    if G < 1 or dim % G != 0:
+        raise ValueError(f"B has G={G} groups, which must divide dim={dim}")
+    bc_shape = (batch, N) if B.dim() == 2 else (batch, G, N)
+    _check_tensor("B", B, bc_shape, _ACT_DTYPES, device)
+    _check_tensor("C", C, bc_shape, _ACT_DTYPES, device)
+    if D is not None:
+        _check_tensor("D", D, (dim,), _ACT_DTYPES, device)
+    if z is not None:
+        _check_tensor("z", z, (batch, dim), _ACT_DTYPES, device)
+    if dt_bias is not None:
+        _check_tensor("dt_bias", dt_bias, (dim,), _ACT_DTYPES, device)
+
+
+def check_causal_conv1d_update_args(x, conv_state, weight, bias, activation) -> None:
+    """Validate the arguments of ``causal_conv1d_update``; errors name the argument."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a (dim, W) Tensor, got {getattr(weight, 'shape', type(weight))}")
+    dim, W = weight.shape
+    if not MIN_W <= W <= MAX_W:
+        raise ValueError(f"weight has width W={W}; expected {MIN_W} <= W <= {MAX_W}")
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
+        raise ValueError(f"conv_state must be a (batch, dim, S) Tensor, got "
+                         f"{getattr(conv_state, 'shape', type(conv_state))}")
+    batch, _, S = conv_state.shape
+    if S < W - 1:
+        raise ValueError(f"conv_state holds S={S} past inputs; the conv of width W={W} needs S >= {W - 1}")
+    device = weight.device
+    _check_tensor("conv_state", conv_state, (batch, dim, S), _ACT_DTYPES, device)
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+        raise ValueError(f"x must be (batch, dim) or (batch, dim, T), got {getattr(x, 'shape', type(x))}")
+    if x.dim() == 3 and x.shape[2] < 1:
+        raise ValueError(f"x must hold at least one time step, got shape {tuple(x.shape)}")
+    _check_tensor("x", x, (batch, dim, *x.shape[2:]), _ACT_DTYPES, device)
+    _check_tensor("weight", weight, (dim, W), _ACT_DTYPES, device)
+    if bias is not None:
+        _check_tensor("bias", bias, (dim,), _ACT_DTYPES, device)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+
+
+def _grouped(B: torch.Tensor) -> torch.Tensor:
+    # The kernels take B/C as (batch, G, N); a plain (batch, N) is one group (a view, no copy).
+    return B.unsqueeze(1) if B.dim() == 2 else B
+
+
+def _state_update_impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias)
+    B, C = _grouped(B), _grouped(C)
+    if state.is_cuda:
+        from . import triton_decode
+
+        return triton_decode.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    return cpu.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+
+def _conv_update_impl(x, conv_state, weight, bias, activation):
+    check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
+    x3 = x.unsqueeze(-1) if x.dim() == 2 else x
+    if x.is_cuda:
+        from . import triton_decode
+
+        y = triton_decode.causal_conv1d_update(x3, conv_state, weight, bias, activation)
+    else:
+        y = cpu.causal_conv1d_update(x3, conv_state, weight, bias, activation)
+    return y.squeeze(-1) if x.dim() == 2 else y
+
+
+@functools.cache
+def register() -> None:
+    """Define ``ssm::selective_state_update`` and ``ssm::causal_conv1d_update`` (idempotent)."""
+
+    @torch.library.custom_op("ssm::selective_state_update", mutates_args=("state",), device_types=("cpu", "cuda"))
+    def selective_state_update_op(
+        state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+        C: torch.Tensor, D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None,
+        dt_bias: Optional[torch.Tensor] = None, dt_softplus: bool = False,
+    ) -> torch.Tensor:
+        return _state_update_impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+    @selective_state_update_op.register_fake
+    def _(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+        check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias)
+        return x.new_empty(x.shape)
+
+    @torch.library.custom_op("ssm::causal_conv1d_update", mutates_args=("conv_state",), device_types=("cpu", "cuda"))
+    def causal_conv1d_update_op(
+        x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+        activation: Optional[str] = None,
+    ) -> torch.Tensor:
+        return _conv_update_impl(x, conv_state, weight, bias, activation)
+
+    @causal_conv1d_update_op.register_fake
+    def _(x, conv_state, weight, bias=None, activation=None):
+        check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
+        return x.new_empty(x.shape)
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """One decode step of the selective SSM; updates ``state`` in place and returns the output.
+
+    h = exp(dt * A) * h + dt * B * x (per channel), y = C . h + D * x, y *= silu(z), where
+    dt = softplus(dt + dt_bias) if ``dt_softplus`` else dt + dt_bias. Computed in fp32.
+
+    Args:
+        state: (batch, dim, N) fp32, the recurrent state; overwritten with the new state.
+        x: (batch, dim) input of this step (fp32, bf16 or fp16).
+        dt: (batch, dim) time step, before bias and softplus.
+        A: (dim, N) state matrix (negative reals).
+        B, C: (batch, N), or grouped (batch, G, N) with dim % G == 0.
+        D: (dim,) skip weight, or None. z: (batch, dim) gate, or None.
+        dt_bias: (dim,) or None. dt_softplus: apply softplus to dt + dt_bias.
+
+    Returns:
+        y: (batch, dim) in x's dtype.
+
+    Example:
+        >>> state = torch.zeros(2, 64, 16)
+        >>> y = selective_state_update(state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, dt_softplus=True)
+    """
+    register()
+    return torch.ops.ssm.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
+    """Depthwise causal conv over new inputs, continuing from a rolling window of past inputs.
+
+    y[t] = bias + sum_k weight[:, k] * cat(conv_state, x)[S - (W - 1) + t + k], then the
+    activation; afterwards ``conv_state`` holds the last S inputs (rolled left by T).
+
+    Args:
+        x: (batch, dim) one new input, or (batch, dim, T) several.
+        conv_state: (batch, dim, S) with S >= W - 1, the S inputs before x (oldest first);
+            updated in place.
+        weight: (dim, W) with 2 <= W <= 8. bias: (dim,) or None.
+        activation: None or "silu".
+
+    Returns:
+        y: shaped like x, in x's dtype.
+
+    Example:
+        >>> conv_state = torch.zeros(2, 64, 4)
+        >>> y = causal_conv1d_update(x, conv_state, weight, bias, activation="silu")  # x: (2, 64)
+    """
+    register()
+    return torch.ops.ssm.causal_conv1d_update(x, conv_state, weight, bias, activation)

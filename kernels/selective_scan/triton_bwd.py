@@ -1,0 +1,497 @@
+"""Selective-scan backward: Triton kernels and their launcher.
+
+The forward saves only its inputs, so the backward recomputes every state it needs. No
+(batch, dim, L, N) tensor is ever written; the work is split into three kernels around two
+transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the chunk length:
+
+1. ``_chunk_state_kernel``, parallel over (chunk, batch, channel block): each chunk's own
+   contribution, from zero, to the state at its end and to dL/dh just before it. Neither
+   needs a scan (sums of exp(A * partial sums of delta)), and the adjoint one needs only the
+   readout gradient C_t * g_t (g = dy * silu(z)), which does not depend on h.
+2. ``_state_pass_kernel``, serial over chunks but only (batch, dim, N)-wide: chains those
+   contributions in place, forward into h entering each chunk (from initial_state) and
+   backward into r = dL/dh at each chunk's end from later steps (from dlast_state); what is
+   left after chunk 0 is dL/d initial_state.
+3. ``_chunk_bwd_kernel``: with both boundaries known, every chunk is independent. One program
+   per (chunk, batch, slice of a group's channels) recomputes the interior with two in-chunk
+   associative scans (h forward, dh in reverse) and forms all gradients. Because a program
+   loops over many channels of ONE group, it sums their dB/dC into rows of a per-slice
+   partial that it alone owns; dA, dD and ddelta_bias are written per (batch, chunk).
+   The launcher reduces all partials with a fixed-order ``torch.sum``: no atomics, the same
+   bits on every run.
+
+The chunk kernels work on [channels, chunk] tiles and loop over the N state columns, so sums
+over N are running sums in registers rather than cross-thread reductions, and a tile's size
+does not depend on N (N <= 256 costs loop trips, not registers).
+"""
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import LOG2E, linear_combine, silu, softplus
+from .grads import ScanGrads
+
+# Compiled kernels may read module globals only when they are constexprs.
+_LOG2E = tl.constexpr(LOG2E)
+
+# Kernels work on [BLOCK_D, CHUNK] tiles, one state column at a time.
+_CHUNK = 64
+_TILE = 1024
+# (channel, state) pairs per program of the state pass; it is a light, latency-bound walk.
+_PASS_BLOCK = 128
+# Enough programs in the chunk kernel to give every SM a few to switch between.
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _delta_tile(delta_ptr, bias, offs_d, t, mask_d, mask_t, stride_delta_d, stride_delta_l,
+                HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFTPLUS: tl.constexpr):
+    """Delta for a [BLOCK_D, CHUNK] tile and its pre-activation.
+
+    Delta is zero outside the sequence and the channel block, so padded steps decay by
+    exp(0) = 1 and inject nothing; a softplus(bias) there would corrupt the chunk sums.
+    """
+    mask = mask_d[:, None] & mask_t[None, :]
+    x = tl.load(delta_ptr + offs_d[:, None] * stride_delta_d + t[None, :] * stride_delta_l,
+                mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA_BIAS:
+        x += bias[:, None]
+    if DELTA_SOFTPLUS:
+        dt = softplus(x)
+    else:
+        dt = x
+    return tl.where(mask, dt, 0.0), x
+
+
+@triton.heuristics({
+    "HAS_Z": lambda args: args["z_ptr"] is not None,
+    "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
+})
+@triton.jit
+def _chunk_state_kernel(
+    # pointers
+    u_ptr, delta_ptr, dy_ptr, z_ptr, A_ptr, B_ptr, C_ptr, delta_bias_ptr, hs_ptr, rs_ptr, total_ptr,
+    # sizes
+    dim, L, N, n_chunks, dim_per_group, blocks_per_group,
+    # strides
+    stride_u_b, stride_u_d, stride_u_l,
+    stride_delta_b, stride_delta_d, stride_delta_l,
+    stride_dy_b, stride_dy_d, stride_dy_l,
+    stride_z_b, stride_z_d, stride_z_l,
+    stride_A_d, stride_A_n,
+    stride_B_b, stride_B_g, stride_B_n, stride_B_l,
+    stride_C_b, stride_C_g, stride_C_n, stride_C_l,
+    # meta-parameters
+    DELTA_SOFTPLUS: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Each chunk's own contribution to the state at its end and to dL/dh before it.
+
+    Both start from zero, so every chunk is independent; ``_state_pass_kernel`` chains them.
+    Neither needs a scan. With S_t = sum_{j>t} delta_j and P_t = sum_{j<=t} delta_j:
+        h_end   = sum_t exp(A * S_t) * delta_t * u_t * B_t
+        dh_prev = sum_t exp(A * P_t) * C_t * g_t          (g = dy * silu(z))
+    """
+    pid_c = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    pid_g = tl.program_id(2) // blocks_per_group
+    offs_dl = (tl.program_id(2) % blocks_per_group) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = pid_g * dim_per_group + offs_dl
+    offs_t = tl.arange(0, CHUNK)
+    t = pid_c * CHUNK + offs_t
+    mask_d = offs_dl < dim_per_group
+    mask_t = t < L
+    mask_dt = mask_d[:, None] & mask_t[None, :]
+
+    bias = 0.0
+    if HAS_DELTA_BIAS:
+        bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    dt, _ = _delta_tile(delta_ptr + pid_b * stride_delta_b, bias, offs_d, t, mask_d, mask_t,
+                        stride_delta_d, stride_delta_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+    u = tl.load(u_ptr + pid_b * stride_u_b + offs_d[:, None] * stride_u_d + t[None, :] * stride_u_l,
+                mask=mask_dt, other=0.0).to(tl.float32)
+    g = tl.load(dy_ptr + pid_b * stride_dy_b + offs_d[:, None] * stride_dy_d + t[None, :] * stride_dy_l,
+                mask=mask_dt, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + pid_b * stride_z_b + offs_d[:, None] * stride_z_d + t[None, :] * stride_z_l,
+                    mask=mask_dt, other=0.0).to(tl.float32)
+        g *= silu(z)
+    dtu = dt * u
+    # The exclusive suffix sum is taken as (inclusive suffix - delta), not total - prefix:
+    # the latter cancels and costs |A| * eps * total in the exponent.
+    tail = tl.cumsum(dt, axis=1, reverse=True) - dt  # [BLOCK_D, CHUNK]
+    head = tl.cumsum(dt, axis=1)  # [BLOCK_D, CHUNK]
+    tl.store(total_ptr + (pid_b * n_chunks + pid_c) * dim + offs_d, tl.sum(dt, axis=1), mask=mask_d)
+
+    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
+    C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
+    ws_ptrs = (pid_b * n_chunks + pid_c) * dim * N + offs_d * N
+    for n in range(N):
+        A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * _LOG2E
+        Bn = tl.load(B_ptr + n * stride_B_n + t * stride_B_l, mask=mask_t, other=0.0).to(tl.float32)
+        Cn = tl.load(C_ptr + n * stride_C_n + t * stride_C_l, mask=mask_t, other=0.0).to(tl.float32)
+        h_end = tl.sum(tl.exp2(A2[:, None] * tail) * dtu * Bn[None, :], axis=1)
+        dh_prev = tl.sum(tl.exp2(A2[:, None] * head) * g * Cn[None, :], axis=1)
+        tl.store(hs_ptr + ws_ptrs + n, h_end, mask=mask_d)
+        tl.store(rs_ptr + ws_ptrs + n, dh_prev, mask=mask_d)
+
+
+@triton.heuristics({
+    "HAS_INIT": lambda args: args["init_ptr"] is not None,
+    "HAS_DLAST": lambda args: args["dlast_ptr"] is not None,
+})
+@triton.jit
+def _state_pass_kernel(
+    # pointers
+    A_ptr, total_ptr, init_ptr, dlast_ptr, hs_ptr, rs_ptr, dinit_ptr,
+    # sizes
+    dim, N, n_chunks,
+    # strides
+    stride_A_d, stride_A_n,
+    stride_init_b, stride_init_d, stride_init_n,
+    stride_dlast_b, stride_dlast_d, stride_dlast_n,
+    # meta-parameters
+    HAS_INIT: tl.constexpr, HAS_DLAST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Chain the chunks, in place: hs[c] becomes h entering chunk c, rs[c] dL/dh at its end.
+
+    Each program owns BLOCK (channel, state) pairs of one batch row and walks the chunks
+    forward (h) and backward (dL/dh) in the same loop: two independent dependency chains.
+    """
+    pid_b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # flat (d, n)
+    mask = offs < dim * N
+    offs_d = offs // N
+    offs_n = offs % N
+    A2 = tl.load(A_ptr + offs_d * stride_A_d + offs_n * stride_A_n, mask=mask, other=0.0).to(tl.float32) * _LOG2E
+    if HAS_INIT:
+        h = tl.load(init_ptr + pid_b * stride_init_b + offs_d * stride_init_d + offs_n * stride_init_n,
+                    mask=mask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_DLAST:
+        r = tl.load(dlast_ptr + pid_b * stride_dlast_b + offs_d * stride_dlast_d + offs_n * stride_dlast_n,
+                    mask=mask, other=0.0).to(tl.float32)
+    else:
+        r = tl.zeros([BLOCK], dtype=tl.float32)
+    ws_ptrs = pid_b * n_chunks * dim * N + offs
+    total_ptrs = total_ptr + pid_b * n_chunks * dim + offs_d
+    for c in range(n_chunks):
+        c_rev = n_chunks - 1 - c
+        h_local = tl.load(hs_ptr + ws_ptrs + c * dim * N, mask=mask)
+        r_local = tl.load(rs_ptr + ws_ptrs + c_rev * dim * N, mask=mask)
+        tl.store(hs_ptr + ws_ptrs + c * dim * N, h, mask=mask)
+        tl.store(rs_ptr + ws_ptrs + c_rev * dim * N, r, mask=mask)
+        h = tl.exp2(A2 * tl.load(total_ptrs + c * dim, mask=mask)) * h + h_local
+        r = tl.exp2(A2 * tl.load(total_ptrs + c_rev * dim, mask=mask)) * r + r_local
+    if HAS_INIT:
+        # What is left after chunk 0 is dL/dh_{-1}, the initial state's gradient.
+        tl.store(dinit_ptr + pid_b * dim * N + offs, r, mask=mask)
+
+
+@triton.heuristics({
+    "HAS_D": lambda args: args["D_ptr"] is not None,
+    "HAS_Z": lambda args: args["z_ptr"] is not None,
+    "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
+})
+@triton.jit
+def _chunk_bwd_kernel(
+    # pointers
+    dy_ptr, u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, hs_ptr, rs_ptr,
+    du_ptr, ddelta_ptr, dz_ptr, dA_part_ptr, dB_part_ptr, dC_part_ptr, dD_part_ptr, ddb_part_ptr,
+    # sizes
+    batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, n_splits,
+    # strides
+    stride_dy_b, stride_dy_d, stride_dy_l,
+    stride_u_b, stride_u_d, stride_u_l,
+    stride_delta_b, stride_delta_d, stride_delta_l,
+    stride_A_d, stride_A_n,
+    stride_B_b, stride_B_g, stride_B_n, stride_B_l,
+    stride_C_b, stride_C_g, stride_C_n, stride_C_l,
+    stride_z_b, stride_z_d, stride_z_l,
+    stride_du_b, stride_du_d, stride_du_l,
+    stride_ddelta_b, stride_ddelta_d, stride_ddelta_l,
+    stride_dz_b, stride_dz_d, stride_dz_l,
+    # meta-parameters
+    DELTA_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_DELTA_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    pid_g = tl.program_id(2) // n_splits
+    pid_s = tl.program_id(2) % n_splits
+    offs_t = tl.arange(0, CHUNK)
+    t = pid_c * CHUNK + offs_t
+    mask_t = t < L
+    mask_next = t + 1 < L
+    # The chunk's last real step, where the carry from later chunks enters dh.
+    last = tl.minimum(L - pid_c * CHUNK, CHUNK) - 1
+
+    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
+    C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
+    dy_ptr += pid_b * stride_dy_b
+    u_ptr += pid_b * stride_u_b
+    delta_ptr += pid_b * stride_delta_b
+    du_ptr += pid_b * stride_du_b
+    ddelta_ptr += pid_b * stride_ddelta_b
+    if HAS_Z:
+        z_ptr += pid_b * stride_z_b
+        dz_ptr += pid_b * stride_dz_b
+    # Workspaces and partials are contiguous, allocated by the launcher; this program owns its
+    # (split, batch, group) rows of the dB/dC partials, laid out (n_splits, batch, G, N, L).
+    ws_off = (pid_b * n_chunks + pid_c) * dim * N
+    part_off = (pid_b * n_chunks + pid_c) * dim
+    bc_part = ((pid_s * batch + pid_b) * G + pid_g) * N * L + t
+
+    d_start = pid_s * dim_per_split
+    d_stop = tl.minimum(d_start + dim_per_split, dim_per_group)
+    for d0 in range(d_start, d_stop, BLOCK_D):
+        offs_dl = d0 + tl.arange(0, BLOCK_D)
+        offs_d = pid_g * dim_per_group + offs_dl
+        mask_d = offs_dl < d_stop
+        mask_dt = mask_d[:, None] & mask_t[None, :]
+
+        bias = 0.0
+        if HAS_DELTA_BIAS:
+            bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        dt, x = _delta_tile(delta_ptr, bias, offs_d, t, mask_d, mask_t, stride_delta_d,
+                            stride_delta_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+        # dh_t = a_{t+1} * dh_{t+1} + C_t * g_t needs the NEXT step's decay at position t; a
+        # second (cached) load of delta shifted by one is cheaper than shuffling a tile.
+        dt_next, _ = _delta_tile(delta_ptr, bias, offs_d, t + 1, mask_d, mask_next,
+                                 stride_delta_d, stride_delta_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+        u = tl.load(u_ptr + offs_d[:, None] * stride_u_d + t[None, :] * stride_u_l,
+                    mask=mask_dt, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs_d[:, None] * stride_dy_d + t[None, :] * stride_dy_l,
+                     mask=mask_dt, other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z_ptr + offs_d[:, None] * stride_z_d + t[None, :] * stride_z_l,
+                        mask=mask_dt, other=0.0).to(tl.float32)
+            g = dy * silu(z)
+        else:
+            g = dy
+        dtu = dt * u
+
+        # One state column at a time: [BLOCK_D, CHUNK] tiles, sums over n are running sums.
+        y = tl.zeros([BLOCK_D, CHUNK], dtype=tl.float32)  # C . h, before skip and gate (for dz)
+        q = tl.zeros([BLOCK_D, CHUNK], dtype=tl.float32)  # dh . B
+        s = tl.zeros([BLOCK_D, CHUNK], dtype=tl.float32)  # (dh * a * h_prev) . A * log2(e)
+        for n in range(N):
+            A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * _LOG2E
+            Bn = tl.load(B_ptr + n * stride_B_n + t * stride_B_l, mask=mask_t, other=0.0).to(tl.float32)
+            Cn = tl.load(C_ptr + n * stride_C_n + t * stride_C_l, mask=mask_t, other=0.0).to(tl.float32)
+            h0 = tl.load(hs_ptr + ws_off + offs_d * N + n, mask=mask_d, other=0.0)
+            r = tl.load(rs_ptr + ws_off + offs_d * N + n, mask=mask_d, other=0.0)
+
+            # Forward recompute; h entering the chunk is folded into the first step's input.
+            a = tl.exp2(A2[:, None] * dt)  # [BLOCK_D, CHUNK]
+            b = dtu * Bn[None, :]
+            b_in = tl.where(offs_t[None, :] == 0, b + a * h0[:, None], b)
+            _, h = tl.associative_scan((a, b_in), axis=1, combine_fn=linear_combine)
+            if HAS_Z:
+                y += h * Cn[None, :]
+
+            # Adjoint: a reverse scan of (a_{t+1}, C_t * g_t), the later chunks' carry entering
+            # at the last real step. Steps past it hold c = 0 and contribute nothing.
+            alpha = tl.exp2(A2[:, None] * dt_next)
+            c = g * Cn[None, :]
+            c = tl.where(offs_t[None, :] == last, c + r[:, None], c)
+            _, dh = tl.associative_scan((alpha, c), axis=1, combine_fn=linear_combine, reverse=True)
+
+            # h_t - b_t = a_t * h_{t-1}: the decay's input, recovered without shifting h.
+            e = dh * (h - b)
+            q += dh * Bn[None, :]
+            s += e * A2[:, None]
+            tl.store(dA_part_ptr + ws_off + offs_d * N + n, tl.sum(e * dt, axis=1), mask=mask_d)
+            # dB/dC sum over this program's channels: read-modify-write of rows it alone owns.
+            dB_ptrs = dB_part_ptr + bc_part + n * L
+            dC_ptrs = dC_part_ptr + bc_part + n * L
+            tl.store(dB_ptrs, tl.load(dB_ptrs, mask=mask_t) + tl.sum(dh * dtu, axis=0), mask=mask_t)
+            tl.store(dC_ptrs, tl.load(dC_ptrs, mask=mask_t) + tl.sum(h * g, axis=0), mask=mask_t)
+
+        if HAS_Z:
+            if HAS_D:
+                y += tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None] * u
+            sig_z = tl.sigmoid(z)
+            dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
+            tl.store(dz_ptr + offs_d[:, None] * stride_dz_d + t[None, :] * stride_dz_l,
+                     dz.to(dz_ptr.dtype.element_ty), mask=mask_dt)
+        du = q * dt
+        if HAS_D:
+            du += tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None] * g
+            tl.store(dD_part_ptr + part_off + offs_d, tl.sum(g * u, axis=1), mask=mask_d)
+        ddt = q * u + s * (1.0 / _LOG2E)
+        if DELTA_SOFTPLUS:
+            # softplus'(x) = sigmoid(x); it rounds to 1 above torch's threshold of 20, matching
+            # the identity branch there.
+            ddt *= tl.sigmoid(x)
+        ddt = tl.where(mask_dt, ddt, 0.0)
+        if HAS_DELTA_BIAS:
+            tl.store(ddb_part_ptr + part_off + offs_d, tl.sum(ddt, axis=1), mask=mask_d)
+        tl.store(du_ptr + offs_d[:, None] * stride_du_d + t[None, :] * stride_du_l,
+                 du.to(du_ptr.dtype.element_ty), mask=mask_dt)
+        tl.store(ddelta_ptr + offs_d[:, None] * stride_ddelta_d + t[None, :] * stride_ddelta_l,
+                 ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_dt)
+        # The next block reads the dB/dC rows that other threads of this program just wrote.
+        tl.debug_barrier()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _check_inputs(dy, dlast_state, u, B, C, initial_state) -> None:
+    if u.dim() != 3 or u.shape[2] < 1:
+        raise ValueError(f"selective_scan_bwd: u must be (batch, dim, L) with L >= 1, got {tuple(u.shape)}")
+    if dy.shape != u.shape:
+        raise ValueError(f"selective_scan_bwd: dy must have u's shape {tuple(u.shape)}, got {tuple(dy.shape)}")
+    if B.dim() != 4 or C.dim() != 4:
+        raise ValueError(
+            f"selective_scan_bwd: B and C must be grouped (batch, G, N, L), got B {tuple(B.shape)}, "
+            f"C {tuple(C.shape)}"
+        )
+    state_shape = (u.shape[0], u.shape[1], B.shape[2])
+    for name, s in (("dlast_state", dlast_state), ("initial_state", initial_state)):
+        if s is not None and tuple(s.shape) != state_shape:
+            raise ValueError(f"selective_scan_bwd: {name} must be (batch, dim, N) = {state_shape}, got {tuple(s.shape)}")
+
+
+class Tiles(NamedTuple):
+    """Launch shape of the three kernels."""
+
+    chunk: int  # time steps per chunk, a power of two; sets the workspaces' L/T
+    state_block_d: int  # channels per program in the chunk-state kernel
+    block_d: int  # channels per loop step in the chunk kernel
+    num_splits: int  # slices of each group's channels, one chunk-kernel program each
+    state_num_warps: int
+    num_warps: int
+
+
+def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.device, **overrides) -> Tiles:
+    """Tiles for a problem shape; any field of ``Tiles`` may be given to override the choice."""
+    dim_per_group = dim // G
+    dpg = triton.next_power_of_2(dim_per_group)
+    sms = _num_sms(device)
+    chunk = overrides.get("chunk") or max(16, min(_CHUNK, triton.next_power_of_2(L)))
+    state_bd = overrides.get("state_block_d") or max(1, min(_TILE // chunk, dpg))
+    block_d = overrides.get("block_d") or max(1, min(_TILE // chunk, dpg))
+    n_chunks = triton.cdiv(L, chunk)
+    splits = overrides.get("num_splits") or min(
+        triton.cdiv(_PROGRAMS_PER_SM * sms, n_chunks * batch * G), triton.cdiv(dim_per_group, block_d)
+    )
+    # Each slice is a whole number of channel blocks, so only a group's last block is ragged.
+    per_split = triton.cdiv(triton.cdiv(dim_per_group, splits), block_d) * block_d
+    return Tiles(
+        chunk=chunk,
+        state_block_d=state_bd,
+        block_d=block_d,
+        num_splits=triton.cdiv(dim_per_group, per_split),
+        state_num_warps=overrides.get("state_num_warps") or _warps_for(state_bd * chunk),
+        num_warps=overrides.get("num_warps") or _warps_for(block_d * chunk),
+    )
+
+
+def _warps_for(tile: int) -> int:
+    # About eight tile elements per thread: fewer leave the per-column overhead (loads, the
+    # scan's cross-lane steps) unamortised, more run out of registers in the chunk kernel.
+    return max(1, min(8, tile // (32 * 8)))
+
+
+def selective_scan_bwd(
+    dy: torch.Tensor,
+    dlast_state: Optional[torch.Tensor],
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor],
+    z: Optional[torch.Tensor],
+    delta_bias: Optional[torch.Tensor],
+    delta_softplus: bool,
+    initial_state: Optional[torch.Tensor],
+    *,
+    tiles: Optional[dict] = None,
+) -> ScanGrads:
+    """Gradients of ``selective_scan`` by recomputation; inputs already validated by the op.
+
+    Args:
+        dy: (batch, dim, L), the gradient of y. dlast_state: (batch, dim, N) or None, the
+            gradient of the returned last state (seeds dh at the last step).
+        u, delta, z: (batch, dim, L). A: (dim, N). B, C: (batch, G, N, L).
+        D, delta_bias: (dim,) or None. initial_state: (batch, dim, N) or None.
+        tiles: overrides of ``choose_tiles`` (fields of ``Tiles``), for tests and tuning.
+
+    Returns:
+        ``ScanGrads``; dB/dC in the (batch, G, N, L) layout, dinitial_state fp32.
+
+    Example:
+        >>> grads = selective_scan_bwd(dy, None, u, delta, A, B, C, D, z, bias, True, None)
+    """
+    _check_inputs(dy, dlast_state, u, B, C, initial_state)
+    batch, dim, L = u.shape
+    G, N = B.shape[1], B.shape[2]
+    dim_per_group = dim // G
+    cfg = choose_tiles(batch, dim, L, N, G, u.device, **(tiles or {}))
+    n_chunks = triton.cdiv(L, cfg.chunk)
+    num_splits = cfg.num_splits
+    dim_per_split = triton.cdiv(triton.cdiv(dim_per_group, num_splits), cfg.block_d) * cfg.block_d
+
+    f32 = dict(device=u.device, dtype=torch.float32)
+    hs = torch.empty(batch, n_chunks, dim, N, **f32)
+    rs = torch.empty(batch, n_chunks, dim, N, **f32)
+    total = torch.empty(batch, n_chunks, dim, **f32)
+    dinit = torch.empty(batch, dim, N, **f32) if initial_state is not None else None
+    du = torch.empty_like(u)
+    ddelta = torch.empty_like(delta)
+    dz = torch.empty_like(z) if z is not None else None
+    dA_part = torch.empty(batch, n_chunks, dim, N, **f32)
+    # Accumulated in place by the chunk kernel, so they start at zero.
+    dB_part = torch.zeros(num_splits, batch, G, N, L, **f32)
+    dC_part = torch.zeros(num_splits, batch, G, N, L, **f32)
+    dD_part = torch.empty(batch, n_chunks, dim, **f32) if D is not None else None
+    ddb_part = torch.empty(batch, n_chunks, dim, **f32) if delta_bias is not None else None
+
+    def strides(x, n):
+        return x.stride() if x is not None else (0,) * n
+
+    state_blocks = triton.cdiv(dim_per_group, cfg.state_block_d)
+    _chunk_state_kernel[(n_chunks, batch, G * state_blocks)](
+        u, delta, dy, z, A, B, C, delta_bias, hs, rs, total,
+        dim, L, N, n_chunks, dim_per_group, state_blocks,
+        *u.stride(), *delta.stride(), *dy.stride(), *strides(z, 3), *A.stride(), *B.stride(),
+        *C.stride(),
+        DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.state_block_d, CHUNK=cfg.chunk,
+        num_warps=cfg.state_num_warps,
+    )
+    _state_pass_kernel[(batch, triton.cdiv(dim * N, _PASS_BLOCK))](
+        A, total, initial_state, dlast_state, hs, rs, dinit,
+        dim, N, n_chunks,
+        *A.stride(), *strides(initial_state, 3), *strides(dlast_state, 3),
+        BLOCK=_PASS_BLOCK, num_warps=_PASS_BLOCK // 32,
+    )
+    _chunk_bwd_kernel[(n_chunks, batch, G * num_splits)](
+        dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
+        du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part,
+        batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
+        *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
+        *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
+        DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk,
+        num_warps=cfg.num_warps,
+    )
+    return ScanGrads(
+        du=du,
+        ddelta=ddelta,
+        dA=dA_part.sum((0, 1)).to(A.dtype),
+        dB=dB_part.sum(0).to(B.dtype),
+        dC=dC_part.sum(0).to(C.dtype),
+        dD=dD_part.sum((0, 1)).to(D.dtype) if D is not None else None,
+        dz=dz,
+        ddelta_bias=ddb_part.sum((0, 1)).to(delta_bias.dtype) if delta_bias is not None else None,
+        dinitial_state=dinit,
+    )

@@ -1,0 +1,460 @@
+"""Fused selective-scan forward in Triton: one pass over the inputs, the state stays on chip.
+
+Layers: ``_selective_scan_fwd_kernel`` (the jit kernel), ``scan_fwd_config`` (the tile
+heuristic), ``selective_scan_fwd`` (the launcher). The op layer (``op.py``) validates inputs
+and turns 3-D B/C into the grouped 4-D layout before calling the launcher.
+
+Work decomposition ("three levels of parallelism"):
+
+1. Across programs: one program per (block of ``BLOCK_D`` channels, batch row, time segment).
+2. Inside a program: the segment is walked in chunks of ``CHUNK_T`` timesteps; the state
+   ``h`` (BLOCK_D x N, fp32) is the carry from one chunk to the next and never leaves
+   registers. Each chunk is a register tile of steps (a, b) = (exp(delta*A), delta*B*u),
+   prefix-combined along time with ``tl.associative_scan``. The tile's axes are ordered so
+   that each thread owns a run of consecutive timesteps: Triton lowers that scan as a serial
+   chain in registers, with no shuffles (see the kernel and ``scan_fwd_config``).
+3. Across segments (only when batch * dim is too small to fill the GPU): a first launch of
+   the same kernel reduces every segment but the last to its composite step (A_seg, B_seg);
+   ``_segment_carry_kernel`` walks the composites serially (at most ``MAX_SEGMENTS`` steps
+   per state element) to the state entering each segment; the last launch runs every
+   segment from its carry and writes y.
+
+No (batch, dim, L, N) tensor is ever written: the only workspace is the segment composites,
+2 * (segments - 1) * batch * dim * N fp32.
+"""
+import functools
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import LOG2E, linear_combine, silu, softplus
+
+# Upper bound on the time split: the carry pass is serial in the segment index, and every
+# segment but the last costs its exps twice (once for its composite, once for y).
+MAX_SEGMENTS = 8
+
+# A jit function may only read module globals that are tl.constexpr; triton_common.LOG2E is a
+# plain float (fine in the interpreter, a NameError when compiling for a GPU).
+_LOG2E = tl.constexpr(LOG2E)
+_CARRY_BLOCK = 1024
+
+
+class ScanFwdConfig(NamedTuple):
+    """Tile choices of the forward kernel (see ``scan_fwd_config``)."""
+
+    block_d: int  # channels per program
+    chunk_t: int  # timesteps per inner-loop iteration, all held by one thread
+    lanes_n: int  # lanes of a warp spread over the state dim; the rest of N is per thread
+    num_warps: int
+    n_segments: int  # time-parallel split of L across programs; 1 = no split
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+def scan_fwd_config(
+    batch: int, dim: int, L: int, N: int, dims_per_group: int, num_sms: int
+) -> ScanFwdConfig:
+    """Choose tiles for ``(batch, dim, L, N)`` on a GPU with ``num_sms`` SMs.
+
+    The register tile of a chunk is [chunk_t, N / lanes_n, block_d, lanes_n]; a thread owns
+    ``chunk_t`` consecutive timesteps of ``N / lanes_n`` states of one channel. Reasoning
+    (numbers for an H200; see benchmarks/NOTES_scan_fwd.md):
+
+    * Time entirely inside a thread makes the scan a serial chain of FMAs with no shuffles
+      (with time across lanes Triton's scan costs ~5 shuffle levels per element).
+    * The readout y = sum_n C*h reduces over N: in registers for the N / lanes_n part, with
+      log2(lanes_n) shuffles per (t, d) for the rest. lanes_n = N / 4 (at least 4 lanes when
+      N >= 4) keeps that at <= 0.5 shuffles per element while giving batch * dim * lanes_n
+      threads of parallelism.
+    * Registers: for N = 16 (Mamba's default; lanes_n = 4) chunk_t = 16, a 64-element tile
+      per thread: ~170 registers, no spills on sm_90 (checked with ptxas), 3 programs of 4
+      warps per SM. 16 timesteps make each channel row a 64 B (fp32) / 32 B (bf16) vector
+      load, and one chunk in flight per program is ~6 KB, which occupancy multiplies towards
+      the ~25 KB per SM that HBM latency needs. Other N get a 32-element tile (chunk_t <= 8):
+      the 64-element tile reaches 210-250 registers there (larger B/C tiles for lanes_n >= 16,
+      [chunk_t, block_d] tiles shared by fewer lanes for N <= 2).
+    * block_d = (32 / lanes_n) * num_warps: one channel per lane group, no replication. It must
+      not straddle a B/C group (one (N, chunk_t) tile of B and C serves the program).
+    * n_segments: split time only when the programs cannot give every SM ~8 warps, and only
+      while each segment keeps >= 16 chunks: the split costs one extra exp per element of
+      every segment but the last.
+    * A grid that still has fewer programs than SMs (short L, batch 1) gets narrower programs
+      (fewer warps, smaller block_d), so the work spreads over more SMs.
+
+    A register-budget / occupancy model can replace these constants: the kernel accepts any
+    power-of-two block_d, chunk_t, lanes_n.
+    """
+    block_n = _next_pow2(N)
+    lanes_n = min(block_n, max(4, min(32, block_n // 4)))
+    per_thread_n = block_n // lanes_n
+    chunk_t = 16 if lanes_n == 4 else min(8, 32 // per_thread_n)
+    chunk_t = max(1, min(chunk_t, _next_pow2(L)))
+    num_warps = 4
+    block_d = (32 // lanes_n) * num_warps
+    block_d = min(block_d, max(1, _next_pow2(dim)))
+    if dims_per_group != dim:
+        # Largest power of two that divides dims_per_group (x & -x isolates the lowest set bit).
+        block_d = min(block_d, dims_per_group & -dims_per_group)
+    num_warps = max(1, min(num_warps, block_d * lanes_n // 32))
+    warps = batch * triton.cdiv(dim, block_d) * num_warps
+    n_segments = 1
+    n_chunks = triton.cdiv(L, chunk_t)
+    while (
+        n_segments < MAX_SEGMENTS
+        and warps * n_segments < 8 * num_sms
+        and n_chunks // (2 * n_segments) >= 16
+    ):
+        n_segments *= 2
+    while num_warps > 1 and batch * triton.cdiv(dim, block_d) * n_segments < num_sms:
+        num_warps //= 2
+        block_d //= 2
+    return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@triton.jit
+def _pick_last(x, y):
+    # A reduction that keeps its right operand returns the last element along the axis; with
+    # the time axis inside one thread it compiles to nothing but a register read.
+    return y
+
+
+@triton.jit
+def _load_chunk(
+    u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
+    offs_d, offs_t, offs_bn, mask_d, mask_bn, t_end,
+    stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
+    stride_B_n, stride_B_l, stride_C_n, stride_C_l,
+    NEED_Z: tl.constexpr, NEED_C: tl.constexpr,
+):
+    """Raw (un-converted) tiles of one chunk: u, delta, z as [CHUNK_T, BLOCK_D]; B, C as
+    [CHUNK_T, N_PER_THREAD, LANES_N]. Out-of-range elements load as 0; the caller turns those
+    steps into the identity."""
+    mask_t = offs_t < t_end
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
+    u = tl.load(u_ptr + offs_t[:, None] * stride_u_l + offs_d[None, :] * stride_u_d,
+                mask=mask_td, other=0.0)
+    delta = tl.load(delta_ptr + offs_t[:, None] * stride_delta_l + offs_d[None, :] * stride_delta_d,
+                    mask=mask_td, other=0.0)
+    Bt = tl.load(B_ptr + offs_t[:, None, None] * stride_B_l + offs_bn[None, :, :] * stride_B_n,
+                 mask=mask_tn, other=0.0)
+    if NEED_Z:
+        z = tl.load(z_ptr + offs_t[:, None] * stride_z_l + offs_d[None, :] * stride_z_d,
+                    mask=mask_td, other=0.0)
+    else:
+        z = u
+    if NEED_C:
+        Ct = tl.load(C_ptr + offs_t[:, None, None] * stride_C_l + offs_bn[None, :, :] * stride_C_n,
+                     mask=mask_tn, other=0.0)
+    else:
+        Ct = Bt
+    return u, delta, z, Bt, Ct
+
+
+@triton.heuristics(
+    {
+        "HAS_D": lambda args: args["D_ptr"] is not None,
+        "HAS_Z": lambda args: args["z_ptr"] is not None,
+        "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
+        "HAS_INIT": lambda args: args["h0_ptr"] is not None,
+        "STORE_LAST": lambda args: args["last_ptr"] is not None,
+        "TIME_SPLIT": lambda args: args["seg_a_ptr"] is not None,
+    }
+)
+@triton.jit
+def _selective_scan_fwd_kernel(
+    # pointers
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, h0_ptr,
+    y_ptr, last_ptr, seg_a_ptr, seg_b_ptr,
+    # sizes
+    batch, dim, L, N, dims_per_group, seg_len,
+    # strides
+    stride_u_b, stride_u_d, stride_u_l,
+    stride_delta_b, stride_delta_d, stride_delta_l,
+    stride_A_d, stride_A_n,
+    stride_B_b, stride_B_g, stride_B_n, stride_B_l,
+    stride_C_b, stride_C_g, stride_C_n, stride_C_l,
+    stride_D, stride_delta_bias,
+    stride_z_b, stride_z_d, stride_z_l,
+    stride_h0_b, stride_h0_d, stride_h0_n,
+    stride_y_b, stride_y_d, stride_y_l,
+    # meta-parameters
+    BLOCK_D: tl.constexpr, CHUNK_T: tl.constexpr,
+    N_PER_THREAD: tl.constexpr, LANES_N: tl.constexpr,  # N_PER_THREAD * LANES_N = next_pow2(N)
+    SEGMENT_TOTALS: tl.constexpr,  # True: first launch of a time split (composites only)
+    DELTA_SOFTPLUS: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
+    HAS_INIT: tl.constexpr, STORE_LAST: tl.constexpr, TIME_SPLIT: tl.constexpr,
+):
+    # Every per-element tile is 4-D [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N]. Triton's default
+    # layout hands the lanes to the fastest dims first (LANES_N, then BLOCK_D) and the warps to
+    # BLOCK_D, so time and N_PER_THREAD stay inside each thread: the scan over axis 0 is serial
+    # in registers and the readout over axis 1 is register adds. Do not reorder the axes.
+    pid_d = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    pid_s = tl.program_id(2)
+
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    # State index n = i * LANES_N + j for the [N_PER_THREAD, LANES_N] sub-tile.
+    offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
+    mask_d = offs_d < dim
+    mask_bn = offs_bn < N
+    offs_n3 = offs_bn[:, None, :]  # [N_PER_THREAD, 1, LANES_N]
+    offs_d3 = offs_d[None, :, None]  # [1, BLOCK_D, 1]
+    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]  # [N_PER_THREAD, BLOCK_D, LANES_N]
+    # The heuristic keeps a channel block inside one group, so one B/C tile serves it.
+    pid_g = (pid_d * BLOCK_D) // dims_per_group
+
+    u_ptr += pid_b * stride_u_b
+    delta_ptr += pid_b * stride_delta_b
+    if HAS_Z:
+        z_ptr += pid_b * stride_z_b
+    y_ptr += pid_b * stride_y_b
+    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
+    C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
+
+    # exp(delta * A) == exp2(delta * (A * log2(e))): fold the constant once so the inner loop
+    # issues a single MUFU ex2 per element. Padded n get A = 0 -> a = 1, and B = 0 -> b = 0.
+    A = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
+                other=0.0).to(tl.float32) * _LOG2E  # [N_PER_THREAD, BLOCK_D, LANES_N]
+    if HAS_DELTA_BIAS:
+        delta_bias = tl.load(delta_bias_ptr + offs_d * stride_delta_bias, mask=mask_d,
+                             other=0.0).to(tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d * stride_D, mask=mask_d, other=0.0).to(tl.float32)
+
+    # States (segment composites, last_state) are contiguous [batch, dim, N] fp32 slabs.
+    offs_state = (pid_b * dim + offs_d3) * N + offs_n3  # [N_PER_THREAD, BLOCK_D, LANES_N]
+    seg_stride = batch * dim * N
+
+    t_start = pid_s * seg_len
+    t_end = tl.minimum(t_start + seg_len, L)
+
+    if SEGMENT_TOTALS:
+        # The composite of a segment is (A_seg, B_seg) = (prod_t exp(dt_t*A), the state reached
+        # from h = 0). A is constant in time, so A_seg = exp(A * sum_t dt_t): a running sum of
+        # dt per channel replaces a product chain per (d, n) element.
+        h = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
+        dt_sum = tl.zeros((BLOCK_D,), tl.float32)
+    else:
+        if HAS_INIT:
+            h = tl.load(h0_ptr + pid_b * stride_h0_b + offs_d3 * stride_h0_d
+                        + offs_n3 * stride_h0_n, mask=mask_dn, other=0.0).to(tl.float32)
+        else:
+            h = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
+        if TIME_SPLIT:
+            # Segment s > 0 starts from the carry that _segment_carry_kernel left in slot s - 1.
+            if pid_s > 0:
+                h = tl.load(seg_b_ptr + (pid_s - 1) * seg_stride + offs_state, mask=mask_dn,
+                            other=0.0)
+        # Route the start state through a chunk-shaped tile so that it enters the loop in the
+        # chunk tile's layout. A carry that starts as a plain load keeps the load's layout: a
+        # shared-memory round trip of h every chunk and ~40 more registers (ptxas, sm_90).
+        h = tl.reduce(tl.broadcast_to(h[None, :, :, :],
+                                      (CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N)), 0, _pick_last)
+
+    # Software prefetch: the next chunk's loads are issued before this chunk's arithmetic, so
+    # their latency hides behind the scan even at low occupancy (batch 1).
+    u, delta, z, Bt, Ct = _load_chunk(
+        u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
+        offs_d, t_start + tl.arange(0, CHUNK_T), offs_bn, mask_d, mask_bn, t_end,
+        stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
+        stride_B_n, stride_B_l, stride_C_n, stride_C_l,
+        # The first launch of a time split needs neither the gate (z) nor the readout (C).
+        HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS)
+    for t0 in range(t_start, t_end, CHUNK_T):
+        offs_t = t0 + tl.arange(0, CHUNK_T)
+        mask_t = offs_t < t_end
+        nxt = _load_chunk(
+            u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
+            offs_d, offs_t + CHUNK_T, offs_bn, mask_d, mask_bn, t_end,
+            stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
+            stride_B_n, stride_B_l, stride_C_n, stride_C_l,
+            HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS)
+
+        uf = u.to(tl.float32)
+        dt = delta.to(tl.float32)  # [CHUNK_T, BLOCK_D]
+        if HAS_DELTA_BIAS:
+            dt += delta_bias[None, :]
+        if DELTA_SOFTPLUS:
+            dt = softplus(dt)
+        # Padded timesteps (ragged tail) must be the identity step (1, 0): dt = 0 gives
+        # a = exp2(0) = 1 and b = 0 whatever softplus(bias) would have been, so nothing leaks
+        # into the carry or the last state. The 0 is read from u, which the masked load made
+        # exactly 0 there: with u in its history, Triton <= 3.6 no longer hoists dt's layout
+        # conversion above the bf16 -> fp32 cast, which would redo this (t, d) math on every
+        # one of the LANES_N lanes (bf16 loop: 1504 instead of ~790 instructions, ptxas sm_90).
+        dt = tl.where(mask_t[:, None], dt, uf)
+        dtu = dt * uf
+
+        # B and C are 0 wherever their loads were masked, so each may stand in for the
+        # other's zeros: the same layout-conversion guard as for dt above (without it
+        # Triton <= 3.6 converts bf16 B/C to the chunk layout first and then widens every
+        # element on every lane).
+        Bf = Bt.to(tl.float32)
+        Cf = Ct.to(tl.float32)
+        mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
+        Bf, Cf = tl.where(mask_tn, Bf, Cf), tl.where(mask_tn, Cf, Bf)
+
+        # [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N]
+        a = tl.exp2(dt[:, None, :, None] * A[None, :, :, :])
+        b = dtu[:, None, :, None] * Bf[:, :, None, :]
+
+        # Put the carry into the first step (b_0 <- a_0 * h + b_0) instead of applying it to
+        # every prefix afterwards: the scanned b is then the state itself, and only the b half
+        # of the combine is live, so the a products fold away.
+        is_first = (tl.arange(0, CHUNK_T) == 0)[:, None, None, None]
+        b = tl.where(is_first, a * h[None, :, :, :] + b, b)
+        _, hs = tl.associative_scan((a, b), 0, linear_combine)  # the states h_t
+        h = tl.reduce(hs, 0, _pick_last)
+        if SEGMENT_TOTALS:
+            dt_sum += tl.sum(dt, axis=0)
+        else:
+            # Sum the per-thread states first (register adds), then across lanes.
+            y = tl.sum(tl.sum(hs * Cf[:, :, None, :], axis=1), axis=2)
+            if HAS_D:
+                y += Dv[None, :] * uf
+            if HAS_Z:
+                y *= silu(z.to(tl.float32))
+            tl.store(y_ptr + offs_t[:, None] * stride_y_l + offs_d[None, :] * stride_y_d,
+                     y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
+        u, delta, z, Bt, Ct = nxt
+
+    if SEGMENT_TOTALS:
+        seg_a = tl.exp2(A * dt_sum[None, :, None])
+        tl.store(seg_a_ptr + pid_s * seg_stride + offs_state, seg_a, mask=mask_dn)
+        tl.store(seg_b_ptr + pid_s * seg_stride + offs_state, h, mask=mask_dn)
+    elif STORE_LAST:
+        # Only the program of the final segment owns the final state.
+        if pid_s == tl.num_programs(2) - 1:
+            tl.store(last_ptr + offs_state, h, mask=mask_dn)
+
+
+@triton.jit
+def _segment_carry_kernel(
+    # pointers
+    seg_a_ptr, seg_b_ptr, h0_ptr,
+    # sizes
+    dim, N, n_states, n_carries,
+    # strides
+    stride_h0_b, stride_h0_d, stride_h0_n,
+    # meta-parameters
+    BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+):
+    """Second, small pass of a time split: the serial walk over segment composites.
+
+    In place over the [n_carries, batch, dim, N] workspace: slot s holds the composite
+    (A_s, B_s) of segment s on entry and the state entering segment s + 1 on exit,
+    h_{s+1} = A_s * h_s + B_s with h_0 = initial_state (or 0).
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_states
+    if HAS_INIT:
+        offs_n = offs % N
+        offs_d = (offs // N) % dim
+        offs_b = offs // (N * dim)
+        h = tl.load(h0_ptr + offs_b * stride_h0_b + offs_d * stride_h0_d + offs_n * stride_h0_n,
+                    mask=mask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, n_carries):
+        seg_a = tl.load(seg_a_ptr + s * n_states + offs, mask=mask, other=1.0)
+        seg_b = tl.load(seg_b_ptr + s * n_states + offs, mask=mask, other=0.0)
+        h = seg_a * h + seg_b
+        tl.store(seg_b_ptr + s * n_states + offs, h, mask=mask)
+
+
+def selective_scan_fwd(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor],
+    z: Optional[torch.Tensor],
+    delta_bias: Optional[torch.Tensor],
+    delta_softplus: bool,
+    initial_state: Optional[torch.Tensor],
+    return_last_state: bool,
+    *,
+    config: Optional[ScanFwdConfig] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Selective scan forward with the Triton kernel (inputs already validated by the op).
+
+    Args:
+        u, delta: (batch, dim, L), any strides. z: (batch, dim, L) or None.
+        A: (dim, N). B, C: (batch, G, N, L) grouped layout. D, delta_bias: (dim,) or None.
+        initial_state: (batch, dim, N) fp32 or None.
+        config: tile override (tests use it to force a time split); default
+            ``scan_fwd_config``.
+
+    Returns:
+        y (batch, dim, L) in u's dtype, and last_state (batch, dim, N) fp32 if
+        ``return_last_state`` else None.
+    """
+    batch, dim, L = u.shape
+    G, N = B.shape[1], B.shape[2]
+    dims_per_group = dim // G
+    block_n = _next_pow2(N)
+    if config is None:
+        n_sms = _num_sms(u.device.index) if u.is_cuda else 132
+        config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms)
+    if G > 1 and dims_per_group % config.block_d:
+        raise ValueError(
+            f"config.block_d={config.block_d} must divide dim // G = {dims_per_group}: a channel "
+            "block reads a single B/C group")
+    # The kernel adds the batch offset in int64 but indexes within one batch row in int32.
+    for name, t in (("u", u), ("delta", delta), ("z", z), ("B", B), ("C", C)):
+        if t is not None and sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31:
+            raise ValueError(
+                f"{name}: one batch row spans more than 2**31 elements (shape {tuple(t.shape)}, "
+                f"strides {t.stride()}); the Triton selective scan indexes rows in int32")
+
+    y = torch.empty((batch, dim, L), dtype=u.dtype, device=u.device)
+    last_state = (torch.empty((batch, dim, N), dtype=torch.float32, device=u.device)
+                  if return_last_state else None)
+    n_segments = max(1, min(config.n_segments, triton.cdiv(L, config.chunk_t)))
+    # Segments are whole chunks long, so only the last one has a ragged tail.
+    seg_len = triton.cdiv(triton.cdiv(L, n_segments), config.chunk_t) * config.chunk_t
+    n_segments = triton.cdiv(L, seg_len)
+    seg_a = seg_b = None
+    if n_segments > 1:
+        seg_a = torch.empty((n_segments - 1, batch, dim, N), dtype=torch.float32, device=u.device)
+        seg_b = torch.empty_like(seg_a)
+
+    z_strides = z.stride() if z is not None else (0, 0, 0)
+    h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0)
+    D_stride = D.stride(0) if D is not None else 0
+    bias_stride = delta_bias.stride(0) if delta_bias is not None else 0
+
+    def launch(segment_totals: bool, n_programs_t: int):
+        grid = (triton.cdiv(dim, config.block_d), batch, n_programs_t)
+        _selective_scan_fwd_kernel[grid](
+            u, delta, A, B, C, D, z, delta_bias, initial_state,
+            y, last_state, seg_a, seg_b,
+            batch, dim, L, N, dims_per_group, seg_len,
+            *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
+            D_stride, bias_stride, *z_strides, *h0_strides, *y.stride(),
+            BLOCK_D=config.block_d, CHUNK_T=config.chunk_t,
+            N_PER_THREAD=max(1, block_n // config.lanes_n), LANES_N=min(config.lanes_n, block_n),
+            SEGMENT_TOTALS=segment_totals, DELTA_SOFTPLUS=delta_softplus,
+            num_warps=config.num_warps,
+        )
+
+    if n_segments > 1:
+        launch(True, n_segments - 1)
+        n_states = batch * dim * N
+        _segment_carry_kernel[(triton.cdiv(n_states, _CARRY_BLOCK),)](
+            seg_a, seg_b, initial_state, dim, N, n_states, n_segments - 1, *h0_strides,
+            BLOCK=_CARRY_BLOCK, HAS_INIT=initial_state is not None, num_warps=4)
+    launch(False, n_segments)
+    return y, last_state

@@ -1,0 +1,199 @@
+"""Family ``conv1d``: the causal depthwise convolution -> ``torch.ops.ssm.causal_conv1d``.
+
+What Mamba code writes, and what dynamo turns it into:
+
+- ``F.conv1d(x, w, b, padding=W-1, groups=dim)[..., :L]`` and HF 5.24's ``causal_conv1d_fn``
+  fallback (``F.conv1d(x.to(w.dtype), weight=w.unsqueeze(1), bias, padding=W-1,
+  groups=dim)[:, :, :L]``) -> ``torch.conv1d(x, w, b, padding=..., groups=...)`` + getitem;
+- ``nn.Conv1d(dim, dim, W, groups=dim, padding=W-1)`` (HF 5.17's ``self.conv1d(h)[..., :L]``),
+  inlined as ``torch.conv1d(x, weight, bias, (1,), (W-1,), (1,), dim)`` on parameter placeholders;
+- optionally followed by silu: ``F.silu``, ``nn.SiLU`` / HF's ``ACT2FN["silu"]`` (both inline to
+  ``F.silu``), or ``y * torch.sigmoid(y)``.
+
+A (batch, L, dim) caller transposes around the conv; the op takes any strides, so the transposed
+view goes in as is and the user's transpose after it stays.
+
+The slice is what makes a padded conv causal: with padding W-1 on both sides, output position t
+sees inputs t-(W-1)..t, so the FIRST L outputs are the causal conv and the last W-1 see the
+right-hand zero padding. Anything else (another padding, a slice not starting at 0, a slice of
+another length, another user of the unsliced output) is a different function and is refused.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .fx_utils import is_call, is_method, propagate_val, val
+from .manager import PassContext, PassManager
+
+FAMILY = "conv1d"
+# The op's kernels unroll the taps; wider kernels aren't Mamba's and aren't supported.
+MIN_WIDTH, MAX_WIDTH = 2, 8
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_CONV1D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV1D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+def _conv1d_args(node: torch.fx.Node) -> dict[str, Any]:
+    """``torch.conv1d``'s arguments by name, defaults filled in.
+
+    Under dynamic shapes the size arguments are SymInt nodes; they are replaced by their SymInt
+    values so the checks can compare them with the tensors' sizes.
+    """
+    args = dict(_CONV1D_DEFAULTS)
+    args.update(zip(_CONV1D_PARAMS, node.args))
+    args.update(node.kwargs)
+    for name in ("stride", "padding", "dilation", "groups"):
+        args[name] = torch.fx.node.map_arg(args[name], val)
+    return args
+
+
+def _single(value: Any) -> Any:
+    """``3``, ``(3,)`` and ``[3]`` all mean 3 for a 1-D conv; anything else is returned as is."""
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        return value[0]
+    return value
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    # Sizes may be SymInts under dynamic shapes: equal only if provably so.
+    return statically_known_true(a == b)
+
+
+def _is_full_slice(index: Any) -> bool:
+    return isinstance(index, slice) and index == slice(None, None, None)
+
+
+def _time_slice(index: Any) -> slice | None:
+    """The slice on the last of 3 axes if ``index`` slices nothing else, else None."""
+    if not isinstance(index, tuple):
+        return None
+    if index and index[0] is Ellipsis:
+        if len(index) != 2:
+            return None
+        last = index[1]
+    else:
+        if len(index) != 3 or not all(_is_full_slice(i) for i in index[:2]):
+            return None
+        last = index[2]
+    return last if isinstance(last, slice) else None
+
+
+def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: dict[str, Any],
+                      sliced: torch.fx.Node | None) -> str | None:
+    """Prove ``sliced`` is a causal depthwise conv of ``x`` the op computes; else the reason it isn't.
+
+    Conditions: x (batch, dim, L) in a supported dtype; weight (dim, 1, W) with groups == dim
+    (depthwise, as many outputs as inputs); stride 1; dilation 1; padding exactly W-1;
+    2 <= W <= 8; the unsliced output used only by one slice [..., :L] taking the first L steps.
+    """
+    xv, wv = val(x), val(weight)
+    if not isinstance(xv, torch.Tensor) or xv.dim() != 3:
+        return "input is not a batched (batch, dim, L) tensor"
+    if xv.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {xv.dtype} is not supported (fp32/bf16/fp16)"
+    if not isinstance(wv, torch.Tensor) or wv.dim() != 3:
+        return "weight is not a 3-D (dim, 1, W) tensor"
+    dim, length = xv.shape[1], xv.shape[2]
+    groups = args["groups"]
+    if not (_same_size(groups, dim) and _same_size(wv.shape[0], dim) and _same_size(wv.shape[1], 1)):
+        return (f"not depthwise: groups={groups}, channels={dim}, weight shape {tuple(wv.shape)} "
+                "(need groups == channels == out_channels and weight (dim, 1, W))")
+    width = wv.shape[2]
+    if not isinstance(width, int):
+        # The op specialises on W (the taps are unrolled); a symbolic W would need a guard that
+        # dynamo, which has already finished, could no longer install.
+        return f"kernel width {width} is symbolic, not a constant"
+    if _single(args["stride"]) != 1:
+        return f"stride {args['stride']} is not 1"
+    if _single(args["dilation"]) != 1:
+        return f"dilation {args['dilation']} is not 1"
+    padding = _single(args["padding"])
+    if isinstance(padding, str) or not _same_size(padding, width - 1):
+        return f"padding {args['padding']!r} is not kernel_size - 1 = {width - 1}: not a causal conv"
+    if not (MIN_WIDTH <= width <= MAX_WIDTH):
+        return f"kernel width {width} unsupported (the op takes {MIN_WIDTH} <= W <= {MAX_WIDTH})"
+    bias = args["bias"]
+    if bias is not None and not (isinstance(val(bias), torch.Tensor) and val(bias).dim() == 1):
+        return "bias is not a (dim,) tensor"
+    if sliced is None or len(conv.users) != 1:
+        return "the unsliced conv output has other users (or no [..., :L] slice): not a causal conv"
+    time = _time_slice(sliced.args[1])
+    if time is None:
+        return f"index {sliced.args[1]!r} is not a slice of the time axis alone"
+    if time.start not in (None, 0) or time.step not in (None, 1):
+        return f"slice {time!r} does not start at step 0: not a causal conv"
+    out = val(sliced)
+    if not (isinstance(out, torch.Tensor) and _same_size(out.shape[-1], length)):
+        return f"slice {time!r} does not keep exactly the first L={length} steps: not a causal conv"
+    return None
+
+
+def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
+    """The silu applied to ``y`` (nodes to replace, last node first; pattern name), if it is y's only use."""
+    users = list(y.users)
+    if len(users) == 1 and is_call(users[0], F.silu, torch.nn.functional.silu):
+        return [users[0]], "silu"
+    if len(users) == 2:
+        sig = next((u for u in users if is_call(u, torch.sigmoid) or is_method(u, "sigmoid")), None)
+        mul = next((u for u in users if is_call(u, operator.mul, torch.mul) or is_method(u, "mul")), None)
+        if (sig is not None and mul is not None and len(sig.users) == 1 and mul in sig.users
+                and len(mul.args) == 2 and set(mul.args) == {y, sig} and not mul.kwargs):
+            return [mul, sig], "x*sigmoid(x)"
+    return None
+
+
+def _kernel_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.Node:
+    """The (dim, W) weight as a view: the tensor the user unsqueezed, or a squeeze(1) of the 3-D one."""
+    if (is_method(weight, "unsqueeze") or is_call(weight, torch.unsqueeze)) and weight.args[1:] == (1,):
+        source = weight.args[0]
+        if isinstance(val(source), torch.Tensor) and val(source).dim() == 2:
+            return source
+    squeezed = graph.call_method("squeeze", (weight, 1))
+    propagate_val(squeezed)
+    return squeezed
+
+
+def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    graph = gm.graph
+    for conv in list(graph.nodes):
+        if not is_call(conv, torch.conv1d, F.conv1d):
+            continue
+        args = _conv1d_args(conv)
+        x, weight = args["input"], args["weight"]
+        users = list(conv.users)
+        sliced = users[0] if len(users) == 1 and is_call(users[0], operator.getitem) else None
+        reason = check_causal_conv(conv, x, weight, args, sliced)
+        if reason is not None:
+            ctx.miss(FAMILY, reason, [conv])
+            continue
+        act = _match_silu(sliced)
+        act_nodes, act_pattern = act if act is not None else ([], None)
+        last = act_nodes[0] if act_nodes else sliced
+        with graph.inserting_before(conv):
+            kernel_weight = _kernel_weight(graph, weight)
+            op = graph.call_function(torch.ops.ssm.causal_conv1d.default,
+                                     (x, kernel_weight, args["bias"], "silu" if act_nodes else None))
+            propagate_val(op)
+        if "stack_trace" in conv.meta:
+            op.meta["stack_trace"] = conv.meta["stack_trace"]
+        last.replace_all_uses_with(op)
+        replaced = [conv, sliced, *reversed(act_nodes)]
+        ctx.rewrite(FAMILY, "conv1d[..., :L]" + (f"+{act_pattern}" if act_pattern else ""), replaced,
+                    "ssm.causal_conv1d", {"W": int(val(weight).shape[2]),
+                                          "activation": "silu" if act_nodes else None,
+                                          "bias": args["bias"] is not None})
+        for node in replaced[::-1]:
+            graph.erase_node(node)
+        if isinstance(weight, torch.fx.Node) and not weight.users and weight.op != "placeholder":
+            graph.erase_node(weight)
+
+
+def register(pm: PassManager) -> None:
+    pm.add(FAMILY, conv1d_pass)

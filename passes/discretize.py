@@ -1,0 +1,596 @@
+"""Prove that two tensors are Mamba's zero-order-hold discretisation, and find its sources.
+
+A scan pass finds a linear recurrence ``h_t = A_full[t] * h_{t-1} + B_full[t]``; the recurrence
+is ``ssm.selective_scan`` only if, for some Δ, A, B, u::
+
+    A_full[b, d, t, n] == exp(Δ[b, d, t] * A[d, n])
+    B_full[b, d, t, n] == Δ[b, d, t] * B[b, n, t] * u[b, d, t]     (or B[d, n]: time-invariant)
+
+with the *same* Δ in both. User code spells this with broadcasting (``A[None, :, None, :] *
+dt[..., None]``), einsum (``'bdl,dn->bdln'``), transposes and dtype casts. Instead of matching
+spellings, ``index_term`` evaluates a node as an index expression — a product of leaf tensors
+whose axes carry labels, plus the labels summed over — by looking through products, einsum,
+views that only add/drop/permute/broadcast axes, and dtype casts. The proof is then a statement
+about labels: which leaf carries which of (batch, dim, time, state).
+
+The same evaluator proves readouts (``Σ_n h[b, d, n] · C[b, n]``); ``scan_loop`` and
+``scan_assoc`` import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+import re
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .fx_utils import is_call, is_cast, is_method, val
+
+__all__ = [
+    "Source",
+    "Discretized",
+    "IndexTerm",
+    "index_term",
+    "match_discretization",
+    "view_source",
+    "grouped_source",
+    "ROLES",
+]
+
+# Role letters: batch, dim (channel), time, state.
+ROLES = ("b", "d", "t", "n")
+
+_MUL = (operator.mul, torch.mul, torch.Tensor.mul)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A graph value feeding the scan and the role of each of its axes, e.g. ``roles=("b","t","d")``."""
+
+    node: torch.fx.Node
+    roles: tuple[str, ...]
+
+    def perm_to(self, order: str) -> tuple[int, ...]:
+        """The permutation that brings this value into ``order`` (a string of role letters)."""
+        return tuple(self.roles.index(r) for r in order)
+
+
+@dataclasses.dataclass
+class Discretized:
+    """The proof's result: what ``ssm.selective_scan`` needs, each with its axis roles.
+
+    ``B.roles`` is ``("b","n","t")`` in some order for the selective case, ``("b","g","n","t")``
+    for grouped B (the source before its ``repeat_interleave`` over channels), or ``("d","n")``
+    for a time-invariant B (the caller passes it as grouped B with G = dim, through a stride-0
+    expanded view). ``a_roles``/``b_roles`` are the roles of A_full's and B_full's
+    axes. ``nodes`` are the nodes the proof looked through (for the rewrite record).
+    """
+
+    u: Source
+    delta: Source
+    A: Source
+    B: Source
+    a_roles: tuple[str, ...]
+    b_roles: tuple[str, ...]
+    nodes: list[torch.fx.Node]
+
+    @property
+    def time_invariant_B(self) -> bool:
+        return "t" not in self.B.roles
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[int, int] = {}
+        self._next = itertools.count()
+
+    def fresh(self) -> int:
+        x = next(self._next)
+        self.parent[x] = x
+        return x
+
+    def find(self, x: int) -> int:
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, x: int, y: int) -> None:
+        self.parent[self.find(x)] = self.find(y)
+
+
+@dataclasses.dataclass
+class Factor:
+    node: torch.fx.Node
+    labels: tuple[int, ...]  # one label per axis of node's value
+
+
+@dataclasses.dataclass
+class IndexTerm:
+    """``out[labels] = Σ_{summed} Π factors`` (optionally wrapped in one ``exp``).
+
+    Labels are union-find ids; call ``resolve`` before comparing them.
+    """
+
+    factors: list[Factor]
+    out: tuple[int, ...]
+    summed: set[int]
+    uf: _UnionFind
+    exp_of: "IndexTerm | None" = None
+    looked_through: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+
+    def resolve(self, label: int) -> int:
+        return self.uf.find(label)
+
+    def factor_labels(self, f: Factor) -> tuple[int, ...]:
+        return tuple(self.uf.find(x) for x in f.labels)
+
+    def out_labels(self) -> tuple[int, ...]:
+        return tuple(self.uf.find(x) for x in self.out)
+
+    def summed_labels(self) -> set[int]:
+        return {self.uf.find(x) for x in self.summed}
+
+
+def _size(node: Any, i: int):
+    return val(node).shape[i]
+
+
+def _is_one(s) -> bool:
+    return statically_known_true(s == 1)
+
+
+def _same(s1, s2) -> bool:
+    return statically_known_true(s1 == s2)
+
+
+def _dims_arg(node: torch.fx.Node, pos: int, name: str):
+    if len(node.args) > pos:
+        rest = node.args[pos:]
+        return rest[0] if len(rest) == 1 else tuple(rest)
+    return node.kwargs.get(name)
+
+
+class _Evaluator:
+    """Evaluate a node as an IndexTerm, stopping at ``stop`` nodes and at anything not
+    structural (those become leaf factors with fresh labels)."""
+
+    def __init__(self, stop: set[torch.fx.Node], allow_exp: bool, allow_sum: bool):
+        self.stop = stop
+        self.allow_exp = allow_exp
+        self.allow_sum = allow_sum
+        self.uf = _UnionFind()
+
+    def leaf(self, node: torch.fx.Node) -> IndexTerm:
+        labels = tuple(self.uf.fresh() for _ in range(val(node).dim()))
+        return IndexTerm([Factor(node, labels)], labels, set(), self.uf)
+
+    def term(self, node: Any, top: bool = False) -> IndexTerm | None:
+        v = val(node)
+        if not isinstance(node, torch.fx.Node) or not isinstance(v, torch.Tensor):
+            return None
+        if node in self.stop:
+            return self.leaf(node)
+        t = self._structural(node, top)
+        if t is None:
+            return self.leaf(node)
+        t.looked_through.append(node)
+        return t
+
+    def _structural(self, node: torch.fx.Node, top: bool) -> IndexTerm | None:
+        # Each branch returns None when the node is not a pure relabelling/product; it then
+        # becomes a leaf, which keeps the evaluator sound: it never claims more than it proved.
+        if top and self.allow_exp and (is_call(node, torch.exp) or is_method(node, "exp")):
+            inner = self.term(node.args[0])
+            if inner is None:
+                return None
+            return IndexTerm([], inner.out, set(), self.uf, exp_of=inner,
+                             looked_through=inner.looked_through)
+        if is_cast(node) or (is_method(node, "contiguous", "clone") and len(node.args) == 1 and not node.kwargs):
+            # Same values: the op reads any strides, so the copy is not needed for the scan.
+            return self.term(node.args[0])
+        if is_call(node, *_MUL) or is_method(node, "mul"):
+            if len(node.args) != 2 or node.kwargs:
+                return None
+            return self._mul(node, node.args[0], node.args[1])
+        if is_call(node, torch.einsum, torch.functional.einsum):
+            return self._einsum(node)
+        if is_call(node, torch.matmul, operator.matmul) or is_method(node, "matmul"):
+            return self._matmul(node)
+        if self.allow_sum and (is_call(node, torch.sum) or is_method(node, "sum")):
+            return self._sum(node)
+        return self._view(node)
+
+    def _mul(self, node, x, y) -> IndexTerm | None:
+        tx, ty = self.term(x), self.term(y)
+        if tx is None or ty is None:
+            return None
+        out_shape = val(node).shape
+        out: list[int] = []
+        rank = len(out_shape)
+        for i in range(rank):
+            labels = []
+            for t, src in ((tx, x), (ty, y)):
+                j = i - (rank - len(t.out))
+                if j >= 0 and _same(_size(src, j), out_shape[i]):
+                    labels.append(t.out[j])
+            if not labels:
+                labels = [self.uf.fresh()]
+            for other in labels[1:]:
+                self.uf.union(other, labels[0])
+            out.append(labels[0])
+        return self._combine([tx, ty], tuple(out), set())
+
+    def _combine(self, terms, out, summed) -> IndexTerm | None:
+        if any(t.exp_of is not None for t in terms):
+            return None
+        factors = [f for t in terms for f in t.factors]
+        summed = set(summed).union(*(t.summed for t in terms))
+        through = [n for t in terms for n in t.looked_through]
+        return IndexTerm(factors, out, summed, self.uf, looked_through=through)
+
+    def _einsum(self, node) -> IndexTerm | None:
+        eq, *ops = node.args
+        if isinstance(eq, str) and len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+            ops = list(ops[0])
+        if not isinstance(eq, str) or node.kwargs:
+            return None
+        eq = eq.replace(" ", "")
+        m = re.fullmatch(r"([a-zA-Z,]+)->([a-zA-Z]*)", eq)
+        if m is None:
+            return None
+        ins, outs = m.group(1).split(","), m.group(2)
+        if len(ins) != len(ops) or len(set(outs)) != len(outs):
+            return None
+        terms = [self.term(o) for o in ops]
+        if any(t is None for t in terms):
+            return None
+        letter: dict[str, int] = {}
+        for sub, t, o in zip(ins, terms, ops):
+            if len(sub) != len(t.out):
+                return None
+            for ch, lab, i in zip(sub, t.out, range(len(sub))):
+                if _is_one(_size(o, i)) and ch in letter:
+                    # A size-1 operand axis broadcasts in einsum; it carries no index.
+                    continue
+                if ch in letter:
+                    self.uf.union(lab, letter[ch])
+                else:
+                    letter[ch] = lab
+        if any(ch not in letter for ch in outs):
+            return None
+        summed = {letter[ch] for ch in letter if ch not in outs}
+        return self._combine(terms, tuple(letter[ch] for ch in outs), summed)
+
+    def _matmul(self, node) -> IndexTerm | None:
+        x, y = node.args[0], node.args[1]
+        tx, ty = self.term(x), self.term(y)
+        if tx is None or ty is None or len(tx.out) < 2 or len(ty.out) < 2:
+            return None
+        self.uf.union(tx.out[-1], ty.out[-2])
+        bx, by = tx.out[:-2], ty.out[:-2]
+        if len(bx) != len(by):
+            return None
+        for i, (lx, ly) in enumerate(zip(bx, by)):
+            if _same(_size(x, i), _size(y, i)):
+                self.uf.union(lx, ly)
+            else:
+                return None
+        out = bx + (tx.out[-2], ty.out[-1])
+        return self._combine([tx, ty], out, {tx.out[-1]})
+
+    def _sum(self, node) -> IndexTerm | None:
+        x = node.args[0]
+        dims = _dims_arg(node, 1, "dim")
+        keepdim = node.kwargs.get("keepdim", False)
+        if dims is None or keepdim or set(node.kwargs) - {"dim", "keepdim"}:
+            return None
+        t = self.term(x)
+        if t is None:
+            return None
+        rank = len(t.out)
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        if not all(isinstance(d, int) for d in dims):
+            return None
+        dims = {d % rank for d in dims}
+        out = tuple(lab for i, lab in enumerate(t.out) if i not in dims)
+        return self._combine([t], out, {t.out[i] for i in dims})
+
+    def _view(self, node) -> IndexTerm | None:
+        """Views that only insert/drop size-1 axes, permute, or broadcast-expand."""
+        if not node.args:
+            return None
+        x = node.args[0]
+        src = val(x)
+        if not isinstance(x, torch.fx.Node) or not isinstance(src, torch.Tensor):
+            return None
+        out_shape = val(node).shape
+        if is_method(node, "unsqueeze") or is_call(node, torch.unsqueeze):
+            t = self.term(x)
+            if t is None:
+                return None
+            dim = _dims_arg(node, 1, "dim") % (len(t.out) + 1)
+            return self._relabel(t, t.out[:dim] + (self.uf.fresh(),) + t.out[dim:])
+        if is_method(node, "permute") or is_call(node, torch.permute):
+            perm = _dims_arg(node, 1, "dims")
+            if isinstance(perm, int):
+                perm = (perm,)
+            t = self.term(x)
+            if t is None or not all(isinstance(p, int) for p in perm):
+                return None
+            return self._relabel(t, tuple(t.out[p % len(t.out)] for p in perm))
+        if is_method(node, "transpose", "swapaxes") or is_call(node, torch.transpose):
+            t = self.term(x)
+            d0, d1 = node.args[1:3] if len(node.args) >= 3 else (None, None)
+            if t is None or not isinstance(d0, int) or not isinstance(d1, int):
+                return None
+            out = list(t.out)
+            d0, d1 = d0 % len(out), d1 % len(out)
+            out[d0], out[d1] = out[d1], out[d0]
+            return self._relabel(t, tuple(out))
+        if is_method(node, "expand", "expand_as"):
+            t = self.term(x)
+            if t is None:
+                return None
+            lead = len(out_shape) - len(t.out)
+            out = [self.uf.fresh() for _ in range(lead)]
+            for i, lab in enumerate(t.out):
+                out.append(lab if _same(src.shape[i], out_shape[lead + i]) else self.uf.fresh())
+            return self._relabel(t, tuple(out))
+        if is_method(node, "squeeze") or is_call(node, torch.squeeze):
+            dims = _dims_arg(node, 1, "dim")
+            if dims is None:
+                return None
+            dims = [dims] if isinstance(dims, int) else list(dims)
+            return self._drop_ones(x, [d % src.dim() for d in dims])
+        if is_method(node, "view", "reshape") or is_call(node, torch.reshape):
+            return self._reshape_ones(x, out_shape)
+        if is_call(node, operator.getitem):
+            return self._getitem(node, x, src)
+        return None
+
+    def _relabel(self, t: IndexTerm, out: tuple[int, ...]) -> IndexTerm:
+        return IndexTerm(t.factors, out, t.summed, self.uf, t.exp_of, t.looked_through)
+
+    def _drop_ones(self, x, dims) -> IndexTerm | None:
+        src = val(x)
+        dims = [d for d in dims if _is_one(src.shape[d])]
+        t = self.term(x)
+        if t is None:
+            return None
+        return self._relabel(t, tuple(lab for i, lab in enumerate(t.out) if i not in dims))
+
+    def _reshape_ones(self, x, out_shape) -> IndexTerm | None:
+        src = val(x).shape
+        keep_in = [i for i, s in enumerate(src) if not _is_one(s)]
+        keep_out = [i for i, s in enumerate(out_shape) if not _is_one(s)]
+        if len(keep_in) != len(keep_out) or not all(
+            _same(src[i], out_shape[j]) for i, j in zip(keep_in, keep_out)
+        ):
+            return None
+        t = self.term(x)
+        if t is None:
+            return None
+        out = [self.uf.fresh() for _ in out_shape]
+        for i, j in zip(keep_in, keep_out):
+            out[j] = t.out[i]
+        return self._relabel(t, tuple(out))
+
+    def _getitem(self, node, x, src) -> IndexTerm | None:
+        idx = node.args[1]
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        if sum(1 for i in idx if i is Ellipsis) > 1:
+            return None
+        expanded: list[Any] = []
+        for i in idx:
+            if i is Ellipsis:
+                expanded.extend([slice(None)] * (src.dim() - n_real))
+            else:
+                expanded.append(i)
+        expanded.extend([slice(None)] * (src.dim() - sum(1 for i in expanded if i is not None)))
+        out: list[Any] = []
+        axis = 0
+        for i in expanded:
+            if i is None:
+                out.append(self.uf.fresh())
+                continue
+            if isinstance(i, slice) and i == slice(None):
+                out.append(("keep", axis))
+            elif isinstance(i, int) and _is_one(src.shape[axis]) and i in (0, -1):
+                pass
+            else:
+                return None
+            axis += 1
+        t = self.term(x)
+        if t is None:
+            return None
+        return self._relabel(t, tuple(t.out[o[1]] if isinstance(o, tuple) else o for o in out))
+
+
+def index_term(node: torch.fx.Node, stop: Sequence[torch.fx.Node] = (), *, allow_exp: bool = False,
+               allow_sum: bool = False) -> IndexTerm | None:
+    """Evaluate ``node`` as an index expression (see module docstring); None if it isn't a tensor.
+
+    ``stop`` nodes are always leaves. ``allow_exp`` lets the top node be ``exp(...)``;
+    ``allow_sum`` lets ``sum(dim)`` contract axes (readouts).
+    """
+    return _Evaluator(set(stop), allow_exp, allow_sum).term(node, top=True)
+
+
+def view_source(node: torch.fx.Node, roles: Sequence[str]) -> Source:
+    """The value ``node`` is a pure view/cast of, with its axis roles (``node`` itself if none).
+
+    ``roles`` are the roles of ``node``'s axes. Looking through transposes, permutes, size-1
+    axis edits and dtype casts lets the op read the original tensor through one permuted view
+    instead of a chain of them.
+    """
+    t = index_term(node)
+    if t is None or t.summed or len(t.factors) != 1:
+        return Source(node, tuple(roles))
+    out = t.out_labels()
+    leaf = t.factor_labels(t.factors[0])
+    if len(set(out)) != len(out) or sorted(out) != sorted(leaf):
+        return Source(node, tuple(roles))
+    role = dict(zip(out, roles))
+    return Source(t.factors[0].node, tuple(role[lab] for lab in leaf))
+
+
+def grouped_source(node: torch.fx.Node, roles: Sequence[str]) -> Source | None:
+    """Undo a group broadcast: ``x.repeat_interleave(H, dim=k)`` along the dim axis -> x, axis k = "g".
+
+    Grouped B/C (batch, G, N, L) reach per-channel code repeated H = dim // G times along the
+    channel axis (channel d uses group d // H), which is exactly the op's grouped layout.
+    """
+    if not (is_call(node, torch.repeat_interleave) or is_method(node, "repeat_interleave")):
+        return None
+    x = node.args[0]
+    reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if set(node.kwargs) - {"repeats", "dim", "output_size"} or not isinstance(reps, int):
+        return None
+    if not isinstance(dim, int) or not isinstance(val(x), torch.Tensor) or val(x).dim() != len(roles):
+        return None
+    dim %= len(roles)
+    if roles[dim] != "d":
+        return None
+    g_roles = tuple(roles[:dim]) + ("g",) + tuple(roles[dim + 1:])
+    return view_source(x, g_roles)
+
+
+def _roles_of(term: IndexTerm, f: Factor, role: dict[int, str]) -> tuple[str, ...] | None:
+    labels = term.factor_labels(f)
+    if len(set(labels)) != len(labels) or any(lab not in role for lab in labels):
+        return None
+    return tuple(role[lab] for lab in labels)
+
+
+def _time_axes(axes) -> tuple[int, int]:
+    if isinstance(axes, int):
+        return axes, axes
+    a, b = axes
+    return int(a), int(b)
+
+
+def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int | tuple[int, int]
+                         ) -> Discretized | str:
+    """Prove ``a_full == exp(Δ ⊗ A)`` and ``b_full == Δ · B · u`` with one Δ, or say why not.
+
+    Args:
+        a_full: the node whose time slices multiply the state (4-D, e.g. ``deltaA`` (b, d, L, N)).
+        b_full: the node whose time slices are added to the state (4-D, same axis roles).
+        axes: the time axis of both (an int), or ``(time_axis_of_a_full, time_axis_of_b_full)``.
+
+    Returns:
+        A ``Discretized`` with the source nodes of u, Δ, A, B and the role of each of their
+        axes (``Source.perm_to("bdt")`` gives the permutation to the op's layout), and the roles
+        of a_full's and b_full's axes; or a string saying why it is not a discretisation.
+
+    Example:
+        ``deltaA = exp(einsum('bdl,dn->bdln', delta, A))``,
+        ``deltaB_u = einsum('bdl,bnl,bdl->bdln', delta, B, u)``:
+        ``match_discretization(deltaA, deltaB_u, 2)`` gives ``u=Source(u, ("b","d","t"))``,
+        ``B=Source(B, ("b","n","t"))``, ``a_roles == b_roles == ("b","d","t","n")``.
+    """
+    ta, tb = _time_axes(axes)
+    va, vb = val(a_full), val(b_full)
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return "A_full/B_full are not tensors"
+    if va.dim() != 4 or vb.dim() != 4:
+        return ("A_full and B_full must be 4-D (batch, dim, time, state) in some order, "
+                f"got {va.dim()}-D and {vb.dim()}-D")
+
+    at = index_term(a_full, allow_exp=True)
+    if at is None or at.exp_of is None:
+        return "A_full is not exp(Δ·A)"
+    inner = at.exp_of
+    if inner.summed or len(inner.factors) != 2:
+        return (f"A_full is exp of a product of {len(inner.factors)} factors with {len(inner.summed)} "
+                "summed axes; expected exp(Δ·A)")
+    a_out = at.out_labels()
+    if len(set(a_out)) != 4:
+        return "A_full's axes are not four distinct indices"
+    t_lab = a_out[ta % 4]
+    f0, f1 = inner.factors
+    l0, l1 = set(at.factor_labels(f0)), set(at.factor_labels(f1))
+    if t_lab in l0 and t_lab not in l1:
+        fd, fa, sd, sa = f0, f1, l0, l1
+    elif t_lab in l1 and t_lab not in l0:
+        fd, fa, sd, sa = f1, f0, l1, l0
+    else:
+        return "A_full: exactly one factor of exp(Δ·A) must vary with time (Δ) and one must not (A)"
+    n_lab, d_lab = sa - sd, sa & sd
+    b_lab = sd - sa - {t_lab}
+    if len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1:
+        return "A_full: A must be indexed by (dim, state) and Δ by (batch, dim, time)"
+    role = {b_lab.pop(): "b", d_lab.pop(): "d", t_lab: "t", n_lab.pop(): "n"}
+    if set(a_out) != set(role):
+        return "A_full's axes are not (batch, dim, time, state)"
+    a_roles = tuple(role[x] for x in a_out)
+    delta_roles = _roles_of(at, fd, role)
+    A_roles = _roles_of(at, fa, role)
+    if delta_roles is None or sorted(delta_roles) != ["b", "d", "t"]:
+        return "A_full: Δ must have exactly the axes (batch, dim, time)"
+    if A_roles is None or sorted(A_roles) != ["d", "n"]:
+        return "A_full: A must have exactly the axes (dim, state)"
+
+    bt = index_term(b_full)
+    if bt is None or bt.summed or len(bt.factors) != 3:
+        n = 0 if bt is None else len(bt.factors)
+        return f"B_full is not a product Δ·B·u (found {n} factors)"
+    deltas = [f for f in bt.factors if f.node is fd.node]
+    if not deltas:
+        return "B_full does not use the same Δ as A_full"
+    b_out = bt.out_labels()
+    if len(set(b_out)) != 4:
+        return "B_full's axes are not four distinct indices"
+    brole: dict[int, str] = {}
+    fdb = deltas[0]
+    for lab, r in zip(bt.factor_labels(fdb), delta_roles):
+        brole[lab] = r
+    if b_out[tb % 4] not in brole or brole[b_out[tb % 4]] != "t":
+        return "B_full: Δ's time axis is not B_full's time axis (Δ at a different time index)"
+    rest_out = [lab for lab in b_out if lab not in brole]
+    if len(rest_out) != 1:
+        return "B_full: Δ in B_full is not indexed like Δ in A_full"
+    brole[rest_out[0]] = "n"
+    b_roles = tuple(brole[x] for x in b_out)
+    if [r for r in b_roles if r != "t"] != [r for r in a_roles if r != "t"]:
+        return "A_full and B_full slices have different axis orders; the state update would not line up"
+    others = [f for f in bt.factors if f is not fdb]
+    u_src = B_src = None
+    for f in others:
+        roles = _roles_of(bt, f, brole)
+        if roles is None:
+            return "B_full: a factor has an axis that is not one of (batch, dim, time, state)"
+        if "n" in roles:
+            if B_src is not None:
+                return "B_full: two factors carry the state axis"
+            B_src = Source(f.node, roles)
+        else:
+            if u_src is not None:
+                return "B_full: expected one input factor u"
+            u_src = Source(f.node, roles)
+    if B_src is None or u_src is None:
+        return "B_full: expected factors Δ, B (with the state axis) and u"
+    if sorted(u_src.roles) != ["b", "d", "t"]:
+        return "B_full: u must have exactly the axes (batch, dim, time)"
+    if sorted(B_src.roles) == ["b", "d", "n", "t"]:
+        B_src = grouped_source(B_src.node, B_src.roles)
+        if B_src is None:
+            return "B_full: a per-channel B is only accepted as a group broadcast (repeat_interleave over dim)"
+    elif sorted(B_src.roles) not in (["b", "n", "t"], ["d", "n"]):
+        return f"B_full: B must be indexed by (batch, state, time) or (dim, state), got {B_src.roles}"
+    return Discretized(
+        u=u_src,
+        delta=Source(fd.node, delta_roles),
+        A=Source(fa.node, A_roles),
+        B=B_src,
+        a_roles=a_roles,
+        b_roles=b_roles,
+        nodes=list(dict.fromkeys(at.looked_through + bt.looked_through)),
+    )

@@ -1,0 +1,346 @@
+"""Small helpers shared by the passes: fake values, target matching, graph text, layout views.
+
+The passes run on dynamo's FX graph (torch-level IR, before AOTAutograd): ``call_function`` on
+``torch.*`` / ``operator.*`` / ``F.*``, ``call_method`` on tensor methods, fake tensors in
+``node.meta["example_value"]`` (``"val"`` once something has propagated it). Everything here is
+generic; no pattern knowledge lives in this file.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+_CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+__all__ = [
+    "val",
+    "set_val",
+    "propagate_val",
+    "is_tensor_node",
+    "is_call",
+    "is_method",
+    "is_cast",
+    "target_name",
+    "kind_name",
+    "normalized_graph_str",
+    "dtype_of",
+    "ndim_of",
+    "shape_of",
+    "permute_view",
+    "time_slice",
+    "parse_slice",
+    "parse_index",
+    "getitem",
+]
+
+
+def val(node: Any) -> Any:
+    """The fake value of ``node`` (``meta["val"]``, else dynamo's ``meta["example_value"]``), or None.
+
+    Non-Node arguments (ints, floats, None) are returned unchanged so callers can treat graph
+    values and literals alike.
+    """
+    if not isinstance(node, torch.fx.Node):
+        return node
+    meta = node.meta
+    return meta.get("val", meta.get("example_value"))
+
+
+def set_val(node: torch.fx.Node, value: Any) -> None:
+    """Record ``value`` under both keys, so dynamo-style and AOT-style readers both see it."""
+    node.meta["val"] = value
+    node.meta["example_value"] = value
+
+
+def _fake_mode(values: Iterable[Any]):
+    # The values' own mode, not the tracing context's: inside a backend, dynamo has already
+    # switched the context to a fresh mode for AOTAutograd, and mixing the two is an error.
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
+
+
+def propagate_val(node: torch.fx.Node) -> Any:
+    """Compute and record ``node``'s fake value by running its target on its inputs' fake values.
+
+    Passes call this on the nodes they emit, so later passes (and ``explain``) can read shapes and
+    dtypes from the rewritten graph exactly as from dynamo's.
+    """
+    args = torch.fx.node.map_arg(node.args, val)
+    kwargs = torch.fx.node.map_arg(node.kwargs, val)
+    flat = torch.utils._pytree.tree_leaves((args, kwargs))
+    mode = _fake_mode(flat)
+    if mode is None:
+        raise RuntimeError(f"propagate_val: no fake inputs found for node {node.name!r}")
+    with mode:
+        if node.op == "call_function":
+            out = node.target(*args, **kwargs)
+        elif node.op == "call_method":
+            self_arg, *rest = args
+            out = getattr(self_arg, node.target)(*rest, **kwargs)
+        else:
+            raise RuntimeError(f"propagate_val: cannot run a {node.op} node ({node.name!r})")
+    set_val(node, out)
+    return out
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and isinstance(val(node), torch.Tensor)
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    """``node`` is a ``call_function`` of one of ``targets`` (OpOverloadPackets match any overload)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    for t in targets:
+        if node.target is t:
+            return True
+        if isinstance(t, torch._ops.OpOverloadPacket) and getattr(node.target, "overloadpacket", None) is t:
+            return True
+    return False
+
+
+def is_method(node: Any, *names: str) -> bool:
+    """``node`` is a ``call_method`` whose method name is one of ``names``."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in names
+
+
+def is_cast(node: Any) -> bool:
+    """A dtype cast (or a no-op ``.to(device=...)``): same values up to rounding, same axes."""
+    if not is_method(node, *_CAST_METHODS):
+        return False
+    if node.target in ("to", "type"):
+        extra = list(node.args[1:]) + [v for k, v in node.kwargs.items() if k in ("dtype", "device")]
+        if any(isinstance(a, torch.fx.Node) for a in extra):
+            return False
+        if any(k not in ("dtype", "device", "copy", "non_blocking") for k in node.kwargs):
+            return False
+    out, src = val(node), val(node.args[0])
+    return (
+        isinstance(out, torch.Tensor)
+        and isinstance(src, torch.Tensor)
+        and out.dtype in _FLOAT_DTYPES
+        and src.dtype in _FLOAT_DTYPES
+        and out.shape == src.shape
+        and out.device == src.device
+    )
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def ndim_of(node: Any) -> int | None:
+    v = val(node)
+    return v.dim() if isinstance(v, torch.Tensor) else None
+
+
+def shape_of(node: Any) -> tuple | None:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def target_name(node: torch.fx.Node) -> str:
+    """A stable, qualified name for a node's target: ``torch.exp``, ``operator.mul``, ``.permute``."""
+    target = node.target
+    if node.op == "call_method":
+        return f".{target}"
+    if node.op != "call_function":
+        return str(target)
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return f"torch.ops.{target}"
+    if getattr(target, "__module__", None) == "_operator":
+        return f"operator.{target.__name__}"
+    try:
+        return torch.fx.node._get_qualified_name(target)
+    except (RuntimeError, AttributeError):
+        return getattr(target, "__name__", repr(target))
+
+
+def kind_name(node: torch.fx.Node) -> str:
+    """The short kind a node is renumbered under in ``normalized_graph_str``."""
+    if node.op == "placeholder":
+        return "arg"
+    if node.op == "get_attr":
+        return "attr"
+    if node.op == "output":
+        return "output"
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_module":
+        return "module"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        # ssm.selective_scan.default -> selective_scan
+        return target._opname
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", "call").lstrip("_")
+
+
+def _fmt_slice(s: slice) -> str:
+    parts = ["" if x is None else _fmt_arg(x, {}) for x in (s.start, s.stop)]
+    text = ":".join(parts)
+    if s.step is not None:
+        text += f":{_fmt_arg(s.step, {})}"
+    return text
+
+
+def _fmt_arg(a: Any, names: dict[torch.fx.Node, str]) -> str:
+    if isinstance(a, torch.fx.Node):
+        return f"%{names.get(a, a.name)}"
+    if isinstance(a, slice):
+        return _fmt_slice(a)
+    if isinstance(a, tuple):
+        inner = ", ".join(_fmt_arg(x, names) for x in a)
+        return f"({inner},)" if len(a) == 1 else f"({inner})"
+    if isinstance(a, list):
+        return "[" + ", ".join(_fmt_arg(x, names) for x in a) + "]"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k!r}: {_fmt_arg(v, names)}" for k, v in a.items()) + "}"
+    if a is Ellipsis:
+        return "..."
+    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(a)
+    return repr(a)
+
+
+def _fmt_meta(node: torch.fx.Node) -> str:
+    v = val(node)
+    if isinstance(v, torch.Tensor):
+        dt = str(v.dtype).removeprefix("torch.")
+        return f"{dt}{list(v.shape)}"
+    if isinstance(v, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in v):
+        return "(" + ", ".join(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}" for x in v) + ")"
+    return ""
+
+
+def normalized_graph_str(gm: torch.fx.GraphModule | torch.fx.Graph, with_meta: bool = False) -> str:
+    """Stable text of a graph, for ``assertExpectedInline`` snapshots.
+
+    Node names are renumbered per kind in graph order (``exp_1``, ``selective_scan_1``,
+    ``getitem_3``; placeholders ``arg_1``...), so snapshots don't depend on the names dynamo
+    derived from user variables or on how many nodes a pass erased. Placeholders keep their
+    source name (``L_u_``) in brackets. ``with_meta`` appends ``dtype[shape]`` of each value.
+    """
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    counts: dict[str, int] = {}
+    names: dict[torch.fx.Node, str] = {}
+    lines = []
+    for node in graph.nodes:
+        if node.op == "output":
+            lines.append(f"return {_fmt_arg(node.args[0], names)}")
+            continue
+        kind = kind_name(node)
+        counts[kind] = counts.get(kind, 0) + 1
+        names[node] = f"{kind}_{counts[kind]}"
+        if node.op == "placeholder":
+            rhs = f"placeholder[{node.target}]"
+        elif node.op == "get_attr":
+            rhs = f"get_attr[{node.target}]"
+        else:
+            args = [_fmt_arg(a, names) for a in node.args]
+            args += [f"{k}={_fmt_arg(v, names)}" for k, v in node.kwargs.items()]
+            rhs = f"{target_name(node)}({', '.join(args)})"
+        meta = f"  # {_fmt_meta(node)}" if with_meta and _fmt_meta(node) else ""
+        lines.append(f"%{names[node]} = {rhs}{meta}")
+    return "\n".join(lines) + "\n"
+
+
+def time_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
+    """``(base, axis, index)`` if ``node`` selects one index along one axis of ``base``.
+
+    Accepts ``x[:, :, i]``, ``x[..., i, :]``, ``x[:, None, :, i]`` and ``x.select(axis, i)``;
+    negative indices are normalised, so ``x[:, -1]`` at step 0 reads as index L-1 (and is
+    refused as a lag).
+    """
+    parsed = parse_slice(node)
+    return None if parsed is None else parsed[:3]
+
+
+def parse_slice(node: Any) -> tuple[torch.fx.Node, int, int, list[int | None]] | None:
+    """``time_slice`` plus, for each axis of the base, the axis of ``node`` it became (None: the sliced axis)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if is_call(node, torch.select) or is_method(node, "select"):
+        if len(node.args) != 3 or node.kwargs:
+            return None
+        base, axis, idx = node.args
+        vb = val(base)
+        if not isinstance(axis, int) or not isinstance(vb, torch.Tensor):
+            return None
+        axis %= vb.dim()
+        index = (slice(None),) * axis + (idx,)
+    elif is_call(node, operator.getitem):
+        base, index = node.args
+    else:
+        return None
+    return parse_index(base, index)
+
+
+def parse_index(base: Any, index: Any) -> tuple[torch.fx.Node, int, int, list[int | None]] | None:
+    """``parse_slice`` for ``base[index]`` (also the target of ``operator.setitem``)."""
+    index = index if isinstance(index, tuple) else (index,)
+    vb = val(base)
+    if not isinstance(base, torch.fx.Node) or not isinstance(vb, torch.Tensor):
+        return None
+    ints = [x for x in index if isinstance(x, int) and not isinstance(x, bool)]
+    if len(ints) != 1 or sum(x is Ellipsis for x in index) > 1:
+        return None
+    if not all(x is None or x is Ellipsis or isinstance(x, int) or (isinstance(x, slice) and x == slice(None))
+               for x in index):
+        return None
+    n_real = sum(1 for x in index if x is not None and x is not Ellipsis)
+    full: list[Any] = []
+    for x in index:
+        full.extend([slice(None)] * (vb.dim() - n_real) if x is Ellipsis else [x])
+    full.extend([slice(None)] * (vb.dim() - sum(1 for x in full if x is not None)))
+    base_to_out: list[int | None] = []
+    out_axis = 0
+    axis = idx = None
+    for x in full:
+        if x is None:
+            out_axis += 1
+        elif isinstance(x, int):
+            axis, idx = len(base_to_out), x
+            base_to_out.append(None)
+        else:
+            base_to_out.append(out_axis)
+            out_axis += 1
+    size = vb.shape[axis]
+    if not isinstance(size, int):
+        # Unrolling specialises the loop's length; a symbolic time axis cannot be this loop's.
+        if not is_concrete_int(size):
+            return None
+        size = int(size)
+    if idx < 0:
+        idx += size
+    if not 0 <= idx < size:
+        return None
+    return base, axis, idx, base_to_out
+
+
+def permute_view(graph: torch.fx.Graph, node: torch.fx.Node, perm: Sequence[int]) -> torch.fx.Node:
+    """Insert ``node.permute(perm)`` (a view, no copy) unless ``perm`` is the identity.
+
+    Call inside ``graph.inserting_*`` to control placement; the new node gets a fake value.
+    """
+    perm = tuple(int(p) for p in perm)
+    if perm == tuple(range(len(perm))):
+        return node
+    out = graph.call_method("permute", (node, perm))
+    propagate_val(out)
+    return out
+
+
+def getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: Any) -> torch.fx.Node:
+    """Insert ``operator.getitem(node, index)`` with its fake value."""
+    out = graph.call_function(operator.getitem, (node, index))
+    propagate_val(out)
+    return out

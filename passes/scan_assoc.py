@@ -1,0 +1,718 @@
+"""Recognise the ``associative_scan`` form of the selective scan (family ``scan_assoc``).
+
+HF transformers (``use_associative_scan=True``, its default under torch.compile) computes all
+states with::
+
+    def combine_fn(left, right):
+        return left[0] * right[0], right[0] * left[1] + right[1]
+    _, all_states = associative_scan(combine_fn, (discrete_A, deltaB_u), dim=2, combine_mode=m)
+    y = torch.matmul(all_states.transpose(1, 2).to(dtype), C.unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+    last_state = all_states[:, :, -1]
+
+which materialises (batch, dim, L, N) states. This pass replaces it with one
+``ssm.selective_scan`` (linear memory). What dynamo leaves in the graph depends on the mode:
+
+- ``combine_mode="pointwise"`` (HF on CUDA): ``movedim(x, dim, 0)`` of both inputs, one HOP node
+  ``torch.ops.higher_order.associative_scan(subgraph, [a, b], ())`` with the combine as a
+  subgraph, ``getitem``s, and ``movedim(o, 0, dim)`` back.
+- ``combine_mode="generic"`` (HF on CPU): no HOP. Dynamo inlines torch's recursive odd/even scan:
+  ``aten.slice`` with step 2, the combine vmapped and inlined between ``_add_batch_dim`` and
+  ``_remove_batch_dim``, then ``stack``/``flatten`` interleaves, ``pad``, ``cat``.
+
+Both are proved by one abstract interpretation along the time axis. Each time-major value is a
+list with one entry per time position; an entry is the interval ``(i, j)`` of steps whose
+composition it holds (a seed holds ``(t, t)``; ``None`` is padding). Slices, pads, cats and
+interleaves move entries around; a combine output is checked symbolically (sympy) to be
+``a_l*a_r`` or ``a_r*b_l + b_r`` of inputs whose intervals are adjacent (left then right), and
+then holds their union. Because that combine is the composition of the affine maps
+``h -> a*h + b``, the states output is the scan exactly when its entry ``t`` is ``(0, t)`` for
+every t. The combine's order matters: ``a_l*b_r + b_l`` (the right-to-left composition) or any
+nonlinear combine is refused.
+
+Then ``passes.discretize.match_discretization`` proves the inputs are exp(Δ·A) and Δ·B·u, and
+``index_term`` proves the readout is Σ_n states·C; the last state is ``states[..., -1, ...]``
+along the time axis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import operator
+from typing import Any, Optional, Union
+
+import sympy
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from .delta import SCAN_ARG_NAMES, cast_dtype, hoist_before, node_order, view_perm
+from .discretize import Discretized, index_term, match_discretization
+from .fx_utils import dtype_of, getitem, is_call, is_method, permute_view, propagate_val, shape_of, val
+from .manager import PassContext, PassManager
+
+log = logging.getLogger("ssm_compile")
+
+FAMILY = "scan_assoc"
+
+# Dynamo records vmap's functorch calls through ``torch._functorch.predispatch``; the raw
+# ``torch._C._functorch`` spellings are accepted too, in case another torch version records those.
+_predispatch = torch._functorch.predispatch
+_functorch_c = torch._C._functorch
+_VMAP_BOOKKEEPING = (_predispatch.lazy_load_decompositions,
+                     _predispatch._vmap_increment_nesting, _functorch_c._vmap_increment_nesting,
+                     _predispatch._vmap_decrement_nesting, _functorch_c._vmap_decrement_nesting)
+_VMAP_DECREMENT = (_predispatch._vmap_decrement_nesting, _functorch_c._vmap_decrement_nesting)
+_ADD_BATCH_DIM = (_predispatch._add_batch_dim, _functorch_c._add_batch_dim)
+_REMOVE_BATCH_DIM = (_predispatch._remove_batch_dim, _functorch_c._remove_batch_dim)
+_ASSOC_HOP = torch.ops.higher_order.associative_scan
+
+_SYMPY_BINARY = {
+    operator.mul: operator.mul, torch.mul: operator.mul, "mul": operator.mul,
+    operator.add: operator.add, torch.add: operator.add, "add": operator.add,
+    operator.sub: operator.sub, torch.sub: operator.sub, "sub": operator.sub,
+    operator.truediv: operator.truediv, torch.div: operator.truediv, "div": operator.truediv,
+}
+_SYMPY_UNARY = {operator.neg: operator.neg, torch.neg: operator.neg, "neg": operator.neg}
+
+Interval = Optional[tuple[int, int]]
+
+
+class _Fail(Exception):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SymbolicRun:
+    """The entries of a time axis of symbolic length (dynamic shapes): every entry is one step
+    ``(t, t)`` (``kind="steps"``) or a prefix ``(0, t)`` (``kind="prefixes"``). Only the HOP form
+    traces with a symbolic length; the generic form's recursion needs a concrete one."""
+
+    kind: str
+    length: Any
+
+
+@dataclasses.dataclass
+class Seq:
+    """A time-major value (time on axis 0): entry k holds the composition of steps ``iv[k]``."""
+
+    leaf: torch.fx.Node     # the seed (``movedim(input, dim, 0)``) whose component this is
+    iv: Union[tuple[Interval, ...], SymbolicRun]
+
+    def entries(self) -> tuple[Interval, ...]:
+        if isinstance(self.iv, SymbolicRun):
+            raise _Fail("the time axis has a symbolic length; only the associative_scan HOP "
+                        "(combine_mode='pointwise') can be proved then")
+        return self.iv
+
+    def is_steps(self) -> bool:
+        if isinstance(self.iv, SymbolicRun):
+            return self.iv.kind == "steps"
+        return self.iv == tuple((t, t) for t in range(len(self.iv)))
+
+    def is_prefixes(self) -> bool:
+        if isinstance(self.iv, SymbolicRun):
+            return self.iv.kind == "prefixes"
+        return self.iv == tuple((0, t) for t in range(len(self.iv)))
+
+
+@dataclasses.dataclass
+class Batched:
+    """A value inside the inlined vmap of the combine: a sympy expression of its inputs."""
+
+    expr: sympy.Expr
+
+
+@dataclasses.dataclass
+class Stacked:
+    """``stack([a, b], dim=1)`` of two Seqs, waiting for the ``flatten`` that interleaves them."""
+
+    pairs: tuple[tuple[Interval, Interval], ...]
+    leaf: torch.fx.Node
+
+
+@dataclasses.dataclass
+class HopOut:
+    outs: list[Seq]
+
+
+Abstract = Union[Seq, Batched, Stacked, HopOut]
+
+
+@dataclasses.dataclass
+class Region:
+    """One associative scan found in the graph, as the interpretation saw it."""
+
+    seeds: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    nodes: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    roles: dict[torch.fx.Node, str] = dataclasses.field(default_factory=dict)
+    outputs: list[tuple[torch.fx.Node, Seq]] = dataclasses.field(default_factory=list)
+    saw_combine: bool = False
+    mode: str = "generic"
+    failure: Optional[str] = None
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The combine proof
+# ---------------------------------------------------------------------------------------------
+
+def _adjacent(left: Interval, right: Interval) -> bool:
+    return left is not None and right is not None and left[1] + 1 == right[0]
+
+
+def _expr_of(node: Any, env: dict[torch.fx.Node, sympy.Expr]) -> sympy.Expr:
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return sympy.sympify(node)
+    if isinstance(node, torch.fx.Node) and node in env:
+        return env[node]
+    raise _Fail(f"the combine uses {node!r}, which is not one of its inputs or a number")
+
+
+def _eval_arith(node: torch.fx.Node, env: dict[torch.fx.Node, sympy.Expr]) -> sympy.Expr:
+    """Evaluate one elementwise arithmetic node symbolically; anything else is refused."""
+    key = node.target
+    if node.kwargs:
+        raise _Fail(f"the combine calls {node.target} with keyword arguments")
+    if key in _SYMPY_BINARY and len(node.args) == 2:
+        return _SYMPY_BINARY[key](_expr_of(node.args[0], env), _expr_of(node.args[1], env))
+    if key in _SYMPY_UNARY and len(node.args) == 1:
+        return _SYMPY_UNARY[key](_expr_of(node.args[0], env))
+    raise _Fail(f"the combine applies {getattr(key, '__name__', key)}, which is not linear-recurrence "
+                "arithmetic (mul/add/sub/div/neg)")
+
+
+def prove_combine(sub: torch.fx.GraphModule, num_extra: int = 0) -> tuple[int, int] | str:
+    """Check the HOP's combine subgraph is ``(a_l*a_r, a_r*b_l + b_r)`` up to algebra.
+
+    The subgraph takes the flattened leaves ``(x0_l, x1_l, x0_r, x1_r)``, then ``num_extra``
+    lifted symbolic sizes, which the arithmetic must not use. Returns ``(p, q)``: leaf ``p`` is
+    the multiplier ``a`` and leaf ``q`` the offset ``b``; or why it is not.
+    """
+    env: dict[torch.fx.Node, sympy.Expr] = {}
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 4 + num_extra:
+        return f"the combine takes {len(placeholders) - num_extra} inputs; expected two pairs (a, b)"
+    placeholders = placeholders[:4]
+    syms = sympy.symbols("x0_l x1_l x0_r x1_r")
+    env.update(zip(placeholders, syms))
+    outs: list[sympy.Expr] = []
+    try:
+        for node in sub.graph.nodes:
+            if node.op in ("call_function", "call_method"):
+                env[node] = _eval_arith(node, env)
+            elif node.op == "output":
+                outs = [_expr_of(o, env) for o in node.args[0]]
+            elif node.op != "placeholder":
+                return f"the combine contains a {node.op} node"
+    except _Fail as e:
+        return str(e)
+    if len(outs) != 2:
+        return f"the combine returns {len(outs)} values; expected 2"
+    x0l, x1l, x0r, x1r = syms
+    leaves = ((x0l, x0r), (x1l, x1r))
+    for p, q in ((0, 1), (1, 0)):
+        (al, ar), (bl, br) = leaves[p], leaves[q]
+        if (sympy.expand(outs[p] - al * ar) == 0
+                and sympy.expand(outs[q] - (ar * bl + br)) == 0):
+            return p, q
+    return (f"the combine computes ({outs[0]}, {outs[1]}), not the linear-recurrence combine "
+            "(a_l*a_r, a_r*b_l + b_r)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The abstract interpretation
+# ---------------------------------------------------------------------------------------------
+
+class _Interpreter:
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.values: dict[torch.fx.Node, Abstract] = {}
+        self.region_of: dict[torch.fx.Node, Region] = {}   # seed -> region
+        self.symbols: dict[sympy.Symbol, Seq] = {}
+        self.pending: list[torch.fx.Node] = []               # vmap bookkeeping not yet owned
+        self.last_region: Optional[Region] = None
+
+    # -- regions --------------------------------------------------------------------------
+    def region(self, leaf: torch.fx.Node) -> Region:
+        return self.region_of[leaf]
+
+    def merge(self, a: Region, b: Region) -> Region:
+        if a is b:
+            return a
+        a.seeds += b.seeds
+        a.nodes += b.nodes
+        a.roles.update(b.roles)
+        a.outputs += b.outputs
+        a.saw_combine |= b.saw_combine
+        a.failure = a.failure or b.failure
+        for seed in b.seeds:
+            self.region_of[seed] = a
+        return a
+
+    def set_role(self, region: Region, leaf: torch.fx.Node, role: str) -> None:
+        if region.roles.setdefault(leaf, role) != role:
+            raise _Fail("one scan input is used both as the multiplier and as the offset")
+
+    # -- driver ---------------------------------------------------------------------------
+    def run(self) -> list[Region]:
+        for node in self.gm.graph.nodes:
+            if is_call(node, *_VMAP_BOOKKEEPING):
+                self.pending.append(node)
+                if is_call(node, *_VMAP_DECREMENT) and self.last_region is not None:
+                    self.last_region.nodes += self.pending
+                    self.pending = []
+                continue
+            inputs = [a for a in node.all_input_nodes if a in self.values]
+            if not inputs:
+                self._maybe_seed(node)
+                continue
+            try:
+                region = self._region_of_value(self.values[inputs[0]])
+                for other in inputs[1:]:
+                    region = self.merge(region, self._region_of_value(self.values[other]))
+                if region.failure is not None:
+                    continue
+                out = self._transfer(node, region)
+            except _Fail as e:
+                region.failure = str(e)
+                continue
+            region.nodes.append(node)
+            if self.pending and out is not None:
+                region.nodes += self.pending
+                self.pending = []
+            self.last_region = region
+            if out is not None:
+                self.values[node] = out
+        regions = []
+        for r in self.region_of.values():
+            if r not in regions and (r.saw_combine or r.mode == "pointwise"):
+                regions.append(r)
+        return regions
+
+    def _region_of_value(self, v: Abstract) -> Region:
+        if isinstance(v, (Seq, Stacked)):
+            return self.region(v.leaf)
+        if isinstance(v, HopOut):
+            return self.region(v.outs[0].leaf)
+        if not v.expr.free_symbols:
+            raise _Fail("a combine output is a constant")
+        return self.region(self.symbols[next(iter(v.expr.free_symbols))].leaf)
+
+    def _maybe_seed(self, node: torch.fx.Node) -> None:
+        if not (is_call(node, torch.movedim) or is_method(node, "movedim")) or len(node.args) != 3:
+            return
+        x, src, dst = node.args
+        shape = shape_of(x)
+        if shape is None or dst != 0 or not isinstance(src, int) or len(shape) < 2:
+            return
+        length = shape[src]
+        steps = (tuple((t, t) for t in range(length)) if isinstance(length, int)
+                 else SymbolicRun("steps", length))
+        self.values[node] = Seq(node, steps)
+        self.region_of[node] = Region(seeds=[node], nodes=[node])
+
+    # -- transfer functions ---------------------------------------------------------------
+    def _transfer(self, node: torch.fx.Node, region: Region) -> Optional[Abstract]:
+        args = [self.values.get(a, a) if isinstance(a, torch.fx.Node) else a for a in node.args]
+        if is_call(node, torch.ops.aten.slice, torch.ops.aten.slice.Tensor):
+            return self._slice(args)
+        if is_call(node, *_ADD_BATCH_DIM):
+            x, bdim, _level = args
+            if not isinstance(x, Seq) or bdim != 0:
+                raise _Fail("a vmapped combine input is not batched over time")
+            if any(i is None for i in x.entries()):
+                raise _Fail("padding reaches a combine")
+            region.saw_combine = True
+            sym = sympy.Symbol(f"v{len(self.symbols)}")
+            self.symbols[sym] = x
+            return Batched(sym)
+        if is_call(node, *_REMOVE_BATCH_DIM):
+            x, _level, _size, out_dim = args
+            if not isinstance(x, Batched) or out_dim != 0:
+                raise _Fail("a vmapped combine output is not batched over time")
+            region.saw_combine = True
+            return self._combined(x.expr, region)
+        if all(isinstance(a, Batched) or isinstance(a, (int, float)) for a in args) and \
+                any(isinstance(a, Batched) for a in args):
+            env = {a: self.values[a].expr for a in node.all_input_nodes}
+            return Batched(_eval_arith(node, env))
+        if is_call(node, torch.stack):
+            return self._stack(node, args)
+        if is_call(node, torch.flatten) or is_method(node, "flatten"):
+            return self._flatten(node, args)
+        if is_call(node, F.pad, torch._C._nn.pad):
+            return self._pad(node, args)
+        if is_call(node, torch.cat, torch.concat):
+            return self._cat(node, args)
+        if is_call(node, torch.select_copy) and isinstance(args[0], Seq):
+            # The HOP's example slice for tracing its subgraph; never read.
+            return None
+        if is_call(node, _ASSOC_HOP):
+            return self._hop(node, args, region)
+        if (is_call(node, torch.flip) or is_method(node, "flip")) and isinstance(args[0], Seq):
+            # associative_scan(reverse=True) flips time first: h_t would depend on later steps.
+            region.saw_combine = True
+            raise _Fail("the scan runs in reverse (reverse=True flips time); ssm.selective_scan "
+                        "scans forward")
+        if is_call(node, operator.getitem) and isinstance(args[0], HopOut):
+            return args[0].outs[args[1]]
+        if (is_call(node, torch.movedim) or is_method(node, "movedim")) and isinstance(args[0], Seq):
+            if args[1] != 0:
+                raise _Fail("a time-major value is moved from an axis other than time")
+            region.outputs.append((node, args[0]))
+            return None
+        raise _Fail(f"the scan's values reach {node.name} ({node.target}), which is not part of "
+                    "torch's associative_scan")
+
+    def _slice(self, args) -> Seq:
+        x, dim, *rest = args
+        if not isinstance(x, Seq) or dim != 0:
+            raise _Fail("a slice of the scan is not along time")
+        start, end, step = (rest + [None, None, None])[:3]
+        return Seq(x.leaf, x.entries()[slice(start, end, step if step is not None else 1)])
+
+    def _stack(self, node, args) -> Stacked:
+        items = node.args[0]
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        seqs = [self.values.get(i) for i in items]
+        if dim != 1 or len(seqs) != 2 or not all(isinstance(s, Seq) for s in seqs):
+            raise _Fail("a stack in the scan is not the odd/even interleave")
+        a, b = seqs
+        if a.leaf is not b.leaf or len(a.entries()) != len(b.entries()):
+            raise _Fail("the interleave mixes the two scan components")
+        return Stacked(tuple(zip(a.entries(), b.entries())), a.leaf)
+
+    def _flatten(self, node, args) -> Seq:
+        x = args[0]
+        start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
+        end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
+        if not isinstance(x, Stacked) or start != 0 or end != 1:
+            raise _Fail("a flatten in the scan is not the odd/even interleave")
+        return Seq(x.leaf, tuple(itertools.chain.from_iterable(x.pairs)))
+
+    def _pad(self, node, args) -> Seq:
+        x, pad = args[0], args[1]
+        mode = node.kwargs.get("mode", args[2] if len(args) > 2 else "constant")
+        ndim = len(shape_of(node.args[0]))
+        if (not isinstance(x, Seq) or mode != "constant" or len(pad) != 2 * ndim
+                or any(p != 0 for p in pad[:-2])):
+            raise _Fail("a pad in the scan is not the interleave's time padding")
+        return Seq(x.leaf, (None,) * pad[-2] + x.entries() + (None,) * pad[-1])
+
+    def _cat(self, node, args) -> Seq:
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        seqs = [self.values.get(i) for i in node.args[0]]
+        if dim != 0 or not all(isinstance(s, Seq) for s in seqs):
+            raise _Fail("a cat in the scan is not along time")
+        if len({s.leaf for s in seqs}) != 1:
+            raise _Fail("a cat mixes the two scan components")
+        return Seq(seqs[0].leaf, tuple(itertools.chain.from_iterable(s.entries() for s in seqs)))
+
+    def _hop(self, node, args, region: Region) -> HopOut:
+        region.mode = "pointwise"
+        sub_node, xs, extra = node.args
+        # With dynamic shapes dynamo lifts the symbolic sizes into the combine as extra inputs;
+        # a lifted tensor would be a closure the op can't take.
+        if (len(xs) != 2 or sub_node.op != "get_attr"
+                or any(isinstance(val(e), torch.Tensor) for e in extra)):
+            raise _Fail("the associative_scan HOP must scan exactly two tensors with no tensor "
+                        "closed over by the combine")
+        seqs = [self.values.get(x) for x in xs]
+        if not all(isinstance(s, Seq) for s in seqs):
+            raise _Fail("the associative_scan HOP's inputs are not time-major scan inputs")
+        if not all(s.is_steps() for s in seqs):
+            raise _Fail("the associative_scan HOP's inputs are not single time steps")
+        proof = prove_combine(getattr(self.gm, sub_node.target), num_extra=len(extra))
+        if isinstance(proof, str):
+            raise _Fail(proof)
+        p, q = proof
+        self.set_role(region, seqs[p].leaf, "a")
+        self.set_role(region, seqs[q].leaf, "b")
+        region.nodes.append(sub_node)
+        region.saw_combine = True
+        steps = seqs[0].iv
+        prefixes = (SymbolicRun("prefixes", steps.length) if isinstance(steps, SymbolicRun)
+                    else tuple((0, t) for t in range(len(steps))))
+        return HopOut([Seq(s.leaf, prefixes) for s in seqs])
+
+    def _combined(self, expr: sympy.Expr, region: Region) -> Seq:
+        """Interpret one output of the inlined combine as a composition of adjacent steps."""
+        syms = sorted(expr.free_symbols, key=str)
+        seq = {s: self.symbols[s] for s in syms}
+        iv = {s: q.entries() for s, q in seq.items()}
+        if len(syms) == 2:
+            for left, right in (syms, syms[::-1]):
+                if (sympy.expand(expr - left * right) == 0 and seq[left].leaf is seq[right].leaf
+                        and all(map(_adjacent, iv[left], iv[right]))):
+                    self.set_role(region, seq[left].leaf, "a")
+                    return Seq(seq[left].leaf, _union(iv[left], iv[right]))
+        if len(syms) == 3:
+            for a_r, b_l, b_r in itertools.permutations(syms):
+                if (sympy.expand(expr - (a_r * b_l + b_r)) == 0
+                        and seq[a_r].leaf is not seq[b_l].leaf and seq[b_l].leaf is seq[b_r].leaf
+                        and iv[a_r] == iv[b_r] and all(map(_adjacent, iv[b_l], iv[b_r]))):
+                    self.set_role(region, seq[a_r].leaf, "a")
+                    self.set_role(region, seq[b_l].leaf, "b")
+                    return Seq(seq[b_l].leaf, _union(iv[b_l], iv[b_r]))
+        raise _Fail(f"the combine computes {expr}, not a_l*a_r or a_r*b_l + b_r of adjacent steps")
+
+
+def _union(left: tuple[Interval, ...], right: tuple[Interval, ...]) -> tuple[Interval, ...]:
+    return tuple((lo[0], hi[1]) for lo, hi in zip(left, right))
+
+
+# ---------------------------------------------------------------------------------------------
+# Readout and last state
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Readout:
+    end: torch.fx.Node          # the node whose value is y in ``out_roles`` layout
+    C: torch.fx.Node
+    C_roles: tuple[str, ...]
+    out_roles: tuple[str, ...]
+    nodes: list[torch.fx.Node]  # what the index proof looked through
+    chain: list[torch.fx.Node] = dataclasses.field(default_factory=list)  # states -> end
+
+
+def _complete_readout(node: torch.fx.Node, states: torch.fx.Node, roles: tuple[str, ...]
+                      ) -> Optional[Readout]:
+    term = index_term(node, stop=[states], allow_sum=True)
+    if term is None or term.exp_of is not None or len(term.factors) != 2:
+        return None
+    mine = [f for f in term.factors if f.node is states]
+    others = [f for f in term.factors if f.node is not states]
+    if len(mine) != 1 or len(others) != 1:
+        return None
+    role = {}
+    for lab, r in zip(term.factor_labels(mine[0]), roles):
+        if role.setdefault(lab, r) != r:
+            return None
+    c_labels, out = term.factor_labels(others[0]), term.out_labels()
+    if not all(lab in role for lab in c_labels + out):
+        return None
+    c_roles, out_roles = tuple(role[x] for x in c_labels), tuple(role[x] for x in out)
+    n_label = next(lab for lab, r in role.items() if r == "n")
+    if (sorted(c_roles) != ["b", "n", "t"] or sorted(out_roles) != ["b", "d", "t"]
+            or term.summed_labels() != {n_label}):
+        return None
+    return Readout(node, others[0].node, c_roles, out_roles, term.looked_through)
+
+
+def match_readout(user: torch.fx.Node, states: torch.fx.Node, roles: tuple[str, ...]
+                  ) -> Optional[Readout]:
+    """Follow ``user`` forward (single users) to the first node that is Σ_n states·C."""
+    node, chain = user, []
+    for _ in range(8):
+        chain.append(node)
+        found = _complete_readout(node, states, roles)
+        if found is not None:
+            return _through_views(dataclasses.replace(found, chain=chain))
+        if len(node.users) != 1:
+            return None
+        (node,) = node.users
+    return None
+
+
+def _through_views(readout: Readout) -> Readout:
+    """Absorb the permutations and casts right after the readout (HF's ``.transpose(1, 2)``), so
+    the op's ``y`` reaches the user through one permute instead of a chain of views."""
+    end, roles, chain = readout.end, readout.out_roles, list(readout.chain)
+    while len(end.users) == 1:
+        (user,) = end.users
+        if not user.args or user.args[0] is not end:
+            break
+        sigma = view_perm(user)
+        if sigma is not None:
+            roles = tuple(roles[s] for s in sigma)
+        elif cast_dtype(user) is None:
+            break
+        end = user
+        chain.append(user)
+    return dataclasses.replace(readout, end=end, out_roles=roles, chain=chain)
+
+
+def last_state_index(node: torch.fx.Node, states: torch.fx.Node, t_axis: int, length: int) -> bool:
+    """``node`` is ``states[..., -1, ...]`` (the last time step, every other axis whole)."""
+    ndim = len(shape_of(states))
+    if is_method(node, "select") or is_call(node, torch.select):
+        dim, index = node.args[1:3] if len(node.args) == 3 else (None, None)
+        return (isinstance(dim, int) and dim % ndim == t_axis and isinstance(index, int)
+                and (index == -1 or (isinstance(length, int) and index == length - 1)))
+    if not (is_call(node, operator.getitem) and node.args[0] is states):
+        return False
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if len(idx) > ndim or len(idx) <= t_axis:
+        return False
+    for axis, i in enumerate(idx):
+        if axis == t_axis:
+            if not (isinstance(i, int) and (i == -1 or (isinstance(length, int) and i == length - 1))):
+                return False
+        elif i != slice(None):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewrite
+# ---------------------------------------------------------------------------------------------
+
+def _emit_inputs(graph: torch.fx.Graph, disc: Discretized, readout: Readout) -> dict[str, torch.fx.Node]:
+    """Views bringing the sources into the op's layout (no copies: the op takes any strides).
+
+    Mirrors ``scan_loop._emit_scan`` (which takes a loop match, so it can't be called here).
+    """
+    args = {
+        "u": permute_view(graph, disc.u.node, disc.u.perm_to("bdt")),
+        "delta": permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt")),
+        "A": permute_view(graph, disc.A.node, disc.A.perm_to("dn")),
+        "C": permute_view(graph, readout.C, tuple(readout.C_roles.index(r) for r in "bnt")),
+    }
+    if disc.time_invariant_B:
+        # B[d, n] is the same for every batch and step: grouped B with G = dim (and C expanded
+        # to match), as stride-0 views, so no (batch, dim, N, L) tensor is made here.
+        b_dn = permute_view(graph, disc.B.node, disc.B.perm_to("dn"))
+        b4 = _node(graph, "call_function", operator.getitem, b_dn, (None, slice(None), slice(None), None))
+        batch = _node(graph, "call_method", "size", args["u"], 0)
+        dim = _node(graph, "call_method", "size", args["u"], 1)
+        steps = _node(graph, "call_method", "size", args["u"], 2)
+        args["B"] = _node(graph, "call_method", "expand", b4, batch, -1, -1, steps)
+        c4 = _node(graph, "call_function", operator.getitem, args["C"], (slice(None), None))
+        args["C"] = _node(graph, "call_method", "expand", c4, -1, dim, -1, -1)
+    else:
+        args["B"] = permute_view(graph, disc.B.node, disc.B.perm_to("bnt"))
+    return args
+
+
+def _node(graph: torch.fx.Graph, op: str, target: Any, *args: Any) -> torch.fx.Node:
+    node = graph.create_node(op, target, args)
+    propagate_val(node)
+    return node
+
+
+def _cast_like(graph: torch.fx.Graph, node: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+    if dtype_of(node) == dtype_of(like):
+        return node
+    out = graph.call_method("to", (node, dtype_of(like)))
+    propagate_val(out)
+    return out
+
+
+def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None:
+    seeds = [s for s in region.seeds if s in region.roles]
+    a_seed = next((s for s in seeds if region.roles[s] == "a"), None)
+    b_seed = next((s for s in seeds if region.roles[s] == "b"), None)
+    if a_seed is None or b_seed is None or len(region.seeds) != 2:
+        ctx.miss(FAMILY, "the scan does not combine exactly one multiplier and one offset input",
+                 region.seeds)
+        return
+    states = [n for n, s in region.outputs if s.leaf is b_seed and s.is_prefixes()]
+    products = [n for n, s in region.outputs if s.leaf is a_seed and s.is_prefixes()]
+    if len(states) != 1 or len(states) + len(products) != len(region.outputs):
+        ctx.miss(FAMILY, "the scan's outputs are not the inclusive scan of (a, b)", region.seeds)
+        return
+    (all_states,) = states
+    if any(p.users for p in products):
+        ctx.miss(FAMILY, "the cumulative product of the multipliers is used; only the states "
+                 "can be produced by ssm.selective_scan", products)
+        return
+    t_axis = b_seed.args[1] % len(shape_of(b_seed.args[0]))
+    length = shape_of(b_seed.args[0])[t_axis]
+    if (all_states.args[2] % len(shape_of(all_states)) != t_axis
+            or a_seed.args[1] % len(shape_of(a_seed.args[0])) != t_axis):
+        ctx.miss(FAMILY, "the scan moves time back to another axis than it came from", [all_states])
+        return
+    disc = match_discretization(a_seed.args[0], b_seed.args[0], t_axis)
+    if isinstance(disc, str):
+        ctx.miss("discretization", disc, [a_seed.args[0], b_seed.args[0]])
+        return
+    roles = disc.b_roles
+    readouts, lasts = [], []
+    for user in all_states.users:
+        if last_state_index(user, all_states, t_axis, length):
+            lasts.append(user)
+            continue
+        readout = match_readout(user, all_states, roles)
+        if readout is None:
+            ctx.miss("readout", f"the states are used by {user.name}, which is neither a readout "
+                     "Σ_n h·C nor the last state", [user])
+            return
+        readouts.append(readout)
+    if len(readouts) != 1:
+        ctx.miss("readout", f"expected one readout of the states, found {len(readouts)}", [all_states])
+        return
+    (readout,) = readouts
+    order = node_order(gm.graph)
+    anchor = min([readout.end] + lasts, key=order.__getitem__)
+    if not hoist_before(readout.C, anchor, all_states):
+        ctx.miss("readout", "C is computed from the states", [readout.C])
+        return
+    graph = gm.graph
+    size = dict(zip(roles, shape_of(all_states)))
+    with graph.inserting_before(anchor):
+        args = _emit_inputs(graph, disc, readout)
+        args.update(D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
+                    return_last_state=bool(lasts))
+        scan = graph.call_function(torch.ops.ssm.selective_scan.default,
+                                   tuple(args[name] for name in SCAN_ARG_NAMES))
+        propagate_val(scan)
+        y = getitem(graph, scan, 0)
+        y_user = _cast_like(graph, permute_view(graph, y, ["bdt".index(r) for r in readout.out_roles]),
+                            readout.end)
+        last_user = None
+        if lasts:
+            last = getitem(graph, scan, 1)
+            kept = tuple(r for r in roles if r != "t")
+            last_user = _cast_like(graph, permute_view(graph, last, ["bdn".index(r) for r in kept]),
+                                   lasts[0])
+    readout.end.replace_all_uses_with(y_user)
+    for node in lasts:
+        node.replace_all_uses_with(last_user)
+    _erase_dead(graph, [readout.end] + readout.chain + readout.nodes + lasts + [all_states]
+                + products + region.nodes)
+    decision = {"L": _static(length), "N": _static(size["n"]), "combine_mode": region.mode, "layout": "".join(roles),
+                "last_state": bool(lasts)}
+    ctx.rewrite(FAMILY, f"associative_scan({region.mode})", region.nodes, "ssm.selective_scan.default",
+                decision)
+    ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", disc.nodes, "ssm.selective_scan.default",
+                {"time_invariant_B": disc.time_invariant_B})
+    ctx.rewrite("readout", "Σ_n h·C", readout.nodes, "ssm.selective_scan.default",
+                {"layout": "".join(readout.out_roles)})
+
+
+def _static(size: Any) -> int | str:
+    """A size for the rewrite record: the int, or the symbol's text under dynamic shapes."""
+    return size if isinstance(size, int) else str(size)
+
+
+def _erase_dead(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
+    """Erase the replaced nodes that nothing reads any more.
+
+    The vmap bookkeeping calls (nesting levels) go last, and only once every batched value
+    between them is gone: a batched value left behind without its nesting level can't run.
+    """
+    order = node_order(graph)
+    alive = sorted(set(nodes), key=order.__getitem__, reverse=True)
+    bookkeeping = [n for n in alive if is_call(n, *_VMAP_BOOKKEEPING)]
+    # Reverse graph order: a node's users are erased before it is looked at.
+    for node in alive:
+        if node not in bookkeeping and not node.users and node.op != "placeholder":
+            graph.erase_node(node)
+    if any(is_call(n, *_ADD_BATCH_DIM, *_REMOVE_BATCH_DIM) for n in graph.nodes if n in order):
+        return
+    for node in bookkeeping:
+        graph.erase_node(node)
+
+
+def scan_assoc_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    for region in _Interpreter(gm).run():
+        if region.failure is not None:
+            ctx.miss(FAMILY, region.failure, region.seeds)
+            continue
+        _rewrite(gm, ctx, region)
+
+
+def register(pm: PassManager) -> None:
+    pm.add("scan_assoc", scan_assoc_pass)

@@ -1,0 +1,758 @@
+"""Family ``scan_loop``: an unrolled Python time loop that is a selective scan.
+
+Dynamo unrolls ``for i in range(L): h = A_full[:, :, i] * h + B_full[:, :, i]; ys.append(C_t · h)``
+into L copies of the same few nodes. This pass
+
+1. anchors on a time slice ``A_full[..., 0, ...]`` multiplied by some value H (the initial state);
+2. proves step 0 symbolically: with every node that does not depend on H replaced by a symbol,
+   h_0 must be exactly ``α·H + β`` where α is the slice t=0 of one tensor (A_full) and β the
+   slice t=0 of another (B_full) — linear, no other terms;
+3. checks that every later step t is the same computation with every time index shifted by t
+   (a structural walk, linear in graph size), which makes the step-0 proof hold for all t;
+4. proves the readout of h_0 is ``Σ_n h_0 · C_full[t=0]`` (einsum, matmul, product + sum) and
+   that the per-step outputs are collected once, in time order, along one axis (``stack``,
+   ``cat`` of unsqueezed outputs, or writes into a fresh buffer: ``out[:, :, t] = y``,
+   ``out[:, t].copy_(y)``);
+5. proves ``A_full = exp(Δ·A)``, ``B_full = Δ·B·u`` (``discretize.match_discretization``);
+6. replaces the loop by one ``ssm.selective_scan`` on permuted views of the sources.
+
+Anything that does not fit is left untouched and recorded with ``ctx.miss``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+
+from .discretize import Discretized, Source, grouped_source, index_term, match_discretization, view_source
+from .fx_utils import is_call, is_cast, is_method, parse_index, parse_slice, permute_view, propagate_val, time_slice, val
+from .manager import PassContext
+
+FAMILY = "scan_loop"
+
+_MUL = (operator.mul, torch.mul)
+_ZERO_FACTORIES = (torch.zeros, torch.zeros_like)
+_ZERO_METHODS = ("new_zeros",)
+_COLLECTORS = (torch.stack, torch.cat)
+# Python's in-place operators on tensors mutate the previous state, which a later readout may read.
+_INPLACE_OPERATORS = ("iadd", "isub", "imul", "itruediv")
+
+
+# ---------------------------------------------------------------------------------------------
+# Time slices
+# ---------------------------------------------------------------------------------------------
+
+def _collect_slices(graph: torch.fx.Graph) -> dict[tuple[torch.fx.Node, int, int], list[torch.fx.Node]]:
+    slices: dict[tuple[torch.fx.Node, int, int], list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        key = time_slice(node)
+        if key is not None:
+            slices.setdefault(key, []).append(node)
+    return slices
+
+
+# ---------------------------------------------------------------------------------------------
+# Regions and the structural walk
+# ---------------------------------------------------------------------------------------------
+
+def _between(src: torch.fx.Node, dst: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
+    """Nodes that depend on ``src`` and that ``dst`` depends on (``dst`` included), in graph order.
+
+    Only nodes after ``src`` can depend on it, so the backward search stops there: the cost is
+    the size of the region, not of the graph.
+    """
+    reach: dict[torch.fx.Node, bool] = {}
+    stack = [dst]
+    while stack:
+        n = stack[-1]
+        if n in reach:
+            stack.pop()
+            continue
+        pending = [i for i in n.all_input_nodes if i not in reach and i is not src and pos[i] > pos[src]]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        reach[n] = any(i is src or reach.get(i, False) for i in n.all_input_nodes)
+    if not reach.get(dst):
+        return None
+    return sorted((n for n, r in reach.items() if r), key=pos.__getitem__)
+
+
+def _leaf_key(node: torch.fx.Node, t: int, depth: int = 0) -> tuple:
+    """How a leaf of step ``t`` is compared with step 0's.
+
+    A time slice is keyed by (base, axis, index - t); a small computation on time slices (e.g.
+    ``C[:, i].unsqueeze(-1)``) by its op and its inputs' keys. Anything else must be the very
+    same node in every step — keying it structurally would equate two ``randn`` calls.
+    """
+    ts = time_slice(node)
+    if ts is not None:
+        base, axis, idx = ts
+        return ("slice", base, axis, idx - t)
+    if depth < 4 and node.op in ("call_function", "call_method"):
+        has_slice = False
+
+        def key(a):
+            nonlocal has_slice
+            if isinstance(a, torch.fx.Node):
+                k = _leaf_key(a, t, depth + 1)
+                has_slice = has_slice or k[0] != "node"
+                return k
+            if isinstance(a, (list, tuple)):
+                return (type(a).__name__,) + tuple(key(x) for x in a)
+            if isinstance(a, dict):
+                return ("dict",) + tuple((k, key(v)) for k, v in sorted(a.items()))
+            return ("literal", type(a).__name__, repr(a))
+
+        k = ("op", node.op, node.target, key(node.args), key(node.kwargs))
+        if has_slice:
+            return k
+    return ("node", node)
+
+
+def _args_match(tmpl: Any, cand: Any, bind: dict[torch.fx.Node, torch.fx.Node], t: int) -> bool:
+    if isinstance(tmpl, torch.fx.Node):
+        if tmpl in bind:
+            return cand is bind[tmpl]
+        return isinstance(cand, torch.fx.Node) and _leaf_key(tmpl, 0) == _leaf_key(cand, t)
+    if isinstance(tmpl, (list, tuple)):
+        return (
+            type(tmpl) is type(cand)
+            and len(tmpl) == len(cand)
+            and all(_args_match(a, b, bind, t) for a, b in zip(tmpl, cand))
+        )
+    if isinstance(tmpl, dict):
+        return (
+            isinstance(cand, dict)
+            and tmpl.keys() == cand.keys()
+            and all(_args_match(tmpl[k], cand[k], bind, t) for k in tmpl)
+        )
+    return type(tmpl) is type(cand) and tmpl == cand
+
+
+def _walk(template: list[torch.fx.Node], bind: dict[torch.fx.Node, torch.fx.Node], t: int) -> str | None:
+    """Find step ``t``'s copy of each template node; ``bind`` maps step 0's nodes to step t's.
+
+    Returns None on success, or the name of the template node that has no copy.
+    """
+    for n in template:
+        anchor = next((a for a in n.all_input_nodes if a in bind), None)
+        if anchor is None:
+            return n.name
+        found = None
+        for cand in bind[anchor].users:
+            if (
+                cand.op == n.op
+                and cand.target == n.target
+                and _args_match(n.args, cand.args, bind, t)
+                and _args_match(n.kwargs, cand.kwargs, bind, t)
+            ):
+                found = cand
+                break
+        if found is None:
+            return n.name
+        bind[n] = found
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The symbolic proof of one step
+# ---------------------------------------------------------------------------------------------
+
+class _NotElementwise(Exception):
+    pass
+
+
+def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbol
+              ) -> tuple[dict[torch.fx.Node, sympy.Expr], dict[sympy.Symbol, torch.fx.Node]]:
+    """Evaluate the step's nodes as sympy expressions of H and one symbol per leaf node."""
+    env: dict[torch.fx.Node, sympy.Expr] = {h_prev: H}
+    leaves: dict[sympy.Symbol, torch.fx.Node] = {}
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            if a not in env:
+                s = sympy.Symbol(f"leaf{len(leaves)}")
+                leaves[s] = a
+                env[a] = s
+            return env[a]
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return sympy.nsimplify(a)
+        raise _NotElementwise(f"argument {a!r}")
+
+    for n in region:
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
+        if isinstance(name, str) and (name.endswith("_") and not name.endswith("__") or name in _INPLACE_OPERATORS):
+            raise _NotElementwise(f"in-place {name}")
+        a = n.args
+        if is_cast(n):
+            env[n] = arg(a[0])
+            continue
+        extra_kw = set(n.kwargs)
+        if (is_call(n, operator.add, torch.add) or is_method(n, "add")) and not extra_kw and len(a) == 2:
+            env[n] = arg(a[0]) + arg(a[1])
+        elif (is_call(n, operator.sub, torch.sub) or is_method(n, "sub")) and not extra_kw and len(a) == 2:
+            env[n] = arg(a[0]) - arg(a[1])
+        elif (is_call(n, *_MUL) or is_method(n, "mul")) and not extra_kw and len(a) == 2:
+            env[n] = arg(a[0]) * arg(a[1])
+        elif (is_call(n, operator.truediv, torch.div) or is_method(n, "div")) and not extra_kw and len(a) == 2:
+            env[n] = arg(a[0]) / arg(a[1])
+        elif (is_call(n, operator.neg, torch.neg) or is_method(n, "neg")) and not extra_kw and len(a) == 1:
+            env[n] = -arg(a[0])
+        elif is_call(n, torch.addcmul) and len(a) == 3 and set(n.kwargs) <= {"value"}:
+            env[n] = arg(a[0]) + arg(n.kwargs.get("value", 1)) * arg(a[1]) * arg(a[2])
+        elif (is_call(n, torch.tanh) or is_method(n, "tanh")) and len(a) == 1:
+            env[n] = sympy.tanh(arg(a[0]))
+        elif (is_call(n, torch.exp) or is_method(n, "exp")) and len(a) == 1:
+            env[n] = sympy.exp(arg(a[0]))
+        elif (is_call(n, torch.sigmoid) or is_method(n, "sigmoid")) and len(a) == 1:
+            env[n] = 1 / (1 + sympy.exp(-arg(a[0])))
+        else:
+            raise _NotElementwise(str(name))
+    return env, leaves
+
+
+# ---------------------------------------------------------------------------------------------
+# The match
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LoopMatch:
+    L: int
+    disc: Discretized
+    state_roles: tuple[str, ...]            # roles of h_t's axes, e.g. ("b", "d", "n")
+    init: torch.fx.Node | None              # initial state, None when it is zeros
+    C: Source                               # C_full and its axis roles
+    out: "Collected"                        # how the per-step outputs are collected
+    h_last: torch.fx.Node
+    last_users: list[torch.fx.Node]         # users of h_{L-1} outside the loop
+    loop_nodes: list[torch.fx.Node]         # step + readout nodes of every step, in graph order
+
+
+def _same_size(a, b) -> bool:
+    # Decided without adding guards: a symbolic size that is not provably equal does not match.
+    return statically_known_true(a == b)
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
+
+
+def _size_repr(s) -> int | str:
+    return int(s) if is_concrete_int(s) else str(s)
+
+
+def _is_zeros(node: Any) -> bool:
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return node == 0
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if is_call(node, *_ZERO_FACTORIES) or is_method(node, *_ZERO_METHODS):
+        return True
+    if is_call(node, torch.full) or is_method(node, "new_full"):
+        fill = node.args[1] if len(node.args) > 1 else node.kwargs.get("fill_value")
+        return isinstance(fill, (int, float)) and fill == 0
+    return False
+
+
+_BUFFER_FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like, torch.zeros_like,
+                     torch.ones_like, torch.full_like)
+_BUFFER_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full")
+
+
+def _collects(c: torch.fx.Node, y: torch.fx.Node) -> bool:
+    """``c`` stores ``y`` as one step's output: an item of stack/cat, a setitem value, a copy_ source."""
+    if is_call(c, *_COLLECTORS):
+        return isinstance(c.args[0], (list, tuple)) and y in c.args[0]
+    if is_call(c, operator.setitem):
+        return len(c.args) == 3 and c.args[2] is y
+    if is_method(c, "copy_"):
+        return len(c.args) == 2 and c.args[1] is y and not c.kwargs
+    return False
+
+
+@dataclasses.dataclass
+class Collected:
+    kind: str                               # "stack", "cat", "setitem" or "copy_"
+    out_node: torch.fx.Node                 # the value that holds all outputs after the loop
+    out_users: list[torch.fx.Node]          # its users after the loop, to be redirected
+    writes: list[torch.fx.Node]             # the collecting nodes, erased with the loop
+    roles: tuple[str, ...]                  # roles of out_node's axes
+
+
+def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collected | str:
+    """Prove every y_t is stored once, in one place, at time index t, and nothing reads it early."""
+    c = next(c for c in ys[0].users if _collects(c, ys[0]))
+    if is_call(c, *_COLLECTORS):
+        if list(c.args[0]) != ys or any(set(y.users) != {c} for y in ys):
+            return "the per-step outputs are not collected exactly once, in time order"
+        dim = c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0)
+        if is_call(c, torch.stack):
+            roles = list(y_roles)
+            roles.insert(dim % (len(y_roles) + 1), "t")
+        else:
+            dim %= len(y_roles)
+            if y_roles[dim] is not None:
+                return "cat joins the outputs along an axis that is not a new time axis"
+            roles = ["t" if i == dim else r for i, r in enumerate(y_roles)]
+        if None in roles:
+            return "the collected output has an extra size-1 axis"
+        return Collected(c.target.__name__, c, list(c.users), [c], tuple(roles))
+
+    # A preallocated buffer: out[:, :, t] = y_t, or out[:, t].copy_(y_t).
+    writes: list[torch.fx.Node] = []
+    buf = axis = axis_map = None
+    for t, y in enumerate(ys):
+        users = list(y.users)
+        if len(users) != 1 or not _collects(users[0], y) or is_call(users[0], *_COLLECTORS):
+            return f"step {t}'s output is not stored exactly once"
+        w = users[0]
+        if is_call(w, operator.setitem):
+            parsed = parse_index(w.args[0], w.args[1])
+            step_writes = [w]
+        else:
+            view = w.args[0]
+            parsed = parse_slice(view)
+            if set(view.users) != {w}:
+                return f"step {t}'s output buffer view is used elsewhere"
+            step_writes = [view, w]
+        if parsed is None:
+            return f"step {t}'s output is not stored at one time index of a buffer"
+        b, ax, idx, amap = parsed
+        if buf is None:
+            buf, axis, axis_map = b, ax, amap
+        if b is not buf or ax != axis or idx != t or amap != axis_map:
+            return f"step {t}'s output is stored at the wrong place (index {idx} of axis {ax})"
+        writes.extend(step_writes)
+    if not (is_call(buf, *_BUFFER_FACTORIES) or is_method(buf, *_BUFFER_METHODS)):
+        return "the output buffer is not a freshly allocated tensor"
+    if not _same_size(val(buf).shape[axis], len(ys)):
+        return "the output buffer's time axis is longer than the loop"
+    roles = ["t" if o is None else y_roles[o] for o in axis_map]
+    if None in roles or len([o for o in axis_map if o is not None]) != len(y_roles):
+        return "the output buffer's axes do not match the per-step output's"
+    written = set(writes)
+    last_write = max(pos[w] for w in writes)
+    later = [u for u in buf.users if u not in written]
+    if any(pos[u] < last_write for u in later):
+        return "the output buffer is read or written inside the loop"
+    return Collected(writes[-1].target if isinstance(writes[-1].target, str) else "setitem",
+                     buf, later, writes, tuple(roles))
+
+
+_VIEW_OPS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "narrow",
+             "__getitem__", "getitem", "t", "unflatten", "flatten", "movedim", "as_strided", "chunk", "split", "unbind")
+
+
+def _is_inplace(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    if user.op == "call_method" and user.target.endswith("_") and not user.target.endswith("__"):
+        return bool(user.args) and user.args[0] is node
+    if is_call(user, operator.setitem):
+        return user.args[0] is node
+    name = getattr(user.target, "__name__", "")
+    return user.op == "call_function" and name in _INPLACE_OPERATORS and user.args[0] is node
+
+
+def _mutated(node: torch.fx.Node, depth: int = 0) -> bool:
+    """``node`` or a view of it (two levels deep) is written in place somewhere in the graph."""
+    for user in node.users:
+        if _is_inplace(user, node):
+            return True
+        name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+        if depth < 2 and name in _VIEW_OPS and user.args and user.args[0] is node and _mutated(user, depth + 1):
+            return True
+    return False
+
+
+def _find_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx.Node | None:
+    """The first node after ``h0`` (not in ``exclude``) that a stack/cat collects."""
+    seen = {h0}
+    frontier = [h0]
+    for _ in range(32):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in exclude or u in seen:
+                    continue
+                seen.add(u)
+                if any(_collects(c, u) for c in u.users):
+                    return u
+                nxt.append(u)
+        if not nxt:
+            return None
+        frontier = nxt
+    return None
+
+
+def match_loop(a0: torch.fx.Node, H: Any, slices, pos) -> LoopMatch | str:
+    """Try to prove that the recurrence anchored at ``a0 * H`` is a selective scan."""
+    a_base, a_axis, _ = time_slice(a0)
+    L = int(val(a_base).shape[a_axis])
+    if L < 2:
+        return "a one-step loop is left alone"
+    h0 = None
+    for a1 in slices.get((a_base, a_axis, 1), []):
+        for u in a1.users:
+            if is_call(u, *_MUL) or is_method(u, "mul"):
+                for x in u.args:
+                    if isinstance(x, torch.fx.Node) and x is not a1 and pos[x] > pos[H]:
+                        if _between(H, x, pos) is not None:
+                            h0 = x
+    if h0 is None:
+        return "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
+    region = _between(H, h0, pos)
+    Hs = sympy.Symbol("H")
+    try:
+        env, leaves = _sym_eval(region, H, Hs)
+    except _NotElementwise as e:
+        return f"the state update uses an op that is not an elementwise add/mul ({e})"
+    f = sympy.expand(env[h0])
+    alpha = sympy.expand(sympy.diff(f, Hs))
+    beta = sympy.expand(f.subs(Hs, 0))
+    if Hs in alpha.free_symbols or sympy.expand(f - alpha * Hs - beta) != 0:
+        return "the state update is not linear in the previous state"
+    if alpha not in leaves or beta not in leaves:
+        return f"the state update is h*({alpha}) + ({beta}); expected A_full[t]*h + B_full[t] with two time slices"
+    a_slice, b_slice = time_slice(leaves[alpha]), time_slice(leaves[beta])
+    if a_slice is None or b_slice is None:
+        return "the state update's coefficients are not time slices of full tensors"
+    if a_slice[:2] != (a_base, a_axis) or a_slice[2] != 0:
+        return "the state's multiplier at step 0 is not A_full[t=0]"
+    b_base, b_axis, b_idx = b_slice
+    if b_idx != 0:
+        return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
+    if val(b_base).dim() != 4 or not _same_size(val(b_base).shape[b_axis], L):
+        return "B_full is not a 4-D tensor with the loop's length along its time axis"
+    shape = val(leaves[alpha]).shape
+    if not _same_shape(val(leaves[beta]).shape, shape) or not _same_shape(val(h0).shape, shape):
+        return "the state update broadcasts: A_full[t], B_full[t] and h_t differ in shape"
+    init = None
+    if not _is_zeros(H):
+        if not isinstance(val(H), torch.Tensor) or not _same_shape(val(H).shape, shape):
+            got = tuple(val(H).shape) if isinstance(val(H), torch.Tensor) else type(val(H))
+            return f"initial state shape {got} does not match the state shape {tuple(shape)}"
+        init = H
+
+    # Every later step must repeat step 0 with time indices shifted by t.
+    steps = [region]
+    h = [h0]
+    for t in range(1, L):
+        bind = {H: h[-1]}
+        missing = _walk(region, bind, t)
+        if missing is not None:
+            return f"step {t} does not repeat step 0's state update (no copy of {missing})"
+        steps.append([bind[n] for n in region])
+        h.append(bind[h0])
+
+    # Readout of h_0: the first value that a stack/cat collects.
+    step1 = set(steps[1])
+    y0 = _find_readout(h0, step1)
+    if y0 is None:
+        return "no per-step readout of the state is collected by stack/cat"
+    rregion = _between(h0, y0, pos)
+    if rregion is None or step1.intersection(rregion):
+        return "the readout of step 0 depends on a later state"
+    disc = match_discretization(a_base, b_base, (a_axis, b_axis))
+    if isinstance(disc, str):
+        return f"discretization: {disc}"
+    state_roles = tuple(r for r in disc.a_roles if r != "t")
+    rt = index_term(y0, stop=[h0], allow_sum=True)
+    if rt is None or len(rt.factors) != 2 or not any(f.node is h0 for f in rt.factors):
+        return "the readout is not a contraction of h_t with C_t"
+    fh = next(f for f in rt.factors if f.node is h0)
+    fc = next(f for f in rt.factors if f is not fh)
+    role = dict(zip(rt.factor_labels(fh), state_roles))
+    if len(role) != 3:
+        return "the readout indexes h_t on a diagonal"
+    n_lab = next(lab for lab, r in role.items() if r == "n")
+    if rt.summed_labels() != {n_lab}:
+        return "the readout does not sum over exactly the state axis"
+    c_slice = time_slice(fc.node)
+    if c_slice is None:
+        return "the readout's C_t is not a time slice of one tensor"
+    c_base, c_axis, c_idx = c_slice
+    if c_idx != 0:
+        return f"the readout of h_t uses C at time t{c_idx:+d} (lagged readout)"
+    if not _same_size(val(c_base).shape[c_axis], L):
+        return "C_full's time axis does not have the loop's length"
+    leaf_roles = [role.get(lab) for lab in rt.factor_labels(fc)]
+    c_roles = ["t" if o is None else leaf_roles[o] for o in parse_slice(fc.node)[3]]
+    if sorted(c_roles) == ["b", "d", "n", "t"]:
+        c_src = grouped_source(c_base, c_roles)
+        if c_src is None:
+            return "a per-channel C_t is only accepted as a group broadcast (repeat_interleave over dim)"
+        if disc.time_invariant_B:
+            return "grouped C with a time-invariant B: the op needs one grouping for both"
+    elif sorted(c_roles) == ["b", "n", "t"]:
+        c_src = view_source(c_base, c_roles)
+    else:
+        return f"C_t must be indexed by (batch, state), got {leaf_roles}"
+    y_roles = []
+    for lab, size in zip(rt.out_labels(), val(y0).shape):
+        r = role.get(lab)
+        if r is None and not statically_known_true(size == 1):
+            return "the readout output has an axis that is not batch or dim"
+        y_roles.append(r)
+    if sorted(r for r in y_roles if r) != ["b", "d"]:
+        return "the readout output is not indexed by (batch, dim)"
+
+    # Every step's readout repeats step 0's, and all of them are collected once, in order.
+    readouts = [rregion]
+    ys = [y0]
+    for t in range(1, L):
+        bind = {h0: h[t]}
+        missing = _walk(rregion, bind, t)
+        if missing is not None:
+            return f"step {t}'s readout does not repeat step 0's (no copy of {missing})"
+        readouts.append([bind[n] for n in rregion])
+        ys.append(bind[y0])
+    out = _collect(ys, y_roles, pos)
+    if isinstance(out, str):
+        return out
+
+    # Nothing inside the loop may be used from outside, except the last state.
+    for t in range(L):
+        allowed = set(steps[t]) | set(readouts[t]) | (set(steps[t + 1]) if t + 1 < L else set())
+        for n in steps[t]:
+            if t == L - 1 and n is h[t]:
+                continue
+            if any(u not in allowed for u in n.users):
+                what = f"intermediate state h_{t}" if n is h[t] else f"a value of step {t}"
+                return f"{what} is used outside the recurrence"
+        for n in readouts[t]:
+            if any(u not in readouts[t] and u not in out.writes for u in n.users):
+                return f"step {t}'s readout value is used outside the loop"
+    loop_nodes = set().union(*steps, *readouts)
+    last_users = [u for u in h[-1].users if u not in loop_nodes]
+
+    # The op reads its inputs once, where it is placed; a value mutated in place anywhere would
+    # make that read differ from what the loop saw.
+    sources = {"u": disc.u.node, "delta": disc.delta.node, "A": disc.A.node, "B": disc.B.node,
+               "C": c_base, "A_full": a_base, "B_full": b_base}
+    if init is not None:
+        sources["initial state"] = init
+    for name, node in sources.items():
+        if _mutated(node):
+            return f"{name} is mutated in place"
+    if any(_mutated(n) for n in disc.nodes):
+        return "a value between the sources and A_full/B_full is mutated in place"
+    for name, src in (("u", disc.u), ("delta", disc.delta), ("A", disc.A), ("B", disc.B)):
+        if val(src.node).dtype == torch.float64 and val(src.node).device.type != "cpu":
+            return f"{name} is float64; ssm.selective_scan has no float64 kernel on {val(src.node).device}"
+    return LoopMatch(
+        L=L,
+        disc=disc,
+        state_roles=state_roles,
+        init=init,
+        C=c_src,
+        out=out,
+        h_last=h[-1],
+        last_users=last_users,
+        loop_nodes=sorted(loop_nodes, key=pos.__getitem__),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The rewrite
+# ---------------------------------------------------------------------------------------------
+
+def _cast(graph: torch.fx.Graph, node: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    if val(node).dtype == dtype:
+        return node
+    return _node(graph, "call_method", "to", node, dtype)
+
+
+def _node(graph: torch.fx.Graph, op: str, target: Any, *args: Any) -> torch.fx.Node:
+    n = graph.create_node(op, target, args)
+    propagate_val(n)
+    return n
+
+
+def emit_selective_scan(
+    graph: torch.fx.Graph,
+    disc: Discretized,
+    C: Source,
+    *,
+    length: int,
+    y_roles: tuple[str, ...],
+    y_dtype: torch.dtype,
+    initial_state: Source | None = None,
+    last_state_roles: tuple[str, ...] | None = None,
+    last_state_dtype: torch.dtype | None = None,
+) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    """Insert ``ssm.selective_scan`` and the views around it at the graph's insertion point.
+
+    Shared by the scan passes so every form is emitted the same way: inputs as permuted views
+    (never copies), y and the last state permuted back to the user's layout and cast to the
+    user's dtype.
+
+    Args:
+        disc: the proven discretisation (sources of u, Δ, A, B and their axis roles).
+        C: C_full and its axis roles (b, n, t in some order; b, g, n, t when grouped).
+        length: the sequence length L (for a time-invariant B's expanded view).
+        y_roles / y_dtype: layout ("b", "d", "t" in some order) and dtype of the output to produce.
+        initial_state: h_{-1} and its roles (b, d, n), or None for zeros.
+        last_state_roles / last_state_dtype: the layout and dtype of the last state to produce, or
+            None when nobody uses it (then return_last_state=False).
+
+    Returns:
+        ``(y, last_state_or_None)``, nodes in the requested layouts and dtypes.
+    """
+    u = permute_view(graph, disc.u.node, disc.u.perm_to("bdt"))
+    delta = permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt"))
+    A = permute_view(graph, disc.A.node, disc.A.perm_to("dn"))
+    Cv = permute_view(graph, C.node, C.perm_to("bgnt" if "g" in C.roles else "bnt"))
+    if disc.time_invariant_B:
+        # B[d, n] is the same for every batch and step: pass it as grouped B with G = dim,
+        # B and C as stride-0 expanded views, so no (batch, dim, N, L) tensor is made here.
+        Bdn = permute_view(graph, disc.B.node, disc.B.perm_to("dn"))
+        B4 = _node(graph, "call_function", operator.getitem, Bdn, (None, slice(None), slice(None), None))
+        bsz = _node(graph, "call_method", "size", u, 0)
+        dim = _node(graph, "call_method", "size", u, 1)
+        B = _node(graph, "call_method", "expand", B4, bsz, -1, -1, length)
+        C4 = _node(graph, "call_function", operator.getitem, Cv, (slice(None), None))
+        Cv = _node(graph, "call_method", "expand", C4, -1, dim, -1, -1)
+    elif "g" in disc.B.roles:
+        B = permute_view(graph, disc.B.node, disc.B.perm_to("bgnt"))
+        if "g" not in C.roles:
+            # The op reads B and C in one layout: share C across groups through a stride-0 view.
+            groups = _node(graph, "call_method", "size", B, 1)
+            C4 = _node(graph, "call_function", operator.getitem, Cv, (slice(None), None))
+            Cv = _node(graph, "call_method", "expand", C4, -1, groups, -1, -1)
+    else:
+        B = permute_view(graph, disc.B.node, disc.B.perm_to("bnt"))
+        if "g" in C.roles:
+            groups = _node(graph, "call_method", "size", Cv, 1)
+            B4 = _node(graph, "call_function", operator.getitem, B, (slice(None), None))
+            B = _node(graph, "call_method", "expand", B4, -1, groups, -1, -1)
+    init = None
+    if initial_state is not None:
+        init = permute_view(graph, initial_state.node, initial_state.perm_to("bdn"))
+        init = _cast(graph, init, torch.float64 if val(u).dtype == torch.float64 else torch.float32)
+    want_last = last_state_roles is not None
+    scan = _node(graph, "call_function", torch.ops.ssm.selective_scan.default,
+                 u, delta, A, B, Cv, None, None, None, False, init, want_last)
+    y = _node(graph, "call_function", operator.getitem, scan, 0)
+    y = permute_view(graph, y, tuple("bdt".index(r) for r in y_roles))
+    y = _cast(graph, y, y_dtype)
+    last = None
+    if want_last:
+        last = _node(graph, "call_function", operator.getitem, scan, 1)
+        last = permute_view(graph, last, tuple("bdn".index(r) for r in last_state_roles))
+        last = _cast(graph, last, last_state_dtype)
+    return y, last
+
+
+def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    return emit_selective_scan(
+        graph,
+        m.disc,
+        m.C,
+        length=m.L,
+        y_roles=m.out.roles,
+        y_dtype=val(m.out.out_node).dtype,
+        initial_state=None if m.init is None else Source(m.init, m.state_roles),
+        last_state_roles=m.state_roles if m.last_users else None,
+        last_state_dtype=val(m.h_last).dtype,
+    )
+
+
+def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
+    """Replace the loop by the op; on failure leave the graph as it was and say why."""
+    graph = gm.graph
+    d = m.disc
+    inputs = [d.u.node, d.delta.node, d.A.node, d.B.node, m.C.node] + ([m.init] if m.init is not None else [])
+    last_input = max(inputs, key=pos.__getitem__)
+    users = m.out.out_users + m.last_users
+    if users and pos[last_input] >= min(pos[u] for u in users):
+        return "an input of the scan is computed after the scan's outputs are used"
+    anchor = last_input.next
+    while anchor.op == "placeholder":
+        anchor = anchor.next
+    before = set(graph.nodes)
+    try:
+        with graph.inserting_before(anchor):
+            y, last = _emit_scan(graph, m)
+    except (RuntimeError, ValueError, TypeError) as e:
+        # The op's fake impl validates its inputs; a refusal there is a miss, not a crash.
+        for n in reversed([n for n in graph.nodes if n not in before]):
+            graph.erase_node(n)
+        return f"ssm.selective_scan refused the inputs: {e}"
+    for user in m.out.out_users:
+        user.replace_input_with(m.out.out_node, y)
+    for user in m.last_users:
+        user.replace_input_with(m.h_last, last)
+    doomed = sorted(set(m.out.writes) | set(m.loop_nodes), key=pos.__getitem__)
+    for n in reversed(doomed):
+        if not n.users:
+            graph.erase_node(n)
+    if m.out.kind not in ("stack", "cat") and not m.out.out_node.users:
+        graph.erase_node(m.out.out_node)
+    return None
+
+
+def _layout(roles: tuple[str, ...]) -> str:
+    return "".join("l" if r == "t" else r for r in roles)
+
+
+def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """Rewrite every provable unrolled scan loop in ``gm`` into ``ssm.selective_scan``."""
+    from ..kernels.selective_scan import op as scan_op
+
+    scan_op.register()
+    tried: set[torch.fx.Node] = set()
+    while _rewrite_one(gm, ctx, tried):
+        pass
+
+
+def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set[torch.fx.Node]) -> bool:
+    graph = gm.graph
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    slices = _collect_slices(graph)
+    for (base, axis, idx), nodes in slices.items():
+        if idx != 0 or val(base).dim() != 4:
+            continue
+        for a0 in nodes:
+            for user in list(a0.users):
+                if user in tried or not (is_call(user, *_MUL) or is_method(user, "mul")):
+                    continue
+                if len(user.args) != 2 or user.kwargs:
+                    continue
+                H = user.args[1] if user.args[0] is a0 else user.args[0]
+                if not isinstance(val(H), torch.Tensor):
+                    continue
+                tried.add(user)
+                m = match_loop(a0, H, slices, pos)
+                if isinstance(m, str):
+                    ctx.miss(FAMILY, m, [user])
+                    continue
+                err = _emit(gm, m, pos)
+                if err is not None:
+                    ctx.miss(FAMILY, err, [user])
+                    continue
+                decision = {
+                    "L": m.L,
+                    "N": _size_repr(val(m.disc.A.node).shape[m.disc.A.roles.index("n")]),
+                    "layout": _layout(m.disc.a_roles),
+                    "initial_state": m.init is not None,
+                    "return_last_state": bool(m.last_users),
+                    "collector": m.out.kind,
+                }
+                emitted = "ssm.selective_scan"
+                ctx.rewrite(FAMILY, "unrolled h = A_full[t]*h + B_full[t]", m.loop_nodes, emitted, decision)
+                ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", m.disc.nodes, emitted,
+                            {"time_invariant_B": m.disc.time_invariant_B})
+                ctx.rewrite("readout", f"Σ_n h·C, {decision['collector']}", [], emitted,
+                            {"layout": _layout(m.out.roles)})
+                return True
+    return False
+
+
+def register(pm) -> None:
+    pm.add(FAMILY, scan_loop_pass)

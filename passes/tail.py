@@ -1,0 +1,275 @@
+"""Fold the scan's tail, the D skip and the z gate, into ``ssm::selective_scan`` (families
+``skip`` and ``gate``).
+
+After the scan, Mamba code finishes the SSM output in plain torch::
+
+    y = y + u * D[None, :, None]          # HF 5.24 (``y + u * rearrange(D, "d -> d 1")``)
+    y = y * F.silu(z)                     # or ``y * z * torch.sigmoid(z)``
+
+The op computes exactly ``(C·h + D·u) * silu(z)`` when given ``D=`` and ``z=``, in fp32
+registers, saving two (batch, dim, L) round trips through memory. Each fold is proved, not
+guessed:
+
+- The skip's ``u`` must be the op's ``u``: the same graph value (up to lossless float casts) read
+  in the same layout as ``y`` at that point. In (batch, L, dim) code ``y`` comes back through a
+  transpose and the skip reads the untransposed ``u``; the permutations are composed and compared
+  axis by axis.
+- ``D`` must be a (dim,) vector broadcast along the dim axis of ``y``.
+- The gate must be silu of a tensor of ``y``'s shape; the op receives it permuted to its own
+  (batch, dim, L) layout as a view.
+- Order matters: the op gates after the skip. ``y * silu(z) + D * u`` is a different function;
+  its gate still folds (the op then computes ``(C·h) * silu(z)``) and the skip is left in place,
+  recorded as a near-miss.
+- ``y`` must have no other user on the way (if the pre-skip ``y`` is also returned, folding
+  would change that value).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from .delta import (ADD_TARGETS, MUL_TARGETS, cast_dtype, hoist_before, inverse, layout_source,
+                    match_bias, output_getitem, scan_args, scan_nodes, set_scan_args, view_perm)
+from .fx_utils import dtype_of, is_call, is_method, permute_view, propagate_val, shape_of
+from .manager import PassContext, PassManager
+
+log = logging.getLogger("ssm_compile")
+
+SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
+SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
+# Activations that look like a gate but aren't the op's silu: reported as near-misses.
+_OTHER_GATES = (F.gelu, torch._C._nn.gelu, torch.relu, F.relu, torch.tanh, F.softplus,
+                torch._C._nn.softplus)
+
+
+class YChain(NamedTuple):
+    """The scan's ``y`` followed forward through views and casts: ``top`` axis ``i`` holds op
+    axis ``perm[i]`` of ``y`` (batch, dim, L)."""
+
+    top: torch.fx.Node
+    perm: tuple[int, ...]
+
+
+def follow_y(y: torch.fx.Node) -> YChain:
+    node, perm = y, (0, 1, 2)
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not user.args or user.args[0] is not node:
+            break
+        sigma = view_perm(user)
+        if sigma is not None:
+            perm = tuple(perm[s] for s in sigma)
+        elif cast_dtype(user) is None:
+            break
+        node = user
+    return YChain(node, perm)
+
+
+def _binary(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
+    """``(a, b)`` if ``node`` is a plain two-operand call of ``targets`` (ADD_TARGETS or
+    MUL_TARGETS) or the matching tensor method (``a.add(b)``, ``a.mul(b)``)."""
+    method = "add" if targets is ADD_TARGETS else "mul"
+    if (is_call(node, *targets) or is_method(node, method)) and len(node.args) == 2 and not node.kwargs:
+        return node.args[0], node.args[1]
+    return None
+
+
+def _replace_with(node: torch.fx.Node, replacement: torch.fx.Node) -> None:
+    """Make ``node``'s users read ``replacement`` instead, cast to ``node``'s dtype if the user's
+    code produced another one (type promotion against an fp32 ``D`` makes bf16 code fp32)."""
+    graph = node.graph
+    if dtype_of(replacement) != dtype_of(node):
+        with graph.inserting_after(node):
+            replacement = graph.call_method("to", (replacement, dtype_of(node)))
+            propagate_val(replacement)
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+
+
+# ---------------------------------------------------------------------------------------------
+# Skip: y + u * D
+# ---------------------------------------------------------------------------------------------
+
+class Skip(NamedTuple):
+    add: torch.fx.Node
+    D: torch.fx.Node
+    nodes: list[torch.fx.Node]
+
+
+def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | None:
+    """Prove ``add`` = ``chain.top + u * D`` with the op's ``u`` and a (dim,) ``D``.
+
+    None if ``add`` isn't an add of a product to ``y`` at all; a reason string for near-misses.
+    """
+    operands = _binary(add, ADD_TARGETS)
+    if operands is None or chain.top not in operands or operands[0] is operands[1]:
+        return None
+    other = operands[1] if operands[0] is chain.top else operands[0]
+    factors = _binary(other, MUL_TARGETS)
+    if factors is None:
+        return None
+    top_shape = shape_of(chain.top)
+    if shape_of(add) != top_shape:
+        return f"the skip broadcasts y from {list(top_shape)} to {list(shape_of(add))}"
+    dim_axis = chain.perm.index(1)
+    op_u = layout_source(u_op)
+    reasons = []
+    for u_like, d_like in (factors, factors[::-1]):
+        if shape_of(u_like) != top_shape:
+            continue
+        D = match_bias(d_like, top_shape, dim_axis, top_shape[dim_axis])
+        if D is None:
+            reasons.append(f"{d_like.name if hasattr(d_like, 'name') else d_like!r} is not a "
+                           f"(dim,) vector broadcast along the dim axis {dim_axis} of y")
+            continue
+        skip_u = layout_source(u_like)
+        if skip_u.base is not op_u.base:
+            reasons.append(f"the skip multiplies {u_like.name}, not the scan's u")
+            continue
+        if not (skip_u.lossless and op_u.lossless):
+            reasons.append("a rounding cast lies between the skip's u and the scan's u")
+            continue
+        if any(skip_u.perm[i] != op_u.perm[chain.perm[i]] for i in range(len(top_shape))):
+            reasons.append("the skip reads u in another layout than y (axes don't line up)")
+            continue
+        return Skip(add, D, [add, other])
+    return "; ".join(reasons) if reasons else None
+
+
+def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> bool:
+    y = output_getitem(scan, 0)
+    if y is None:
+        return False
+    chain = follow_y(y)
+    args = scan_args(scan)
+    for user in list(chain.top.users):
+        skip = match_skip(user, chain, args["u"])
+        if skip is None:
+            continue
+        if isinstance(skip, str):
+            ctx.miss("skip", skip, [user])
+            return False
+        if len(chain.top.users) > 1:
+            ctx.miss("skip", f"y ({chain.top.name}) has other users besides the skip", [user])
+            return False
+        if args["z"] is not None:
+            ctx.miss("skip", "D·u is added after the z gate: y*silu(z) + D*u is not the op's "
+                     "(y + D*u)*silu(z)", [user])
+            return False
+        if args["D"] is not None:
+            ctx.miss("skip", "the scan already has a D", [user])
+            return False
+        if not hoist_before(skip.D, scan, scan):
+            ctx.miss("skip", "D is computed from the scan's output", [user])
+            return False
+        args["D"] = skip.D
+        set_scan_args(scan, args)
+        _replace_with(skip.add, chain.top)
+        ctx.rewrite("skip", "y + u * D", skip.nodes, "ssm.selective_scan.default",
+                    {"perm": list(chain.perm)})
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Gate: y * silu(z)
+# ---------------------------------------------------------------------------------------------
+
+class Gate(NamedTuple):
+    out: torch.fx.Node   # the node whose value is y * silu(z)
+    z: torch.fx.Node
+    nodes: list[torch.fx.Node]
+
+
+def _silu_input(g: Any) -> Optional[torch.fx.Node]:
+    """``z`` if ``g`` is ``silu(z)``, ``z * sigmoid(z)`` or ``sigmoid(z) * z``."""
+    if is_call(g, *SILU_TARGETS) and len(g.args) == 1 and not g.kwargs.get("inplace", False):
+        return g.args[0]
+    if is_method(g, "silu") and len(g.args) == 1:
+        return g.args[0]
+    factors = _binary(g, MUL_TARGETS)
+    if factors is not None:
+        for z, s in (factors, factors[::-1]):
+            if _sigmoid_input(s) is z:
+                return z
+    return None
+
+
+def _sigmoid_input(s: Any) -> Optional[torch.fx.Node]:
+    if (is_call(s, *SIGMOID_TARGETS) or is_method(s, "sigmoid")) and len(s.args) == 1:
+        return s.args[0]
+    return None
+
+
+def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
+    """Prove ``mul`` (possibly with the next mul) computes ``chain.top * silu(z)``."""
+    factors = _binary(mul, MUL_TARGETS)
+    if factors is None or chain.top not in factors or factors[0] is factors[1]:
+        return None
+    g = factors[1] if factors[0] is chain.top else factors[0]
+    out, nodes = mul, [mul]
+    z = _silu_input(g)
+    if z is None and len(mul.users) == 1:
+        # (y * sigmoid(z)) * z and (y * z) * sigmoid(z): the gate split over two muls.
+        (outer,) = mul.users
+        outer_factors = _binary(outer, MUL_TARGETS)
+        if outer_factors is not None and mul in outer_factors:
+            h = outer_factors[1] if outer_factors[0] is mul else outer_factors[0]
+            for zz, s in ((g, h), (h, g)):
+                if _sigmoid_input(s) is zz:
+                    z, out, nodes = zz, outer, [mul, outer]
+    if z is None:
+        if is_call(g, *_OTHER_GATES) or is_call(g, *SIGMOID_TARGETS):
+            return f"the gate is {g.name}, not silu: the op computes y * silu(z)"
+        return None
+    if shape_of(z) != shape_of(chain.top) or shape_of(out) != shape_of(chain.top):
+        return f"the gate's z has shape {shape_of(z)}, y has {shape_of(chain.top)}"
+    return Gate(out, z, nodes + [g])
+
+
+def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> bool:
+    y = output_getitem(scan, 0)
+    if y is None:
+        return False
+    chain = follow_y(y)
+    args = scan_args(scan)
+    for user in list(chain.top.users):
+        gate = match_gate(user, chain)
+        if gate is None:
+            continue
+        if isinstance(gate, str):
+            ctx.miss("gate", gate, [user])
+            return False
+        if len(chain.top.users) > 1:
+            ctx.miss("gate", f"y ({chain.top.name}) has other users besides the gate", [user])
+            return False
+        if args["z"] is not None:
+            ctx.miss("gate", "the scan already has a z", [user])
+            return False
+        if not hoist_before(gate.z, scan, scan):
+            ctx.miss("gate", "z is computed from the scan's output", [user])
+            return False
+        with gm.graph.inserting_before(scan):
+            args["z"] = permute_view(gm.graph, gate.z, inverse(chain.perm))
+        set_scan_args(scan, args)
+        _replace_with(gate.out, chain.top)
+        ctx.rewrite("gate", "y * silu(z)", gate.nodes, "ssm.selective_scan.default",
+                    {"perm": list(chain.perm)})
+        return True
+    return False
+
+
+def tail_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    for scan in scan_nodes(gm.graph):
+        skipped = _try_skip(gm, ctx, scan)
+        if _try_gate(gm, ctx, scan) and not skipped:
+            # Only to explain: a skip after the gate is left alone, and the miss says why.
+            _try_skip(gm, ctx, scan)
+
+
+def register(pm: PassManager) -> None:
+    pm.add("tail", tail_pass)

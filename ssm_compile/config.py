@@ -1,0 +1,129 @@
+"""Options of the ``ssm`` backend, validated once when the backend is configured.
+
+``ssm_compile.backend(**options)`` and ``torch.compile(m, backend="ssm", options={...})`` both
+end up here, so a typo fails at configuration time with a message naming the option instead of
+being silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+# The pass modules in the order the pass manager runs them. conv1d goes first so the scan
+# passes see the conv as one op; delta and tail fold into the scan op the scan passes emit;
+# xproj then strips copies on the way into those ops; decode handles the single-step graphs.
+PASS_NAMES = ("conv1d", "scan_loop", "scan_assoc", "delta", "tail", "xproj", "decode")
+
+# "auto": the backend's fusion heuristic decides; "split": keep each recognised piece its own
+# op (useful to bisect a numerical difference); "fused": fuse whenever it is legal.
+FUSE_MODES = ("auto", "split", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class SSMOptions:
+    """Validated options of one configured backend.
+
+    Args:
+        fuse: one of ``FUSE_MODES``; recorded in every pass's ``ctx.options["fuse"]``.
+        passes: the pass modules to run (names from ``PASS_NAMES``); ``None`` means all.
+        disable: pass modules to skip, applied after ``passes``.
+        inductor: hand the rewritten graph to inductor (``True``) or run it eagerly (``False``,
+            which keeps the ssm ops but nothing else is compiled: useful for debugging).
+        mode: an inductor mode (``"reduce-overhead"`` turns on CUDA graphs, e.g. for decode).
+        inductor_config: inductor config patches, applied on top of ``mode``'s.
+    """
+
+    fuse: str = "auto"
+    passes: tuple[str, ...] | None = None
+    disable: frozenset[str] = frozenset()
+    inductor: bool = True
+    mode: str | None = None
+    inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.fuse not in FUSE_MODES:
+            raise ValueError(f"ssm backend option 'fuse' must be one of {FUSE_MODES}, got {self.fuse!r}")
+        if self.passes is not None:
+            object.__setattr__(self, "passes", tuple(_check_pass_names("passes", self.passes)))
+        object.__setattr__(self, "disable", frozenset(_check_pass_names("disable", self.disable)))
+        if not isinstance(self.inductor, bool):
+            raise TypeError(f"ssm backend option 'inductor' must be a bool, got {type(self.inductor).__name__}")
+        if self.mode is not None:
+            _check_mode(self.mode)
+            if not self.inductor:
+                raise ValueError(f"ssm backend option 'mode'={self.mode!r} needs inductor=True")
+        if not isinstance(self.inductor_config, Mapping):
+            raise TypeError("ssm backend option 'inductor_config' must be a dict of inductor config patches, "
+                            f"got {type(self.inductor_config).__name__}")
+        _check_inductor_config(self.inductor_config)
+        object.__setattr__(self, "inductor_config", dict(self.inductor_config))
+
+    @property
+    def enabled_passes(self) -> tuple[str, ...]:
+        """The pass modules that run, in pass-manager order."""
+        chosen = PASS_NAMES if self.passes is None else self.passes
+        return tuple(name for name in PASS_NAMES if name in chosen and name not in self.disable)
+
+    def config_patches(self) -> dict[str, Any]:
+        """Inductor config patches: the mode's, then the explicit ones on top."""
+        import torch._inductor
+
+        patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
+        patches.update(self.inductor_config)
+        return patches
+
+    def pass_options(self) -> dict[str, Any]:
+        """What the passes see as ``ctx.options`` (and what the pass manager's uuid hashes)."""
+        return {"fuse": self.fuse, "passes": self.enabled_passes}
+
+    @classmethod
+    def from_kwargs(cls, mode: str | None = None, options: Mapping[str, Any] | None = None,
+                    **kwargs: Any) -> "SSMOptions":
+        """Build from ``torch.compile``'s ``mode``/``options`` and/or keyword options.
+
+        ``options`` keys that are not ``SSMOptions`` fields are taken as inductor config patches
+        (as ``torch.compile(..., options=...)`` does for inductor), and validated as such.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        merged: dict[str, Any] = {}
+        inductor_config: dict[str, Any] = {}
+        for key, value in {**(options or {}), **kwargs}.items():
+            if key in fields:
+                merged[key] = value
+            else:
+                inductor_config[key] = value
+        if inductor_config:
+            merged["inductor_config"] = {**merged.get("inductor_config", {}), **inductor_config}
+        if mode is not None and mode != "default":
+            merged["mode"] = mode
+        return cls(**merged)
+
+
+def _check_pass_names(option: str, names: Any) -> list[str]:
+    if isinstance(names, str):
+        raise TypeError(f"ssm backend option {option!r} must be a collection of pass names, got the string "
+                        f"{names!r} (write ({names!r},))")
+    names = list(names)
+    unknown = [n for n in names if n not in PASS_NAMES]
+    if unknown:
+        raise ValueError(f"ssm backend option {option!r} has unknown pass name(s) {unknown}; "
+                         f"expected names from {PASS_NAMES}")
+    return names
+
+
+def _check_mode(mode: str) -> None:
+    import torch._inductor
+
+    modes = tuple(torch._inductor.list_mode_options())
+    if mode not in modes:
+        raise ValueError(f"ssm backend option 'mode' must be one of {modes}, got {mode!r}")
+
+
+def _check_inductor_config(patches: Mapping[str, Any]) -> None:
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = [k for k in patches if k not in known]
+    if unknown:
+        raise ValueError(f"unknown ssm backend option(s) {unknown}: they are neither ssm options "
+                         f"({[f.name for f in dataclasses.fields(SSMOptions)]}) nor inductor config keys")

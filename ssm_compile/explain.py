@@ -1,0 +1,121 @@
+"""``ssm_compile.explain``: what the ``ssm`` backend did to a model, and why it left things alone.
+
+    report = ssm_compile.explain(model, input_ids)
+    print(report)                      # rewrites, near-misses with reasons, graphs before/after
+    report.counts                      # Counter({"conv1d": 2, "scan_loop": 2, ...})
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .backend import GraphRecord, SSMBackend
+from .config import SSMOptions
+
+log = logging.getLogger("ssm_compile")
+
+
+@dataclasses.dataclass
+class Report:
+    """Per dynamo graph: the rewrites, the near-misses, and the graph before and after the passes.
+
+    Attributes:
+        graphs: one ``GraphRecord`` per graph dynamo compiled, in compile order.
+        graph_breaks: dynamo's graph-break reasons seen during the run, with counts.
+        output: what the model returned on the explained run.
+    """
+
+    graphs: list[GraphRecord]
+    graph_breaks: dict[str, int]
+    output: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def rewrites(self) -> list:
+        return [r for g in self.graphs for r in g.rewrites]
+
+    @property
+    def misses(self) -> list:
+        return [m for g in self.graphs for m in g.misses]
+
+    @property
+    def counts(self) -> collections.Counter:
+        """Rewrites per family, as ``counters["ssm"]`` would count them."""
+        return collections.Counter(r.family for r in self.rewrites)
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{family} x{n}" for family, n in sorted(self.counts.items())) or "none"
+        return (f"ssm_compile.explain: {len(self.graphs)} graph(s), {sum(self.graph_breaks.values())} "
+                f"graph break(s), {len(self.rewrites)} rewrite(s) [{counts}], {len(self.misses)} near-miss(es)")
+
+    def __str__(self) -> str:
+        return self.format(graphs=True)
+
+    def format(self, graphs: bool = True) -> str:
+        """The readable account; ``graphs=False`` leaves out the graph text (long for big models)."""
+        lines = [self.summary()]
+        for reason, n in self.graph_breaks.items():
+            lines.append(f"  graph break x{n}: {reason}")
+        for i, g in enumerate(self.graphs, 1):
+            lines.append(f"\n== graph {i} (options: {g.options}) ==")
+            lines.append("rewrites:" if g.rewrites else "rewrites: none")
+            for r in g.rewrites:
+                decision = ", ".join(f"{k}={v}" for k, v in r.decision.items())
+                lines.append(f"  [{r.family}] {r.pattern} -> {r.emitted}: replaced {len(r.replaced)} node(s) "
+                             f"({_names(r.replaced)})" + (f"; decision: {decision}" if decision else ""))
+            lines.append("near-misses:" if g.misses else "near-misses: none")
+            for m in g.misses:
+                where = f" (at {_names(m.nodes)})" if m.nodes else ""
+                lines.append(f"  [{m.family}] {m.reason}{where}")
+            if graphs:
+                lines.append("-- graph before --")
+                lines.append(g.before.strip("\n"))
+                lines.append("-- graph after --")
+                lines.append(g.after.strip("\n"))
+        return "\n".join(lines) + "\n"
+
+
+def _names(nodes: list[str], limit: int = 8) -> str:
+    # An unrolled loop replaces hundreds of nodes; the first few say where it was.
+    if len(nodes) <= limit:
+        return ", ".join(nodes)
+    return ", ".join(nodes[:limit]) + f", ... ({len(nodes) - limit} more)"
+
+
+def explain(model_or_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
+    """Compile ``model_or_fn`` with a recording ``ssm`` backend, run it once on the inputs, report.
+
+    The rewritten graphs run eagerly (``inductor=False``): the passes, and so the report, are the
+    same as under ``backend="ssm"``, without paying for inductor. Dynamo's caches are reset before
+    and after, and the ``ssm`` counters restored, so explaining leaves no state that changes what
+    the next ``torch.compile`` does.
+
+    Args:
+        model_or_fn: an ``nn.Module`` or a function, unmodified.
+        *args, **kwargs: what to call it with.
+    Returns:
+        a ``Report``; ``str(report)`` is the human-readable account.
+    Example:
+        >>> print(ssm_compile.explain(model, input_ids))
+    """
+    from torch._dynamo.utils import counters
+
+    records: list[GraphRecord] = []
+    saved_ssm = collections.Counter(counters["ssm"])
+    breaks_before = collections.Counter(counters["graph_break"])
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model_or_fn, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+        output = compiled(*args, **kwargs)
+        breaks = collections.Counter(counters["graph_break"])
+        breaks.subtract(breaks_before)
+    finally:
+        torch._dynamo.reset()
+        counters["ssm"].clear()
+        counters["ssm"].update(saved_ssm)
+    report = Report(graphs=records, graph_breaks={k: v for k, v in breaks.items() if v > 0}, output=output)
+    log.info("%s", report.summary())
+    return report

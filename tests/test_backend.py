@@ -1,0 +1,224 @@
+"""The ``ssm`` backend: entry point, option validation, the uuid that feeds inductor's caches."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from utils import TOL, rel_err
+
+import ssm_compile.backend
+from ssm_compile.backend import SSMBackend, backend
+from ssm_compile.config import PASS_NAMES, SSMOptions
+from ssm_compile.passes import build_pass_manager
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def conv_silu(x, w, b):
+    return F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])[..., :x.shape[-1]])
+
+
+def conv_inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 6, 9, generator=g), torch.randn(6, 1, 4, generator=g) / 4, torch.randn(6, generator=g)
+
+
+def test_entry_point_in_fresh_process_without_importing_us():
+    # backend="ssm" must resolve through the torch_dynamo_backends entry point alone, and the
+    # graph it compiles must go through our passes and then inductor.
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        import torch.nn.functional as F
+        from torch._dynamo.utils import counters
+
+        assert "ssm_compile" not in sys.modules
+        def f(x, w, b):
+            return F.silu(F.conv1d(x, w, b, padding=3, groups=6)[..., :x.shape[-1]]) * 2
+        x, w, b = torch.randn(2, 6, 9), torch.randn(6, 1, 4), torch.randn(6)
+        out = torch.compile(f, backend="ssm")(x, w, b)
+        torch.testing.assert_close(out, f(x, w, b), rtol=1e-5, atol=1e-5)
+        assert "ssm_compile.backend" in sys.modules
+        assert counters["ssm"]["conv1d"] == 1, dict(counters["ssm"])
+        assert counters["inductor"], "inductor did not compile the rewritten graph"
+        print("OK")
+    """)
+    env = {**os.environ, "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            cwd="/", timeout=300)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]
+
+
+def test_eager_backend_runs_rewritten_graph():
+    x, w, b = conv_inputs()
+    out = torch.compile(conv_silu, backend=backend(inductor=False))(x, w, b)
+    assert counters["ssm"]["conv1d"] == 1 and not counters["inductor"]
+    assert rel_err(out, conv_silu(x, w, b)) <= TOL[torch.float32]
+
+
+def test_disabled_pass_does_not_rewrite():
+    x, w, b = conv_inputs()
+    out = torch.compile(conv_silu, backend=backend(inductor=False, disable={"conv1d"}))(x, w, b)
+    assert counters["ssm"]["conv1d"] == 0
+    torch.testing.assert_close(out, conv_silu(x, w, b), rtol=0, atol=0)
+
+
+def test_torch_compile_options_reach_the_backend():
+    # torch.compile(backend="ssm", options=...) passes options to ssm_backend as a keyword.
+    x, w, b = conv_inputs()
+    out = torch.compile(conv_silu, backend="ssm", options={"inductor": False, "passes": ("xproj",)})(x, w, b)
+    assert counters["ssm"]["conv1d"] == 0 and not counters["inductor"]
+    torch.testing.assert_close(out, conv_silu(x, w, b), rtol=0, atol=0)
+
+
+def test_module_is_callable_as_backend_factory():
+    # `ssm_compile.backend` is also the submodule's name; calling it must still configure a backend.
+    configured = ssm_compile.backend(fuse="split")
+    assert isinstance(configured, SSMBackend) and configured.options.fuse == "split"
+
+
+def test_options_defaults_and_ordering():
+    opts = SSMOptions()
+    assert opts.enabled_passes == PASS_NAMES and opts.inductor and opts.fuse == "auto"
+    assert SSMOptions(passes=("xproj", "conv1d"), disable={"xproj"}).enabled_passes == ("conv1d",)
+    assert SSMOptions.from_kwargs(mode="reduce-overhead").config_patches() == {"triton.cudagraphs": True}
+    opts = SSMOptions.from_kwargs(options={"fuse": "fused", "max_autotune": True})
+    assert opts.fuse == "fused" and opts.config_patches() == {"max_autotune": True}
+
+
+@pytest.mark.parametrize("kwargs, exc, message", [
+    ({"fuse": "always"}, ValueError, "'fuse' must be one of"),
+    ({"passes": ("conv1d", "nope")}, ValueError, "'passes' has unknown pass name(s) ['nope']"),
+    ({"disable": "conv1d"}, TypeError, "'disable' must be a collection of pass names"),
+    ({"inductor": "yes"}, TypeError, "'inductor' must be a bool"),
+    ({"mode": "fastest"}, ValueError, "'mode' must be one of"),
+    ({"mode": "reduce-overhead", "inductor": False}, ValueError, "needs inductor=True"),
+    ({"not_an_option": 1}, ValueError, "unknown ssm backend option(s) ['not_an_option']"),
+    ({"inductor_config": [("max_autotune", True)]}, TypeError, "'inductor_config' must be a dict"),
+], ids=["fuse", "passes", "disable-str", "inductor-type", "mode", "mode-without-inductor", "unknown-key",
+        "inductor_config-type"])
+def test_option_validation(kwargs, exc, message):
+    with pytest.raises(exc) as info:
+        backend(**kwargs)
+    assert message in str(info.value)
+
+
+def test_uuid_tracks_options_and_passes():
+    base = build_pass_manager(SSMOptions(passes=("conv1d",)))
+    assert base.uuid() == build_pass_manager(SSMOptions(passes=("conv1d",))).uuid()
+    assert base.uuid() != build_pass_manager(SSMOptions(passes=("conv1d",), fuse="split")).uuid()
+    assert base.uuid() != build_pass_manager(SSMOptions(passes=("conv1d", "xproj"))).uuid()
+    assert base.uuid() != build_pass_manager(SSMOptions(passes=("xproj",))).uuid()
+
+
+def test_uuid_reaches_inductor_cache_key():
+    from torch._inductor.codecache import FxGraphHashDetails
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    configured = backend(passes=("conv1d",))
+    pm = configured.pass_manager()
+    patches = configured.config_patches(pm)
+    key_pass = patches["post_grad_custom_post_pass"]
+    assert isinstance(key_pass, CustomGraphPass) and key_pass.uuid() == pm.uuid()
+    # What inductor's FX graph cache hashes for this config slot is our uuid (the helper's name
+    # differs across torch versions).
+    detail = (getattr(FxGraphHashDetails, "_get_custom_pass_detail_unsafe", None)
+              or FxGraphHashDetails._get_custom_pass_detail)
+    assert detail(None, key_pass) == pm.uuid()
+
+    class Inner(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "inner"
+
+    assert pm.cache_key_pass(Inner()).uuid() == (pm.uuid(), "inner")
+    assert pm.cache_key_pass(lambda graph: None).uuid() is None
+
+
+def test_missing_pass_module_is_skipped_with_a_warning(caplog, monkeypatch):
+    import importlib
+
+    real_import = importlib.import_module
+
+    def fake_import(name, *args):
+        if name == "ssm_compile.passes.decode":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    with caplog.at_level("WARNING", logger="ssm_compile"):
+        pm = build_pass_manager(SSMOptions(passes=("conv1d", "decode")))
+    assert [name for name, _ in pm.passes] == ["conv1d"]
+    assert "decode is not available" in caplog.text
+
+
+# --- the xproj pass, through the backend ----------------------------------------------------
+
+R, N = 2, 4
+
+
+def mamba_ssm_style_split(x, u, w_x, A, *, keep_b_copy=False, mutate_source=False):
+    """mamba_ssm's Mamba.forward layout work: split x_proj, rearrange B/C and make them contiguous."""
+    batch, dim, length = u.shape
+    x_dbl = F.linear(x.reshape(batch * length, dim), w_x)
+    dt, B, C = torch.split(x_dbl, [R, N, N], dim=-1)
+    B = B.reshape(batch, length, N).transpose(1, 2).contiguous()
+    C = C.reshape(batch, length, N).permute(0, 2, 1).clone()
+    if mutate_source:
+        x_dbl.mul_(2.0)
+    delta = F.softplus(dt.sum(-1)).reshape(batch, 1, length).expand(batch, dim, length)
+    y, _ = torch.ops.ssm.selective_scan(u, delta, A, B, C)
+    return (y, B) if keep_b_copy else y
+
+
+def split_inputs():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(2, 5, 6, generator=g), torch.randn(2, 6, 5, generator=g),
+            torch.randn(R + 2 * N, 6, generator=g) / 3, -torch.rand(6, N, generator=g) - 0.1)
+
+
+def run_xproj(fn, *args):
+    from ssm_compile.kernels import register_ops
+
+    register_ops()
+    records = []
+    configured = SSMBackend(SSMOptions(inductor=False, passes=("xproj",)), on_graph=records.append)
+    out = torch.compile(fn, backend=configured, fullgraph=True)(*args)
+    return records[0], out
+
+
+def test_xproj_removes_copies_between_split_and_op():
+    record, out = run_xproj(mamba_ssm_style_split, *split_inputs())
+    assert counters["ssm"]["x_proj_split"] == 2
+    assert sorted(r.decision["arg"] for r in record.rewrites) == ["B", "C"]
+    assert ".contiguous()" not in record.after and ".clone()" not in record.after
+    assert rel_err(out, mamba_ssm_style_split(*split_inputs())) <= TOL[torch.float32]
+
+
+def test_xproj_keeps_a_copy_with_another_user():
+    fn = lambda *a: mamba_ssm_style_split(*a, keep_b_copy=True)  # noqa: E731
+    record, out = run_xproj(fn, *split_inputs())
+    assert [r.decision["arg"] for r in record.rewrites] == ["C"]
+    assert any(m.reason.startswith("B: a copy") for m in record.misses), record.misses
+    assert ".contiguous()" in record.after
+    torch.testing.assert_close(out, fn(*split_inputs()), rtol=0, atol=0)
+
+
+def test_xproj_keeps_copies_when_the_source_is_mutated():
+    fn = lambda *a: mamba_ssm_style_split(*a, mutate_source=True)  # noqa: E731
+    record, out = run_xproj(fn, *split_inputs())
+    assert counters["ssm"]["x_proj_split"] == 0 and len(record.misses) == 2
+    assert all("written in place" in m.reason for m in record.misses)
+    torch.testing.assert_close(out, fn(*split_inputs()), rtol=0, atol=0)

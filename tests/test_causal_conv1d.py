@@ -1,0 +1,309 @@
+"""Tests for ``ssm::causal_conv1d``: CPU op, Triton kernels (interpreted on CPU), registration."""
+import pytest
+import torch
+import torch.nn.functional as F
+from utils import TOL, rel_err
+
+from ssm_compile.kernels.causal_conv1d import op, reference, triton_conv
+from ssm_compile.kernels.causal_conv1d.op import causal_conv1d_fn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (bias, silu, initial_state, transposed x): "T" is x as a (batch, L, dim) tensor's transpose.
+FLAGS = {
+    "plain": (False, False, False, False),
+    "bias-silu": (True, True, False, False),
+    "init": (False, False, True, False),
+    "bias-silu-init": (True, True, True, False),
+    "T": (False, True, False, True),
+    "bias-silu-init-T": (True, True, True, True),
+}
+HALF_FLAGS = ("bias-silu-init", "T")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ops():
+    op.register()
+
+
+def make_inputs(batch, dim, seqlen, width, dtype, flags, seed=0, device="cpu"):
+    """Random (never zero) inputs; weights and bias are fp32 like a model's conv params."""
+    has_bias, silu, has_init, transposed = flags
+    g = torch.Generator().manual_seed(seed)
+    if transposed:
+        x = torch.randn(batch, seqlen, dim, generator=g).to(dtype).transpose(1, 2)
+    else:
+        x = torch.randn(batch, dim, seqlen, generator=g).to(dtype)
+    return dict(
+        x=x.to(device),
+        weight=(torch.randn(dim, width, generator=g) / width**0.5).to(device),
+        bias=torch.randn(dim, generator=g).to(device) if has_bias else None,
+        initial_state=torch.randn(batch, dim, width - 1, generator=g).to(dtype).to(device)
+        if has_init
+        else None,
+        activation="silu" if silu else None,
+    )
+
+
+def tensors(inputs):
+    return {k: v for k, v in inputs.items() if torch.is_tensor(v)}
+
+
+def op_args(inputs):
+    """The inputs in the op schema's order."""
+    names = ("x", "weight", "bias", "activation", "initial_state")
+    return tuple(inputs[k] for k in names)
+
+
+def ref_forward_backward(inputs, dy):
+    """fp64 reference output and gradients w.r.t. every tensor input that is present."""
+    leaves = {k: v.detach().double().requires_grad_() for k, v in tensors(inputs).items()}
+    y = reference.causal_conv1d_ref(
+        leaves["x"], leaves["weight"], leaves.get("bias"), inputs["activation"],
+        leaves.get("initial_state"),
+    )
+    grads = torch.autograd.grad(y, list(leaves.values()), dy.double())
+    return y.detach(), dict(zip(leaves, grads))
+
+
+def case_id(batch, dim, seqlen, width, dtype, flags):
+    return f"B{batch}-D{dim}-L{seqlen}-W{width}-{dtype}-{flags}"
+
+
+# Every flag combination in fp32; the half dtypes on the two combinations that use all inputs.
+CPU_CASES = [
+    (2, 6, seqlen, width, dtype, flags)
+    for width in (2, 3, 4, 5, 8)
+    for seqlen in (1, 7, 37, 130)
+    for dtype, flag_set in [("fp32", FLAGS), ("bf16", HALF_FLAGS), ("fp16", HALF_FLAGS)]
+    for flags in flag_set
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[case_id(*c) for c in CPU_CASES])
+def test_cpu_forward(case):
+    batch, dim, seqlen, width, dtype, flags = case
+    inputs = make_inputs(batch, dim, seqlen, width, DTYPES[dtype], FLAGS[flags])
+    y = causal_conv1d_fn(**inputs)
+    assert y.shape == (batch, dim, seqlen) and y.dtype == DTYPES[dtype] and y.is_contiguous()
+    ref = reference.causal_conv1d_ref(**inputs)
+    assert rel_err(y, ref) < TOL[DTYPES[dtype]]
+    if inputs["initial_state"] is None:
+        # The formulation users write, which the conv1d pass rewrites into this op.
+        x, w, b = inputs["x"].float(), inputs["weight"], inputs["bias"]
+        eager = F.conv1d(x, w.unsqueeze(1), b, padding=width - 1, groups=dim)[..., :seqlen]
+        if inputs["activation"] == "silu":
+            eager = F.silu(eager)
+        assert rel_err(y, eager) < TOL[DTYPES[dtype]]
+
+
+BWD_CASES = [
+    (2, 6, seqlen, width, dtype, flags)
+    for width in (2, 4, 5, 8)
+    for seqlen in (1, 7, 130)
+    for dtype, flag_set in [("fp32", FLAGS), ("bf16", HALF_FLAGS)]
+    for flags in flag_set
+]
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=[case_id(*c) for c in BWD_CASES])
+def test_cpu_backward(case):
+    batch, dim, seqlen, width, dtype, flags = case
+    inputs = make_inputs(batch, dim, seqlen, width, DTYPES[dtype], FLAGS[flags])
+    leaves = {k: v.detach().requires_grad_() for k, v in tensors(inputs).items()}
+    y = causal_conv1d_fn(**{**inputs, **leaves})
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+    got = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
+    _, ref = ref_forward_backward(inputs, dy)
+    for name, grad in got.items():
+        assert grad.dtype == inputs[name].dtype and grad.shape == inputs[name].shape, name
+        assert rel_err(grad, ref[name]) < TOL[DTYPES[dtype]], name
+
+
+# Interpreter cases: small, but chosen to cross tile edges. In B2-D20-L130 each backward
+# program loops over three 64-wide L-blocks; the transposed (batch, L, dim) view uses L tiles of
+# 64 (forward) and 16 (backward), so the halo crosses tile boundaries in both kernels.
+TRITON_CASES = [
+    (2, 20, 37, 4, "fp32", "plain"),
+    (2, 20, 37, 4, "fp32", "bias-silu"),
+    (2, 20, 37, 4, "fp32", "init"),
+    (2, 20, 37, 4, "fp32", "bias-silu-init"),
+    (1, 8, 1, 4, "fp32", "bias-silu-init"),
+    (1, 8, 19, 2, "fp32", "bias-silu-init"),
+    (1, 8, 19, 3, "fp32", "bias-silu-init"),
+    (1, 8, 19, 5, "fp32", "bias-silu-init"),
+    (1, 8, 19, 8, "fp32", "bias-silu-init"),
+    (2, 20, 130, 4, "fp32", "bias-silu-init"),
+    (1, 24, 130, 3, "fp32", "bias-silu-init-T"),
+    (2, 20, 37, 4, "bf16", "bias-silu-init"),
+    (2, 20, 37, 4, "fp16", "bias-silu-init"),
+]
+
+
+def triton_args(inputs):
+    return (
+        inputs["x"], inputs["weight"], inputs["bias"], inputs["initial_state"],
+        inputs["activation"] == "silu",
+    )
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=[case_id(*c) for c in TRITON_CASES])
+def test_triton_forward_backward(case):
+    batch, dim, seqlen, width, dtype, flags = case
+    inputs = make_inputs(batch, dim, seqlen, width, DTYPES[dtype], FLAGS[flags])
+    y = triton_conv.causal_conv1d_fwd(*triton_args(inputs))
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+    ref_y, ref = ref_forward_backward(inputs, dy)
+    assert y.dtype == DTYPES[dtype] and y.is_contiguous()
+    assert rel_err(y, ref_y) < TOL[DTYPES[dtype]]
+
+    grads = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
+    for name, grad in grads._asdict().items():
+        key = name[1:]
+        if inputs[key] is None:
+            assert grad.shape == (0,), name
+            continue
+        assert grad.dtype == inputs[key].dtype and grad.shape == inputs[key].shape, name
+        assert rel_err(grad, ref[key]) < TOL[DTYPES[dtype]], name
+
+
+def test_triton_strided_weight_and_expanded_dy():
+    # `y.sum().backward()` hands the backward a zero-stride dy; a (W, dim) parameter used
+    # transposed gives a weight with a non-unit inner stride. Neither may be copied or misread.
+    inputs = make_inputs(2, 20, 37, 4, torch.float32, FLAGS["bias-silu-init"])
+    inputs["weight"] = inputs["weight"].t().contiguous().t()
+    dy = torch.randn(1, 1, 1, generator=torch.Generator().manual_seed(1)).expand(2, 20, 37)
+    assert inputs["weight"].stride() == (1, 20) and dy.stride() == (0, 0, 0)
+    _, ref = ref_forward_backward(inputs, dy)
+    grads = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
+    for name in ("x", "weight", "bias", "initial_state"):
+        assert rel_err(getattr(grads, "d" + name), ref[name]) < TOL[torch.float32], name
+
+
+def test_triton_dweight_is_deterministic():
+    # Transposed x: 16-wide backward L-blocks over two programs per row, so dweight is a sum of
+    # four per-program partials.
+    inputs = make_inputs(2, 24, 130, 3, torch.float32, FLAGS["bias-silu-init-T"])
+    dy = torch.randn(2, 24, 130, generator=torch.Generator().manual_seed(1))
+    first = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
+    second = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
+    assert torch.equal(first.dweight, second.dweight)
+    assert torch.equal(first.dbias, second.dbias)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the interpreter tests)"
+)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_op_matches_reference_and_is_deterministic(dtype):
+    inputs = make_inputs(2, 256, 1000, 4, DTYPES[dtype], FLAGS["bias-silu-init"], device="cuda")
+    leaves = {k: v.detach().requires_grad_() for k, v in tensors(inputs).items()}
+    y = causal_conv1d_fn(**{**inputs, **leaves})
+    dy = torch.randn_like(y)
+    got = dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)))
+    on_cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    ref_y, ref = ref_forward_backward(on_cpu, dy.cpu())
+    assert rel_err(y.cpu(), ref_y) < TOL[DTYPES[dtype]]
+    for name, grad in got.items():
+        assert rel_err(grad.cpu(), ref[name]) < TOL[DTYPES[dtype]], name
+    for _ in range(3):
+        again = torch.ops.ssm.causal_conv1d_backward(dy, *op_args(inputs))
+        assert torch.equal(again[1], got["weight"])
+
+
+OPCHECK_FLAGS = ["plain", "bias-silu", "bias-silu-init-T"]
+
+
+@pytest.mark.parametrize("flags", OPCHECK_FLAGS)
+def test_opcheck_forward(flags):
+    inputs = make_inputs(2, 6, 11, 4, torch.float32, FLAGS[flags])
+    args = tuple(v.requires_grad_() if torch.is_tensor(v) else v for v in op_args(inputs))
+    torch.library.opcheck(torch.ops.ssm.causal_conv1d.default, args)
+
+
+@pytest.mark.parametrize("flags", OPCHECK_FLAGS)
+def test_opcheck_backward(flags):
+    inputs = make_inputs(2, 6, 11, 4, torch.float32, FLAGS[flags])
+    dy = torch.randn(2, 6, 11)
+    torch.library.opcheck(torch.ops.ssm.causal_conv1d_backward.default, (dy, *op_args(inputs)))
+
+
+@pytest.mark.parametrize("flags", ["bias-silu", "bias-silu-init-T"])
+def test_gradcheck_fp64(flags):
+    inputs = make_inputs(2, 3, 9, 3, torch.float64, FLAGS[flags])
+    names = list(tensors(inputs))
+    # make_inputs gives fp32 weight and bias (as a model has); gradcheck needs every input fp64.
+    leaves = [inputs[k].detach().double().requires_grad_() for k in names]
+
+    def fn(*tensors):
+        return causal_conv1d_fn(**{**inputs, **dict(zip(names, tensors))})
+
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+def test_swish_is_silu():
+    inputs = make_inputs(2, 6, 11, 4, torch.float32, FLAGS["bias-silu-init"])
+    swish = causal_conv1d_fn(**{**inputs, "activation": "swish"})
+    assert torch.equal(causal_conv1d_fn(**inputs), swish)
+
+
+def _bad(**changes):
+    inputs = make_inputs(2, 6, 11, 4, torch.float32, FLAGS["bias-silu-init"])
+    return {**inputs, **changes}
+
+
+BAD_INPUTS = {  # name: (inputs, error, message regex)
+    "x-rank": (_bad(x=torch.randn(6, 11)), ValueError, r"^x: .*\(batch, dim, seqlen\)"),
+    "x-empty": (_bad(x=torch.randn(2, 6, 0)), ValueError, r"^x: .*non-empty"),
+    "x-int": (_bad(x=torch.ones(2, 6, 11, dtype=torch.int32)), TypeError, r"^x: expected dtype"),
+    "weight-dim": (_bad(weight=torch.randn(5, 4)), ValueError, r"^weight: .*\(dim=6, W\)"),
+    "weight-W1": (_bad(weight=torch.randn(6, 1)), ValueError, r"^weight: .*W in \[2, 8\]"),
+    "weight-W9": (
+        _bad(weight=torch.randn(6, 9), initial_state=None), ValueError, r"^weight: .*\[2, 8\]"
+    ),
+    "weight-3d": (_bad(weight=torch.randn(6, 1, 4)), ValueError, r"^weight: expected shape"),
+    "weight-int": (
+        _bad(weight=torch.ones(6, 4, dtype=torch.int64)), TypeError, r"^weight: expected dtype"
+    ),
+    "bias-shape": (_bad(bias=torch.randn(7)), ValueError, r"^bias: expected shape \(6,\)"),
+    "activation": (_bad(activation="relu"), ValueError, r"^activation: .*'silu' or 'swish'"),
+    "init-shape": (
+        _bad(initial_state=torch.randn(2, 6, 4)), ValueError, r"^initial_state: .*\(2, 6, 3\)"
+    ),
+    "init-dtype": (
+        _bad(initial_state=torch.ones(2, 6, 3, dtype=torch.int32)), TypeError,
+        r"^initial_state: expected dtype",
+    ),
+    "bias-device": (_bad(bias=torch.randn(6, device="meta")), ValueError, r"^bias: .*device cpu"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_inputs_name_the_argument(name):
+    inputs, error, match = BAD_INPUTS[name]
+    with pytest.raises(error, match=match):
+        causal_conv1d_fn(**inputs)
+
+
+def test_backward_rejects_bad_dy():
+    with pytest.raises(ValueError, match=r"^dy: expected shape \(2, 6, 11\)"):
+        torch.ops.ssm.causal_conv1d_backward(torch.randn(2, 6, 10), *op_args(_bad()))
+
+
+def test_torch_compile_fullgraph():
+    inputs = make_inputs(2, 6, 11, 4, torch.float32, FLAGS["bias-silu-init"])
+    leaves = {k: v.detach().requires_grad_() for k, v in tensors(inputs).items()}
+
+    def block(x, weight, bias, initial_state):
+        # The op sits between ordinary ops that inductor fuses around it.
+        y = causal_conv1d_fn(x * 2.0, weight, bias, initial_state, activation="silu")
+        return (y * x).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    loss = compiled(**leaves)
+    got = torch.autograd.grad(loss, list(leaves.values()))
+    eager_loss = block(**leaves)
+    expected = torch.autograd.grad(eager_loss, list(leaves.values()))
+    assert rel_err(loss, eager_loss) < TOL[torch.float32]
+    for name, g, e in zip(leaves, got, expected):
+        assert rel_err(g, e) < TOL[torch.float32], name

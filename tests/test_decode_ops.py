@@ -1,0 +1,307 @@
+"""The decode ops against the fp64 reference: CPU path, Triton kernels, in-place state, errors."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssm_compile.kernels.decode import op as decode_op
+from ssm_compile.kernels.decode import triton_decode
+from ssm_compile.kernels.decode.reference import causal_conv1d_update_ref, selective_state_update_ref
+from utils import TOL, rel_err
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ops():
+    decode_op.register()
+
+
+def _op_state_update(state, *args):
+    return torch.ops.ssm.selective_state_update(state, *args)
+
+
+def _triton_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    # The launcher takes validated inputs with B/C already grouped, as the op layer hands them.
+    B, C = (t.unsqueeze(1) if t.dim() == 2 else t for t in (B, C))
+    return triton_decode.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+
+def _op_conv_update(x, conv_state, weight, bias, activation):
+    return torch.ops.ssm.causal_conv1d_update(x, conv_state, weight, bias, activation)
+
+
+def _triton_conv_update(x, conv_state, weight, bias, activation):
+    x3 = x.unsqueeze(-1) if x.dim() == 2 else x
+    y = triton_decode.causal_conv1d_update(x3, conv_state, weight, bias, activation)
+    return y.squeeze(-1) if x.dim() == 2 else y
+
+
+STATE_IMPLS = {"cpu": _op_state_update, "triton": _triton_state_update}
+CONV_IMPLS = {"cpu": _op_conv_update, "triton": _triton_conv_update}
+
+
+def make_state_update_inputs(batch, dim, N, G, dtype, full, seed=0):
+    """Random inputs; G=0 means plain (batch, N) B/C. ``full`` turns on D, z, dt_bias, softplus."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, dt=dtype, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dt)
+
+    bc = (batch, N) if G == 0 else (batch, G, N)
+    return dict(
+        state=rnd(batch, dim, N, dt=torch.float32),
+        x=rnd(batch, dim), dt=rnd(batch, dim, scale=0.5),
+        A=-torch.rand(dim, N, generator=g) - 0.1,
+        B=rnd(*bc), C=rnd(*bc),
+        D=rnd(dim, dt=torch.float32) if full else None,
+        z=rnd(batch, dim) if full else None,
+        dt_bias=rnd(dim, dt=torch.float32, scale=0.5) if full else None,
+        dt_softplus=full,
+    )
+
+
+def _args(inp):
+    keys = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplus")
+    return [inp[k] for k in keys]
+
+
+STATE_CASES = [
+    # (batch, dim, N, G, full)
+    (2, 24, 8, 0, True),
+    (2, 24, 8, 3, True),
+    (1, 40, 16, 1, False),
+    (3, 20, 5, 2, True),  # N not a power of two; dim block straddles groups
+]
+
+
+@pytest.mark.parametrize("impl", list(STATE_IMPLS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("batch,dim,N,G,full", STATE_CASES,
+                         ids=[f"B{b}-D{d}-N{n}-G{g}-{'full' if f else 'bare'}" for b, d, n, g, f in STATE_CASES])
+def test_selective_state_update_matches_reference(impl, dtype, batch, dim, N, G, full):
+    inp = make_state_update_inputs(batch, dim, N, G, dtype, full)
+    y_ref, h_ref = selective_state_update_ref(inp["state"], *_args(inp))
+    state = inp["state"].clone()
+    ptr = state.data_ptr()
+    y = STATE_IMPLS[impl](state, *_args(inp))
+    assert y.dtype == dtype and y.shape == (batch, dim)
+    assert rel_err(y, y_ref) < TOL[dtype]
+    # The state is fp32 and computed from the same (already rounded) inputs, so it is held to fp32.
+    assert state.data_ptr() == ptr and rel_err(state, h_ref) < 10 * TOL[torch.float32]
+
+
+@pytest.mark.parametrize("impl", list(STATE_IMPLS))
+def test_selective_state_update_strided_inputs(impl):
+    """Non-contiguous views (as HF slices them out of bigger tensors) give the same answer."""
+    batch, dim, N = 2, 24, 8
+    inp = make_state_update_inputs(batch, dim, N, 0, torch.float32, True)
+    y_ref, h_ref = selective_state_update_ref(inp["state"], *_args(inp))
+    xs = torch.stack([inp["x"], inp["dt"], inp["z"]], dim=-1)  # x, dt, z interleaved: stride 3
+    BC = torch.stack([inp["B"], inp["C"]], dim=1).transpose(1, 2)  # (batch, N, 2)
+    A_t = inp["A"].t().contiguous().t()
+    state = inp["state"].transpose(1, 2).contiguous().transpose(1, 2)
+    y = STATE_IMPLS[impl](state, xs[..., 0], xs[..., 1], A_t, BC[..., 0], BC[..., 1], inp["D"], xs[..., 2],
+                          inp["dt_bias"], True)
+    assert rel_err(y, y_ref) < TOL[torch.float32]
+    assert rel_err(state, h_ref) < 10 * TOL[torch.float32]
+
+
+def test_state_update_steps_equal_reference_scan():
+    """L single steps equal one scan over L (fp64 scan reference), final state included."""
+    from ssm_compile.kernels.selective_scan.reference import selective_scan_ref
+
+    batch, dim, N, L = 2, 16, 4, 6
+    g = torch.Generator().manual_seed(1)
+    u, delta, z = (torch.randn(batch, dim, L, generator=g) for _ in range(3))
+    B, C = (torch.randn(batch, N, L, generator=g) for _ in range(2))
+    A = -torch.rand(dim, N, generator=g) - 0.1
+    D, bias = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    h0 = torch.randn(batch, dim, N, generator=g)
+    y_ref, h_ref = selective_scan_ref(u, delta, A, B, C, D, z, bias, True, initial_state=h0, return_last_state=True)
+    state = h0.clone()
+    ys = [decode_op.selective_state_update(state, u[..., t], delta[..., t], A, B[..., t], C[..., t], D,
+                                           z[..., t], bias, True) for t in range(L)]
+    assert rel_err(torch.stack(ys, -1), y_ref) < TOL[torch.float32]
+    assert rel_err(state, h_ref) < TOL[torch.float32]
+
+
+def test_state_update_steps_equal_scan_op():
+    """Against ``ssm::selective_scan`` itself (another module): prefill then decode must agree."""
+    from ssm_compile.kernels.selective_scan import op as scan_op
+
+    scan_op.register()
+    batch, dim, N, L, G = 2, 16, 4, 5, 2
+    g = torch.Generator().manual_seed(2)
+    u, delta, z = (torch.randn(batch, dim, L, generator=g) for _ in range(3))
+    B, C = (torch.randn(batch, G, N, L, generator=g) for _ in range(2))
+    A = -torch.rand(dim, N, generator=g) - 0.1
+    D, bias = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    h0 = torch.randn(batch, dim, N, generator=g)
+    y_scan, h_scan = torch.ops.ssm.selective_scan(u, delta, A, B, C, D, z, bias, True, h0, True)
+    state = h0.clone()
+    ys = [decode_op.selective_state_update(state, u[..., t], delta[..., t], A, B[..., t], C[..., t], D,
+                                           z[..., t], bias, True) for t in range(L)]
+    assert rel_err(torch.stack(ys, -1), y_scan) < TOL[torch.float32]
+    assert rel_err(state, h_scan) < TOL[torch.float32]
+
+
+CONV_CASES = [
+    # (batch, dim, W, S, T); T=0 means a 2-D (batch, dim) input
+    (2, 24, 4, 4, 0),  # HF's layout: S = W
+    (2, 24, 4, 3, 1),  # S = W - 1, the minimum
+    (1, 70, 2, 1, 0),  # more than one channel block
+    (2, 8, 8, 10, 3),  # several new inputs, S > W
+    (2, 8, 3, 2, 5),  # T > S: the whole state is replaced by inputs
+]
+
+
+@pytest.mark.parametrize("impl", list(CONV_IMPLS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("bias_act", [(True, "silu"), (False, None)], ids=["bias-silu", "nobias-none"])
+@pytest.mark.parametrize("batch,dim,W,S,T", CONV_CASES,
+                         ids=[f"B{b}-D{d}-W{w}-S{s}-T{t}" for b, d, w, s, t in CONV_CASES])
+def test_causal_conv1d_update_matches_reference(impl, dtype, bias_act, batch, dim, W, S, T):
+    has_bias, activation = bias_act
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(batch, dim, *([T] if T else []), generator=g).to(dtype)
+    conv_state = torch.randn(batch, dim, S, generator=g).to(dtype)
+    weight = torch.randn(dim, W, generator=g).to(dtype)
+    bias = torch.randn(dim, generator=g).to(dtype) if has_bias else None
+    y_ref, state_ref = causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
+    state = conv_state.clone()
+    y = CONV_IMPLS[impl](x, state, weight, bias, activation)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert rel_err(y, y_ref) < TOL[dtype]
+    # Rolling only moves values (no arithmetic), so the new state is exact.
+    assert torch.equal(state, state_ref.to(dtype))
+
+
+@pytest.mark.parametrize("impl", list(CONV_IMPLS))
+def test_causal_conv1d_update_steps_equal_full_conv(impl):
+    """Feeding a sequence one token at a time equals one causal conv over the whole sequence."""
+    batch, dim, W, L = 2, 12, 4, 7
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(batch, dim, L, generator=g)
+    weight, bias = torch.randn(dim, W, generator=g), torch.randn(dim, generator=g)
+    y_full = F.silu(F.conv1d(x, weight.unsqueeze(1), bias, padding=W - 1, groups=dim)[..., :L])
+    state = torch.zeros(batch, dim, W)
+    ys = [CONV_IMPLS[impl](x[..., t], state, weight, bias, "silu") for t in range(L)]
+    assert rel_err(torch.stack(ys, -1), y_full) < TOL[torch.float32]
+    assert torch.equal(state, x[..., L - W:])
+
+
+def test_causal_conv1d_update_bf16_state_fp32_input():
+    """The state keeps its own dtype: new fp32 inputs are rounded into a bf16 cache."""
+    x = torch.randn(2, 8)
+    state = torch.randn(2, 8, 4).bfloat16()
+    weight = torch.randn(8, 4)
+    y_ref, state_ref = causal_conv1d_update_ref(x, state, weight)
+    y = decode_op.causal_conv1d_update(x, state, weight)
+    assert y.dtype == torch.float32 and rel_err(y, y_ref) < TOL[torch.float32]
+    assert torch.equal(state, state_ref.bfloat16())
+
+
+def _state_update_kwargs():
+    inp = make_state_update_inputs(2, 8, 4, 0, torch.float32, True)
+    return {k: inp[k] for k in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplus")}
+
+
+STATE_ERRORS = [
+    ("state-bf16", lambda kw: kw.update(state=kw["state"].bfloat16()), TypeError, "state must be fp32"),
+    ("state-2d", lambda kw: kw.update(state=kw["state"][0]), ValueError, "state must be a"),
+    ("N-too-big", lambda kw: kw.update(state=torch.zeros(2, 8, 300), A=torch.zeros(8, 300),
+                                       B=torch.zeros(2, 300), C=torch.zeros(2, 300)), ValueError, "at most 256"),
+    ("x-shape", lambda kw: kw.update(x=kw["x"][:, :4]), ValueError, "x must have shape"),
+    ("dt-int", lambda kw: kw.update(dt=kw["dt"].long()), TypeError, "dt must have dtype"),
+    ("A-shape", lambda kw: kw.update(A=kw["A"].t()), ValueError, "A must have shape"),
+    ("B-groups", lambda kw: kw.update(B=torch.zeros(2, 3, 4), C=torch.zeros(2, 3, 4)), ValueError, "divide dim"),
+    ("C-shape", lambda kw: kw.update(C=kw["C"][:, :2]), ValueError, "C must have shape"),
+    ("D-shape", lambda kw: kw.update(D=torch.zeros(7)), ValueError, "D must have shape"),
+    ("z-shape", lambda kw: kw.update(z=kw["z"][:1]), ValueError, "z must have shape"),
+    ("dt_bias-device", lambda kw: kw.update(dt_bias=kw["dt_bias"].to("meta")), ValueError, "dt_bias must be on"),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,match", [e[1:] for e in STATE_ERRORS], ids=[e[0] for e in STATE_ERRORS])
+def test_selective_state_update_bad_input(mutate, exc, match):
+    kw = _state_update_kwargs()
+    mutate(kw)
+    before = kw["state"].clone()
+    with pytest.raises(exc, match=match):
+        decode_op.selective_state_update(**kw)
+    assert torch.equal(kw["state"], before), "a rejected call must leave the state untouched"
+
+
+def _conv_kwargs():
+    return dict(x=torch.randn(2, 8), conv_state=torch.randn(2, 8, 4), weight=torch.randn(8, 4),
+                bias=torch.randn(8), activation="silu")
+
+
+CONV_ERRORS = [
+    ("W-too-wide", lambda kw: kw.update(weight=torch.randn(8, 9), conv_state=torch.randn(2, 8, 9)), ValueError,
+     "W <= 8"),
+    ("W-1", lambda kw: kw.update(weight=torch.randn(8, 1)), ValueError, "2 <= W"),
+    ("state-too-short", lambda kw: kw.update(conv_state=torch.randn(2, 8, 2)), ValueError, "S >= 3"),
+    ("state-dim", lambda kw: kw.update(conv_state=torch.randn(2, 6, 4)), ValueError, "conv_state must have shape"),
+    ("x-4d", lambda kw: kw.update(x=torch.randn(2, 8, 1, 1)), ValueError, "x must be"),
+    ("x-T0", lambda kw: kw.update(x=torch.randn(2, 8, 0)), ValueError, "at least one time step"),
+    ("x-batch", lambda kw: kw.update(x=torch.randn(3, 8)), ValueError, "x must have shape"),
+    ("bias-shape", lambda kw: kw.update(bias=torch.randn(4)), ValueError, "bias must have shape"),
+    ("activation", lambda kw: kw.update(activation="relu"), ValueError, "activation must be one of"),
+    ("weight-int", lambda kw: kw.update(weight=torch.ones(8, 4, dtype=torch.int32)), TypeError, "weight must have"),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,match", [e[1:] for e in CONV_ERRORS], ids=[e[0] for e in CONV_ERRORS])
+def test_causal_conv1d_update_bad_input(mutate, exc, match):
+    kw = _conv_kwargs()
+    mutate(kw)
+    with pytest.raises(exc, match=match):
+        decode_op.causal_conv1d_update(**kw)
+
+
+def test_opcheck_selective_state_update():
+    for G, full in itertools.product((0, 2), (True, False)):
+        inp = make_state_update_inputs(2, 8, 4, G, torch.float32, full)
+        torch.library.opcheck(torch.ops.ssm.selective_state_update.default, (inp["state"], *_args(inp)))
+
+
+def test_opcheck_causal_conv1d_update():
+    for x_shape, act in (((2, 8), "silu"), ((2, 8, 3), None)):
+        args = (torch.randn(x_shape), torch.randn(2, 8, 4), torch.randn(8, 4), torch.randn(8), act)
+        torch.library.opcheck(torch.ops.ssm.causal_conv1d_update.default, args)
+
+
+def test_decode_ops_refuse_backward():
+    """Inference-only: a backward through a decode op raises instead of giving wrong gradients."""
+    inp = make_state_update_inputs(2, 8, 4, 0, torch.float32, True)
+    x = inp["x"].requires_grad_()
+    y = decode_op.selective_state_update(inp["state"], x, *_args(inp)[1:])
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        y.sum().backward()
+    kw = _conv_kwargs()
+    kw["weight"].requires_grad_()
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        decode_op.causal_conv1d_update(**kw).sum().backward()
+
+
+def test_decode_ops_mutation_survives_compile():
+    """The schema's (a!) makes functionalization write the state back inside a compiled graph."""
+    inp = make_state_update_inputs(2, 8, 4, 0, torch.float32, True)
+    kw = _conv_kwargs()
+
+    def step(state, conv_state, x):
+        xc = torch.ops.ssm.causal_conv1d_update(x, conv_state, kw["weight"], kw["bias"], "silu")
+        return torch.ops.ssm.selective_state_update(state, xc, *_args(inp)[1:])
+
+    state_e, conv_e = inp["state"].clone(), kw["conv_state"].clone()
+    state_c, conv_c = inp["state"].clone(), kw["conv_state"].clone()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        y_e = step(state_e, conv_e, kw["x"])
+        y_c = compiled(state_c, conv_c, kw["x"])
+        assert torch.equal(y_e, y_c)
+    assert torch.equal(state_e, state_c) and torch.equal(conv_e, conv_c)

@@ -1,0 +1,91 @@
+"""``ssm_compile.explain``: the report of rewrites and near-misses, and no state left behind."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from ssm_compile.backend import backend
+from ssm_compile.explain import explain
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def causal_conv(x, w, b):
+    return F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])[..., :x.shape[-1]])
+
+
+def shifted_conv(x, w, b):
+    # Padding W-2 sees one future step: a near-miss the report must explain.
+    return F.conv1d(x, w, b, padding=w.shape[-1] - 2, groups=x.shape[1])[..., :x.shape[-1] - 1]
+
+
+def two_graphs(x, w, b):
+    y = causal_conv(x, w, b)
+    torch._dynamo.graph_break()
+    return shifted_conv(y, w, b)
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 6, 9, generator=g), torch.randn(6, 1, 4, generator=g) / 4, torch.randn(6, generator=g)
+
+
+def test_report_of_a_rewrite():
+    report = explain(causal_conv, *inputs())
+    assert len(report.graphs) == 1 and report.counts == {"conv1d": 1} and not report.misses
+    (rewrite,) = report.rewrites
+    assert rewrite.emitted == "ssm.causal_conv1d" and rewrite.decision == {"W": 4, "activation": "silu", "bias": True}
+    text = str(report)
+    assert "1 rewrite(s) [conv1d x1], 0 near-miss(es)" in text
+    assert ("[conv1d] conv1d[..., :L]+silu -> ssm.causal_conv1d: replaced 3 node(s) (conv1d, getitem, silu); "
+            "decision: W=4, activation=silu, bias=True") in text
+    before, after = text.split("-- graph before --")[1].split("-- graph after --")
+    assert "torch.conv1d" in before and "causal_conv1d" not in before
+    assert "torch.ops.ssm.causal_conv1d.default" in after and "torch.conv1d" not in after
+    torch.testing.assert_close(report.output, causal_conv(*inputs()))
+    short = report.format(graphs=False)
+    assert "decision: W=4" in short and "-- graph before --" not in short
+
+
+def test_report_of_a_near_miss():
+    report = explain(shifted_conv, *inputs())
+    assert not report.rewrites
+    (miss,) = report.misses
+    assert miss.family == "conv1d" and miss.nodes == ["conv1d"]
+    assert "[conv1d] padding 2 is not kernel_size - 1 = 3: not a causal conv (at conv1d)" in str(report)
+
+
+def test_report_across_a_graph_break():
+    report = explain(two_graphs, *inputs())
+    assert len(report.graphs) == 2 and sum(report.graph_breaks.values()) == 1
+    assert [len(g.rewrites) for g in report.graphs] == [1, 0] and [len(g.misses) for g in report.graphs] == [0, 1]
+    assert "== graph 2" in str(report) and "graph break x1" in str(report)
+
+
+def test_explain_leaves_no_state_behind(caplog):
+    counters["ssm"]["conv1d"] = 7
+    with caplog.at_level(logging.INFO, logger="ssm_compile"):
+        explain(causal_conv, *inputs())
+    assert "ssm_compile.explain: 1 graph(s)" in caplog.text
+    # The counters are the caller's again, and the next compile of the same function recompiles
+    # with its own backend instead of reusing the explain run's eager graph.
+    assert counters["ssm"]["conv1d"] == 7
+    graphs_before = counters["stats"]["unique_graphs"]
+    out = torch.compile(causal_conv, backend=backend(inductor=False, disable={"conv1d"}))(*inputs())
+    assert counters["ssm"]["conv1d"] == 7 and counters["stats"]["unique_graphs"] == graphs_before + 1
+    torch.testing.assert_close(out, causal_conv(*inputs()))
+
+
+def test_long_node_lists_are_shortened():
+    from ssm_compile.explain import _names
+
+    assert _names([f"n{i}" for i in range(3)]) == "n0, n1, n2"
+    assert _names([f"n{i}" for i in range(20)]) == "n0, n1, n2, n3, n4, n5, n6, n7, ... (12 more)"

@@ -1,0 +1,241 @@
+"""End to end: unmodified HF ``MambaForCausalLM`` under ``torch.compile(backend="ssm")``.
+
+Every Mamba piece of every layer must be rewritten (the counters say so) and the logits must
+match eager. Tiny random configs keep inductor's CPU compile short.
+"""
+import copy
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from torch._dynamo.utils import counters
+from utils import TOL, rel_err
+
+transformers = pytest.importorskip("transformers", reason="the HF end-to-end tests need transformers")
+from transformers import MambaConfig, MambaForCausalLM  # noqa: E402
+
+from ssm_compile.config import SSMOptions  # noqa: E402
+from ssm_compile.passes import build_pass_manager  # noqa: E402
+from ssm_compile.passes.fx_utils import normalized_graph_str  # noqa: E402
+
+VOCAB = 64
+# HF's mamba_selective_scan calls lru_cache'd feature probes; dynamo's warning about them is noise here.
+pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny_model(hidden=16, layers=1, state=4, rank=4, use_bias=False, use_conv_bias=True, assoc=False,
+               dtype=torch.float32):
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=VOCAB, hidden_size=hidden, state_size=state, num_hidden_layers=layers,
+                         time_step_rank=rank, conv_kernel=4, use_bias=use_bias, use_conv_bias=use_conv_bias,
+                         use_associative_scan=assoc)
+    model = MambaForCausalLM(config).eval()
+    # HF initialises some weights (conv bias, D) to constants; random ones make every term count.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.to(dtype)
+
+
+def expected_counts(layers, assoc):
+    scan = "scan_assoc" if assoc else "scan_loop"
+    families = ("conv1d", scan, "discretization", "readout", "delta", "skip", "gate")
+    return {family: layers for family in families}
+
+
+CONFIGS = {
+    "H16-layers1-N4-R4-loop-bias": dict(hidden=16, layers=1, state=4, rank=4, use_bias=True, assoc=False, seq=8),
+    "H32-layers2-N8-Rauto-assoc": dict(hidden=32, layers=2, state=8, rank="auto", assoc=True, seq=16),
+    "H16-layers2-N8-R2-loop-noconvbias": dict(hidden=16, layers=2, state=8, rank=2, use_bias=True,
+                                              use_conv_bias=False, assoc=False, seq=11),
+    "H24-layers1-N6-R3-assoc-nobias": dict(hidden=24, layers=1, state=6, rank=3, use_conv_bias=False,
+                                           assoc=True, seq=13),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_matches_eager_and_every_piece_is_rewritten(name):
+    cfg = dict(CONFIGS[name])
+    seq = cfg.pop("seq")
+    model = tiny_model(**cfg)
+    ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        out = torch.compile(model, backend="ssm")(ids, use_cache=False).logits
+    assert dict(counters["ssm"]) == expected_counts(cfg["layers"], cfg["assoc"])
+    assert counters["stats"]["unique_graphs"] == 1, "the model should compile as one graph"
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
+def test_bf16_model_within_tolerance_of_fp64():
+    model = tiny_model(hidden=16, layers=2, state=8, rank=2, assoc=False, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).double()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = reference(ids, use_cache=False).logits
+        eager = model(ids, use_cache=False).logits
+        out = torch.compile(model, backend="ssm")(ids, use_cache=False).logits
+    # HF upcasts the logits to fp32 whatever the model dtype; the compiled model must too.
+    assert out.dtype == eager.dtype
+    assert dict(counters["ssm"]) == expected_counts(2, assoc=False)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+    assert rel_err(out, ref) <= 2 * max(rel_err(eager, ref), TOL[torch.float32])
+
+
+class CaptureRewritten:
+    """Runs the full pass manager (as the backend does) and keeps the normalised rewritten graph."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from ssm_compile.kernels import register_ops
+
+        register_ops()
+        build_pass_manager(SSMOptions())(gm)
+        self.graphs.append(normalized_graph_str(gm, with_meta=True))
+        return gm.forward
+
+
+def rewritten_mixer_graph(assoc):
+    model = tiny_model(hidden=16, layers=1, state=4, rank=2, use_bias=True, assoc=assoc)
+    mixer = model.backbone.layers[0].mixer
+    hidden = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3))
+    capture = CaptureRewritten()
+    with torch.no_grad():
+        out = torch.compile(mixer, backend=capture, fullgraph=True)(hidden)
+        assert rel_err(out, mixer(hidden)) <= TOL[torch.float32]
+    (graph,) = capture.graphs
+    return graph
+
+
+def test_snapshot_of_rewritten_mixer_loop():
+    assert_expected_inline(rewritten_mixer_graph(assoc=False), """\
+%arg_1 = placeholder[L_args_0_]  # float32[2, 8, 16]
+%arg_2 = placeholder[L_self_modules_in_proj_parameters_weight_]  # float32[64, 16]
+%arg_3 = placeholder[L_self_modules_in_proj_parameters_bias_]  # float32[64]
+%arg_4 = placeholder[L_self_parameters_A_log_]  # float32[32, 4]
+%arg_5 = placeholder[L_self_modules_conv1d_parameters_weight_]  # float32[32, 1, 4]
+%arg_6 = placeholder[L_self_modules_conv1d_parameters_bias_]  # float32[32]
+%arg_7 = placeholder[L_self_modules_x_proj_parameters_weight_]  # float32[10, 32]
+%arg_8 = placeholder[L_self_modules_dt_proj_parameters_weight_]  # float32[32, 2]
+%arg_9 = placeholder[L_self_modules_dt_proj_parameters_bias_]  # float32[32]
+%arg_10 = placeholder[L_self_parameters_D_]  # float32[32]
+%arg_11 = placeholder[L_self_modules_out_proj_parameters_weight_]  # float32[16, 32]
+%arg_12 = placeholder[L_self_modules_out_proj_parameters_bias_]  # float32[16]
+%linear_1 = torch._C._nn.linear(%arg_1, %arg_2, %arg_3)  # float32[2, 8, 64]
+%transpose_1 = .transpose(%linear_1, 1, 2)  # float32[2, 64, 8]
+%float_1 = .float(%arg_4)  # float32[32, 4]
+%exp_1 = torch.exp(%float_1)  # float32[32, 4]
+%neg_1 = operator.neg(%exp_1)  # float32[32, 4]
+%chunk_1 = .chunk(%transpose_1, 2, dim=1)  # (float32[2, 32, 8], float32[2, 32, 8])
+%getitem_1 = operator.getitem(%chunk_1, 0)  # float32[2, 32, 8]
+%getitem_2 = operator.getitem(%chunk_1, 1)  # float32[2, 32, 8]
+%squeeze_1 = .squeeze(%arg_5, 1)  # float32[32, 4]
+%to_1 = .to(%getitem_1, torch.float32)  # float32[2, 32, 8]
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%to_1, %squeeze_1, %arg_6, 'silu')  # float32[2, 32, 8]
+%to_2 = .to(%causal_conv1d_1, torch.float32)  # float32[2, 32, 8]
+%transpose_2 = .transpose(%to_2, 1, 2)  # float32[2, 8, 32]
+%linear_2 = torch._C._nn.linear(%transpose_2, %arg_7, None)  # float32[2, 8, 10]
+%split_1 = torch.functional.split(%linear_2, [2, 4, 4], dim=-1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
+%getitem_3 = operator.getitem(%split_1, 0)  # float32[2, 8, 2]
+%getitem_4 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
+%getitem_5 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
+%transpose_3 = .transpose(%getitem_3, 1, 2)  # float32[2, 2, 8]
+%matmul_1 = operator.matmul(%arg_8, %transpose_3)  # float32[2, 32, 8]
+%float_2 = .float(%arg_9)  # float32[32]
+%float_3 = .float(%arg_10)  # float32[32]
+%to_3 = .to(%float_2, torch.float32)  # float32[32]
+%permute_1 = .permute(%getitem_5, (0, 2, 1))  # float32[2, 4, 8]
+%permute_2 = .permute(%getitem_4, (0, 2, 1))  # float32[2, 4, 8]
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %matmul_1, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
+%getitem_6 = operator.getitem(%selective_scan_1, 0)  # float32[2, 32, 8]
+%transpose_4 = .transpose(%getitem_6, 1, 2)  # float32[2, 8, 32]
+%to_4 = .to(%transpose_4, torch.float32)  # float32[2, 8, 32]
+%linear_3 = torch._C._nn.linear(%to_4, %arg_11, %arg_12)  # float32[2, 8, 16]
+return (%linear_3,)
+""")
+
+
+def test_snapshot_of_rewritten_mixer_assoc():
+    assert_expected_inline(rewritten_mixer_graph(assoc=True), """\
+%arg_1 = placeholder[L_args_0_]  # float32[2, 8, 16]
+%arg_2 = placeholder[L_self_modules_in_proj_parameters_weight_]  # float32[64, 16]
+%arg_3 = placeholder[L_self_modules_in_proj_parameters_bias_]  # float32[64]
+%arg_4 = placeholder[L_self_parameters_A_log_]  # float32[32, 4]
+%arg_5 = placeholder[L_self_modules_conv1d_parameters_weight_]  # float32[32, 1, 4]
+%arg_6 = placeholder[L_self_modules_conv1d_parameters_bias_]  # float32[32]
+%arg_7 = placeholder[L_self_modules_x_proj_parameters_weight_]  # float32[10, 32]
+%arg_8 = placeholder[L_self_modules_dt_proj_parameters_weight_]  # float32[32, 2]
+%arg_9 = placeholder[L_self_modules_dt_proj_parameters_bias_]  # float32[32]
+%arg_10 = placeholder[L_self_parameters_D_]  # float32[32]
+%arg_11 = placeholder[L_self_modules_out_proj_parameters_weight_]  # float32[16, 32]
+%arg_12 = placeholder[L_self_modules_out_proj_parameters_bias_]  # float32[16]
+%linear_1 = torch._C._nn.linear(%arg_1, %arg_2, %arg_3)  # float32[2, 8, 64]
+%transpose_1 = .transpose(%linear_1, 1, 2)  # float32[2, 64, 8]
+%float_1 = .float(%arg_4)  # float32[32, 4]
+%exp_1 = torch.exp(%float_1)  # float32[32, 4]
+%neg_1 = operator.neg(%exp_1)  # float32[32, 4]
+%chunk_1 = .chunk(%transpose_1, 2, dim=1)  # (float32[2, 32, 8], float32[2, 32, 8])
+%getitem_1 = operator.getitem(%chunk_1, 0)  # float32[2, 32, 8]
+%getitem_2 = operator.getitem(%chunk_1, 1)  # float32[2, 32, 8]
+%squeeze_1 = .squeeze(%arg_5, 1)  # float32[32, 4]
+%to_1 = .to(%getitem_1, torch.float32)  # float32[2, 32, 8]
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%to_1, %squeeze_1, %arg_6, 'silu')  # float32[2, 32, 8]
+%to_2 = .to(%causal_conv1d_1, torch.float32)  # float32[2, 32, 8]
+%transpose_2 = .transpose(%to_2, 1, 2)  # float32[2, 8, 32]
+%linear_2 = torch._C._nn.linear(%transpose_2, %arg_7, None)  # float32[2, 8, 10]
+%split_1 = torch.functional.split(%linear_2, [2, 4, 4], dim=-1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
+%getitem_3 = operator.getitem(%split_1, 0)  # float32[2, 8, 2]
+%getitem_4 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
+%getitem_5 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
+%transpose_3 = .transpose(%getitem_3, 1, 2)  # float32[2, 2, 8]
+%matmul_1 = operator.matmul(%arg_8, %transpose_3)  # float32[2, 32, 8]
+%float_2 = .float(%arg_9)  # float32[32]
+%float_3 = .float(%arg_10)  # float32[32]
+%to_3 = .to(%float_2, torch.float32)  # float32[32]
+%permute_1 = .permute(%getitem_5, (0, 2, 1))  # float32[2, 4, 8]
+%permute_2 = .permute(%getitem_4, (0, 2, 1))  # float32[2, 4, 8]
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %matmul_1, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
+%getitem_6 = operator.getitem(%selective_scan_1, 0)  # float32[2, 32, 8]
+%transpose_4 = .transpose(%getitem_6, 1, 2)  # float32[2, 8, 32]
+%to_4 = .to(%transpose_4, torch.float32)  # float32[2, 8, 32]
+%linear_3 = torch._C._nn.linear(%to_4, %arg_11, %arg_12)  # float32[2, 8, 16]
+return (%linear_3,)
+""")
+
+
+def test_partial_rewrite_keeps_the_inlined_associative_scan_runnable():
+    # Only conv1d rewrites; HF's associative_scan stays as dynamo inlined it, functorch
+    # bookkeeping (_vmap_increment_nesting, _add_batch_dim, ...) included. Cleaning up after the
+    # conv rewrite must not drop those "unused" calls: the graph would fail at run time.
+    from ssm_compile.backend import backend
+
+    model = tiny_model(hidden=16, layers=1, state=4, rank=2, assoc=True)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend(inductor=False, passes=("conv1d",)))(ids, use_cache=False).logits
+        ref = model(ids, use_cache=False).logits
+    assert dict(counters["ssm"]) == {"conv1d": 1}
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("assoc", [False, True], ids=["loop", "assoc"])
+def test_new_sequence_length_recompiles_and_still_rewrites(assoc):
+    # The second length makes dynamo recompile (the loop form specialises on L; the
+    # associative_scan form comes back with a symbolic L): both graphs must be rewritten.
+    model = tiny_model(hidden=16, layers=1, state=4, rank=2, assoc=assoc)
+    compiled = torch.compile(model, backend="ssm")
+    with torch.no_grad():
+        for seq in (8, 12):
+            ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seq))
+            assert rel_err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) <= TOL[torch.float32]
+    assert dict(counters["ssm"]) == {family: 2 for family in expected_counts(1, assoc)}

@@ -1,0 +1,249 @@
+"""The ``conv1d`` pass: causal depthwise convs in the forms real code writes -> ssm.causal_conv1d."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch._dynamo.utils import counters
+from utils import TOL, rel_err
+
+from ssm_compile.passes import conv1d as conv1d_pass
+from ssm_compile.passes.fx_utils import normalized_graph_str
+from ssm_compile.passes.manager import PassManager
+
+DIM, L, W = 6, 11, 4
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    from ssm_compile.kernels.causal_conv1d import op
+
+    op.register()
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Captured:
+    """A backend that runs only the conv1d pass and keeps the rewritten graph and the context."""
+
+    def __init__(self):
+        self.gm, self.ctx = None, None
+
+    def __call__(self, gm, example_inputs):
+        pm = PassManager()
+        conv1d_pass.register(pm)
+        self.ctx = pm(gm)
+        self.gm = gm
+        return gm.forward
+
+
+def compile_and_run(fn, *args):
+    cap = Captured()
+    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    return cap, out
+
+
+def make_inputs(dtype=torch.float32, width=W, dim=DIM, length=L, layout="bdl"):
+    g = torch.Generator().manual_seed(0)
+    shape = (2, dim, length) if layout == "bdl" else (2, length, dim)
+    x = torch.randn(shape, generator=g).to(dtype)
+    w = (torch.randn(dim, 1, width, generator=g) / width).to(dtype)
+    b = torch.randn(dim, generator=g).to(dtype)
+    return x, w, b
+
+
+# --- positive forms -------------------------------------------------------------------------
+
+def f_functional_silu(x, w, b):
+    return F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])[..., :x.shape[-1]])
+
+
+def f_positional_sigmoid_no_bias(x, w, b):
+    y = torch.conv1d(x, w, None, 1, w.shape[-1] - 1, 1, x.shape[1])[:, :, :x.shape[-1]]
+    return y * torch.sigmoid(y)
+
+
+def f_no_activation(x, w, b):
+    return F.conv1d(x, w, b, padding=(w.shape[-1] - 1,), groups=x.shape[1])[..., :-(w.shape[-1] - 1)]
+
+
+def f_hf524_causal_conv1d_fn(x, w, b):
+    from transformers.models.mamba.modeling_mamba import causal_conv1d_fn
+
+    # HF 5.24 passes the squeezed (dim, W) weight and unsqueezes it again inside.
+    return causal_conv1d_fn(x, w.squeeze(1), b, activation="silu")
+
+
+class HF517Block(nn.Module):
+    """HF 5.17's slow path, in the (batch, L, dim) layout: self.act(self.conv1d(h)[..., :L])."""
+
+    def __init__(self, dim, width):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.conv1d = nn.Conv1d(dim, dim, width, groups=dim, padding=width - 1)
+        self.act = ACT2FN["silu"]
+
+    def forward(self, h):
+        seq_len = h.shape[1]
+        return self.act(self.conv1d(h.transpose(1, 2))[..., :seq_len]).transpose(1, 2)
+
+
+FORMS = {
+    "F.conv1d+F.silu": (f_functional_silu, "conv1d[..., :L]+silu", "silu"),
+    "torch.conv1d-positional+x*sigmoid(x)": (f_positional_sigmoid_no_bias, "conv1d[..., :L]+x*sigmoid(x)", "silu"),
+    "no-activation-slice-minus-W": (f_no_activation, "conv1d[..., :L]", None),
+    "hf524-causal_conv1d_fn": (f_hf524_causal_conv1d_fn, "conv1d[..., :L]+silu", "silu"),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_functional_forms_rewrite(form):
+    fn, pattern, activation = FORMS[form]
+    x, w, b = make_inputs()
+    cap, out = compile_and_run(fn, x, w, b)
+    assert counters["ssm"]["conv1d"] == 1
+    (rewrite,) = cap.ctx.rewrites
+    assert (rewrite.pattern, rewrite.emitted, rewrite.decision["activation"]) == (pattern, "ssm.causal_conv1d", activation)
+    targets = [n.target for n in cap.gm.graph.nodes]
+    assert torch.ops.ssm.causal_conv1d.default in targets and torch.conv1d not in targets
+    assert rel_err(out, fn(x, w, b)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 8], ids=lambda w: f"W{w}")
+def test_nn_conv1d_bld_layout_widths(width):
+    block = HF517Block(DIM, width)
+    h = make_inputs(width=width, layout="bld")[0]
+    cap, out = compile_and_run(block, h)
+    assert counters["ssm"]["conv1d"] == 1 and cap.ctx.rewrites[0].decision["W"] == width
+    assert rel_err(out, block(h)) <= TOL[torch.float32]
+
+
+def test_snapshot_functional_silu():
+    cap, _ = compile_and_run(f_functional_silu, *make_inputs())
+    assert_expected_inline(normalized_graph_str(cap.gm, with_meta=True), """\
+%arg_1 = placeholder[L_w_]  # float32[6, 1, 4]
+%arg_2 = placeholder[L_x_]  # float32[2, 6, 11]
+%arg_3 = placeholder[L_b_]  # float32[6]
+%squeeze_1 = .squeeze(%arg_1, 1)  # float32[6, 4]
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%arg_2, %squeeze_1, %arg_3, 'silu')  # float32[2, 6, 11]
+return (%causal_conv1d_1,)
+""")
+
+
+def test_snapshot_hf517_module_bld():
+    cap, _ = compile_and_run(HF517Block(DIM, W), make_inputs(layout="bld")[0])
+    assert_expected_inline(normalized_graph_str(cap.gm, with_meta=True), """\
+%arg_1 = placeholder[L_h_]  # float32[2, 11, 6]
+%arg_2 = placeholder[L_self_modules_conv1d_parameters_weight_]  # float32[6, 1, 4]
+%arg_3 = placeholder[L_self_modules_conv1d_parameters_bias_]  # float32[6]
+%transpose_1 = .transpose(%arg_1, 1, 2)  # float32[2, 6, 11]
+%squeeze_1 = .squeeze(%arg_2, 1)  # float32[6, 4]
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%transpose_1, %squeeze_1, %arg_3, 'silu')  # float32[2, 6, 11]
+%transpose_2 = .transpose(%causal_conv1d_1, 1, 2)  # float32[2, 11, 6]
+return (%transpose_2,)
+""")
+
+
+def test_hf524_reuses_unsqueezed_weight_without_a_new_view():
+    cap, _ = compile_and_run(f_hf524_causal_conv1d_fn, *make_inputs())
+    assert not any(n.target == "unsqueeze" for n in cap.gm.graph.nodes)
+    assert sum(n.target == "squeeze" for n in cap.gm.graph.nodes) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).removeprefix("torch."))
+def test_half_precision_numerics(dtype):
+    x, w, b = make_inputs(dtype)
+    cap, out = compile_and_run(f_functional_silu, x, w, b)
+    assert counters["ssm"]["conv1d"] == 1 and out.dtype == dtype
+    ref = f_functional_silu(x.double(), w.double(), b.double())
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_dynamic_shapes_prove_slice_length_symbolically():
+    x, w, b = make_inputs()
+    cap = Captured()
+    torch._dynamo.mark_dynamic(x, 2)
+    compiled = torch.compile(f_functional_silu, backend=cap)
+    out = compiled(x, w, b)
+    assert counters["ssm"]["conv1d"] == 1
+    assert rel_err(out, f_functional_silu(x, w, b)) <= TOL[torch.float32]
+    x2 = make_inputs(length=17)[0]
+    assert counters["stats"]["unique_graphs"] == 1
+    assert rel_err(compiled(x2, w, b), f_functional_silu(x2, w, b)) <= TOL[torch.float32]
+
+
+# --- negative cases: each must be left alone, with the reason recorded ------------------------
+
+def neg_not_depthwise(x, w, b):
+    return F.conv1d(x, w, b, padding=3)[..., :x.shape[-1]]
+
+
+def neg_padding_short(x, w, b):
+    return F.conv1d(x, w, b, padding=2, groups=x.shape[1])[..., :x.shape[-1] - 1]
+
+
+def neg_padding_same(x, w, b):
+    return F.conv1d(x, w, b, padding="same", groups=x.shape[1])
+
+
+def neg_slice_not_from_start(x, w, b):
+    return F.conv1d(x, w, b, padding=3, groups=x.shape[1])[..., 3:]
+
+
+def neg_slice_too_long(x, w, b):
+    return F.conv1d(x, w, b, padding=3, groups=x.shape[1])[..., :x.shape[-1] + 1]
+
+
+def neg_stride(x, w, b):
+    return F.conv1d(x, w, b, stride=2, padding=3, groups=x.shape[1])[..., :4]
+
+
+def neg_dilation(x, w, b):
+    return F.conv1d(x, w, b, padding=3, dilation=2, groups=x.shape[1])[..., :x.shape[-1]]
+
+
+def neg_other_user(x, w, b):
+    full = F.conv1d(x, w, b, padding=3, groups=x.shape[1])
+    return full[..., :x.shape[-1]], full.sum()
+
+
+def neg_slice_channel_too(x, w, b):
+    return F.conv1d(x, w, b, padding=3, groups=x.shape[1])[:, :3, :x.shape[-1]]
+
+
+def neg_unsliced(x, w, b):
+    return F.conv1d(x, w, b, padding=3, groups=x.shape[1])
+
+
+NEGATIVES = {
+    "groups-1": (neg_not_depthwise, {"w": (DIM, DIM, W)}, "not depthwise"),
+    "padding-W-2": (neg_padding_short, {}, "padding 2 is not kernel_size - 1"),
+    "padding-same": (neg_padding_same, {}, "padding 'same'"),
+    "slice-from-3": (neg_slice_not_from_start, {}, "does not start at step 0"),
+    "slice-L+1": (neg_slice_too_long, {}, "first L=11 steps"),
+    "stride-2": (neg_stride, {}, "stride 2 is not 1"),
+    "dilation-2": (neg_dilation, {}, "dilation 2 is not 1"),
+    "other-user": (neg_other_user, {}, "other users"),
+    "channel-slice": (neg_slice_channel_too, {}, "not a slice of the time axis alone"),
+    "unsliced": (neg_unsliced, {}, "other users (or no [..., :L] slice)"),
+    "W9": (f_functional_silu, {"width": 9}, "kernel width 9 unsupported"),
+    "W1": (f_functional_silu, {"width": 1}, "kernel width 1 unsupported"),
+    "fp64": (f_functional_silu, {"dtype": torch.float64}, "dtype torch.float64 is not supported"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
+@pytest.mark.parametrize("case", list(NEGATIVES))
+def test_near_misses_are_refused(case):
+    fn, overrides, reason = NEGATIVES[case]
+    x, w, b = make_inputs(dtype=overrides.get("dtype", torch.float32), width=overrides.get("width", W))
+    if "w" in overrides:
+        w = torch.randn(overrides["w"])
+    cap, out = compile_and_run(fn, x, w, b)
+    assert counters["ssm"]["conv1d"] == 0 and not cap.ctx.rewrites
+    assert any(m.family == "conv1d" and reason in m.reason for m in cap.ctx.misses), cap.ctx.misses
+    assert torch.conv1d in [n.target for n in cap.gm.graph.nodes]
+    torch.testing.assert_close(out, fn(x, w, b), rtol=0, atol=0)

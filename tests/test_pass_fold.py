@@ -1,0 +1,311 @@
+"""The ``delta`` and ``tail`` passes: Δ preprocessing and the D skip / z gate folded into the op.
+
+The functions call ``torch.ops.ssm.selective_scan`` directly (as a user of
+``ssm_compile.selective_scan_fn`` would, or as the scan passes leave the graph) and do the rest
+in plain torch, in the forms real code writes.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch._dynamo.utils import counters
+from utils import TOL, rel_err
+
+from ssm_compile.passes import delta as delta_pass
+from ssm_compile.passes import tail as tail_pass
+from ssm_compile.passes.fx_utils import normalized_graph_str
+from ssm_compile.passes.manager import PassManager
+
+BATCH, DIM, L, N, R = 2, 6, 7, 4, 3
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    from ssm_compile.kernels.selective_scan import op
+
+    op.register()
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Captured:
+    """A backend that runs the delta and tail passes and keeps the rewritten graph and context."""
+
+    def __init__(self):
+        self.gm, self.ctx = None, None
+
+    def __call__(self, gm, example_inputs):
+        pm = PassManager()
+        delta_pass.register(pm)
+        tail_pass.register(pm)
+        self.ctx = pm(gm)
+        self.gm = gm
+        return gm.forward
+
+
+def compile_and_run(fn, *args):
+    cap = Captured()
+    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    return cap, out
+
+
+def scan(u, delta, A, B, C):
+    return torch.ops.ssm.selective_scan(u, delta, A, B, C)[0]
+
+
+def make_inputs(dtype=torch.float32, layout="bdl", length=L, dim=DIM):
+    """Random (never zero) inputs; x is the pre-bias Δ, ts the dt_proj input (batch, L, R)."""
+    g = torch.Generator().manual_seed(0)
+    act = (BATCH, dim, length) if layout == "bdl" else (BATCH, length, dim)
+    return dict(
+        u=torch.randn(act, generator=g).to(dtype),
+        x=(torch.randn(act, generator=g) * 0.5).to(dtype),
+        A=-torch.rand(dim, N, generator=g) - 0.5,
+        B=torch.randn(BATCH, N, length, generator=g).to(dtype),
+        C=torch.randn(BATCH, N, length, generator=g).to(dtype),
+        D=torch.randn(dim, generator=g),
+        z=torch.randn(act, generator=g).to(dtype),
+        bias=(torch.randn(dim, generator=g) * 0.5).to(dtype),
+        W=(torch.randn(dim, R, generator=g) / R).to(dtype),
+        ts=torch.randn(BATCH, length, R, generator=g).to(dtype),
+    )
+
+
+def check_close(out, ref, dtype=torch.float32):
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    for o, r in zip(outs, refs):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        assert rel_err(o, r) <= TOL[dtype]
+
+
+def fired(cap):
+    return {f: counters["ssm"][f] for f in ("delta", "skip", "gate")}
+
+
+def misses(cap, family):
+    return [m.reason for m in cap.ctx.misses if m.family == family]
+
+
+# --- positive forms ---------------------------------------------------------------------------
+
+def f_mamba_ssm_ref(u, x, A, B, C, D, z, bias, W, ts):
+    """mamba_ssm selective_scan_ref's preprocessing and tail around the scan."""
+    delta = F.softplus(x + bias[..., None].float())
+    out = scan(u, delta, A, B, C)
+    out = out + u * D.unsqueeze(-1)
+    return out * F.silu(z)
+
+
+def f_hf524(u, x, A, B, C, D, z, bias, W, ts):
+    """HF 5.24 ``mamba_selective_scan``: W @ x, bias cast to dt's dtype, D.float()[None, :, None]."""
+    dt = W @ ts.transpose(1, 2)
+    dt = dt + bias.float().to(dt.dtype)[..., None]
+    dt = F.softplus(dt)
+    y = scan(u, dt, A, B, C)
+    y = y + u * D.float()[None, :, None]
+    return y * F.silu(z)
+
+
+def f_bld_linear(u, x, A, B, C, D, z, bias, W, ts):
+    """(batch, L, dim) code: softplus(linear(ts, W, b)), y transposed back, ``y + u * D``."""
+    delta = F.softplus(F.linear(ts, W, bias))
+    y = scan(u.transpose(1, 2), delta.transpose(1, 2), A, B, C).transpose(1, 2)
+    y = y + D * u
+    return y * (z * torch.sigmoid(z))
+
+
+class HF517Mixer(nn.Module):
+    """HF 5.17's slow path: softplus(self.dt_proj(ts).transpose(1, 2)), gate split over two muls."""
+
+    def __init__(self, W, bias):
+        super().__init__()
+        self.dt_proj = nn.Linear(R, W.shape[0])
+        self.dt_proj.to(W.dtype)
+        with torch.no_grad():
+            self.dt_proj.weight.copy_(W)
+            self.dt_proj.bias.copy_(bias)
+
+    def forward(self, u, x, A, B, C, D, z, bias, W, ts):
+        delta = F.softplus(self.dt_proj(ts).transpose(1, 2))
+        y = scan(u, delta, A, B, C)
+        y = y + D[:, None] * u
+        return (y * torch.sigmoid(z)) * z
+
+
+def f_delta_has_other_user(u, x, A, B, C, D, z, bias, W, ts):
+    """The softplus output is also returned: the fold stays sound, softplus is kept for it."""
+    delta = F.softplus(x + bias[:, None])
+    y = scan(u, delta, A, B, C)
+    return y * F.silu(z), delta
+
+
+POSITIVE = {
+    "mamba_ssm_ref": (f_mamba_ssm_ref, "bdl", dict(delta=1, skip=1, gate=1)),
+    "hf524": (f_hf524, "bdl", dict(delta=1, skip=1, gate=1)),
+    "bld_linear": (f_bld_linear, "bld", dict(delta=1, skip=1, gate=1)),
+    "hf517_module": (None, "bdl", dict(delta=1, skip=1, gate=1)),
+    "delta_other_user": (f_delta_has_other_user, "bdl", dict(delta=1, skip=0, gate=1)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("form", list(POSITIVE))
+def test_fold_forms(form, dtype):
+    fn, layout, expected = POSITIVE[form]
+    inputs = make_inputs(dtype, layout)
+    if fn is None:
+        fn = HF517Mixer(inputs["W"], inputs["bias"])
+    ref = fn(**inputs)
+    cap, out = compile_and_run(fn, *inputs.values())
+    assert fired(cap) == expected, cap.ctx.misses
+    check_close(out, ref, dtype)
+    # Every folded piece is gone from the graph; only the op computes them.
+    text = normalized_graph_str(cap.gm)
+    assert "silu" not in text and "sigmoid" not in text
+    if form != "delta_other_user":
+        assert "softplus" not in text
+
+
+def test_fold_hf524_snapshot():
+    cap, _ = compile_and_run(f_hf524, *make_inputs().values())
+    assert_expected_inline(normalized_graph_str(cap.gm), """\
+%arg_1 = placeholder[L_ts_]
+%arg_2 = placeholder[L_W_]
+%arg_3 = placeholder[L_bias_]
+%arg_4 = placeholder[L_u_]
+%arg_5 = placeholder[L_A_]
+%arg_6 = placeholder[L_B_]
+%arg_7 = placeholder[L_C_]
+%arg_8 = placeholder[L_D_]
+%arg_9 = placeholder[L_z_]
+%transpose_1 = .transpose(%arg_1, 1, 2)
+%matmul_1 = operator.matmul(%arg_2, %transpose_1)
+%float_1 = .float(%arg_3)
+%to_1 = .to(%float_1, torch.float32)
+%float_2 = .float(%arg_8)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_4, %matmul_1, %arg_5, %arg_6, %arg_7, %float_2, %arg_9, %to_1, True, None, False)
+%getitem_1 = operator.getitem(%selective_scan_1, 0)
+return (%getitem_1,)
+""")
+
+
+def test_fold_bld_linear_snapshot():
+    cap, _ = compile_and_run(f_bld_linear, *make_inputs(layout="bld").values())
+    assert_expected_inline(normalized_graph_str(cap.gm), """\
+%arg_1 = placeholder[L_ts_]
+%arg_2 = placeholder[L_W_]
+%arg_3 = placeholder[L_bias_]
+%arg_4 = placeholder[L_u_]
+%arg_5 = placeholder[L_A_]
+%arg_6 = placeholder[L_B_]
+%arg_7 = placeholder[L_C_]
+%arg_8 = placeholder[L_D_]
+%arg_9 = placeholder[L_z_]
+%transpose_1 = .transpose(%arg_4, 1, 2)
+%linear_1 = torch._C._nn.linear(%arg_1, %arg_2)
+%permute_1 = .permute(%linear_1, (0, 2, 1))
+%permute_2 = .permute(%arg_9, (0, 2, 1))
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%transpose_1, %permute_1, %arg_5, %arg_6, %arg_7, %arg_8, %permute_2, %arg_3, True, None, False)
+%getitem_1 = operator.getitem(%selective_scan_1, 0)
+%transpose_2 = .transpose(%getitem_1, 1, 2)
+return (%transpose_2,)
+""")
+
+
+# --- negative cases -----------------------------------------------------------------------------
+
+def f_softplus_beta(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, F.softplus(x + bias[:, None], beta=2.0), A, B, C)
+
+
+def f_softplus_threshold(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, F.softplus(x + bias[:, None], 1.0, 5.0), A, B, C)
+
+
+def f_gate_before_skip(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    return y * F.silu(z) + u * D[:, None]
+
+
+def f_y_also_returned(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    return y + u * D[:, None], y
+
+
+def f_y_also_returned_gate(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    return y * F.silu(z), y.sum()
+
+
+def f_D_on_time_axis(u, x, A, B, C, D, z, bias, W, ts):
+    # A vector of L entries broadcasts along time: not the op's per-channel skip.
+    return scan(u, x, A, B, C) + u * ts[0, :, 0]
+
+
+def f_D_full_matrix(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, x, A, B, C) + u * (D[:, None] * torch.ones(L))
+
+
+def f_skip_other_tensor(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, x, A, B, C) + x * D[:, None]
+
+
+def f_skip_transposed_u(u, x, A, B, C, D, z, bias, W, ts):
+    # Square (dim == L): u.mT has y's shape but pairs channel d with time step d.
+    return scan(u, x, A, B, C) + u.mT * D[:, None]
+
+
+def f_skip_rounded_u(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, x, A, B, C) + u.to(torch.bfloat16) * D[:, None]
+
+
+def f_gate_sigmoid(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, x, A, B, C) * torch.sigmoid(z)
+
+
+def f_gate_gelu(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, x, A, B, C) * F.gelu(z)
+
+
+def f_gate_mismatched_sigmoid(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, x, A, B, C) * (z * torch.sigmoid(x))
+
+
+NEGATIVE = {
+    # name: (fn, layout/length, expected counters, (family, reason fragment) or None)
+    "softplus_beta": (f_softplus_beta, {}, dict(delta=0, skip=0, gate=0), ("delta", "beta=2.0")),
+    "softplus_threshold": (f_softplus_threshold, {}, dict(delta=0, skip=0, gate=0),
+                           ("delta", "threshold=5.0")),
+    "gate_before_skip": (f_gate_before_skip, {}, dict(delta=0, skip=0, gate=1),
+                         ("skip", "after the z gate")),
+    "y_also_returned": (f_y_also_returned, {}, dict(delta=0, skip=0, gate=0), ("skip", "other users")),
+    "y_also_used_gate": (f_y_also_returned_gate, {}, dict(delta=0, skip=0, gate=0),
+                         ("gate", "other users")),
+    "D_on_time_axis": (f_D_on_time_axis, {}, dict(delta=0, skip=0, gate=0),
+                       ("skip", "not a (dim,) vector")),
+    "D_full_matrix": (f_D_full_matrix, {}, dict(delta=0, skip=0, gate=0), ("skip", "not a (dim,) vector")),
+    "skip_other_tensor": (f_skip_other_tensor, {}, dict(delta=0, skip=0, gate=0),
+                          ("skip", "not the scan's u")),
+    "skip_transposed_u": (f_skip_transposed_u, {"length": DIM}, dict(delta=0, skip=0, gate=0),
+                          ("skip", "another layout")),
+    "skip_rounded_u": (f_skip_rounded_u, {}, dict(delta=0, skip=0, gate=0), ("skip", "rounding cast")),
+    "gate_sigmoid": (f_gate_sigmoid, {}, dict(delta=0, skip=0, gate=0), ("gate", "not silu")),
+    "gate_gelu": (f_gate_gelu, {}, dict(delta=0, skip=0, gate=0), ("gate", "not silu")),
+    "gate_mismatched_sigmoid": (f_gate_mismatched_sigmoid, {}, dict(delta=0, skip=0, gate=0), None),
+}
+
+
+@pytest.mark.parametrize("case", list(NEGATIVE))
+def test_refused(case):
+    fn, shape, expected, miss = NEGATIVE[case]
+    inputs = make_inputs(**shape)
+    ref = fn(**inputs)
+    cap, out = compile_and_run(fn, *inputs.values())
+    assert fired(cap) == expected
+    if miss is not None:
+        family, fragment = miss
+        assert any(fragment in reason for reason in misses(cap, family)), cap.ctx.misses
+    check_close(out, ref)

@@ -1,0 +1,387 @@
+"""The ``scan_assoc`` pass: ``associative_scan`` over (exp(Δ·A), Δ·B·u) -> ssm.selective_scan.
+
+Both forms dynamo produces are covered: ``combine_mode="generic"`` (what HF picks on CPU: an
+inlined odd/even scan with a vmapped combine) and ``combine_mode="pointwise"`` (HF on CUDA: the
+``associative_scan`` HOP with the combine as a subgraph). ``associative_scan`` refuses
+"pointwise" for CPU tensors before tracing, so ``pointwise_scan`` below replays its pointwise
+branch (movedim, the HOP, movedim back) to get that graph on CPU.
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from expecttest import assert_expected_inline
+from torch._dynamo.utils import counters
+from torch._higher_order_ops.associative_scan import (associative_scan, associative_scan_op,
+                                                      wrap_combine_fn_flat)
+from utils import TOL, rel_err
+
+from ssm_compile.passes import delta as delta_pass
+from ssm_compile.passes import scan_assoc
+from ssm_compile.passes import tail as tail_pass
+from ssm_compile.passes.fx_utils import normalized_graph_str
+from ssm_compile.passes.manager import PassContext, PassManager
+
+BATCH, DIM, N = 2, 5, 4
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    from ssm_compile.kernels.selective_scan import op
+
+    op.register()
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Captured:
+    """A backend running scan_assoc (and optionally delta + tail) on dynamo's graph.
+
+    ``manager=False`` runs the pass alone without the manager's dead-code elimination, which
+    would drop the vmap bookkeeping calls of an associative scan left in place (see the report).
+    """
+
+    def __init__(self, fold=False, manager=True):
+        self.fold, self.manager = fold, manager
+        self.gm, self.ctx = None, None
+
+    def __call__(self, gm, example_inputs):
+        if self.manager:
+            pm = PassManager()
+            scan_assoc.register(pm)
+            if self.fold:
+                delta_pass.register(pm)
+                tail_pass.register(pm)
+            self.ctx = pm(gm)
+        else:
+            self.ctx = PassContext()
+            scan_assoc.scan_assoc_pass(gm, self.ctx)
+            gm.graph.lint()
+            gm.recompile()
+        self.gm = gm
+        return gm.forward
+
+
+def compile_and_run(fn, *args, **kw):
+    cap = Captured(**kw)
+    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    return cap, out
+
+
+def pointwise_scan(combine_fn, xs, dim):
+    """``associative_scan(combine_fn, xs, dim, combine_mode="pointwise")`` minus its CUDA check."""
+    leaves, spec = pytree.tree_flatten(xs)
+    leaves = [torch.movedim(x, dim, 0) for x in leaves]
+    flat = functools.partial(wrap_combine_fn_flat, combine_fn=combine_fn, spec=spec, num_leaves=len(leaves))
+    out = associative_scan_op(flat, leaves, additional_inputs=())
+    return pytree.tree_unflatten([torch.movedim(o, 0, dim) for o in out], spec)
+
+
+def run_scan(mode, combine_fn, xs, dim):
+    if mode == "pointwise":
+        return pointwise_scan(combine_fn, xs, dim)
+    return associative_scan(combine_fn, xs, dim=dim, combine_mode="generic")
+
+
+def make_inputs(length, dtype=torch.float32, layout="bdl"):
+    """Random (never zero) inputs in HF's argument order: u, dt, A, B, C, D, z, delta_bias."""
+    g = torch.Generator().manual_seed(length)
+    act = (BATCH, DIM, length) if layout == "bdl" else (BATCH, length, DIM)
+    bc = (BATCH, N, length) if layout == "bdl" else (BATCH, length, N)
+    return (
+        torch.randn(act, generator=g).to(dtype),
+        (torch.randn(act, generator=g) * 0.5).to(dtype),
+        -torch.rand(DIM, N, generator=g) - 0.5,
+        torch.randn(bc, generator=g).to(dtype),
+        torch.randn(bc, generator=g).to(dtype),
+        torch.randn(DIM, generator=g),
+        torch.randn(act, generator=g).to(dtype),
+        torch.randn(DIM, generator=g) * 0.5,
+    )
+
+
+def check_close(out, ref, dtype=torch.float32):
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        assert rel_err(o, r) <= TOL[dtype], rel_err(o, r)
+
+
+def fired(*families):
+    return {f: counters["ssm"][f] for f in families}
+
+
+def reference(fn, *args):
+    """Eager: the generic scan runs eagerly; the pointwise form only traced, so use generic."""
+    return fn(*args, mode="generic")
+
+
+# --- combines ---------------------------------------------------------------------------------
+
+def combine_hf(left, right):
+    a_left, b_left = left
+    a_right, b_right = right
+    return a_left * a_right, a_right * b_left + b_right
+
+
+def combine_rewritten(left, right):
+    # The same map, spelled differently: sympy proves it equal.
+    return right[0] * left[0], right[1] + left[1] * right[0]
+
+
+def combine_swapped_leaves(left, right):
+    # Leaves passed as (b, a): the pass finds which one is the multiplier.
+    b_left, a_left = left
+    b_right, a_right = right
+    return a_right * b_left + b_right, a_left * a_right
+
+
+def combine_wrong_order(left, right):
+    # The right-to-left composition: h = a_l*b_r + b_l is a different recurrence.
+    a_left, b_left = left
+    a_right, b_right = right
+    return a_left * a_right, a_left * b_right + b_left
+
+
+def combine_nonlinear(left, right):
+    a_left, b_left = left
+    a_right, b_right = right
+    return a_left * a_right, torch.tanh(a_right * b_left + b_right)
+
+
+def combine_quadratic(left, right):
+    a_left, b_left = left
+    a_right, b_right = right
+    return a_left * a_right, a_right * b_left * b_left + b_right
+
+
+# --- the user code ----------------------------------------------------------------------------
+
+def hf_selective_scan(hidden_states, dt, A, B, C, D, z, delta_bias, mode="generic", combine=combine_hf,
+                      a_plus_one=False, return_products=False):
+    """transformers 5.24 ``mamba_selective_scan`` (use_associative_scan=True), line for line."""
+    input_dtype = hidden_states.dtype
+    dt = dt + delta_bias.to(dt.dtype)[..., None]
+    dt = F.softplus(dt)
+    B = B.transpose(1, 2)
+    C = C.transpose(1, 2)
+    discrete_A = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
+    if a_plus_one:
+        discrete_A = discrete_A + 1
+    discrete_B = dt[:, :, :, None] * B[:, None, :, :].float()
+    deltaB_u = discrete_B * hidden_states[:, :, :, None].float()
+    if combine is combine_swapped_leaves:
+        all_states, products = run_scan(mode, combine, (deltaB_u, discrete_A), dim=2)
+    else:
+        products, all_states = run_scan(mode, combine, (discrete_A, deltaB_u), dim=2)
+    scan_output = torch.matmul(all_states.transpose(1, 2).to(input_dtype), C.unsqueeze(-1))
+    scan_output = scan_output.squeeze(-1).transpose(1, 2)
+    ssm_state = all_states[:, :, -1]
+    scan_output = scan_output + hidden_states * D[None, :, None]
+    scan_output = scan_output * F.silu(z)
+    if return_products:
+        return scan_output, products
+    return scan_output, ssm_state
+
+
+def ref_style(u, delta, A, B, C, D, z, delta_bias, mode="generic"):
+    """mamba_ssm selective_scan_ref's einsums, (batch, dim, L), with an einsum readout."""
+    delta = F.softplus(delta + delta_bias[..., None].float())
+    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    deltaB_u = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    _, x = run_scan(mode, combine_hf, (deltaA, deltaB_u), dim=2)
+    y = torch.einsum("bdln,bnl->bdl", x, C)
+    return y + u * D[:, None], x[:, :, -1, :]
+
+
+def time_invariant_B(u, delta, A, B, C, D, z, delta_bias, mode="generic"):
+    """selective_scan_ref with a time-invariant B (dim, N): grouped B with G = dim in the op."""
+    B_dn = B[0, :, : u.shape[1]].transpose(0, 1)
+    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    deltaB_u = torch.einsum("bdl,dn,bdl->bdln", delta, B_dn, u)
+    _, x = run_scan(mode, combine_hf, (deltaA, deltaB_u), dim=2)
+    return torch.einsum("bdln,bnl->bdl", x, C)
+
+
+def minimal_style(u, delta, A, B, C, D, z, delta_bias, mode="generic"):
+    """mamba-minimal's (batch, L, dim) layout, time on axis 1, readout as a broadcast sum."""
+    delta = F.softplus(delta + delta_bias)
+    deltaA = torch.exp(torch.einsum("bld,dn->bldn", delta, A))
+    deltaB_u = torch.einsum("bld,bln,bld->bldn", delta, B, u)
+    _, x = run_scan(mode, combine_rewritten, (deltaA, deltaB_u), dim=1)
+    y = (x * C[:, :, None, :]).sum(-1)
+    return (y + u * D) * F.silu(z)
+
+
+# --- positive cases ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["generic", "pointwise"])
+@pytest.mark.parametrize("length", [2, 5, 13], ids=lambda n: f"L{n}")
+def test_hf_form(length, mode):
+    args = make_inputs(length)
+    ref = reference(hf_selective_scan, *args)
+    cap, out = compile_and_run(functools.partial(hf_selective_scan, mode=mode), *args, fold=True)
+    assert fired("scan_assoc", "discretization", "readout", "delta", "skip", "gate") == dict(
+        scan_assoc=1, discretization=1, readout=1, delta=1, skip=1, gate=1), cap.ctx.misses
+    assert cap.ctx.rewrites[0].decision["combine_mode"] == mode
+    check_close(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["generic", "pointwise"])
+@pytest.mark.parametrize("form", ["ref_style", "minimal_style", "swapped_leaves", "bf16", "time_invariant_B"])
+def test_other_forms(form, mode):
+    fn, layout, dtype = {
+        "ref_style": (ref_style, "bdl", torch.float32),
+        "minimal_style": (minimal_style, "bld", torch.float32),
+        "swapped_leaves": (functools.partial(hf_selective_scan, combine=combine_swapped_leaves), "bdl",
+                           torch.float32),
+        "bf16": (hf_selective_scan, "bdl", torch.bfloat16),
+        "time_invariant_B": (time_invariant_B, "bdl", torch.float32),
+    }[form]
+    args = make_inputs(7, dtype, layout)
+    ref = reference(fn, *args)
+    cap, out = compile_and_run(functools.partial(fn, mode=mode), *args, fold=True)
+    assert fired("scan_assoc", "discretization", "readout") == dict(
+        scan_assoc=1, discretization=1, readout=1), cap.ctx.misses
+    assert counters["ssm"]["delta"] == (0 if form == "time_invariant_B" else 1)
+    check_close(out, ref, dtype)
+    text = normalized_graph_str(cap.gm)
+    assert "torch.exp(" not in text and "matmul" not in text and "einsum" not in text
+
+
+def test_rewrite_needs_no_dead_code_elimination():
+    # The pass itself removes the whole scan, the vmap nesting calls included: a batched value
+    # left without its nesting level could not run.
+    args = make_inputs(9)
+    cap, out = compile_and_run(hf_selective_scan, *args, manager=False)
+    assert counters["ssm"]["scan_assoc"] == 1
+    check_close(out, reference(hf_selective_scan, *args))
+    text = normalized_graph_str(cap.gm)
+    assert "batch_dim" not in text and "vmap" not in text and "lazy_load" not in text
+
+
+def test_pointwise_dynamic_length():
+    # Under dynamic shapes the HOP scans a symbolic L (the generic form can't: its recursion
+    # depends on L); dynamo lifts the sizes into the combine, which must not use them.
+    cap = Captured(fold=True)
+    fn = torch.compile(functools.partial(hf_selective_scan, mode="pointwise"), backend=cap, dynamic=True)
+    for length in (5, 9):
+        args = make_inputs(length)
+        check_close(fn(*args), reference(hf_selective_scan, *args))
+    # Every graph dynamo compiled (it may specialise once more) had its scan rewritten.
+    assert counters["ssm"]["scan_assoc"] == counters["stats"]["unique_graphs"] >= 1, cap.ctx.misses
+    assert isinstance(cap.ctx.rewrites[0].decision["L"], str)
+    assert "associative_scan" not in normalized_graph_str(cap.gm)
+
+
+def test_hf_generic_snapshot():
+    cap, _ = compile_and_run(hf_selective_scan, *make_inputs(6), fold=True)
+    assert_expected_inline(normalized_graph_str(cap.gm), """\
+%arg_1 = placeholder[L_hidden_states_]
+%arg_2 = placeholder[L_delta_bias_]
+%arg_3 = placeholder[L_dt_]
+%arg_4 = placeholder[L_B_]
+%arg_5 = placeholder[L_C_]
+%arg_6 = placeholder[L_A_]
+%arg_7 = placeholder[L_D_]
+%arg_8 = placeholder[L_z_]
+%to_1 = .to(%arg_2, torch.float32)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_1, %arg_3, %arg_6, %arg_4, %arg_5, %arg_7, %arg_8, %to_1, True, None, True)
+%getitem_1 = operator.getitem(%selective_scan_1, 0)
+%getitem_2 = operator.getitem(%selective_scan_1, 1)
+return (%getitem_1, %getitem_2)
+""")
+
+
+def test_pointwise_snapshot_scan_only():
+    # scan_assoc alone: Δ, the skip and the gate stay in plain torch around the op.
+    cap, _ = compile_and_run(functools.partial(hf_selective_scan, mode="pointwise"), *make_inputs(6))
+    assert_expected_inline(normalized_graph_str(cap.gm), """\
+%arg_1 = placeholder[L_args_0_]
+%arg_2 = placeholder[L_args_7_]
+%arg_3 = placeholder[L_args_1_]
+%arg_4 = placeholder[L_args_3_]
+%arg_5 = placeholder[L_args_4_]
+%arg_6 = placeholder[L_args_2_]
+%arg_7 = placeholder[L_args_5_]
+%arg_8 = placeholder[L_args_6_]
+%to_1 = .to(%arg_2, torch.float32)
+%getitem_1 = operator.getitem(%to_1, (..., None))
+%add_1 = operator.add(%arg_3, %getitem_1)
+%softplus_1 = torch._C._nn.softplus(%add_1)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_1, %softplus_1, %arg_6, %arg_4, %arg_5, None, None, None, False, None, True)
+%getitem_2 = operator.getitem(%selective_scan_1, 0)
+%getitem_3 = operator.getitem(%selective_scan_1, 1)
+%getitem_4 = operator.getitem(%arg_7, (None, :, None))
+%mul_1 = operator.mul(%arg_1, %getitem_4)
+%add_2 = operator.add(%getitem_2, %mul_1)
+%silu_1 = torch.nn.functional.silu(%arg_8)
+%mul_2 = operator.mul(%add_2, %silu_1)
+return (%mul_2, %getitem_3)
+""")
+
+
+# --- negative cases ---------------------------------------------------------------------------
+
+def uses_states(u, delta, A, B, C, D, z, delta_bias, mode="generic"):
+    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    deltaB_u = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    _, x = run_scan(mode, combine_hf, (deltaA, deltaB_u), dim=2)
+    # The (batch, dim, L, N) states themselves are an output: nothing to rewrite into.
+    return torch.einsum("bdln,bnl->bdl", x, C), x.sum(-1)
+
+
+def reversed_scan(u, delta, A, B, C, D, z, delta_bias, mode="generic"):
+    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    deltaB_u = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    _, x = associative_scan(combine_hf, (deltaA, deltaB_u), dim=2, reverse=True, combine_mode="generic")
+    return torch.einsum("bdln,bnl->bdl", x, C)
+
+
+NEGATIVE = {
+    # name: (fn, modes, (family, reason fragment))
+    "wrong_order": (functools.partial(hf_selective_scan, combine=combine_wrong_order),
+                    ("generic", "pointwise"), ("scan_assoc", "a_r*b_l + b_r")),
+    "nonlinear": (functools.partial(hf_selective_scan, combine=combine_nonlinear),
+                  ("generic", "pointwise"), ("scan_assoc", "tanh")),
+    "quadratic": (functools.partial(hf_selective_scan, combine=combine_quadratic),
+                  ("generic", "pointwise"), ("scan_assoc", "combine computes")),
+    "not_exp_dA": (functools.partial(hf_selective_scan, a_plus_one=True), ("generic", "pointwise"),
+                   ("discretization", "exp")),
+    "products_used": (functools.partial(hf_selective_scan, return_products=True), ("generic", "pointwise"),
+                      ("scan_assoc", "cumulative product")),
+    "states_used": (uses_states, ("generic", "pointwise"), ("readout", "neither a readout")),
+    "reversed": (reversed_scan, ("generic",), ("scan_assoc", "reverse")),
+}
+
+
+@pytest.mark.parametrize("case,mode", [(c, m) for c, (_, modes, _) in NEGATIVE.items() for m in modes],
+                         ids=lambda x: x)
+def test_refused(case, mode):
+    fn, _, (family, fragment) = NEGATIVE[case]
+    args = make_inputs(6)
+    cap, out = compile_and_run(functools.partial(fn, mode=mode), *args, manager=False)
+    assert fired("scan_assoc", "discretization", "readout") == dict(scan_assoc=0, discretization=0, readout=0)
+    reasons = [m.reason for m in cap.ctx.misses if m.family == family]
+    assert any(fragment in r for r in reasons), cap.ctx.misses
+    assert "selective_scan" not in normalized_graph_str(cap.gm)
+    if mode == "generic":
+        # The graph left in place still computes what eager does (the pointwise HOP has no
+        # CPU kernel, so only its generic twin runs here).
+        check_close(out, fn(*args, mode="generic"))
+
+
+def test_prove_combine_directly():
+    def trace(fn):
+        return torch.fx.symbolic_trace(lambda al, bl, ar, br: list(fn((al, bl), (ar, br))))
+
+    assert scan_assoc.prove_combine(trace(combine_hf)) == (0, 1)
+    assert scan_assoc.prove_combine(trace(combine_rewritten)) == (0, 1)
+    assert scan_assoc.prove_combine(trace(combine_swapped_leaves)) == (1, 0)
+    assert "not the linear-recurrence combine" in scan_assoc.prove_combine(trace(combine_wrong_order))
+    assert "tanh" in scan_assoc.prove_combine(trace(combine_nonlinear))

@@ -1,0 +1,261 @@
+"""The Triton selective-scan backward against fp64 autograd through the reference.
+
+On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (set by conftest.py), so the
+shapes are small; a small ``chunk_size`` makes short sequences cross several chunks.
+"""
+import dataclasses
+from typing import Optional
+
+import pytest
+import torch
+from utils import TOL, rel_err
+
+from ssm_compile.kernels.selective_scan.reference import selective_scan_ref
+from ssm_compile.kernels.selective_scan.triton_bwd import selective_scan_bwd
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Input name -> ScanGrads field.
+GRAD_NAMES = {
+    "u": "du", "delta": "ddelta", "A": "dA", "B": "dB", "C": "dC", "D": "dD", "z": "dz",
+    "delta_bias": "ddelta_bias", "initial_state": "dinitial_state",
+}
+
+
+@dataclasses.dataclass
+class Case:
+    batch: int = 2
+    dim: int = 6
+    L: int = 40
+    N: int = 4
+    G: int = 1
+    dtype: torch.dtype = torch.float32
+    has_D: bool = True
+    has_z: bool = True
+    has_bias: bool = True
+    softplus: bool = True
+    has_init: bool = True
+    has_dlast: bool = True
+    chunk_size: Optional[int] = 16
+    num_splits: Optional[int] = None
+    block_d: Optional[int] = None
+    # Scale of the raw delta: large values test softplus past its threshold and decays that
+    # underflow to exactly 0.
+    delta_scale: float = 1.0
+
+    def id(self) -> str:
+        dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        flags = "".join(
+            name for name, on in (("D", self.has_D), ("z", self.has_z), ("b", self.has_bias),
+                                  ("sp", self.softplus), ("h0", self.has_init), ("dl", self.has_dlast)) if on
+        )
+        extra = "".join(
+            f"-{k}{v}" for k, v in (("T", self.chunk_size), ("S", self.num_splits), ("BD", self.block_d),
+                                    ("x", self.delta_scale)) if v not in (None, 1.0)
+        )
+        return f"B{self.batch}-D{self.dim}-L{self.L}-N{self.N}-G{self.G}-{dt}-{flags or 'bare'}{extra}"
+
+
+def make_inputs(case: Case, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, dtype=case.dtype, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g) * scale + shift).to(dtype).to(DEVICE)
+
+    b, d, L, N, G = case.batch, case.dim, case.L, case.N, case.G
+    # Without softplus, delta is used raw: keep it positive as real step sizes are.
+    delta_shift = -0.5 if case.softplus else 0.6
+    inputs = dict(
+        u=rand(b, d, L),
+        delta=rand(b, d, L, scale=0.3 * case.delta_scale, shift=delta_shift * case.delta_scale),
+        A=-torch.rand(d, N, generator=g).mul(3.0).add(0.2).to(DEVICE),
+        B=rand(b, G, N, L),
+        C=rand(b, G, N, L),
+        D=rand(d, dtype=torch.float32) if case.has_D else None,
+        z=rand(b, d, L) if case.has_z else None,
+        delta_bias=rand(d, dtype=torch.float32, scale=0.2) if case.has_bias else None,
+        initial_state=rand(b, d, N, dtype=torch.float32) if case.has_init else None,
+    )
+    dy = rand(b, d, L)
+    dlast = rand(b, d, N, dtype=torch.float32) if case.has_dlast else None
+    return inputs, dy, dlast
+
+
+def reference_grads(case: Case, inputs, dy, dlast):
+    leaves = {k: v.detach().double().requires_grad_() for k, v in inputs.items() if v is not None}
+    y, last = selective_scan_ref(
+        **{k: leaves.get(k) for k in inputs}, delta_softplus=case.softplus, return_last_state=True
+    )
+    loss = (y * dy.double()).sum()
+    if dlast is not None:
+        loss = loss + (last * dlast.double()).sum()
+    loss.backward()
+    return {k: v.grad for k, v in leaves.items()}
+
+
+def run_bwd(case: Case, inputs, dy, dlast):
+    return selective_scan_bwd(
+        dy, dlast, inputs["u"], inputs["delta"], inputs["A"], inputs["B"], inputs["C"], inputs["D"],
+        inputs["z"], inputs["delta_bias"], case.softplus, inputs["initial_state"],
+        tiles=dict(chunk=case.chunk_size, num_splits=case.num_splits, block_d=case.block_d),
+    )
+
+
+CASES = [
+    Case(),  # 40 steps = two full chunks of 16 and a ragged one
+    Case(L=1),
+    Case(L=37, G=2, num_splits=2),  # prime L, grouped B/C, two channel slices per group
+    Case(dim=12, G=3, L=23, num_splits=3, block_d=1),
+    Case(has_D=False, has_z=False, has_bias=False, softplus=False, has_init=False, has_dlast=False),
+    Case(has_z=False, has_init=False),
+    Case(has_D=False, has_bias=False, has_dlast=False),
+    Case(softplus=False, has_z=False, has_dlast=True, has_init=False),
+    Case(dim=5, N=5, L=29),  # N and dim that fill no power-of-two block
+    Case(L=70, chunk_size=None),  # the default chunk length, crossing a boundary
+    Case(L=33, delta_scale=30.0),  # softplus past 20; exp(delta*A) underflows to 0
+    Case(dtype=torch.bfloat16),
+    Case(dtype=torch.float16, L=37, G=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=Case.id)
+def test_grads_match_fp64_reference(case):
+    inputs, dy, dlast = make_inputs(case)
+    ref = reference_grads(case, inputs, dy, dlast)
+    grads = run_bwd(case, inputs, dy, dlast)
+    for name, grad_name in GRAD_NAMES.items():
+        out = getattr(grads, grad_name)
+        if inputs[name] is None:
+            assert out is None, f"{grad_name} should be None when {name} is None"
+            continue
+        assert out.shape == inputs[name].shape, grad_name
+        # Gradients keep their input's dtype; the state gradient is fp32 like the state.
+        assert out.dtype == inputs[name].dtype, grad_name
+        # fp32 parameters (A, D, delta_bias, initial_state) are accumulated and returned in fp32.
+        tol = TOL[case.dtype] if inputs[name].dtype == case.dtype else TOL[torch.float32]
+        assert rel_err(out, ref[name]) < tol, f"{grad_name}: rel err {rel_err(out, ref[name]):.2e}"
+
+
+def test_dlast_state_seeds_the_last_step():
+    # With dy = 0, every gradient flows from dlast_state; a kernel that ignored it returns zeros.
+    case = Case(has_z=False, has_D=False, L=21)
+    inputs, dy, dlast = make_inputs(case)
+    dy = torch.zeros_like(dy)
+    ref = reference_grads(case, inputs, dy, dlast)
+    grads = run_bwd(case, inputs, dy, dlast)
+    assert grads.du.abs().max() > 0
+    for name in ("u", "delta", "A", "B", "initial_state"):
+        assert rel_err(getattr(grads, GRAD_NAMES[name]), ref[name]) < TOL[torch.float32], name
+
+
+def test_any_strides():
+    # Inputs as real models produce them: u/delta/z transposed from (batch, L, dim), B/C sliced
+    # out of a (batch, L, 2N) projection, dy from a transposed upstream gradient.
+    case = Case(L=19, G=1)
+    inputs, dy, dlast = make_inputs(case)
+
+    def time_major(t):
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    strided = dict(inputs)
+    for name in ("u", "delta", "z"):
+        strided[name] = time_major(inputs[name])
+    bc = torch.cat([inputs["B"], inputs["C"]], dim=2).permute(0, 3, 1, 2).contiguous()  # (b, L, G, 2N)
+    strided["B"] = bc[..., : case.N].permute(0, 2, 3, 1)
+    strided["C"] = bc[..., case.N:].permute(0, 2, 3, 1)
+    strided["A"] = inputs["A"].t().contiguous().t()
+    assert not strided["B"].is_contiguous() and not strided["u"].is_contiguous()
+    ref = run_bwd(case, inputs, dy, dlast)
+    out = run_bwd(case, strided, time_major(dy), dlast)
+    for field in ref._fields:
+        a, b = getattr(ref, field), getattr(out, field)
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=field)
+
+
+def test_broadcast_upstream_gradient():
+    # y.sum().backward() hands the op an expanded dy with all-zero strides.
+    case = Case(L=19)
+    inputs, dy, dlast = make_inputs(case)
+    expanded = dy[:1, :1, :1].expand_as(dy)
+    assert expanded.stride() == (0, 0, 0)
+    ref = run_bwd(case, inputs, expanded.contiguous(), dlast)
+    out = run_bwd(case, inputs, expanded, dlast)
+    for field in ref._fields:
+        torch.testing.assert_close(getattr(out, field), getattr(ref, field), rtol=0, atol=0, msg=field)
+
+
+def test_deterministic():
+    case = Case(dim=12, G=2, L=37, num_splits=2)
+    inputs, dy, dlast = make_inputs(case)
+    first = run_bwd(case, inputs, dy, dlast)
+    second = run_bwd(case, inputs, dy, dlast)
+    for field in first._fields:
+        assert torch.equal(getattr(first, field), getattr(second, field)), field
+
+
+def test_splitting_does_not_change_results_beyond_rounding():
+    # The channel slices only change how dB/dC partials are grouped before the final sum.
+    case = Case(dim=8, L=24)
+    inputs, dy, dlast = make_inputs(case)
+    one = run_bwd(dataclasses.replace(case, num_splits=1), inputs, dy, dlast)
+    four = run_bwd(dataclasses.replace(case, num_splits=4, block_d=2), inputs, dy, dlast)
+    for field in one._fields:
+        torch.testing.assert_close(getattr(four, field), getattr(one, field), rtol=1e-5, atol=1e-6)
+
+
+def test_memory_stays_linear():
+    # Record every tensor the launcher allocates: none may be as large as (batch, dim, L, N).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        ALLOCATING = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "new_empty", "new_zeros", "full"}
+
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # Only fresh buffers: the interpreter's own storage copies are not the launcher's.
+            if isinstance(out, torch.Tensor) and func.__name__.split(".")[0] in self.ALLOCATING:
+                self.numels.append(out.numel())
+            return out
+
+    case = Case(L=64, N=4, dim=16)
+    inputs, dy, dlast = make_inputs(case)
+    with Allocations() as allocs:
+        run_bwd(case, inputs, dy, dlast)
+    assert allocs.numels, "no allocation was seen"
+    assert max(allocs.numels) < case.batch * case.dim * case.L * case.N // 2, allocs.numels
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda i, dy, dl: dict(dy=dy[:, :, :-1]), "dy"),
+        (lambda i, dy, dl: dict(B=i["B"][:, 0]), "grouped"),
+        (lambda i, dy, dl: dict(dlast=dl[:, :, :-1]), "dlast_state"),
+    ],
+    ids=["dy-shape", "B-3d", "dlast-shape"],
+)
+def test_bad_input_names_argument(bad, match):
+    case = Case(L=8)
+    inputs, dy, dlast = make_inputs(case)
+    change = bad(inputs, dy, dlast)
+    dy = change.pop("dy", dy)
+    dlast = change.pop("dlast", dlast)
+    inputs.update(change)
+    with pytest.raises(ValueError, match=match):
+        run_bwd(case, inputs, dy, dlast)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the interpreter cases above cover CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_default_tiles(dtype):
+    # Compiled kernels with the launcher's own tile choices on a shape with many chunks.
+    case = Case(batch=2, dim=64, L=300, N=16, G=2, dtype=dtype, chunk_size=None)
+    inputs, dy, dlast = make_inputs(case)
+    ref = reference_grads(case, inputs, dy, dlast)
+    grads = run_bwd(case, inputs, dy, dlast)
+    for name, grad_name in GRAD_NAMES.items():
+        tol = TOL[dtype] if inputs[name].dtype == dtype else TOL[torch.float32]
+        assert rel_err(getattr(grads, grad_name), ref[name]) < tol, grad_name

@@ -1,0 +1,255 @@
+"""The fused Triton forward (kernels/selective_scan/triton_fwd.py) against the fp64 reference.
+
+On a CPU-only machine the kernel runs under TRITON_INTERPRET=1 (set by conftest), so shapes are
+small. Forced ``ScanFwdConfig``s exercise the chunk carry, the ragged tail, the time split
+(segment composites) and channel tails that the default heuristic would not reach at these
+sizes.
+"""
+import pytest
+import torch
+from utils import TOL, rel_err
+
+from ssm_compile.kernels.selective_scan.reference import selective_scan_ref
+from ssm_compile.kernels.selective_scan.triton_fwd import (
+    ScanFwdConfig,
+    scan_fwd_config,
+    selective_scan_fwd,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(batch, dim, L, N, G=1, dtype=torch.float32, seed=0):
+    """Random (never zero) inputs in the ranges Mamba produces: A < 0, delta around softplus's
+    knee, so exp(delta*A) spans (0, 1) and the state neither vanishes nor explodes."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g) * scale + shift)
+
+    inputs = dict(
+        u=rnd(batch, dim, L).to(dtype),
+        delta=rnd(batch, dim, L, scale=0.5, shift=-1.0).to(dtype),
+        A=-torch.exp(rnd(dim, N, scale=0.5)),
+        B=rnd(batch, G, N, L).to(dtype),
+        C=rnd(batch, G, N, L).to(dtype),
+        D=rnd(dim),
+        z=rnd(batch, dim, L).to(dtype),
+        delta_bias=rnd(dim, scale=0.3),
+        initial_state=rnd(batch, dim, N),
+    )
+    return {k: v.to(DEVICE) for k, v in inputs.items()}
+
+
+def run_both(inputs, delta_softplus=True, return_last_state=True, config=None, drop=()):
+    args = dict(inputs)
+    for name in drop:
+        args[name] = None
+    y, last = selective_scan_fwd(
+        args["u"], args["delta"], args["A"], args["B"], args["C"], args["D"], args["z"],
+        args["delta_bias"], delta_softplus, args["initial_state"], return_last_state,
+        config=config)
+    ref = selective_scan_ref(
+        args["u"].cpu(), args["delta"].cpu(), args["A"].cpu(), args["B"].cpu(), args["C"].cpu(),
+        *(None if args[k] is None else args[k].cpu()
+          for k in ("D", "z", "delta_bias")),
+        delta_softplus=delta_softplus,
+        initial_state=None if args["initial_state"] is None else args["initial_state"].cpu(),
+        return_last_state=True)
+    return (y, last), ref
+
+
+def check(out, ref, dtype, return_last_state=True):
+    (y, last), (y_ref, last_ref) = out, ref
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    assert rel_err(y.cpu(), y_ref) < TOL[dtype], rel_err(y.cpu(), y_ref)
+    if return_last_state:
+        assert last.dtype == torch.float32 and last.shape == last_ref.shape
+        # The state accumulates in fp32 whatever the input dtype; its error is that of fp32
+        # arithmetic on rounded inputs, so it is held to the same per-dtype table.
+        assert rel_err(last.cpu(), last_ref) < TOL[dtype], rel_err(last.cpu(), last_ref)
+    else:
+        assert last is None
+
+
+# (batch, dim, L, N, G, config): config None = the production heuristic.
+SHAPES = [
+    (1, 4, 1, 4, 1, None),  # L = 1: a single ragged chunk
+    (2, 8, 37, 16, 1, None),  # prime L, not a multiple of the chunk
+    (1, 36, 17, 16, 1, None),  # channel tail: dim not a multiple of block_d
+    (2, 8, 40, 16, 2, None),  # grouped B/C
+    (1, 12, 53, 16, 3, ScanFwdConfig(4, 4, 4, 1, 1)),  # 3 groups of 4 channels
+    (1, 8, 29, 1, 1, None),
+    (1, 8, 29, 4, 1, None),
+    (1, 4, 23, 64, 1, None),
+    (1, 2, 19, 128, 1, None),
+    (1, 2, 13, 256, 1, None),
+    (1, 3, 21, 5, 1, None),  # N not a power of two: padded states must stay exactly zero
+    # Time split: composites of 3 full segments, a ragged last segment.
+    (2, 8, 45, 16, 1, ScanFwdConfig(8, 4, 4, 1, 4)),
+    (1, 4, 70, 8, 1, ScanFwdConfig(4, 8, 2, 1, 8)),  # 9 chunks over 8 requested segments
+    (1, 4, 100, 4, 2, ScanFwdConfig(2, 2, 2, 1, 3)),  # grouped + split, non-pow2 segments
+]
+
+
+def shape_id(shape):
+    batch, dim, L, N, G, config = shape
+    cfg = "" if config is None else f"-T{config.chunk_t}-S{config.n_segments}"
+    return f"B{batch}-D{dim}-L{L}-N{N}-G{G}{cfg}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_shapes_fp32(shape):
+    batch, dim, L, N, G, config = shape
+    inputs = make_inputs(batch, dim, L, N, G)
+    check(*run_both(inputs, config=config), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [(SHAPES[1], torch.bfloat16), (SHAPES[3], torch.float16), (SHAPES[11], torch.bfloat16),
+     (SHAPES[12], torch.float16)],
+    ids=lambda v: {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(v) or shape_id(v))
+def test_low_precision(shape, dtype):
+    batch, dim, L, N, G, config = shape
+    inputs = make_inputs(batch, dim, L, N, G, dtype=dtype)
+    check(*run_both(inputs, config=config), dtype)
+
+
+# Each optional-input combination runs once, alternating between one program over all of L
+# and a 3-way time split (where initial_state meets the segment carry).
+OPTIONALS = [
+    dict(drop=(), delta_softplus=True, return_last_state=True, split=True),
+    dict(drop=("D", "z", "delta_bias", "initial_state"), delta_softplus=False,
+         return_last_state=False, split=False),
+    dict(drop=("D", "z", "delta_bias", "initial_state"), delta_softplus=False,
+         return_last_state=True, split=True),
+    dict(drop=("D",), delta_softplus=False, return_last_state=True, split=False),
+    dict(drop=("z",), delta_softplus=True, return_last_state=False, split=True),
+    dict(drop=("delta_bias", "initial_state"), delta_softplus=True, return_last_state=True,
+         split=False),
+]
+
+
+@pytest.mark.parametrize(
+    "opts", OPTIONALS,
+    ids=lambda o: "-".join(["no_" + k for k in o["drop"]] or ["all"])
+    + ("-softplus" if o["delta_softplus"] else "") + ("-last" if o["return_last_state"] else "")
+    + ("-split" if o["split"] else ""))
+def test_optional_inputs(opts):
+    config = ScanFwdConfig(4, 4, 4, 1, 3) if opts["split"] else None
+    inputs = make_inputs(2, 4, 30, 16)
+    if not opts["delta_softplus"]:
+        # Without softplus delta must be positive for a decaying state, as in Mamba.
+        inputs["delta"] = inputs["delta"].abs() + 0.05
+    out, ref = run_both(inputs, opts["delta_softplus"], opts["return_last_state"], config,
+                        opts["drop"])
+    check(out, ref, torch.float32, opts["return_last_state"])
+
+
+def test_non_contiguous_inputs():
+    """Transposed storage for every tensor: the kernel takes strides, it must not assume rows."""
+    batch, dim, L, N = 2, 8, 21, 16
+    base = make_inputs(batch, dim, L, N, G=2)
+    inputs = dict(base)
+    for k in ("u", "delta", "z"):  # (batch, dim, L) stored as (L, dim, batch)
+        inputs[k] = base[k].permute(2, 1, 0).contiguous().permute(2, 1, 0)
+    for k in ("B", "C"):  # (batch, G, N, L) stored time-major
+        inputs[k] = base[k].permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
+    inputs["A"] = base["A"].t().contiguous().t()
+    inputs["initial_state"] = base["initial_state"].transpose(1, 2).contiguous().transpose(1, 2)
+    inputs["D"] = torch.stack([base["D"], base["D"]], 1)[:, 0]  # stride 2
+    assert not inputs["u"].is_contiguous() and not inputs["B"].is_contiguous()
+    out, ref = run_both(inputs)
+    check(out, ref, torch.float32)
+    # Same numbers as the contiguous run, not merely close to the reference.
+    y_contig, _ = selective_scan_fwd(
+        base["u"], base["delta"], base["A"], base["B"], base["C"], base["D"], base["z"],
+        base["delta_bias"], True, base["initial_state"], False)
+    torch.testing.assert_close(out[0], y_contig, rtol=1e-6, atol=1e-6)
+
+
+def test_identity_padding_keeps_nan_out():
+    """Garbage beyond the logical end of a strided view must not reach y or the last state:
+    the ragged tail is masked to the identity step (1, 0)."""
+    batch, dim, L, N = 1, 4, 13, 16
+    full = make_inputs(batch, dim, L + 3, N)
+    for k in ("u", "delta", "z", "B", "C"):
+        full[k][..., L:] = float("nan")
+    inputs = {k: (v[..., :L] if k in ("u", "delta", "z", "B", "C") else v) for k, v in full.items()}
+    for config in (None, ScanFwdConfig(4, 4, 4, 1, 2)):
+        out, ref = run_both(inputs, config=config)
+        assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+        check(out, ref, torch.float32)
+
+
+def test_combine_order_closed_form():
+    """a = 1/2, b = 1 at every step: h_t = 2 - 2^-t from h = 0 (the seeds' 30-second test).
+    A reversed combine (a2*b1 + b2 -> a1*b2 + b1) still gives finite, smooth, wrong values."""
+    L = 40
+    ln2 = torch.log(torch.tensor(2.0)).item()
+    u = torch.ones(1, 1, L, device=DEVICE)
+    delta = torch.ones(1, 1, L, device=DEVICE)
+    A = torch.full((1, 1), -ln2, device=DEVICE)  # exp(delta*A) = 1/2
+    B = torch.ones(1, 1, 1, L, device=DEVICE)
+    C = torch.ones(1, 1, 1, L, device=DEVICE)
+    for config in (None, ScanFwdConfig(1, 4, 1, 1, 4)):
+        y, last = selective_scan_fwd(u, delta, A, B, C, None, None, None, False, None, True,
+                                     config=config)
+        t = torch.arange(L, dtype=torch.float64)
+        expected = 2 - 2.0 ** -t
+        torch.testing.assert_close(y[0, 0].cpu().double(), expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(last[0, 0, 0].cpu().double(), expected[-1], rtol=1e-6,
+                                   atol=1e-6)
+
+
+def test_output_has_no_uninitialised_elements():
+    """Outputs come from torch.empty; every element must be written (finite, matching)."""
+    inputs = make_inputs(2, 8, 24, 16, G=2)
+    out, ref = run_both(inputs, config=ScanFwdConfig(4, 4, 4, 1, 3))
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+    check(out, ref, torch.float32)
+
+
+def test_block_must_not_straddle_groups():
+    inputs = make_inputs(1, 12, 8, 4, G=3)
+    with pytest.raises(ValueError, match="block_d"):
+        run_both(inputs, config=ScanFwdConfig(8, 4, 1, 1, 1))
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [(8, 1536, 2048, 16, 1536), (1, 1536, 2048, 16, 1536), (1, 1536, 128, 16, 1536),
+     (2, 64, 256, 256, 64), (2, 96, 4096, 16, 32), (4, 24, 999, 1, 3)],
+    ids=lambda p: "B{}-D{}-L{}-N{}-dpg{}".format(*p))
+def test_heuristic_is_consistent(problem):
+    """The heuristic's tiles are legal for the kernel: powers of two, the N split exact, a
+    channel block inside one group, and a time split only when the grid is small."""
+    batch, dim, L, N, dims_per_group = problem
+    c = scan_fwd_config(batch, dim, L, N, dims_per_group, num_sms=132)
+    for v in (c.block_d, c.chunk_t, c.lanes_n, c.num_warps):
+        assert v >= 1 and v & (v - 1) == 0, c
+    assert c.lanes_n <= 32 and c.chunk_t <= max(1, L)
+    assert dims_per_group == dim or dims_per_group % c.block_d == 0, c
+    assert 1 <= c.n_segments <= 8
+    if batch * dim >= 8 * 1536:
+        assert c.n_segments == 1, c
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled-kernel check needs CUDA")
+def test_cuda_default_config_medium():
+    """On a GPU the compiled kernel (not the interpreter) at a size with a real time split;
+    the CPU counterpart is every test above."""
+    inputs = make_inputs(1, 256, 3000, 16, dtype=torch.bfloat16)
+    check(*run_both(inputs), torch.bfloat16)
+
+
+def test_int32_row_overflow_is_an_error():
+    """A batch row beyond int32 indexing must be refused, not wrapped into wrong addresses
+    (meta tensors: the check runs before any allocation-sized work)."""
+    u = torch.empty_strided((1, 2, 8), (0, 2**31, 1), device="meta")
+    A = torch.empty(2, 4, device="meta")
+    B = torch.empty(1, 1, 4, 8, device="meta")
+    with pytest.raises(ValueError, match="u: one batch row"):
+        selective_scan_fwd(u, u, A, B, B, None, None, None, False, None, False,
+                           config=ScanFwdConfig(2, 8, 4, 1, 1))
