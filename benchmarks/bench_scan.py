@@ -5,13 +5,19 @@ Writes bench_scan.md (and bench_scan_sweep.md with --sweep) to $OUT when it is s
 
 Setup: batch 8, dim 1536, N 16, L in {1024 .. 16384}, plus batch 1 at L in {128, 2048, 16384};
 fp32 and bf16; with z, D, delta_bias and softplus. Columns:
-  ours        median ms (CUDA events, triton.testing.do_bench) of the launcher
+  ours        median ms (CUDA events, triton.testing.do_bench) of the launcher; with an empty
+              GPU queue this includes the host-side launch cost
+  graph       the same call captured GRAPH_CALLS times in one torch.cuda.CUDAGraph, replayed:
+              ms per call of GPU time alone (no host launch cost; the inputs stay in L2 between
+              the captured calls when they fit, so short-L rows are slightly optimistic)
+  op          median ms of torch.ops.ssm.selective_scan (op.py validation + custom-op dispatch
+              on top of the launcher)
   naive       a PyTorch loop over L (short L only)
   assoc       torch.compile of torch._higher_order_ops.associative_scan over the materialised
               (batch, dim, L, N) tensors (skipped when that needs > ~40 GB, or when the time
               budget for compiles is spent)
   floor       max(minimal bytes / measured copy BW, B*D*L*N exps / (SMs * 16/clk * clock))
-  %floor      floor / ours
+  %floor      floor / ours;  %floor graph: floor / graph
   peak MB     torch.cuda.max_memory_allocated() above the inputs during our call, beside the
               output bytes (linear memory: the two should be of the same size)
   mamba_ssm   the issue's anchor figures for the CUDA kernel on an H200
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, markdown_table, median_ms, sm_clock_ghz, write_out  # noqa: E402
 
+from ssm_compile.kernels.selective_scan import op as scan_op  # noqa: E402
 from ssm_compile.kernels.selective_scan.triton_fwd import (  # noqa: E402
     ScanFwdConfig,
     scan_fwd_config,
@@ -44,6 +51,7 @@ MAMBA = {(8, 1024): (0.450, 0.231), (8, 2048): (0.887, 0.463), (8, 4096): (1.766
 NAIVE_MAX_L = 2048
 ASSOC_MAX_BYTES = 40e9
 ASSOC_BUDGET_S = 150  # compiles of the associative_scan baseline are slow; cap their total
+GRAPH_CALLS = 10  # calls per captured graph: one replay's launch cost is spread over them
 
 
 def make_inputs(batch, L, dtype):
@@ -65,6 +73,28 @@ def ours(x, config=None):
                               x["delta_bias"], True, None, False, config=config)[0]
 
 
+def through_op(x):
+    return torch.ops.ssm.selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"],
+                                        x["z"], x["delta_bias"], True, None, False)[0]
+
+
+def graph_ms(fn, x):
+    """GPU time per call of fn(x): GRAPH_CALLS calls captured in one CUDA graph, replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile + allocate outside the capture
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn(x)
+    ms = median_ms(graph.replay) / GRAPH_CALLS
+    del graph
+    return ms
+
+
 def naive(x):
     u, z = x["u"].float(), x["z"].float()
     dt = F.softplus(x["delta"].float() + x["delta_bias"][:, None])
@@ -72,7 +102,8 @@ def naive(x):
     h = u.new_zeros(u.shape[0], DIM, N)
     ys = []
     for t in range(u.shape[-1]):
-        h = torch.exp(dt[:, :, t, None] * x["A"]) * h + (dt[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+        bu = (dt[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+        h = torch.exp(dt[:, :, t, None] * x["A"]) * h + bu
         ys.append((h * C[:, None, :, t]).sum(-1))
     y = torch.stack(ys, -1) + x["D"][:, None] * u
     return (y * F.silu(z)).to(x["u"].dtype)
@@ -135,8 +166,10 @@ def main():
     print(f"{props.name}: {n_sms} SMs, SM clock {clock:.2f} GHz (nvidia-smi max, 1.98 if "
           f"unknown), copy BW {bw:.0f} GB/s (read+write)", flush=True)
 
-    header = ["dtype", "batch", "L", "config", "ours ms", "naive ms", "assoc ms", "floor ms",
-              "%floor", "peak MB", "y MB", "mamba_ssm ms", "vs mamba"]
+    scan_op.register()
+    header = ["dtype", "batch", "L", "config", "ours ms", "graph ms", "op ms", "naive ms",
+              "assoc ms", "floor ms", "%floor", "%floor graph", "peak MB", "y MB",
+              "mamba_ssm ms", "vs mamba"]
     rows = []
     assoc_spent = 0.0
     for dtype in (torch.float32, torch.bfloat16):
@@ -146,6 +179,12 @@ def main():
             cfg = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
             cfg_s = f"d{cfg.block_d}/t{cfg.chunk_t}/ln{cfg.lanes_n}/w{cfg.num_warps}/s{cfg.n_segments}"
             t_ours = try_time(ours, x)
+            try:
+                t_graph = graph_ms(ours, x)
+            except Exception:  # noqa: BLE001 - report the row without the graph timing
+                traceback.print_exc()
+                t_graph = "error"
+            t_op = try_time(through_op, x)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -169,12 +208,13 @@ def main():
                 torch.cuda.empty_cache()
             fl = floor_ms(batch, L, elt, bw, n_sms, clock)
             frac = f"{100 * fl / t_ours:.0f}%" if isinstance(t_ours, float) else "-"
+            frac_graph = f"{100 * fl / t_graph:.0f}%" if isinstance(t_graph, float) else "-"
             m = MAMBA.get((batch, L))
             m_ms = m[0 if dtype == torch.float32 else 1] if m else "-"
             vs = f"{m_ms / t_ours:.2f}x" if m and isinstance(t_ours, float) else "-"
             dname = "fp32" if dtype == torch.float32 else "bf16"
-            rows.append([dname, batch, L, cfg_s, t_ours, t_naive, t_assoc, fl, frac, peak_mb,
-                         y_mb, m_ms, vs])
+            rows.append([dname, batch, L, cfg_s, t_ours, t_graph, t_op, t_naive, t_assoc, fl,
+                         frac, frac_graph, peak_mb, y_mb, m_ms, vs])
             print(rows[-1], f"[{time.time() - start:.0f}s]", flush=True)
             del x
             torch.cuda.empty_cache()
@@ -188,25 +228,30 @@ def main():
 
 def sweep(n_sms, bw, clock):
     """Time a grid of tile configs on the headline shapes; the best per shape is the data the
-    heuristic in scan_fwd_config should reproduce. ~100 kernel compiles: a few minutes."""
+    heuristic in scan_fwd_config should reproduce. ~150 kernel compiles: a few minutes.
+
+    Ranked by CUDA-graph time (GPU time alone: the tiles do not change the host cost)."""
     rows = []
     cases = [(torch.float32, 8, 2048, (1,)), (torch.bfloat16, 8, 2048, (1,)),
-             (torch.bfloat16, 1, 2048, (1, 4, 8))]
+             (torch.bfloat16, 1, 2048, (1, 2, 4, 8)), (torch.float32, 1, 128, (1,))]
     for dtype, batch, L, seg_options in cases:
         elt = torch.finfo(dtype).bits // 8
         x = make_inputs(batch, L, dtype)
         results = []
         for lanes_n in (2, 4, 8):
-            for chunk_t in (8, 16):
+            for chunk_t in (8, 16, 32):
                 if chunk_t * N // lanes_n > 64:
                     continue
-                for num_warps in (2, 4, 8):
+                for num_warps in (1, 2, 4, 8):
                     for segs in seg_options:
                         cfg = ScanFwdConfig((32 // lanes_n) * num_warps, chunk_t, lanes_n,
                                             num_warps, segs)
-                        t = try_time(ours, x, cfg, warmup_ms=10, rep_ms=30)
-                        if isinstance(t, float):
-                            results.append((t, cfg))
+                        try:
+                            t = graph_ms(lambda x, cfg=cfg: ours(x, cfg), x)
+                        except Exception:  # noqa: BLE001 - a config may not compile
+                            traceback.print_exc()
+                            continue
+                        results.append((t, cfg))
         results.sort(key=lambda r: r[0])
         fl = floor_ms(batch, L, elt, bw, n_sms, clock)
         default = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
@@ -217,7 +262,7 @@ def sweep(n_sms, bw, clock):
         del x
         torch.cuda.empty_cache()
     write_out("bench_scan_sweep.md", markdown_table(
-        ["dtype", "batch", "L", "config (block_d, chunk_t, lanes_n, warps, segs)", "ms",
+        ["dtype", "batch", "L", "config (block_d, chunk_t, lanes_n, warps, segs)", "graph ms",
          "%floor", ""], rows))
 
 

@@ -260,24 +260,35 @@ def kernel_split(notes):
 
 
 def main():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true", help="also time the tile sweep")
+    args = p.parse_args()
     start = time.time()
     notes = []
     copy_gbs = copy_bandwidth_gbs()
     props = torch.cuda.get_device_properties(0)
-    parts = [
-        f"# selective-scan backward ({props.name}, torch {torch.__version__}, "
-        f"triton {__import__('triton').__version__})",
-        f"dim {DIM}, N {N}, z + delta_bias + softplus + D. Device copy bandwidth: {copy_gbs:.0f} GB/s.",
-        "## Backward only", backward_table(copy_gbs, notes),
-        "## Per-kernel split", kernel_split(notes),
-        "## Tile sweep", sweep_table(notes, start),
-        "## Forward + backward (op level)",
-        f"inductor loop capped at L={LOOP_L}, inductor associative_scan at L={ASSOC_L}; eager at L <= 2048.",
-        fwd_bwd_table(notes, start),
-        f"Total benchmark time {time.time() - start:.0f} s.",
-    ]
+    parts = []
+
+    def emit(*texts):
+        # Print each table as soon as it exists, so a run cut short still reports.
+        for text in texts:
+            print(text, flush=True)
+            parts.append(text)
+
+    emit(f"# selective-scan backward ({props.name}, torch {torch.__version__}, "
+         f"triton {__import__('triton').__version__})",
+         f"dim {DIM}, N {N}, z + delta_bias + softplus + D. Device copy bandwidth: {copy_gbs:.0f} GB/s.")
+    emit("## Backward only", backward_table(copy_gbs, notes))
+    emit("## Per-kernel split", kernel_split(notes))
+    if args.sweep:
+        emit("## Tile sweep", sweep_table(notes, start))
+    emit("## Forward + backward (op level)",
+         f"inductor loop capped at L={LOOP_L}, inductor associative_scan at L={ASSOC_L}; eager at L <= 2048.",
+         fwd_bwd_table(notes, start), f"Total benchmark time {time.time() - start:.0f} s.")
     if notes:
-        parts += ["## Notes"] + [f"- {n}" for n in notes]
+        emit("## Notes", "\n".join(f"- {n}" for n in notes))
     write_out("bench_scan_bwd.md", "\n\n".join(parts))
 
 

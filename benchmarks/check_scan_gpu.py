@@ -38,6 +38,10 @@ CASES = [
     (2, 512, 8192, 64, 2, torch.float16, True, False),
     (1, 256, 4096, 256, 1, torch.float32, True, False),
     (2, 256, 3001, 16, 4, torch.bfloat16, True, True),
+    # dim // G = 3: one-channel programs, where time spans lanes (cross-lane scan and
+    # last-state extraction) instead of living in one thread.
+    (2, 24, 4097, 16, 8, torch.bfloat16, True, False),
+    (1, 64, 5000, 1, 1, torch.float32, True, False),
 ]
 SLICE = 8  # channels compared against the CPU fp64 reference (taken from the first group)
 
@@ -86,7 +90,8 @@ def run_case(case):
     err_y = rel_err(y[:, :k].cpu(), y_ref) if finite else float("inf")
     err_h = rel_err(last[:, :k].cpu(), last_ref) if finite else float("inf")
     ok = finite and linear and err_y < TOL[dtype] and err_h < TOL[dtype]
-    cfg = scan_fwd_config(batch, dim, L, N, dim // G, torch.cuda.get_device_properties(0).multi_processor_count)
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = scan_fwd_config(batch, dim, L, N, dim // G, n_sms)
     return ok, finite, err_y, err_h, cfg, peak / 2**20
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import MambaConfig, MambaForCausalLM
 
-import ssm_compile.explain
+from ssm_compile.explain import explain
 
 SIZES = {
     # hidden, layers, vocab, state
@@ -33,19 +33,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--size", default="tiny", choices=list(SIZES))
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    p.add_argument("--seq-len", type=int, default=None, help="default: 32 (tiny), 1024 (130m)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="default: 32 (tiny), 256 (130m; the loop form unrolls L steps per layer in dynamo)")
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--assoc", action="store_true",
-                   help="use HF's associative_scan path instead of its Python loop")
+    p.add_argument("--scan", default="hf-default", choices=["hf-default", "loop", "assoc"],
+                   help="HF's scan form: its Python loop or torch associative_scan (transformers >= 5.24 "
+                        "defaults to assoc; older versions only have the loop)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--show-graphs", action="store_true", help="print the graphs before/after the passes")
     return p.parse_args()
 
 
-def build_model(size: str, assoc: bool, device: str, dtype: torch.dtype) -> MambaForCausalLM:
+def build_model(size: str, scan: str, device: str, dtype: torch.dtype) -> MambaForCausalLM:
     torch.manual_seed(0)
-    config = MambaConfig(**SIZES[size], use_associative_scan=assoc)
+    extra = {} if scan == "hf-default" else {"use_associative_scan": scan == "assoc"}
+    config = MambaConfig(**SIZES[size], **extra)
     return MambaForCausalLM(config).eval().to(device=device, dtype=dtype)
 
 
@@ -73,18 +76,18 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
     dtype = DTYPES[args.dtype]
-    seq_len = args.seq_len or (32 if args.size == "tiny" else 1024)
-    model = build_model(args.size, args.assoc, args.device, dtype)
+    seq_len = args.seq_len or (32 if args.size == "tiny" else 256)
+    model = build_model(args.size, args.scan, args.device, dtype)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, seq_len), device=args.device,
                         generator=torch.Generator(device=args.device).manual_seed(1))
     print(f"HF MambaForCausalLM size={args.size} layers={model.config.num_hidden_layers} "
           f"d_model={model.config.hidden_size} state={model.config.state_size} dtype={args.dtype} "
           f"device={args.device} batch={args.batch} seq_len={seq_len} "
-          f"path={'associative_scan' if args.assoc else 'loop'}")
+          f"scan={'assoc' if getattr(model.config, 'use_associative_scan', False) else 'loop'}")
 
     with torch.no_grad():
-        report = ssm_compile.explain.explain(model, ids, use_cache=False)
+        report = explain(model, ids, use_cache=False)
         print(report.format(graphs=args.show_graphs))
 
         compiled = torch.compile(model, backend="ssm")

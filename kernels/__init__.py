@@ -11,8 +11,10 @@ def register_ops() -> None:
     """Define all ``ssm`` ops (idempotent)."""
     from .causal_conv1d import op as causal_conv1d_op
     from .decode import op as decode_op
+    from .fused import op as fused_op
     from .selective_scan import op as selective_scan_op
 
     selective_scan_op.register()
     causal_conv1d_op.register()
     decode_op.register()
+    fused_op.register()

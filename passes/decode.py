@@ -2,9 +2,11 @@
 
 During ``generate()`` HF Mamba (transformers 5.17 and 5.24 alike) runs, per layer and token, the
 torch fallbacks of ``causal_conv1d_update`` and ``mamba_selective_state_update``. The cache
-tensors (``cache.layers[i].conv_states[0]`` / ``recurrent_states[0]``, what ``get_conv_state`` /
-``get_recurrent_state`` return) reach dynamo's graph as placeholders that the graph mutates
-with ``copy_``. Dynamo captures, per layer:
+tensors (``cache.layers[i].conv_states[0]`` / ``recurrent_states[0]``: what 5.24's
+``get_conv_state`` / ``get_recurrent_state`` return and 5.17 reads directly) reach the decode
+graph as placeholders (``L_kwargs_cache_layers_0_conv_states_0_``) that the graph mutates with
+``copy_``; the cache object itself only shows up in dynamo's guards (``has_previous_state``),
+so the decode graph is compiled once and reused for every token. Dynamo captures, per layer:
 
 conv_update::
 
@@ -30,8 +32,10 @@ read and its ``copy_``. Casts are looked through: the ops accumulate in fp32, wh
 as precise as any cast chain they replace (each rewrite records the casts it dropped).
 
 The prefill step is not handled here: its ``mamba_selective_scan(..., return_last_state=True)``
-is the scan passes' pattern, and ``cache.update_recurrent_state(final_state)`` stays a plain
-``copy_`` of the scan op's last state into the cache.
+is the scan passes' pattern (they emit ``ssm.selective_scan(..., return_last_state=True)``), and
+``update_recurrent_state(final_state)`` / ``update_conv_state`` stay plain ``copy_``s into the
+cache, whose tensors the prefill graph creates itself (``torch.zeros``) unless the caller
+allocated them beforehand (needed for CUDA graphs, see ``examples/generate.py``).
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import is_call, is_method, set_val, val
+from .fx_utils import is_call, is_method, propagate_val, val
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -57,24 +61,6 @@ _MUL = (operator.mul, torch.mul)
 _ADD = (operator.add, torch.add)
 _SOFTPLUS = (F.softplus, torch.nn.functional.softplus, torch._C._nn.softplus)
 _SILU = (F.silu, torch.nn.functional.silu)
-
-
-def _propagate(node: torch.fx.Node) -> None:
-    """Record ``node``'s fake value, computed in the fake mode of its inputs' values.
-
-    Not ``fx_utils.propagate_val``: that takes the tracing context's fake mode, and when dynamo
-    hands a backend the graph during ``generate()`` the graph's values can belong to another
-    mode ("Mixing fake modes NYI").
-    """
-    args = torch.fx.node.map_arg(node.args, val)
-    kwargs = torch.fx.node.map_arg(node.kwargs, val)
-    fakes = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if hasattr(t, "fake_mode")]
-    with fakes[0].fake_mode:
-        if node.op == "call_method":
-            out = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            out = node.target(*args, **kwargs)
-    set_val(node, out)
 
 
 class Miss(Exception):
@@ -108,6 +94,11 @@ def _is_cast(node: Any) -> bool:
     return (src is not None and out is not None and src.device == out.device
             and tuple(src.shape) == tuple(out.shape)
             and src.dtype.is_floating_point and out.dtype.is_floating_point)
+
+
+def _is_cast_of(node: Any, src: Any) -> bool:
+    """``node`` casts ``src`` (not merely uses it, as ``.to(other)`` uses ``other`` for its dtype)."""
+    return _is_cast(node) and node.args[0] is src
 
 
 def _peel(node: Any) -> tuple[Any, list[torch.fx.Node]]:
@@ -195,7 +186,7 @@ def _follow_casts(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Nod
     casts = []
     while True:
         nxt = _single_user(node)
-        if nxt is None or not _is_cast(nxt) or nxt.args[0] is not node:
+        if nxt is None or not _is_cast_of(nxt, node):
             return node, casts
         casts.append(nxt)
         node = nxt
@@ -217,7 +208,7 @@ def _widen_for(graph: torch.fx.Graph, x: torch.fx.Node, out_dtype: torch.dtype) 
     if xd == out_dtype or torch.finfo(out_dtype).bits <= torch.finfo(xd).bits:
         return x
     wide = graph.call_method("to", (x, out_dtype))
-    _propagate(wide)
+    propagate_val(wide)
     return wide
 
 
@@ -225,14 +216,14 @@ def _cast_to(graph: torch.fx.Graph, node: torch.fx.Node, dtype: torch.dtype) -> 
     if _tensor(node).dtype == dtype:
         return node
     out = graph.call_method("to", (node, dtype))
-    _propagate(out)
+    propagate_val(out)
     return out
 
 
 def _copy_into(node: torch.fx.Node) -> torch.fx.Node | None:
     """The ``target.copy_(node)`` that ``node`` (through casts) feeds, if any."""
     for user in node.users:
-        if _is_cast(user):
+        if _is_cast_of(user, node):
             found = _copy_into(user)
             if found is not None:
                 return found
@@ -328,7 +319,7 @@ def match_state_update(copy: torch.fx.Node) -> dict[str, Any] | None:
                 break
 
     # The readout: every use of h other than the state write is the one readout.
-    readout_users = [u for u in h.users if not _copy_into_chain(u, copy)]
+    readout_users = [u for u in h.users if not _copy_into_chain(u, copy, h)]
     if len(readout_users) != 1:
         raise Miss(f"the new state has {len(readout_users)} readout uses (expected exactly one C-readout)")
     y, C, readout_casts = _match_readout(readout_users[0], h)
@@ -338,12 +329,12 @@ def match_state_update(copy: torch.fx.Node) -> dict[str, Any] | None:
                 casts=dt_casts + readout_casts)
 
 
-def _copy_into_chain(user: torch.fx.Node, copy: torch.fx.Node) -> bool:
-    """Whether ``user`` (a use of h) only leads, through casts, into the state's ``copy``."""
+def _copy_into_chain(user: torch.fx.Node, copy: torch.fx.Node, src: torch.fx.Node) -> bool:
+    """Whether ``user`` (a use of ``src``) only leads, through casts, into the state's ``copy``."""
     if user is copy:
         return True
-    if _is_cast(user):
-        return len(user.users) == 1 and _copy_into_chain(next(iter(user.users)), copy)
+    if _is_cast_of(user, src):
+        return len(user.users) == 1 and _copy_into_chain(next(iter(user.users)), copy, user)
     return False
 
 
@@ -351,7 +342,7 @@ def _match_readout(first: torch.fx.Node, h: torch.fx.Node) -> tuple[torch.fx.Nod
     """``y = C . h`` per channel, starting from the use ``first`` of h: (readout node, C, casts on h)."""
     casts: list[torch.fx.Node] = []
     node, user = h, first
-    if _is_cast(first):
+    if _is_cast_of(first, h):
         node, more = _follow_casts(first)
         casts = [first, *more]
         user = _single_user(node)
@@ -378,14 +369,12 @@ def _match_readout(first: torch.fx.Node, h: torch.fx.Node) -> tuple[torch.fx.Nod
 def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict[str, Any]]:
     """Optional ``+ x * D``, ``* silu(z)`` and casts after the readout: (last node, pieces)."""
     D = z = None
-    casts: list[torch.fx.Node] = []
     node = y
     while True:
         nxt = _single_user(node)
         if nxt is None:
             break
-        if _is_cast(nxt):
-            casts.append(nxt)
+        if _is_cast_of(nxt, node):
             node = nxt
             continue
         add = _operands(nxt, _ADD, "add")
@@ -410,7 +399,7 @@ def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict
                 node = nxt
                 continue
         break
-    return node, dict(D=D, z=z, casts=casts)
+    return node, dict(D=D, z=z)
 
 
 def check_state_update(m: dict[str, Any]) -> str | None:
@@ -428,7 +417,8 @@ def check_state_update(m: dict[str, Any]) -> str | None:
         if node is None:
             continue
         if not _same_shape(node, shape):
-            return f"{name} has shape {tuple(_tensor(node).shape) if _tensor(node) is not None else None}, expected {shape}"
+            got = tuple(_tensor(node).shape) if _tensor(node) is not None else None
+            return f"{name} has shape {got}, expected {shape}"
         if _tensor(node).dtype not in SUPPORTED_DTYPES:
             return f"{name} has dtype {_tensor(node).dtype}, not one of fp32/bf16/fp16"
         if _tensor(node).device != st.device:
@@ -470,7 +460,7 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             op = graph.call_function(torch.ops.ssm.selective_state_update.default,
                                      (m["state"], x, m["dt"], m["A"], m["B"], m["C"], m["D"], m["z"],
                                       m["dt_bias"], m["dt_softplus"]))
-            _propagate(op)
+            propagate_val(op)
             result = _cast_to(graph, op, out_dtype)
         if "stack_trace" in copy.meta:
             op.meta["stack_trace"] = copy.meta["stack_trace"]
@@ -544,20 +534,20 @@ def match_conv_update(cat: torch.fx.Node) -> dict[str, Any] | None:
         raise Miss("the window is not the conv1d's input")
     w3 = _tensor(args.get("weight"))
     groups, dim = args.get("groups", 1), xv.shape[1]
-    if w3 is None or w3.dim() != 3 or not _same(w3.shape[0], dim) or not _same(w3.shape[1], 1) or not _same(groups, dim):
+    if (w3 is None or w3.dim() != 3 or not _same(w3.shape[0], dim) or not _same(w3.shape[1], 1)
+            or not _same(groups, dim)):
         raise Miss(f"conv1d is not depthwise (weight {None if w3 is None else tuple(w3.shape)}, groups={groups})")
     for name, ok in (("stride", 1), ("padding", 0), ("dilation", 1)):
         if _single(args.get(name, ok)) != ok:
             raise Miss(f"conv1d {name}={args[name]!r}, expected {ok} for a rolling-window conv")
     W = w3.shape[2]
     out_slice = _single_user(conv)
-    if out_slice is None or not is_call(out_slice, operator.getitem) or not _is_suffix(out_slice.args[1], S + T - W + 1, T):
+    if (out_slice is None or not is_call(out_slice, operator.getitem)
+            or not _is_suffix(out_slice.args[1], S + T - W + 1, T)):
         raise Miss(f"the conv output is not sliced to its last T={T} steps")
     node, activation = out_slice, None
+    node, _ = _follow_casts(node)
     nxt = _single_user(node)
-    if nxt is not None and _is_cast(nxt):
-        node, _ = _follow_casts(node)
-        nxt = _single_user(node)
     if nxt is not None and is_call(nxt, *_SILU) and len(nxt.args) == 1 and not nxt.kwargs:
         node, activation = nxt, "silu"
     node, _ = _follow_casts(node)
@@ -595,7 +585,7 @@ def _kernel_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.Nod
         if src is not None and src.dim() == 2:
             return weight.args[0]
     out = graph.call_method("squeeze", (weight, 1))
-    _propagate(out)
+    propagate_val(out)
     return out
 
 
@@ -622,7 +612,7 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             op = graph.call_function(torch.ops.ssm.causal_conv1d_update.default,
                                      (x, m["conv_state"], _kernel_weight(graph, m["weight"]), m["bias"],
                                       m["activation"]))
-            _propagate(op)
+            propagate_val(op)
             result = _cast_to(graph, op, out_dtype)
         if "stack_trace" in cat.meta:
             op.meta["stack_trace"] = cat.meta["stack_trace"]

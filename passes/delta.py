@@ -21,7 +21,6 @@ order, following permutation views) are shared with ``tail.py`` and ``scan_assoc
 """
 from __future__ import annotations
 
-import logging
 import operator
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -31,8 +30,6 @@ import torch.nn.functional as F
 
 from .fx_utils import is_call, is_method, permute_view, propagate_val, shape_of, val
 from .manager import PassContext, PassManager
-
-log = logging.getLogger("ssm_compile")
 
 FAMILY = "delta"
 

@@ -13,8 +13,9 @@ whose axes carry labels, plus the labels summed over — by looking through prod
 views that only add/drop/permute/broadcast axes, and dtype casts. The proof is then a statement
 about labels: which leaf carries which of (batch, dim, time, state).
 
-The same evaluator proves readouts (``Σ_n h[b, d, n] · C[b, n]``); ``scan_loop`` and
-``scan_assoc`` import it.
+``match_step_discretization`` proves the same for code that discretises inside its loop, one
+step at a time, from time slices of the full Δ, B, u. The same evaluator proves readouts
+(``Σ_n h[b, d, n] · C[b, n]``); ``scan_loop`` and ``scan_assoc`` import it.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import is_call, is_cast, is_method, val
+from .fx_utils import is_call, is_cast, is_method, parse_slice, val
 
 __all__ = [
     "Source",
@@ -36,6 +37,7 @@ __all__ = [
     "IndexTerm",
     "index_term",
     "match_discretization",
+    "match_step_discretization",
     "view_source",
     "grouped_source",
     "ROLES",
@@ -594,3 +596,116 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
         b_roles=b_roles,
         nodes=list(dict.fromkeys(at.looked_through + bt.looked_through)),
     )
+
+
+def _slice_roles(term: IndexTerm, f: Factor, role: dict[int, str]) -> tuple[torch.fx.Node, int, tuple[str, ...]] | None:
+    """For a factor that is a time slice ``x[..., t, ...]``: (x, t, roles of x's axes), the sliced
+    axis being "t". Axes the slice added with None must be size 1 (they carry no index)."""
+    parsed = parse_slice(f.node)
+    if parsed is None:
+        return None
+    base, _, idx, axis_map = parsed
+    labels = term.factor_labels(f)
+    roles = []
+    for m in axis_map:
+        if m is None:
+            roles.append("t")
+        elif labels[m] in role:
+            roles.append(role[labels[m]])
+        else:
+            return None
+    if len(set(roles)) != len(roles):
+        return None
+    return base, idx, tuple(roles)
+
+
+def match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node) -> tuple[Discretized, int] | str:
+    """The per-step form: prove ``alpha == exp(Δ[t0] ⊗ A)`` and ``beta == Δ[t0]·B[t0]·u[t0]``.
+
+    Code that discretises inside its loop (``dA = exp(delta[:, :, t, None] * A)``) has no
+    A_full/B_full tensors; each factor is a time slice of a full tensor instead. Every slice
+    must be at the same time index t0, and Δ must be sliced from the same tensor along the same
+    axis in both.
+
+    Args:
+        alpha, beta: the state's multiplier and addend at one step (same shape: the state's).
+
+    Returns:
+        ``(Discretized, t0)``: the sources are the *full* tensors (roles include "t"); A_full and
+        B_full do not exist, so ``a_roles``/``b_roles`` are the state's roles followed by "t"
+        (the layout they would have if stacked along a trailing time axis). Or a reason string.
+    """
+    at = index_term(alpha, allow_exp=True)
+    if at is None or at.exp_of is None:
+        return "the state's multiplier is not exp(Δ·A)"
+    inner = at.exp_of
+    if inner.summed or len(inner.factors) != 2:
+        return "the state's multiplier is not exp of a product Δ·A"
+    out = at.out_labels()
+    if len(set(out)) != 3:
+        return "the state is not 3-D (batch, dim, state)"
+    sliced = [f for f in inner.factors if parse_slice(f.node) is not None]
+    if len(sliced) != 1:
+        return "exactly one factor of exp(Δ·A) must be a time slice (Δ)"
+    fd = sliced[0]
+    fa = next(f for f in inner.factors if f is not fd)
+    sd = set(at.factor_labels(fd)) & set(out)
+    sa = set(at.factor_labels(fa))
+    n_lab, d_lab, b_lab = sa - sd, sa & sd, sd - sa
+    if len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1 or set(out) != n_lab | d_lab | b_lab:
+        return "the state's multiplier: A must be indexed by (dim, state) and Δ by (batch, dim)"
+    role = {b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}
+    state_roles = tuple(role[x] for x in out)
+    A_roles = _roles_of(at, fa, role)
+    d_slice = _slice_roles(at, fd, role)
+    if A_roles is None or sorted(A_roles) != ["d", "n"]:
+        return "the state's multiplier: A must have exactly the axes (dim, state)"
+    if d_slice is None or sorted(d_slice[2]) != ["b", "d", "t"]:
+        return "the state's multiplier: Δ must be a time slice of a (batch, dim, time) tensor"
+    delta_base, t0, delta_roles = d_slice
+
+    bt = index_term(beta)
+    if bt is None or bt.summed or len(bt.factors) != 3:
+        return "the state's addend is not a product Δ·B·u"
+    b_out = bt.out_labels()
+    if len(set(b_out)) != 3:
+        return "the state's addend is not 3-D"
+    brole = dict(zip(b_out, state_roles))
+    u_src = B_src = None
+    found_delta = False
+    for f in bt.factors:
+        sl = _slice_roles(bt, f, brole)
+        if sl is None:
+            roles = _roles_of(bt, f, brole)
+            if roles is None or sorted(roles) != ["d", "n"] or B_src is not None:
+                return "the state's addend: a factor is neither a time slice nor a time-invariant B (dim, state)"
+            B_src = Source(f.node, roles)
+            continue
+        base, idx, roles = sl
+        if idx != t0:
+            return f"the state's addend reads time {idx} where its multiplier reads time {t0}"
+        if not found_delta and base is delta_base and roles == delta_roles:
+            found_delta = True
+        elif sorted(roles) == ["b", "d", "t"] and u_src is None:
+            u_src = view_source(base, roles)
+        elif "n" in roles and B_src is None:
+            B_src = view_source(base, roles)
+            if sorted(roles) == ["b", "d", "n", "t"]:
+                B_src = grouped_source(B_src.node, B_src.roles)
+                if B_src is None:
+                    return "the state's addend: a per-channel B is only accepted as a group broadcast"
+            elif sorted(roles) != ["b", "n", "t"]:
+                return f"the state's addend: B must be indexed by (batch, state, time), got {roles}"
+        elif not found_delta:
+            return "the state's addend does not use the same Δ as its multiplier"
+        else:
+            return "the state's addend has an unexpected factor"
+    if not found_delta:
+        return "the state's addend does not use the same Δ as its multiplier"
+    if u_src is None or B_src is None:
+        return "the state's addend: expected factors Δ, B and u"
+    virtual = state_roles + ("t",)
+    nodes = list(dict.fromkeys(at.looked_through + bt.looked_through))
+    disc = Discretized(u=u_src, delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles), B=B_src,
+                       a_roles=virtual, b_roles=virtual, nodes=nodes)
+    return disc, t0

@@ -61,6 +61,12 @@ _INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.i
 # Namespaces whose public functions compute values and touch no global state.
 _PURE_MODULES = ("torch", "torch.functional", "torch.nn.functional", "torch._C._nn", "torch._C._linalg",
                  "torch._C._special", "torch._C._fft", "torch.linalg", "torch.special", "torch.fft")
+# Dynamo records nn.Module usage logging in the graph; dropping it once unused changes nothing.
+_REMOVABLE_CALLS = (torch._C._log_api_usage_once,)
+# Random sampling advances the generator even when its result is unused: dropping it would shift
+# every later random number relative to eager.
+_RANDOM_PREFIXES = ("rand", "normal", "bernoulli", "multinomial", "poisson", "dropout", "alpha_dropout",
+                    "feature_alpha_dropout", "native_dropout", "rrelu")
 # Tensor methods without a trailing underscore that still act on the world.
 _IMPURE_METHODS = ("backward", "register_hook", "retain_grad", "record_stream", "share_memory_", "tolist", "item")
 
@@ -80,10 +86,14 @@ def _removable_if_unused(node: torch.fx.Node) -> bool:
     if node.is_impure() or "out" in node.kwargs:
         return False
     target = node.target
+    if str(getattr(target, "__name__", target)).startswith(_RANDOM_PREFIXES):
+        return False
     if node.op == "call_method":
         return not target.endswith("_") and not target.startswith("_") and target not in _IMPURE_METHODS
     if node.op != "call_function":
         return False
+    if target in _REMOVABLE_CALLS:
+        return True
     schema = getattr(target, "_schema", None)
     if schema is not None:
         return not schema.is_mutable

@@ -139,7 +139,7 @@ class HopOut:
 Abstract = Union[Seq, Batched, Stacked, HopOut]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Region:
     """One associative scan found in the graph, as the interpretation saw it."""
 
@@ -268,12 +268,12 @@ class _Interpreter:
             if not inputs:
                 self._maybe_seed(node)
                 continue
+            region = self._region_of_value(self.values[inputs[0]])
+            for other in inputs[1:]:
+                region = self.merge(region, self._region_of_value(self.values[other]))
+            if region.failure is not None:
+                continue
             try:
-                region = self._region_of_value(self.values[inputs[0]])
-                for other in inputs[1:]:
-                    region = self.merge(region, self._region_of_value(self.values[other]))
-                if region.failure is not None:
-                    continue
                 out = self._transfer(node, region)
             except _Fail as e:
                 region.failure = str(e)
@@ -288,7 +288,7 @@ class _Interpreter:
         regions = []
         for r in self.region_of.values():
             if r not in regions and (r.saw_combine or r.mode == "pointwise"):
-                regions.append(r)
+                regions.append(r)   # identity: Region compares by object (eq=False)
         return regions
 
     def _region_of_value(self, v: Abstract) -> Region:
@@ -296,8 +296,7 @@ class _Interpreter:
             return self.region(v.leaf)
         if isinstance(v, HopOut):
             return self.region(v.outs[0].leaf)
-        if not v.expr.free_symbols:
-            raise _Fail("a combine output is a constant")
+        # A batched value always has a symbol: constants are never given an abstract value.
         return self.region(self.symbols[next(iter(v.expr.free_symbols))].leaf)
 
     def _maybe_seed(self, node: torch.fx.Node) -> None:
@@ -337,7 +336,10 @@ class _Interpreter:
         if all(isinstance(a, Batched) or isinstance(a, (int, float)) for a in args) and \
                 any(isinstance(a, Batched) for a in args):
             env = {a: self.values[a].expr for a in node.all_input_nodes}
-            return Batched(_eval_arith(node, env))
+            expr = _eval_arith(node, env)
+            if not expr.free_symbols:
+                raise _Fail("the combine computes a constant")
+            return Batched(expr)
         if is_call(node, torch.stack):
             return self._stack(node, args)
         if is_call(node, torch.flatten) or is_method(node, "flatten"):
@@ -707,7 +709,9 @@ def _erase_dead(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
 
 
 def scan_assoc_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
-    for region in _Interpreter(gm).run():
+    regions = _Interpreter(gm).run()
+    log.debug("scan_assoc: %d associative scan(s) in the graph", len(regions))
+    for region in regions:
         if region.failure is not None:
             ctx.miss(FAMILY, region.failure, region.seeds)
             continue

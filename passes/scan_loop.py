@@ -3,17 +3,19 @@
 Dynamo unrolls ``for i in range(L): h = A_full[:, :, i] * h + B_full[:, :, i]; ys.append(C_t · h)``
 into L copies of the same few nodes. This pass
 
-1. anchors on a time slice ``A_full[..., 0, ...]`` multiplied by some value H (the initial state);
+1. anchors on ``α_0 * H``: α_0 a time slice ``A_full[..., 0, ...]``, or a computation on time
+   slices that all read t=0 (code that discretises inside the loop); H is the initial state;
 2. proves step 0 symbolically: with every node that does not depend on H replaced by a symbol,
-   h_0 must be exactly ``α·H + β`` where α is the slice t=0 of one tensor (A_full) and β the
-   slice t=0 of another (B_full) — linear, no other terms;
+   h_0 must be exactly ``α·H + β`` — linear, no other terms — where α and β are the slices t=0
+   of two tensors (A_full, B_full), or per-step values computed from slices t=0;
 3. checks that every later step t is the same computation with every time index shifted by t
    (a structural walk, linear in graph size), which makes the step-0 proof hold for all t;
 4. proves the readout of h_0 is ``Σ_n h_0 · C_full[t=0]`` (einsum, matmul, product + sum) and
    that the per-step outputs are collected once, in time order, along one axis (``stack``,
    ``cat`` of unsqueezed outputs, or writes into a fresh buffer: ``out[:, :, t] = y``,
    ``out[:, t].copy_(y)``);
-5. proves ``A_full = exp(Δ·A)``, ``B_full = Δ·B·u`` (``discretize.match_discretization``);
+5. proves ``A_full = exp(Δ·A)``, ``B_full = Δ·B·u`` (``discretize.match_discretization``), or
+   the same for one step's values (``discretize.match_step_discretization``);
 6. replaces the loop by one ``ssm.selective_scan`` on permuted views of the sources.
 
 Anything that does not fit is left untouched and recorded with ``ctx.miss``.
@@ -29,8 +31,26 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from .discretize import Discretized, Source, grouped_source, index_term, match_discretization, view_source
-from .fx_utils import is_call, is_cast, is_method, parse_index, parse_slice, permute_view, propagate_val, time_slice, val
+from .discretize import (
+    Discretized,
+    Source,
+    grouped_source,
+    index_term,
+    match_discretization,
+    match_step_discretization,
+    view_source,
+)
+from .fx_utils import (
+    is_call,
+    is_cast,
+    is_method,
+    parse_index,
+    parse_slice,
+    permute_view,
+    propagate_val,
+    time_slice,
+    val,
+)
 from .manager import PassContext
 
 FAMILY = "scan_loop"
@@ -41,19 +61,6 @@ _ZERO_METHODS = ("new_zeros",)
 _COLLECTORS = (torch.stack, torch.cat)
 # Python's in-place operators on tensors mutate the previous state, which a later readout may read.
 _INPLACE_OPERATORS = ("iadd", "isub", "imul", "itruediv")
-
-
-# ---------------------------------------------------------------------------------------------
-# Time slices
-# ---------------------------------------------------------------------------------------------
-
-def _collect_slices(graph: torch.fx.Graph) -> dict[tuple[torch.fx.Node, int, int], list[torch.fx.Node]]:
-    slices: dict[tuple[torch.fx.Node, int, int], list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        key = time_slice(node)
-        if key is not None:
-            slices.setdefault(key, []).append(node)
-    return slices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +102,7 @@ def _leaf_key(node: torch.fx.Node, t: int, depth: int = 0) -> tuple:
     if ts is not None:
         base, axis, idx = ts
         return ("slice", base, axis, idx - t)
-    if depth < 4 and node.op in ("call_function", "call_method"):
+    if depth < 6 and node.op in ("call_function", "call_method"):
         has_slice = False
 
         def key(a):
@@ -390,21 +397,28 @@ def _find_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx.No
     return None
 
 
-def match_loop(a0: torch.fx.Node, H: Any, slices, pos) -> LoopMatch | str:
-    """Try to prove that the recurrence anchored at ``a0 * H`` is a selective scan."""
-    a_base, a_axis, _ = time_slice(a0)
-    L = int(val(a_base).shape[a_axis])
+def match_loop(a0: torch.fx.Node, H: torch.fx.Node, muls: list[torch.fx.Node], pos) -> LoopMatch | str | None:
+    """Try to prove that the recurrence anchored at ``a0 * H`` is a selective scan.
+
+    Returns the match, a reason string, or None when ``a0 * H`` does not even start a chain
+    of steps (an ordinary product, not worth a miss record).
+    """
+    key0 = _leaf_key(a0, 0)
+    per_step = key0[0] == "op"
+    base, axis = _key_slices(key0)[0][1:3]
+    L = int(val(base).shape[axis])
     if L < 2:
         return "a one-step loop is left alone"
+    # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies.
     h0 = None
-    for a1 in slices.get((a_base, a_axis, 1), []):
-        for u in a1.users:
-            if is_call(u, *_MUL) or is_method(u, "mul"):
-                for x in u.args:
-                    if isinstance(x, torch.fx.Node) and x is not a1 and pos[x] > pos[H]:
-                        if _between(H, x, pos) is not None:
-                            h0 = x
+    for mul in muls:
+        for a1, x in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
+            if (isinstance(a1, torch.fx.Node) and isinstance(x, torch.fx.Node) and pos[x] > pos[H]
+                    and _leaf_key(a1, 1) == key0 and _between(H, x, pos) is not None):
+                h0 = x
     if h0 is None:
+        if per_step:
+            return None
         return "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
     region = _between(H, h0, pos)
     Hs = sympy.Symbol("H")
@@ -419,19 +433,35 @@ def match_loop(a0: torch.fx.Node, H: Any, slices, pos) -> LoopMatch | str:
         return "the state update is not linear in the previous state"
     if alpha not in leaves or beta not in leaves:
         return f"the state update is h*({alpha}) + ({beta}); expected A_full[t]*h + B_full[t] with two time slices"
-    a_slice, b_slice = time_slice(leaves[alpha]), time_slice(leaves[beta])
-    if a_slice is None or b_slice is None:
-        return "the state update's coefficients are not time slices of full tensors"
-    if a_slice[:2] != (a_base, a_axis) or a_slice[2] != 0:
-        return "the state's multiplier at step 0 is not A_full[t=0]"
-    b_base, b_axis, b_idx = b_slice
-    if b_idx != 0:
-        return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
-    if val(b_base).dim() != 4 or not _same_size(val(b_base).shape[b_axis], L):
-        return "B_full is not a 4-D tensor with the loop's length along its time axis"
-    shape = val(leaves[alpha]).shape
-    if not _same_shape(val(leaves[beta]).shape, shape) or not _same_shape(val(h0).shape, shape):
+    a_leaf, b_leaf = leaves[alpha], leaves[beta]
+    shape = val(a_leaf).shape
+    if not _same_shape(val(b_leaf).shape, shape) or not _same_shape(val(h0).shape, shape):
         return "the state update broadcasts: A_full[t], B_full[t] and h_t differ in shape"
+    if _leaf_key(a_leaf, 0) != key0:
+        return "the state's multiplier at step 0 is not A_full[t=0]"
+    if per_step:
+        if time_slice(b_leaf) is not None:
+            return "the state update mixes a precomputed B_full with a per-step exp(Δ·A)"
+        disc = match_step_discretization(a_leaf, b_leaf)
+        if isinstance(disc, str):
+            return f"discretization: {disc}"
+        disc, t0 = disc
+        if t0 != 0:
+            return f"the state update at step 0 reads its inputs at time index {t0}, not 0"
+        for name, src in (("u", disc.u), ("delta", disc.delta), ("B", disc.B)):
+            if "t" in src.roles and not _same_size(val(src.node).shape[src.roles.index("t")], L):
+                return f"{name}'s time axis does not have the loop's length"
+        a_base = b_base = None
+    else:
+        b_slice = time_slice(b_leaf)
+        if b_slice is None:
+            return "the state update's coefficients are not time slices of full tensors"
+        a_base, a_axis = base, axis
+        b_base, b_axis, b_idx = b_slice
+        if b_idx != 0:
+            return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
+        if val(b_base).dim() != 4 or not _same_size(val(b_base).shape[b_axis], L):
+            return "B_full is not a 4-D tensor with the loop's length along its time axis"
     init = None
     if not _is_zeros(H):
         if not isinstance(val(H), torch.Tensor) or not _same_shape(val(H).shape, shape):
@@ -458,9 +488,10 @@ def match_loop(a0: torch.fx.Node, H: Any, slices, pos) -> LoopMatch | str:
     rregion = _between(h0, y0, pos)
     if rregion is None or step1.intersection(rregion):
         return "the readout of step 0 depends on a later state"
-    disc = match_discretization(a_base, b_base, (a_axis, b_axis))
-    if isinstance(disc, str):
-        return f"discretization: {disc}"
+    if not per_step:
+        disc = match_discretization(a_base, b_base, (a_axis, b_axis))
+        if isinstance(disc, str):
+            return f"discretization: {disc}"
     state_roles = tuple(r for r in disc.a_roles if r != "t")
     rt = index_term(y0, stop=[h0], allow_sum=True)
     if rt is None or len(rt.factors) != 2 or not any(f.node is h0 for f in rt.factors):
@@ -533,8 +564,9 @@ def match_loop(a0: torch.fx.Node, H: Any, slices, pos) -> LoopMatch | str:
 
     # The op reads its inputs once, where it is placed; a value mutated in place anywhere would
     # make that read differ from what the loop saw.
-    sources = {"u": disc.u.node, "delta": disc.delta.node, "A": disc.A.node, "B": disc.B.node,
-               "C": c_base, "A_full": a_base, "B_full": b_base}
+    sources = {"u": disc.u.node, "delta": disc.delta.node, "A": disc.A.node, "B": disc.B.node, "C": c_base}
+    if not per_step:
+        sources.update({"A_full": a_base, "B_full": b_base})
     if init is not None:
         sources["initial state"] = init
     for name, node in sources.items():
@@ -706,51 +738,73 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     from ..kernels.selective_scan import op as scan_op
 
     scan_op.register()
-    tried: set[torch.fx.Node] = set()
+    tried: set[tuple[torch.fx.Node, torch.fx.Node]] = set()
     while _rewrite_one(gm, ctx, tried):
         pass
 
 
-def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set[torch.fx.Node]) -> bool:
+def _key_slices(key: Any) -> list[tuple]:
+    """The ("slice", base, axis, index) entries inside a leaf key."""
+    if isinstance(key, tuple):
+        if key and key[0] == "slice":
+            return [key]
+        return [s for k in key for s in _key_slices(k)]
+    return []
+
+
+def _anchors(muls: list[torch.fx.Node]):
+    """Candidate first steps ``α_0 * H``: α_0 a slice t=0 of a 4-D tensor (A_full[t=0]), or a
+    computation on time slices that all read t=0 (per-step discretisation). Yields
+    (mul node, α_0, H)."""
+    for m in muls:
+        for a0, H in ((m.args[0], m.args[1]), (m.args[1], m.args[0])):
+            if not isinstance(a0, torch.fx.Node) or not isinstance(val(H), torch.Tensor):
+                continue
+            ts = time_slice(a0)
+            if ts is not None:
+                if ts[2] == 0 and val(ts[0]).dim() == 4:
+                    yield m, a0, H
+                continue
+            key = _leaf_key(a0, 0)
+            found = _key_slices(key)
+            if key[0] == "op" and found and all(k[3] == 0 for k in found):
+                yield m, a0, H
+
+
+def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool:
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    slices = _collect_slices(graph)
-    for (base, axis, idx), nodes in slices.items():
-        if idx != 0 or val(base).dim() != 4:
+    muls = [n for n in graph.nodes
+            if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
+    for user, a0, H in _anchors(muls):
+        if (user, a0) in tried:
             continue
-        for a0 in nodes:
-            for user in list(a0.users):
-                if user in tried or not (is_call(user, *_MUL) or is_method(user, "mul")):
-                    continue
-                if len(user.args) != 2 or user.kwargs:
-                    continue
-                H = user.args[1] if user.args[0] is a0 else user.args[0]
-                if not isinstance(val(H), torch.Tensor):
-                    continue
-                tried.add(user)
-                m = match_loop(a0, H, slices, pos)
-                if isinstance(m, str):
-                    ctx.miss(FAMILY, m, [user])
-                    continue
-                err = _emit(gm, m, pos)
-                if err is not None:
-                    ctx.miss(FAMILY, err, [user])
-                    continue
-                decision = {
-                    "L": m.L,
-                    "N": _size_repr(val(m.disc.A.node).shape[m.disc.A.roles.index("n")]),
-                    "layout": _layout(m.disc.a_roles),
-                    "initial_state": m.init is not None,
-                    "return_last_state": bool(m.last_users),
-                    "collector": m.out.kind,
-                }
-                emitted = "ssm.selective_scan"
-                ctx.rewrite(FAMILY, "unrolled h = A_full[t]*h + B_full[t]", m.loop_nodes, emitted, decision)
-                ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", m.disc.nodes, emitted,
-                            {"time_invariant_B": m.disc.time_invariant_B})
-                ctx.rewrite("readout", f"Σ_n h·C, {decision['collector']}", [], emitted,
-                            {"layout": _layout(m.out.roles)})
-                return True
+        tried.add((user, a0))
+        m = match_loop(a0, H, muls, pos)
+        if m is None:
+            continue
+        if isinstance(m, str):
+            ctx.miss(FAMILY, m, [user])
+            continue
+        err = _emit(gm, m, pos)
+        if err is not None:
+            ctx.miss(FAMILY, err, [user])
+            continue
+        decision = {
+            "L": m.L,
+            "N": _size_repr(val(m.disc.A.node).shape[m.disc.A.roles.index("n")]),
+            "layout": _layout(m.disc.a_roles),
+            "initial_state": m.init is not None,
+            "return_last_state": bool(m.last_users),
+            "collector": m.out.kind,
+        }
+        emitted = "ssm.selective_scan"
+        ctx.rewrite(FAMILY, "unrolled h = A_full[t]*h + B_full[t]", m.loop_nodes, emitted, decision)
+        ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", m.disc.nodes, emitted,
+                    {"time_invariant_B": m.disc.time_invariant_B})
+        ctx.rewrite("readout", f"Σ_n h·C, {decision['collector']}", [], emitted,
+                    {"layout": _layout(m.out.roles)})
+        return True
     return False
 
 

@@ -25,7 +25,6 @@ guessed:
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -36,8 +35,6 @@ from .delta import (ADD_TARGETS, MUL_TARGETS, cast_dtype, hoist_before, inverse,
                     match_bias, output_getitem, scan_args, scan_nodes, set_scan_args, view_perm)
 from .fx_utils import dtype_of, is_call, is_method, permute_view, propagate_val, shape_of
 from .manager import PassContext, PassManager
-
-log = logging.getLogger("ssm_compile")
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)

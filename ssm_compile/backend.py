@@ -106,12 +106,21 @@ def ssm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str |
     return SSMBackend(SSMOptions.from_kwargs(mode=mode, options=options))(gm, example_inputs)
 
 
-class _CallableModule(types.ModuleType):
-    # Importing the submodule ssm_compile.backend (the entry point does) binds the attribute
-    # `ssm_compile.backend` to this module, shadowing any `backend` function the package exports.
-    # Making the module itself callable keeps `ssm_compile.backend(**options)` working either way.
-    def __call__(self, **options: Any) -> SSMBackend:
-        return backend(**options)
+def make_module_callable(module_name: str, fn: Callable[..., Any]) -> None:
+    """Make the module ``module_name`` callable as ``fn``.
+
+    ``ssm_compile.backend`` and ``ssm_compile.explain`` are both a submodule and the function the
+    package exports under that name. Importing a submodule (the entry point imports this one)
+    binds the package attribute to the MODULE, shadowing the function for good; a callable
+    module keeps ``ssm_compile.backend(**options)`` and ``ssm_compile.explain(model, x)`` working
+    whichever of the two the attribute ends up being.
+    """
+
+    class _CallableModule(types.ModuleType):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+    sys.modules[module_name].__class__ = _CallableModule
 
 
-sys.modules[__name__].__class__ = _CallableModule
+make_module_callable(__name__, backend)

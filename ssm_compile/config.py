@@ -11,12 +11,15 @@ from typing import Any, Mapping
 
 # The pass modules in the order the pass manager runs them. conv1d goes first so the scan
 # passes see the conv as one op; delta and tail fold into the scan op the scan passes emit;
-# xproj then strips copies on the way into those ops; decode handles the single-step graphs.
-PASS_NAMES = ("conv1d", "scan_loop", "scan_assoc", "delta", "tail", "xproj", "decode")
+# xproj then strips copies on the way into those ops; fuse merges conv / dt_proj into the
+# scan where the heuristic says it pays; decode handles the single-step graphs.
+PASS_NAMES = ("conv1d", "scan_loop", "scan_assoc", "delta", "tail", "xproj", "fuse", "decode")
 
-# "auto": the backend's fusion heuristic decides; "split": keep each recognised piece its own
-# op (useful to bisect a numerical difference); "fused": fuse whenever it is legal.
-FUSE_MODES = ("auto", "split", "fused")
+# "auto": the register-budget heuristic (ssm_compile/heuristic.py) decides per call site;
+# "split": keep each recognised piece its own op (also useful to bisect a numerical
+# difference); "fused": the deepest legal level; "level1" / "dt" / "level2": that level
+# wherever it is legal (kernels/fused/triton_fused.py describes what each level fuses).
+FUSE_MODES = ("auto", "split", "fused", "level1", "dt", "level2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +41,8 @@ class SSMOptions:
     disable: frozenset[str] = frozenset()
     inductor: bool = True
     mode: str | None = None
-    inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Left out of the hash (a dict isn't hashable) but not out of equality.
+    inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.fuse not in FUSE_MODES:

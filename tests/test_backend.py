@@ -222,3 +222,35 @@ def test_xproj_keeps_copies_when_the_source_is_mutated():
     assert counters["ssm"]["x_proj_split"] == 0 and len(record.misses) == 2
     assert all("written in place" in m.reason for m in record.misses)
     torch.testing.assert_close(out, fn(*split_inputs()), rtol=0, atol=0)
+
+
+# --- the pass manager's clean-up ------------------------------------------------------------
+
+def test_cleanup_only_drops_pure_computations():
+    import operator
+
+    from torch._functorch.predispatch import _add_batch_dim, _vmap_increment_nesting
+
+    from ssm_compile.passes.manager import _removable_if_unused
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    removable = {
+        "exp": g.call_function(torch.exp, (x,)),
+        "linear": g.call_function(torch._C._nn.linear, (x, x)),
+        "transpose": g.call_method("transpose", (x, 0, 1)),
+        "add": g.call_function(operator.add, (x, 1)),
+        "log_api_usage": g.call_function(torch._C._log_api_usage_once, ("python.nn_module",)),
+    }
+    kept = {
+        "mul_": g.call_method("mul_", (x, 2)),
+        "setitem": g.call_function(operator.setitem, (x, 0, 1.0)),
+        "iadd": g.call_function(operator.iadd, (x, 1)),
+        "out=": g.call_function(torch.exp, (x,), {"out": x}),
+        "randn": g.call_function(torch.randn, (3,)),
+        "dropout": g.call_function(F.dropout, (x,)),
+        "vmap_increment_nesting": g.call_function(_vmap_increment_nesting, (1, "error")),
+        "add_batch_dim": g.call_function(_add_batch_dim, (x, 0, 1)),
+    }
+    assert [k for k, n in removable.items() if not _removable_if_unused(n)] == []
+    assert [k for k, n in kept.items() if _removable_if_unused(n)] == []

@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import TOL, rel_err
+from utils import TOL, TRITON_DEVICE, rel_err
 
 from ssm_compile.kernels.causal_conv1d import op, reference, triton_conv
 from ssm_compile.kernels.causal_conv1d.op import causal_conv1d_fn
@@ -149,9 +149,9 @@ def triton_args(inputs):
 @pytest.mark.parametrize("case", TRITON_CASES, ids=[case_id(*c) for c in TRITON_CASES])
 def test_triton_forward_backward(case):
     batch, dim, seqlen, width, dtype, flags = case
-    inputs = make_inputs(batch, dim, seqlen, width, DTYPES[dtype], FLAGS[flags])
+    inputs = make_inputs(batch, dim, seqlen, width, DTYPES[dtype], FLAGS[flags], device=TRITON_DEVICE)
     y = triton_conv.causal_conv1d_fwd(*triton_args(inputs))
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device, y.dtype)
     ref_y, ref = ref_forward_backward(inputs, dy)
     assert y.dtype == DTYPES[dtype] and y.is_contiguous()
     assert rel_err(y, ref_y) < TOL[DTYPES[dtype]]
@@ -169,9 +169,9 @@ def test_triton_forward_backward(case):
 def test_triton_strided_weight_and_expanded_dy():
     # `y.sum().backward()` hands the backward a zero-stride dy; a (W, dim) parameter used
     # transposed gives a weight with a non-unit inner stride. Neither may be copied or misread.
-    inputs = make_inputs(2, 20, 37, 4, torch.float32, FLAGS["bias-silu-init"])
+    inputs = make_inputs(2, 20, 37, 4, torch.float32, FLAGS["bias-silu-init"], device=TRITON_DEVICE)
     inputs["weight"] = inputs["weight"].t().contiguous().t()
-    dy = torch.randn(1, 1, 1, generator=torch.Generator().manual_seed(1)).expand(2, 20, 37)
+    dy = torch.randn(1, 1, 1, generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICE).expand(2, 20, 37)
     assert inputs["weight"].stride() == (1, 20) and dy.stride() == (0, 0, 0)
     _, ref = ref_forward_backward(inputs, dy)
     grads = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
@@ -182,8 +182,8 @@ def test_triton_strided_weight_and_expanded_dy():
 def test_triton_dweight_is_deterministic():
     # Transposed x: 16-wide backward L-blocks over two programs per row, so dweight is a sum of
     # four per-program partials.
-    inputs = make_inputs(2, 24, 130, 3, torch.float32, FLAGS["bias-silu-init-T"])
-    dy = torch.randn(2, 24, 130, generator=torch.Generator().manual_seed(1))
+    inputs = make_inputs(2, 24, 130, 3, torch.float32, FLAGS["bias-silu-init-T"], device=TRITON_DEVICE)
+    dy = torch.randn(2, 24, 130, generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICE)
     first = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
     second = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
     assert torch.equal(first.dweight, second.dweight)
@@ -307,3 +307,52 @@ def test_torch_compile_fullgraph():
     assert rel_err(loss, eager_loss) < TOL[torch.float32]
     for name, g, e in zip(leaves, got, expected):
         assert rel_err(g, e) < TOL[torch.float32], name
+
+
+# The kernels shape their tiles by x's unit-stride axis, and Triton lays each load out along
+# its tensor's: x as HF Mamba passes it (the x half of the (batch, L, 2*dim) in_proj output,
+# transposed: unit stride along dim; 64-channel tiles, so D72 has two, one partial), dy with unit
+# stride along dim, and L-contiguous x long enough for two 256-step tiles, split over two
+# backward programs (D8) or looped over by one (D40: more channel blocks than the interpreter's
+# one "SM" wants).
+LAYOUT_CASES = [
+    # (batch, dim, seqlen, width, dtype, x layout, dy layout)
+    (2, 20, 37, 4, "fp32", "in_proj", "contig"),
+    (2, 20, 130, 4, "bf16", "in_proj", "contig"),
+    (1, 72, 70, 8, "fp32", "in_proj", "contig"),
+    (1, 12, 45, 2, "fp16", "in_proj", "T"),
+    (2, 12, 45, 3, "fp32", "contig", "T"),
+    (1, 8, 300, 4, "bf16", "contig", "contig"),
+    (1, 8, 300, 5, "fp32", "contig", "contig"),
+    (1, 40, 300, 4, "bf16", "contig", "contig"),
+]
+
+
+def layout_id(batch, dim, seqlen, width, dtype, x_layout, dy_layout):
+    return f"B{batch}-D{dim}-L{seqlen}-W{width}-{dtype}-x_{x_layout}-dy_{dy_layout}"
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=[layout_id(*c) for c in LAYOUT_CASES])
+def test_triton_layouts(case):
+    batch, dim, seqlen, width, dtype, x_layout, dy_layout = case
+    inputs = make_inputs(
+        batch, dim, seqlen, width, DTYPES[dtype], FLAGS["bias-silu-init"], device=TRITON_DEVICE
+    )
+    g = torch.Generator().manual_seed(2)
+    if x_layout == "in_proj":
+        xz = torch.randn(batch, seqlen, 2 * dim, generator=g).to(TRITON_DEVICE, DTYPES[dtype])
+        inputs["x"] = xz.transpose(1, 2)[:, :dim]
+        assert inputs["x"].stride() == (2 * dim * seqlen, 1, 2 * dim)
+    if dy_layout == "T":
+        dy = torch.randn(batch, seqlen, dim, generator=g).transpose(1, 2)
+    else:
+        dy = torch.randn(batch, dim, seqlen, generator=g)
+    dy = dy.to(TRITON_DEVICE, DTYPES[dtype])
+    ref_y, ref = ref_forward_backward(inputs, dy)
+    y = triton_conv.causal_conv1d_fwd(*triton_args(inputs))
+    assert y.is_contiguous() and rel_err(y, ref_y) < TOL[DTYPES[dtype]]
+    grads = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
+    for name in ("x", "weight", "bias", "initial_state"):
+        grad = getattr(grads, "d" + name)
+        assert grad.shape == inputs[name].shape, name
+        assert rel_err(grad, ref[name]) < TOL[DTYPES[dtype]], name

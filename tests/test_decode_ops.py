@@ -19,6 +19,15 @@ def _ops():
     decode_op.register()
 
 
+# The Triton launchers run on the GPU when there is one, else on CPU tensors under the
+# interpreter (conftest sets TRITON_INTERPRET=1 before any kernel is imported).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dev(t):
+    return None if not isinstance(t, torch.Tensor) else t.to(TRITON_DEVICE)
+
+
 def _op_state_update(state, *args):
     return torch.ops.ssm.selective_state_update(state, *args)
 
@@ -26,7 +35,11 @@ def _op_state_update(state, *args):
 def _triton_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
     # The launcher takes validated inputs with B/C already grouped, as the op layer hands them.
     B, C = (t.unsqueeze(1) if t.dim() == 2 else t for t in (B, C))
-    return triton_decode.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    st = state.to(TRITON_DEVICE)
+    y = triton_decode.selective_state_update(st, *map(_dev, (x, dt, A, B, C, D, z, dt_bias)), dt_softplus)
+    if st is not state:
+        state.copy_(st)
+    return y.to(state.device)
 
 
 def _op_conv_update(x, conv_state, weight, bias, activation):
@@ -35,7 +48,11 @@ def _op_conv_update(x, conv_state, weight, bias, activation):
 
 def _triton_conv_update(x, conv_state, weight, bias, activation):
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
-    y = triton_decode.causal_conv1d_update(x3, conv_state, weight, bias, activation)
+    st = conv_state.to(TRITON_DEVICE)
+    y = triton_decode.causal_conv1d_update(_dev(x3), st, _dev(weight), _dev(bias), activation)
+    if st is not conv_state:
+        conv_state.copy_(st)
+    y = y.to(x.device)
     return y.squeeze(-1) if x.dim() == 2 else y
 
 
@@ -99,14 +116,36 @@ def test_selective_state_update_strided_inputs(impl):
     batch, dim, N = 2, 24, 8
     inp = make_state_update_inputs(batch, dim, N, 0, torch.float32, True)
     y_ref, h_ref = selective_state_update_ref(inp["state"], *_args(inp))
+    # Built on the device that runs the kernel, so the views reach it with their strides.
+    dev = TRITON_DEVICE if impl == "triton" else "cpu"
+    inp = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
     xs = torch.stack([inp["x"], inp["dt"], inp["z"]], dim=-1)  # x, dt, z interleaved: stride 3
     BC = torch.stack([inp["B"], inp["C"]], dim=1).transpose(1, 2)  # (batch, N, 2)
     A_t = inp["A"].t().contiguous().t()
     state = inp["state"].transpose(1, 2).contiguous().transpose(1, 2)
-    y = STATE_IMPLS[impl](state, xs[..., 0], xs[..., 1], A_t, BC[..., 0], BC[..., 1], inp["D"], xs[..., 2],
-                          inp["dt_bias"], True)
-    assert rel_err(y, y_ref) < TOL[torch.float32]
-    assert rel_err(state, h_ref) < 10 * TOL[torch.float32]
+    assert not xs[..., 0].is_contiguous() and not state.is_contiguous() and not A_t.is_contiguous()
+    # On a GPU the op itself dispatches to Triton; on CPU the launcher runs under the interpreter.
+    impl_fn = _op_state_update if impl == "cpu" or dev == "cuda" else _triton_state_update
+    y = impl_fn(state, xs[..., 0], xs[..., 1], A_t, BC[..., 0], BC[..., 1], inp["D"], xs[..., 2],
+                inp["dt_bias"], True)
+    assert rel_err(y.cpu(), y_ref) < TOL[torch.float32]
+    assert rel_err(state.cpu(), h_ref) < 10 * TOL[torch.float32]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the interpreter runs above)")
+def test_ops_dispatch_to_triton_on_cuda():
+    """The ops on CUDA tensors go through the Triton kernels and match the reference."""
+    inp = make_state_update_inputs(2, 40, 16, 4, torch.bfloat16, True)
+    y_ref, h_ref = selective_state_update_ref(inp["state"], *_args(inp))
+    cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+    y = decode_op.selective_state_update(cuda["state"], *_args(cuda))
+    assert y.is_cuda and rel_err(y, y_ref) < TOL[torch.bfloat16]
+    assert rel_err(cuda["state"], h_ref) < 10 * TOL[torch.float32]
+    x, conv_state, w = torch.randn(2, 40, 3), torch.randn(2, 40, 4), torch.randn(40, 4)
+    y_ref, s_ref = causal_conv1d_update_ref(x, conv_state, w, None, "silu")
+    s = conv_state.cuda()
+    y = decode_op.causal_conv1d_update(x.cuda(), s, w.cuda(), None, "silu")
+    assert rel_err(y, y_ref) < TOL[torch.float32] and torch.equal(s.cpu(), s_ref.float())
 
 
 def test_state_update_steps_equal_reference_scan():

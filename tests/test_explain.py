@@ -89,3 +89,12 @@ def test_long_node_lists_are_shortened():
 
     assert _names([f"n{i}" for i in range(3)]) == "n0, n1, n2"
     assert _names([f"n{i}" for i in range(20)]) == "n0, n1, n2, n3, n4, n5, n6, n7, ... (12 more)"
+
+
+def test_package_level_explain_stays_callable_after_submodule_import():
+    # Importing the submodule binds `ssm_compile.explain` to the module; it must still be callable.
+    import ssm_compile
+    import ssm_compile.explain  # noqa: F401
+
+    report = ssm_compile.explain(causal_conv, *inputs())
+    assert report.counts == {"conv1d": 1}

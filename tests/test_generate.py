@@ -64,7 +64,8 @@ def _state_inputs(batch=2, dim=8, N=4, dtype=torch.float32, seed=0):
 
 def _conv_inputs(batch=2, dim=8, W=4, S=4, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return dict(x=torch.randn(batch, dim, 1, generator=g).to(dtype), conv_state=torch.randn(batch, dim, S, generator=g).to(dtype),
+    return dict(x=torch.randn(batch, dim, 1, generator=g).to(dtype),
+                conv_state=torch.randn(batch, dim, S, generator=g).to(dtype),
                 weight=torch.randn(dim, W, generator=g).to(dtype), bias=torch.randn(dim, generator=g).to(dtype))
 
 
@@ -190,7 +191,15 @@ def _state_near_misses():
         state.copy_(h)
         return torch.matmul(h, C.unsqueeze(-1)).squeeze(-1)
 
-    return [("other-dt", other_dt, "same dt"), ("softplus-beta2", softplus_beta, "beta=2"),
+    def state_alias_used(state, x, dt, A, B, C, D, z, dt_bias):
+        s = state.float()  # fp32 -> fp32 returns the state itself: an alias
+        h = s * torch.exp(dt[..., None] * A) + dt[..., None] * B[:, None, :] * x[..., None]
+        state.copy_(h)
+        seen = s.sum(-1)  # after the copy_: sees the new state
+        return torch.matmul(h, C.unsqueeze(-1)).squeeze(-1) + seen
+
+    return [("other-dt", other_dt, "same dt"), ("state-alias-used", state_alias_used, "state is also used"),
+            ("softplus-beta2", softplus_beta, "beta=2"),
             ("state-read-after", state_read_later, "state is also used"),
             ("readout-over-dim", readout_over_dim, "not (h * C[:, None, :]).sum(-1)"),
             ("decay-not-exp", not_exp, "not exp(dt * A)")]
@@ -306,3 +315,29 @@ def test_generate_does_not_recompile_per_token(generated):
 def test_generate_decode_rewrites_fired(generated):
     ssm = generated["after_second"]["ssm"]
     assert ssm["state_update"] == LAYERS and ssm["conv_update"] == LAYERS, ssm
+
+
+def test_prefill_scan_returns_last_state_into_cache():
+    """The prefill's scan (the scan passes' pattern) emits return_last_state=True, and that state
+    is what the cache's copy_ stores; the decode graph writes its caches only through the ops."""
+    import re
+
+    from ssm_compile.backend import SSMBackend
+    from ssm_compile.config import SSMOptions
+
+    records = []
+    model = _tiny_model()
+    model.forward = torch.compile(model.forward,
+                                  backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    prefill, decode_step = (r.after for r in records)
+    scans = re.findall(r"(\w+) = torch\.ops\.ssm\.selective_scan\.default\((.*)\);", prefill)
+    assert len(scans) == LAYERS, prefill
+    for name, args in scans:
+        assert args.split(", ")[-1] == "True", f"return_last_state is not True: {args}"
+        last_state = re.search(rf"(\w+) = {name}\[1\]", prefill).group(1)
+        assert re.search(rf"\.copy_\({last_state}\)", prefill), f"{last_state} is not copied into the cache"
+    assert "copy_" not in decode_step and "torch.cat" not in decode_step
+    assert decode_step.count("ssm.selective_state_update.default(") == LAYERS
+    assert decode_step.count("ssm.causal_conv1d_update.default(") == LAYERS

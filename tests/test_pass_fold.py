@@ -142,12 +142,21 @@ def f_delta_has_other_user(u, x, A, B, C, D, z, bias, W, ts):
     return y * F.silu(z), delta
 
 
+def f_public_wrapper(u, x, A, B, C, D, z, bias, W, ts):
+    """Through ``selective_scan_fn`` (mamba_ssm's calling convention, keyword arguments)."""
+    from ssm_compile.kernels.selective_scan.op import selective_scan_fn
+
+    y, last = selective_scan_fn(u, F.softplus(x + bias[:, None]), A, B, C, return_last_state=True)
+    return (y + u * D[None, :, None]) * F.silu(z), last
+
+
 POSITIVE = {
     "mamba_ssm_ref": (f_mamba_ssm_ref, "bdl", dict(delta=1, skip=1, gate=1)),
     "hf524": (f_hf524, "bdl", dict(delta=1, skip=1, gate=1)),
     "bld_linear": (f_bld_linear, "bld", dict(delta=1, skip=1, gate=1)),
     "hf517_module": (None, "bdl", dict(delta=1, skip=1, gate=1)),
     "delta_other_user": (f_delta_has_other_user, "bdl", dict(delta=1, skip=0, gate=1)),
+    "public_wrapper": (f_public_wrapper, "bdl", dict(delta=1, skip=1, gate=1)),
 }
 
 

@@ -224,6 +224,29 @@ def test_grouped(fn):
     assert scan.args[3].name == "l_bg_"  # grouped B reaches the op as the user's (b, G, N, L) tensor
 
 
+def per_step(u, delta, A, B, C):
+    """Discretised inside the loop, one step at a time: no A_full/B_full tensor exists."""
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        dA = torch.exp(delta[:, :, t, None] * A)
+        dB = delta[:, :, t, None] * B[:, None, :, t]
+        h = dA * h + dB * u[:, :, t, None]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, dim=-1), h
+
+
+def per_step_bld(u, delta, A, B, C):
+    """Per-step discretisation in the (b, L, d) layout, with unsqueeze instead of None-indexing."""
+    h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
+    ys = []
+    for t in range(u.shape[1]):
+        dA = torch.exp(delta[:, t].unsqueeze(-1) * A)
+        h = dA * h + (delta[:, t] * u[:, t]).unsqueeze(-1) * B[:, t].unsqueeze(1)
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))
+    return torch.stack(ys, dim=1)
+
+
 POSITIVE = [
     pytest.param(hf_loop, "bdl", id="hf-loop"),
     pytest.param(mamba_minimal, "bld", id="mamba-minimal"),
@@ -232,6 +255,8 @@ POSITIVE = [
     pytest.param(ones_initial_state, "bdl", id="ones-initial-state"),
     pytest.param(setitem_buffer, "bdl", id="setitem-buffer"),
     pytest.param(copy_buffer, "bdl", id="copy-buffer"),
+    pytest.param(per_step, "bdl", id="per-step"),
+    pytest.param(per_step_bld, "bld", id="per-step-bld"),
 ]
 
 
@@ -353,6 +378,25 @@ def test_snapshot_time_invariant_B():
 %selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_3, %arg_1, %arg_2, %expand_1, %expand_2, None, None, None, False, None, False)
 %getitem_3 = operator.getitem(%selective_scan_1, 0)
 return (%getitem_3,)
+""")
+
+
+def test_snapshot_per_step_bld():
+    cap, _ = compile_and_run(per_step_bld, *make_inputs(layout="bld"))
+    assert_expected_inline(normalized_graph_str(cap.gm), """\
+%arg_1 = placeholder[L_u_]
+%arg_2 = placeholder[L_A_]
+%arg_3 = placeholder[L_delta_]
+%arg_4 = placeholder[L_B_]
+%arg_5 = placeholder[L_C_]
+%permute_1 = .permute(%arg_1, (0, 2, 1))
+%permute_2 = .permute(%arg_3, (0, 2, 1))
+%permute_3 = .permute(%arg_5, (0, 2, 1))
+%permute_4 = .permute(%arg_4, (0, 2, 1))
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %arg_2, %permute_4, %permute_3, None, None, None, False, None, False)
+%getitem_1 = operator.getitem(%selective_scan_1, 0)
+%permute_5 = .permute(%getitem_1, (0, 2, 1))
+return (%permute_5,)
 """)
 
 
@@ -555,6 +599,24 @@ def mutated_source(u, delta, A, B, C):
     return torch.stack(ys, dim=2) + u2
 
 
+def per_step_previous_input(u, delta, A, B, C):
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = torch.exp(delta[:, :, t, None] * A) * h + delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t - 1, None]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, dim=-1)
+
+
+def per_step_other_delta(u, delta, A, B, C):
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = torch.exp(delta[:, :, t, None] * A) * h + u[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, dim=-1)
+
+
 NEGATIVE = [
     pytest.param(previous_input, "adds B_full at time index 8, not 0", id="previous-input"),
     pytest.param(tanh_update, "not linear in the previous state", id="tanh-update"),
@@ -573,6 +635,9 @@ NEGATIVE = [
     pytest.param(readout_not_contraction, "readout is not a contraction", id="readout-tanh"),
     pytest.param(stacked_twice, "not collected exactly once", id="stacked-twice"),
     pytest.param(mutated_source, "is mutated in place", id="mutated-source"),
+    pytest.param(per_step_previous_input, "addend reads time 8 where its multiplier reads time 0",
+                 id="per-step-previous-input"),
+    pytest.param(per_step_other_delta, "does not use the same Δ", id="per-step-other-delta"),
 ]
 
 

@@ -1,5 +1,6 @@
-"""ssm::selective_scan on CPU: the chunked PyTorch path against the fp64 reference, the op's
-validation, its torch.library registration (opcheck), autograd and torch.compile."""
+"""ssm::selective_scan: the chunked PyTorch CPU path against the fp64 reference, the op's
+validation, its torch.library registration (opcheck), autograd and torch.compile; at the end,
+the same op through its CUDA (Triton) path when a GPU is present."""
 import dataclasses
 from typing import Optional
 
@@ -152,6 +153,26 @@ def test_cpu_chunking_is_exact_in_fp64(chunk_len, grouped):
         expected = ref[name].view(four_d[name].shape)
         assert grad.shape == expected.shape, name
         assert rel_err(grad, expected) < TOL[torch.float64], name
+
+
+def test_mixed_dtypes():
+    """mamba_ssm lets B/C stay fp32 while u is bf16; D and delta_bias may be bf16 params."""
+    inputs = make_inputs(Case(L=70, dtype=torch.bfloat16))
+    inputs.update(B=inputs["B"].float(), C=inputs["C"].float(), D=inputs["D"].bfloat16(),
+                  delta_bias=inputs["delta_bias"].bfloat16())
+    names = [n for n in GRAD_NAMES if inputs[n] is not None]
+    leaves = {n: inputs[n].clone().requires_grad_() for n in names}
+    y, last_state = run_op(dict(inputs, **leaves))
+    ref_leaves = {n: inputs[n].double().requires_grad_() for n in names}
+    y_ref, last_ref = run_ref(dict(inputs, **ref_leaves))
+    assert y.dtype == torch.bfloat16 and last_state.dtype == torch.float32
+    assert rel_err(y, y_ref) < TOL[torch.bfloat16]
+    assert rel_err(last_state, last_ref) < TOL[torch.float32]
+    (y.float().sum() + last_state.sum()).backward()
+    (y_ref.sum() + last_ref.sum()).backward()
+    for n in names:
+        assert leaves[n].grad.dtype == inputs[n].dtype, n
+        assert rel_err(leaves[n].grad, ref_leaves[n].grad) < 2 * TOL[torch.bfloat16], n
 
 
 def test_fp64_verification_mode_returns_fp64_state():

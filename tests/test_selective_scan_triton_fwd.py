@@ -7,6 +7,8 @@ sizes.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 from utils import TOL, rel_err
 
 from ssm_compile.kernels.selective_scan.reference import selective_scan_ref
@@ -15,6 +17,7 @@ from ssm_compile.kernels.selective_scan.triton_fwd import (
     scan_fwd_config,
     selective_scan_fwd,
 )
+from ssm_compile.kernels.triton_common import softplus
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -253,3 +256,60 @@ def test_int32_row_overflow_is_an_error():
     with pytest.raises(ValueError, match="u: one batch row"):
         selective_scan_fwd(u, u, A, B, B, None, None, None, False, None, False,
                            config=ScanFwdConfig(2, 8, 4, 1, 1))
+
+
+@triton.jit
+def _softplus_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, softplus(tl.load(x_ptr + offs, mask=mask, other=1.0)), mask=mask)
+
+
+def test_softplus_matches_torch_to_fp32_rounding():
+    """triton_common.softplus (the atanh-series log1p) against torch's fp64 softplus over the
+    whole range: tiny outputs (x << 0, where a plain log(1 + e) loses everything), the knee,
+    the threshold at 20 (identity above) and +-inf. Under the interpreter exp is exact, so
+    this checks the series' truncation and the branch logic to 4 ulp; compiled, the error of
+    tl.exp's ex2.approx is allowed for on top.
+    """
+    x = torch.cat([torch.linspace(-90.0, 90.0, 20001), torch.linspace(-1.0, 1.0, 2001),
+                   torch.tensor([0.0, 20.0, 20.0001, 19.9999, -1e-30, 1e30, -1e30,
+                                 float("inf"), float("-inf")])]).to(DEVICE)
+    y = torch.empty_like(x)
+    block = 1024
+    _softplus_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), BLOCK=block)
+    ref = torch.nn.functional.softplus(x.double())
+    assert torch.equal(y[ref.isinf()], ref[ref.isinf()].float())
+    normal = (ref > torch.finfo(torch.float32).tiny) & ref.isfinite()
+    eps = torch.finfo(torch.float32).eps
+    # Compiled, tl.exp(v) is ex2.approx(v * log2(e)): the rounded product shifts the exponent
+    # by up to |v| * 2^-24 (relative error |v| * 2^-24 * ln 2 of the result), on top of ~2 ulp.
+    allowed = torch.full_like(ref, 4.0)
+    if x.is_cuda:
+        allowed += x.abs().double()
+    ulps = (y.double() - ref).abs() / (ref.abs() * eps)
+    assert (ulps[normal] < allowed[normal]).all(), ulps[normal].max().item()
+    assert (y[~normal & ref.isfinite()].abs() <= 2 * torch.finfo(torch.float32).tiny).all()
+
+
+def test_time_split_is_two_launches(monkeypatch):
+    """The segment carry walk is folded into the output launch: a split call launches the
+    kernel exactly twice (composites, then outputs), an unsplit call once, and the unsplit
+    call allocates no workspace (only y)."""
+    from ssm_compile.kernels.selective_scan import triton_fwd
+
+    launches = []
+    kernel = triton_fwd._selective_scan_fwd_kernel
+    real_getitem = type(kernel).__getitem__
+
+    def counting_getitem(self, grid):
+        launches.append(grid)
+        return real_getitem(self, grid)
+
+    monkeypatch.setattr(type(kernel), "__getitem__", counting_getitem)
+    inputs = make_inputs(1, 4, 40, 4)
+    for config, expected in ((ScanFwdConfig(4, 4, 4, 1, 4), 2), (ScanFwdConfig(4, 4, 4, 1, 1), 1)):
+        launches.clear()
+        out, ref = run_both(inputs, config=config)
+        check(out, ref, torch.float32)
+        assert len(launches) == expected, (config, launches)

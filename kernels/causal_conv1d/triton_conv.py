@@ -1,10 +1,22 @@
 """Triton kernels and launchers for ``ssm::causal_conv1d`` (forward and backward).
 
 Layout: x, y, dy, dx are (batch, dim, L) with any strides; weight is (dim, W), 2 <= W <= 8, a
-constexpr so the W taps unroll. A program owns a [BLOCK_D, BLOCK_L] tile; the W-1 inputs before
-the tile (the halo) are re-read from x, or from initial_state before time 0, rather than shifted
-in registers, which Triton cannot express. The repeated loads hit L1/L2, so HBM sees each input
-about once.
+constexpr so the W taps unroll. y and dx are allocated contiguous (the fake implementation
+promises that).
+
+Time is cut into chunks of CHUNK = 8 steps, and a tile is held as 8 *planes*: plane i is the
+[BLOCK_D, NC] tensor of the values at times t0 + 8c + i of the tile's NC chunks. A causal tap
+that looks j steps back is then plane i-j of the same chunk, or plane 8+i-j of the previous
+chunk, so every tap is an elementwise op between registers: no shifted (hence unaligned,
+unvectorizable) re-load of x per tap, which is what made a first version LSU-bound. Since
+W-1 <= 7 < CHUNK, one previous chunk always holds the whole halo.
+
+Loads are [BLOCK_D, NC, 8] (two [.., 4] halves in fp32) and are laid out by Triton along the
+tensor's unit-stride axis, with 16-byte vectors: along L for a plain (batch, dim, L) tensor,
+where splitting into planes is register-only; along dim for HF Mamba's x (the x half of the
+(batch, L, 2*dim) in_proj output, transposed), where the split transposes the tile once through
+shared memory rather than reading HBM with uncoalesced accesses. The launcher only picks the
+tile's shape from x's strides: long along the unit-stride axis.
 
 The backward kernel is not autotuned: its dweight/dbias partials are summed in a fixed order so
 the result is bitwise reproducible, and the split of L over programs is part of that order.
@@ -19,127 +31,219 @@ import triton.language as tl
 from ..triton_common import silu as silu_fn
 from .cpu import ConvGrads
 
+# Time steps per chunk: 8 bf16/fp16 values are one 16-byte load, and 8 > W-1 for every W.
+CHUNK = 8
+
+
+@triton.jit
+def _split8(v, BLOCK_D: tl.constexpr, NC: tl.constexpr):
+    # [BLOCK_D, NC, 8] -> 8 planes [BLOCK_D, NC]. Index i = 4a + 2b + c: split off c, then b,
+    # then a. Register-only when the 8 elements are in one thread, as the load layout makes them.
+    c0, c1 = tl.split(tl.reshape(v, [BLOCK_D, NC, 4, 2]))
+    b00, b01 = tl.split(tl.reshape(c0, [BLOCK_D, NC, 2, 2]))
+    b10, b11 = tl.split(tl.reshape(c1, [BLOCK_D, NC, 2, 2]))
+    v0, v4 = tl.split(b00)
+    v2, v6 = tl.split(b01)
+    v1, v5 = tl.split(b10)
+    v3, v7 = tl.split(b11)
+    return (v0, v1, v2, v3, v4, v5, v6, v7)
+
+
+@triton.jit
+def _split4(v, BLOCK_D: tl.constexpr, NC: tl.constexpr):
+    # [BLOCK_D, NC, 4] -> 4 planes [BLOCK_D, NC]; index i = 2a + b.
+    b0, b1 = tl.split(tl.reshape(v, [BLOCK_D, NC, 2, 2]))
+    v0, v2 = tl.split(b0)
+    v1, v3 = tl.split(b1)
+    return (v0, v1, v2, v3)
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_D: tl.constexpr, NC: tl.constexpr):
+    # Inverse of _split8: 8 planes [BLOCK_D, NC] -> [BLOCK_D, NC, 8].
+    c0 = tl.reshape(tl.join(tl.join(v0, v4), tl.join(v2, v6)), [BLOCK_D, NC, 4])
+    c1 = tl.reshape(tl.join(tl.join(v1, v5), tl.join(v3, v7)), [BLOCK_D, NC, 4])
+    return tl.reshape(tl.join(c0, c1), [BLOCK_D, NC, 8])
+
 
 @triton.jit
 def _load_padded(
     # pointers (already offset to this batch row)
     x_ptr, init_ptr,
-    # sizes
+    # sizes (broadcastable against each other: channel offsets, times)
     offs_d, mask_d, pos, seqlen,
     # strides
     stride_x_d, stride_x_l, stride_init_d, stride_init_k,
     # meta-parameters
     W: tl.constexpr, HAS_INIT: tl.constexpr,
 ):
-    # The input at times `pos`, fp32 [BLOCK_D, len(pos)]: x for 0 <= pos < L, initial_state for
-    # the W-1 times before 0, zero elsewhere. Out-of-range lanes are masked, never read, so
-    # negative offsets are harmless.
+    # The input at times `pos`, in fp32: x for 0 <= pos < L, initial_state for the W-1 times
+    # before 0, zero elsewhere. Out-of-range lanes are masked, never read, so negative offsets
+    # are harmless.
     in_x = (pos >= 0) & (pos < seqlen)
-    v = tl.load(
-        x_ptr + offs_d[:, None] * stride_x_d + pos[None, :] * stride_x_l,
-        mask=mask_d[:, None] & in_x[None, :], other=0.0,
-    ).to(tl.float32)
+    v = tl.load(x_ptr + offs_d * stride_x_d + pos * stride_x_l, mask=mask_d & in_x, other=0.0)
+    v = v.to(tl.float32)
     if HAS_INIT:
         in_init = (pos < 0) & (pos >= 1 - W)
         v += tl.load(
-            init_ptr + offs_d[:, None] * stride_init_d + (pos + (W - 1))[None, :] * stride_init_k,
-            mask=mask_d[:, None] & in_init[None, :], other=0.0,
+            init_ptr + offs_d * stride_init_d + (pos + (W - 1)) * stride_init_k,
+            mask=mask_d & in_init, other=0.0,
         ).to(tl.float32)
     return v
 
 
 @triton.jit
-def _preactivation(
+def _load_planes(
     # pointers
-    x_ptr, init_ptr, w_ptr, bias_ptr,
+    x_ptr, init_ptr,
     # sizes
-    offs_d, mask_d, pos, seqlen,
+    offs_d, mask_d, t0, seqlen,
     # strides
-    stride_x_d, stride_x_l, stride_init_d, stride_init_k, stride_w_d, stride_w_k, stride_bias,
+    stride_x_d, stride_x_l, stride_init_d, stride_init_k,
     # meta-parameters
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+    W: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK_D: tl.constexpr, NC: tl.constexpr,
 ):
-    # p[t] = bias + sum_k w[k] * input[t - (W-1) + k], fp32 [BLOCK_D, len(pos)].
-    w = tl.load(w_ptr + offs_d * stride_w_d, mask=mask_d, other=0.0).to(tl.float32)
-    acc = w[:, None] * _load_padded(
-        x_ptr, init_ptr, offs_d, mask_d, pos - (W - 1), seqlen,
-        stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT,
-    )
-    for k in tl.static_range(1, W):
-        w = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0)
-        acc += w.to(tl.float32)[:, None] * _load_padded(
-            x_ptr, init_ptr, offs_d, mask_d, pos + (k - (W - 1)), seqlen,
+    # The 8 planes of the chunks starting at times t0 ([NC], multiples of 8), fp32. The load
+    # itself is laid out by Triton along whichever axis has unit stride (16-byte vectors either
+    # way); when that is dim, splitting into planes transposes the tile once through shared
+    # memory, which is cheaper than converting each plane separately.
+    d = offs_d[:, None, None]
+    m = mask_d[:, None, None]
+    if x_ptr.dtype.element_ty.primitive_bitwidth == 32:
+        # fp32: two loads of 4 steps. One [.., 8] load would be split over two threads (the
+        # widest vector is 16 bytes), and splitting it into planes would go through shared
+        # memory even for an L-contiguous tensor.
+        lo = _load_padded(  # [BLOCK_D, NC, 4]
+            x_ptr, init_ptr, d, m, t0[None, :, None] + tl.arange(0, 4)[None, None, :], seqlen,
             stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT,
         )
+        hi = _load_padded(  # [BLOCK_D, NC, 4]
+            x_ptr, init_ptr, d, m, t0[None, :, None] + tl.arange(4, 8)[None, None, :], seqlen,
+            stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT,
+        )
+        a = _split4(lo, BLOCK_D, NC)
+        b = _split4(hi, BLOCK_D, NC)
+        planes = (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
+    else:
+        # bf16/fp16: 8 steps are one 16-byte load per thread and chunk.
+        v = _load_padded(  # [BLOCK_D, NC, 8]
+            x_ptr, init_ptr, d, m, t0[None, :, None] + tl.arange(0, 8)[None, None, :], seqlen,
+            stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT,
+        )
+        planes = _split8(v, BLOCK_D, NC)
+    return planes
+
+
+@triton.jit
+def _tap(j: tl.constexpr, prev, cur, nxt):
+    # The plane at chunk-relative time j in [-8, 16): previous, current or next chunk.
+    if j < 0:
+        v = prev[j + 8]
+    elif j < 8:
+        v = cur[j]
+    else:
+        v = nxt[j - 8]
+    return v
+
+
+@triton.jit
+def _load_weight(k: tl.constexpr, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W: tl.constexpr):
+    # Tap k as an fp32 [BLOCK_D, 1] column; zeros for k >= W (never used: every loop over taps
+    # stops at W).
+    if k < W:
+        w = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0)
+    else:
+        w = tl.zeros_like(offs_d)
+    return w.to(tl.float32)[:, None]
+
+
+@triton.jit
+def _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W: tl.constexpr):
+    return (
+        _load_weight(0, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W),
+        _load_weight(1, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W),
+        _load_weight(2, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W),
+        _load_weight(3, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W),
+        _load_weight(4, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W),
+        _load_weight(5, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W),
+        _load_weight(6, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W),
+        _load_weight(7, w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W),
+    )
+
+
+@triton.jit
+def _preact(i: tl.constexpr, prev, cur, nxt, w, bias, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # p at chunk-relative time i = bias + sum_k w[k] * input[i - (W-1) + k], fp32 [BLOCK_D, NC].
+    acc = w[0] * _tap(i - (W - 1), prev, cur, nxt)
+    for k in tl.static_range(1, W):
+        acc += w[k] * _tap(i - (W - 1) + k, prev, cur, nxt)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d * stride_bias, mask=mask_d, other=0.0)
-        acc += bias.to(tl.float32)[:, None]
+        acc += bias
     return acc
 
 
 @triton.jit
-def _grad_preactivation(
-    # pointers
-    dy_ptr, x_ptr, init_ptr, w_ptr, bias_ptr,
-    # sizes
-    offs_d, mask_d, pos, seqlen,
-    # strides
-    stride_dy_d, stride_dy_l,
-    stride_x_d, stride_x_l, stride_init_d, stride_init_k, stride_w_d, stride_w_k, stride_bias,
-    # meta-parameters
-    W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
-):
-    # dL/dp at times `pos`, fp32 [BLOCK_D, len(pos)]; zero outside [0, L) because dy is, which is
-    # what makes the sums below stop at the sequence ends.
-    in_seq = (pos >= 0) & (pos < seqlen)
-    dp = tl.load(
-        dy_ptr + offs_d[:, None] * stride_dy_d + pos[None, :] * stride_dy_l,
-        mask=mask_d[:, None] & in_seq[None, :], other=0.0,
-    ).to(tl.float32)
+def _fwd_out(i: tl.constexpr, prev, cur, w, bias, W: tl.constexpr, SILU: tl.constexpr,
+             HAS_BIAS: tl.constexpr):
+    acc = _preact(i, prev, cur, cur, w, bias, W, HAS_BIAS)
     if SILU:
-        # The pre-activation is recomputed (W loads that hit cache) rather than saved by the
-        # forward: saving it would cost an activation-sized write and read.
-        p = _preactivation(
-            x_ptr, init_ptr, w_ptr, bias_ptr, offs_d, mask_d, pos, seqlen,
-            stride_x_d, stride_x_l, stride_init_d, stride_init_k, stride_w_d, stride_w_k,
-            stride_bias, W, HAS_BIAS, HAS_INIT,
-        )
-        s = tl.sigmoid(p)
-        dp = dp * s * (1.0 + p * (1.0 - s))
+        acc = silu_fn(acc)
+    return acc
+
+
+@triton.jit
+def _dpre(i: tl.constexpr, prev, cur, nxt, dy, w, bias, W: tl.constexpr, SILU: tl.constexpr,
+          HAS_BIAS: tl.constexpr, N: tl.constexpr):
+    # dL/dp at chunk-relative time i of the chunk `cur`, or zeros for i >= N (planes the caller
+    # does not need); zero outside [0, L) because dy is, which is what makes the sums stop at
+    # the sequence ends.
+    if i < N:
+        dp = dy[i]
+        if SILU:
+            # The pre-activation is recomputed from registers rather than saved by the forward:
+            # saving it would cost an activation-sized write and read.
+            p = _preact(i, prev, cur, nxt, w, bias, W, HAS_BIAS)
+            s = tl.sigmoid(p)
+            dp = dp * s * (1.0 + p * (1.0 - s))
+    else:
+        dp = tl.zeros_like(dy[0])
     return dp
 
 
 @triton.jit
-def _grad_input(
-    # pointers
-    dy_ptr, x_ptr, init_ptr, w_ptr, bias_ptr,
-    # sizes
-    offs_d, mask_d, pos, seqlen,
-    # strides
-    stride_dy_d, stride_dy_l,
-    stride_x_d, stride_x_l, stride_init_d, stride_init_k, stride_w_d, stride_w_k, stride_bias,
-    # meta-parameters
-    W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
-):
+def _dpre_planes(prev, cur, nxt, dy, w, bias, W: tl.constexpr, SILU: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr):
+    # dL/dp for the first N planes of `cur` (zeros after), as an 8-tuple.
+    return (
+        _dpre(0, prev, cur, nxt, dy, w, bias, W, SILU, HAS_BIAS, N),
+        _dpre(1, prev, cur, nxt, dy, w, bias, W, SILU, HAS_BIAS, N),
+        _dpre(2, prev, cur, nxt, dy, w, bias, W, SILU, HAS_BIAS, N),
+        _dpre(3, prev, cur, nxt, dy, w, bias, W, SILU, HAS_BIAS, N),
+        _dpre(4, prev, cur, nxt, dy, w, bias, W, SILU, HAS_BIAS, N),
+        _dpre(5, prev, cur, nxt, dy, w, bias, W, SILU, HAS_BIAS, N),
+        _dpre(6, prev, cur, nxt, dy, w, bias, W, SILU, HAS_BIAS, N),
+        _dpre(7, prev, cur, nxt, dy, w, bias, W, SILU, HAS_BIAS, N),
+    )
+
+
+@triton.jit
+def _dx_plane(i: tl.constexpr, dp, dp_next, w, W: tl.constexpr):
     # Input time s feeds outputs s .. s+W-1 through taps W-1 .. 0, so
     # d input[s] = sum_m w[W-1-m] * dp[s + m]: a correlation with the flipped kernel.
-    # Returns (d input, dp) at `pos`, both fp32 [BLOCK_D, len(pos)]: the caller reuses the
-    # m = 0 term dp for dweight and dbias instead of recomputing it.
-    dp = _grad_preactivation(
-        dy_ptr, x_ptr, init_ptr, w_ptr, bias_ptr, offs_d, mask_d, pos, seqlen,
-        stride_dy_d, stride_dy_l, stride_x_d, stride_x_l, stride_init_d, stride_init_k,
-        stride_w_d, stride_w_k, stride_bias, W, SILU, HAS_BIAS, HAS_INIT,
-    )
-    w = tl.load(w_ptr + offs_d * stride_w_d + (W - 1) * stride_w_k, mask=mask_d, other=0.0)
-    acc = w.to(tl.float32)[:, None] * dp
+    acc = w[W - 1] * dp[i]
     for m in tl.static_range(1, W):
-        w = tl.load(w_ptr + offs_d * stride_w_d + (W - 1 - m) * stride_w_k, mask=mask_d, other=0.0)
-        acc += w.to(tl.float32)[:, None] * _grad_preactivation(
-            dy_ptr, x_ptr, init_ptr, w_ptr, bias_ptr, offs_d, mask_d, pos + m, seqlen,
-            stride_dy_d, stride_dy_l, stride_x_d, stride_x_l, stride_init_d, stride_init_k,
-            stride_w_d, stride_w_k, stride_bias, W, SILU, HAS_BIAS, HAS_INIT,
-        )
-    return acc, dp
+        acc += w[W - 1 - m] * _tap(i + m, dp, dp, dp_next)
+    return acc
+
+
+@triton.jit
+def _dw_lane(k: tl.constexpr, dp, xprev, xcur, W: tl.constexpr):
+    # This tile's part of dweight[k] = sum_t dp[t] * input[t - (W-1) + k], per chunk.
+    acc = tl.zeros_like(dp[0])
+    if k < W:
+        for i in tl.static_range(8):
+            acc += dp[i] * _tap(i - (W - 1) + k, xprev, xcur, xcur)
+    return acc
 
 
 @triton.heuristics(
@@ -162,31 +266,52 @@ def _causal_conv1d_fwd_kernel(
     stride_y_b, stride_y_d, stride_y_l,
     # meta-parameters
     W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr, NC: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     pid_l = tl.program_id(2)
     # int64 offsets: batch * dim * L (or a transposed view's strides) can pass 2**31.
     offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
-    offs_l = (pid_l * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
+    t0 = (pid_l * (NC * 8) + tl.arange(0, NC) * 8).to(tl.int64)  # chunk starts [NC]
     mask_d = offs_d < dim
     x_ptr += pid_b * stride_x_b
     y_ptr += pid_b * stride_y_b
     if HAS_INIT:
         init_ptr += pid_b * stride_init_b
 
-    acc = _preactivation(  # [BLOCK_D, BLOCK_L]
-        x_ptr, init_ptr, w_ptr, bias_ptr, offs_d, mask_d, offs_l, seqlen,
-        stride_x_d, stride_x_l, stride_init_d, stride_init_k, stride_w_d, stride_w_k,
-        stride_bias, W, HAS_BIAS, HAS_INIT,
+    w = _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d * stride_bias, mask=mask_d, other=0.0)
+        bias = bias.to(tl.float32)[:, None]
+    # The previous chunk supplies the halo (its last W-1 planes; initial_state before time 0).
+    prev = _load_planes(
+        x_ptr, init_ptr, offs_d, mask_d, t0 - 8, seqlen,
+        stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+        W, HAS_INIT, BLOCK_D, NC,
     )
-    if SILU:
-        acc = silu_fn(acc)
+    cur = _load_planes(
+        x_ptr, init_ptr, offs_d, mask_d, t0, seqlen,
+        stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+        W, False, BLOCK_D, NC,
+    )
+    y = _join8(  # [BLOCK_D, NC, 8]
+        _fwd_out(0, prev, cur, w, bias, W, SILU, HAS_BIAS),
+        _fwd_out(1, prev, cur, w, bias, W, SILU, HAS_BIAS),
+        _fwd_out(2, prev, cur, w, bias, W, SILU, HAS_BIAS),
+        _fwd_out(3, prev, cur, w, bias, W, SILU, HAS_BIAS),
+        _fwd_out(4, prev, cur, w, bias, W, SILU, HAS_BIAS),
+        _fwd_out(5, prev, cur, w, bias, W, SILU, HAS_BIAS),
+        _fwd_out(6, prev, cur, w, bias, W, SILU, HAS_BIAS),
+        _fwd_out(7, prev, cur, w, bias, W, SILU, HAS_BIAS),
+        BLOCK_D, NC,
+    )
+    pos = t0[None, :, None] + tl.arange(0, 8)[None, None, :]
     tl.store(
-        y_ptr + offs_d[:, None] * stride_y_d + offs_l[None, :] * stride_y_l,
-        acc.to(y_ptr.dtype.element_ty),
-        mask=mask_d[:, None] & (offs_l < seqlen)[None, :],
+        y_ptr + offs_d[:, None, None] * stride_y_d + pos * stride_y_l,
+        y.to(y_ptr.dtype.element_ty),
+        mask=mask_d[:, None, None] & (pos < seqlen),
     )
 
 
@@ -214,9 +339,8 @@ def _causal_conv1d_bwd_kernel(
     stride_db_part_p, stride_db_part_d,
     stride_dinit_b, stride_dinit_d, stride_dinit_k,
     # meta-parameters
-    W: tl.constexpr, W_PAD: tl.constexpr, SILU: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, NC: tl.constexpr,
 ):
     # Program (b, d-block, s) owns L-blocks s*blocks_per_program ... (s+1)*blocks_per_program - 1
     # of batch row b; it writes dx for them and one partial of dweight/dbias, which the launcher
@@ -225,7 +349,8 @@ def _causal_conv1d_bwd_kernel(
     pid_d = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
-    offs_k = tl.arange(0, W_PAD)
+    offs_c = tl.arange(0, NC)
+    offs_k = tl.arange(0, 8)
     mask_d = offs_d < dim
     dy_ptr += pid_b * stride_dy_b
     x_ptr += pid_b * stride_x_b
@@ -233,74 +358,149 @@ def _causal_conv1d_bwd_kernel(
     if HAS_INIT:
         init_ptr += pid_b * stride_init_b
 
-    dw_acc = tl.zeros([BLOCK_D, W_PAD], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(blocks_per_program):
-        offs_l = ((pid_s * blocks_per_program + i) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
-        dx, dp = _grad_input(  # [BLOCK_D, BLOCK_L] each
-            dy_ptr, x_ptr, init_ptr, w_ptr, bias_ptr, offs_d, mask_d, offs_l, seqlen,
-            stride_dy_d, stride_dy_l, stride_x_d, stride_x_l, stride_init_d, stride_init_k,
-            stride_w_d, stride_w_k, stride_bias, W, SILU, HAS_BIAS, HAS_INIT,
+    w = _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d * stride_bias, mask=mask_d, other=0.0)
+        bias = bias.to(tl.float32)[:, None]
+    # Per-chunk partial sums, reduced over chunks once at the end: [BLOCK_D, NC, 8] holds
+    # dweight[k] in lane k, [BLOCK_D, NC] holds dbias.
+    dw_acc = tl.zeros([BLOCK_D, NC, 8], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_D, NC], dtype=tl.float32)
+    for it in range(blocks_per_program):
+        t0 = ((pid_s * blocks_per_program + it) * (NC * 8) + offs_c * 8).to(tl.int64)
+        # x over three chunks: the previous one for the halo of p, the next one because dx
+        # at time s needs dp (so p) up to s + W-1.
+        xprev = _load_planes(
+            x_ptr, init_ptr, offs_d, mask_d, t0 - 8, seqlen,
+            stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+            W, HAS_INIT, BLOCK_D, NC,
         )
+        xcur = _load_planes(
+            x_ptr, init_ptr, offs_d, mask_d, t0, seqlen,
+            stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+            W, False, BLOCK_D, NC,
+        )
+        xnext = _load_planes(
+            x_ptr, init_ptr, offs_d, mask_d, t0 + 8, seqlen,
+            stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+            W, False, BLOCK_D, NC,
+        )
+        dycur = _load_planes(
+            dy_ptr, dy_ptr, offs_d, mask_d, t0, seqlen,
+            stride_dy_d, stride_dy_l, 0, 0,
+            W, False, BLOCK_D, NC,
+        )
+        dynext = _load_planes(
+            dy_ptr, dy_ptr, offs_d, mask_d, t0 + 8, seqlen,
+            stride_dy_d, stride_dy_l, 0, 0,
+            W, False, BLOCK_D, NC,
+        )
+        dp = _dpre_planes(xprev, xcur, xnext, dycur, w, bias, W, SILU, HAS_BIAS, 8)
+        dp_next = _dpre_planes(
+            xcur, xnext, xnext, dynext, w, bias, W, SILU, HAS_BIAS, W - 1
+        )
+        dx = _join8(  # [BLOCK_D, NC, 8]
+            _dx_plane(0, dp, dp_next, w, W), _dx_plane(1, dp, dp_next, w, W),
+            _dx_plane(2, dp, dp_next, w, W), _dx_plane(3, dp, dp_next, w, W),
+            _dx_plane(4, dp, dp_next, w, W), _dx_plane(5, dp, dp_next, w, W),
+            _dx_plane(6, dp, dp_next, w, W), _dx_plane(7, dp, dp_next, w, W),
+            BLOCK_D, NC,
+        )
+        pos = t0[None, :, None] + offs_k[None, None, :]
         tl.store(
-            dx_ptr + offs_d[:, None] * stride_dx_d + offs_l[None, :] * stride_dx_l,
+            dx_ptr + offs_d[:, None, None] * stride_dx_d + pos * stride_dx_l,
             dx.to(dx_ptr.dtype.element_ty),
-            mask=mask_d[:, None] & (offs_l < seqlen)[None, :],
+            mask=mask_d[:, None, None] & (pos < seqlen),
         )
-        db_acc += tl.sum(dp, axis=1)
-        for k in tl.static_range(W):
-            x_k = _load_padded(
-                x_ptr, init_ptr, offs_d, mask_d, offs_l + (k - (W - 1)), seqlen,
-                stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT,
-            )
-            # Column k of the [BLOCK_D, W_PAD] accumulator: Triton has no per-column update.
-            dw_acc += tl.where(offs_k[None, :] == k, tl.sum(dp * x_k, axis=1)[:, None], 0.0)
+        db_acc += dp[0] + dp[1] + dp[2] + dp[3] + dp[4] + dp[5] + dp[6] + dp[7]
+        dw_acc += _join8(
+            _dw_lane(0, dp, xprev, xcur, W), _dw_lane(1, dp, xprev, xcur, W),
+            _dw_lane(2, dp, xprev, xcur, W), _dw_lane(3, dp, xprev, xcur, W),
+            _dw_lane(4, dp, xprev, xcur, W), _dw_lane(5, dp, xprev, xcur, W),
+            _dw_lane(6, dp, xprev, xcur, W), _dw_lane(7, dp, xprev, xcur, W),
+            BLOCK_D, NC,
+        )
 
     pid_p = pid_b * tl.num_programs(2) + pid_s
     tl.store(
         dw_part_ptr + pid_p * stride_dw_part_p
         + offs_d[:, None] * stride_dw_part_d + offs_k[None, :] * stride_dw_part_k,
-        dw_acc,
+        tl.sum(dw_acc, axis=1),
         mask=mask_d[:, None] & (offs_k < W)[None, :],
     )
     if HAS_BIAS:
         tl.store(
-            db_part_ptr + pid_p * stride_db_part_p + offs_d * stride_db_part_d, db_acc, mask=mask_d
+            db_part_ptr + pid_p * stride_db_part_p + offs_d * stride_db_part_d,
+            tl.sum(db_acc, axis=1), mask=mask_d,
         )
     if HAS_INIT:
         if pid_s == 0:
-            # initial_state holds input times -(W-1) .. -1, which feed outputs 0 .. W-2 only.
-            pos = offs_k - (W - 1)
-            dinit, _ = _grad_input(  # [BLOCK_D, W_PAD]
-                dy_ptr, x_ptr, init_ptr, w_ptr, bias_ptr, offs_d, mask_d, pos, seqlen,
-                stride_dy_d, stride_dy_l, stride_x_d, stride_x_l, stride_init_d, stride_init_k,
-                stride_w_d, stride_w_k, stride_bias, W, SILU, HAS_BIAS, HAS_INIT,
+            # initial_state holds input times -(W-1) .. -1, which feed outputs 0 .. W-2 only:
+            # d input[j - (W-1)] = sum_{t <= j} w[j - t] * dp[t]. Recomputed for the first
+            # chunk (column 0 of this program's first tile), once per row.
+            t0 = (offs_c * 8).to(tl.int64)
+            xcur = _load_planes(
+                x_ptr, init_ptr, offs_d, mask_d, t0, seqlen,
+                stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+                W, False, BLOCK_D, NC,
+            )
+            xprev = _load_planes(
+                x_ptr, init_ptr, offs_d, mask_d, t0 - 8, seqlen,
+                stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+                W, HAS_INIT, BLOCK_D, NC,
+            )
+            dycur = _load_planes(
+                dy_ptr, dy_ptr, offs_d, mask_d, t0, seqlen,
+                stride_dy_d, stride_dy_l, 0, 0,
+                W, False, BLOCK_D, NC,
+            )
+            dp = _dpre_planes(
+                xprev, xcur, xcur, dycur, w, bias, W, SILU, HAS_BIAS, W - 1
             )
             dinit_ptr += pid_b * stride_dinit_b
-            tl.store(
-                dinit_ptr + offs_d[:, None] * stride_dinit_d + offs_k[None, :] * stride_dinit_k,
-                dinit.to(dinit_ptr.dtype.element_ty),
-                mask=mask_d[:, None] & (offs_k < W - 1)[None, :],
-            )
+            for j in tl.static_range(W - 1):
+                acc = w[j] * dp[0]
+                for t in tl.static_range(1, j + 1):
+                    acc += w[j - t] * dp[t]
+                # Keep column 0 (the chunk at time 0); the sum just drops the other columns.
+                dinit = tl.sum(tl.where((offs_c == 0)[None, :], acc, 0.0), axis=1)  # [BLOCK_D]
+                tl.store(
+                    dinit_ptr + offs_d * stride_dinit_d + j * stride_dinit_k,
+                    dinit.to(dinit_ptr.dtype.element_ty), mask=mask_d,
+                )
 
 
 def _strides(t: Optional[torch.Tensor], ndim: int) -> tuple:
     return (0,) * ndim if t is None else t.stride()
 
 
-def _tile(x: torch.Tensor, elements: int) -> tuple:
-    # A [BLOCK_D, BLOCK_L] tile of `elements`, long along x's unit-stride axis so that loads
-    # coalesce for both the (batch, dim, L) layout and a transposed (batch, L, dim) view.
-    _, dim, seqlen = x.shape
-    channels_last = x.stride(1) == 1 and x.stride(2) != 1
-    block_d = 64 if channels_last else 8
-    block_d = min(block_d, triton.next_power_of_2(dim))
-    return block_d, min(elements // block_d, triton.next_power_of_2(seqlen))
+def _l_contig(x: torch.Tensor) -> bool:
+    # Whether x's unit-stride axis is L (a size-1 dim makes the question moot), which decides
+    # the tile's shape: long along the axis that the loads coalesce on.
+    return x.stride(2) == 1 or (x.stride(1) != 1 and x.shape[1] != 1)
 
 
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _fwd_tile(x_l_contig: bool, dim: int) -> tuple:
+    """(BLOCK_D, NC, num_warps) of the forward tile; see benchmarks/NOTES_conv1d.md."""
+    # 2048 elements over 4 warps (16 per thread: 2 chunks of x plus their halo in flight, 40
+    # registers on sm_90). L-contiguous: [8 channels, 32 chunks], 512 contiguous bytes of bf16
+    # per channel. dim-contiguous: [64 channels, 4 chunks], 128 contiguous bytes per time step.
+    block_d, nc = (8, 32) if x_l_contig else (64, 4)
+    return min(block_d, triton.next_power_of_2(dim)), nc, 4
+
+
+def _bwd_tile(x_l_contig: bool, dim: int) -> tuple:
+    """(BLOCK_D, NC, num_warps) of the backward tile, per loop iteration."""
+    # Each chunk costs ~60 fp32 registers (x over 3 chunks, dy over 2, dp, dx, the dweight
+    # lanes), so one chunk per thread: 1024 elements, [4, 32] or [64, 2] chunks as above.
+    block_d, nc = (4, 32) if x_l_contig else (64, 2)
+    return min(block_d, triton.next_power_of_2(dim)), nc, 4
 
 
 def causal_conv1d_fwd(
@@ -314,15 +514,16 @@ def causal_conv1d_fwd(
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
     y = torch.empty((batch, dim, seqlen), dtype=x.dtype, device=x.device)
-    # Sized from ptxas register counts on sm_90: each element costs W shifted, unaligned
-    # loads, so about 8 elements per thread (4 for W > 4) keep the kernel free of spills.
-    block_d, block_l = _tile(x, elements=2048 if width <= 4 else 1024)
-    grid = (batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, block_l))
+    x_l_contig = _l_contig(x)
+    block_d, nc, num_warps = _fwd_tile(x_l_contig, dim)
+    # Short sequences: fewer, fully used chunks per tile.
+    nc = max(1, min(nc, triton.next_power_of_2(triton.cdiv(seqlen, CHUNK))))
+    grid = (batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, nc * CHUNK))
     _causal_conv1d_fwd_kernel[grid](
         x, weight, bias, initial_state, y,
         dim, seqlen,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_state, 3), *y.stride(),
-        W=width, SILU=silu, BLOCK_D=block_d, BLOCK_L=block_l, num_warps=8,
+        W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
     )
     return y
 
@@ -338,15 +539,17 @@ def causal_conv1d_bwd(
     """Backward; inputs already validated. See ``ConvGrads`` for what is returned."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
-    # Through silu each dx element recomputes W pre-activations of W loads each: about 4
-    # elements per thread (2 for W > 4) keep it within registers (ptxas, sm_90).
-    block_d, block_l = _tile(x, elements=512 if width <= 4 else 256)
-    n_dblocks, n_lblocks = triton.cdiv(dim, block_d), triton.cdiv(seqlen, block_l)
-    # Split L over enough programs to fill the GPU about 4 times over, but no finer: each split
-    # adds a (dim, W) partial to write and sum. On CPU (the interpreter, in tests) one "SM"
-    # keeps several L-blocks per program, so small test shapes exercise the loop over L.
+    x_l_contig = _l_contig(x)
+    block_d, nc, num_warps = _bwd_tile(x_l_contig, dim)
+    nc = max(1, min(nc, triton.next_power_of_2(triton.cdiv(seqlen, CHUNK))))
+    n_dblocks, n_lblocks = triton.cdiv(dim, block_d), triton.cdiv(seqlen, nc * CHUNK)
+    # Split L over enough programs for about one full wave (8 resident 4-warp programs per SM
+    # at 64 registers per thread, the bf16 kernels' count on sm_90), but no finer: each split
+    # adds a (dim, W) partial to write and sum, about 1% of the bytes at 8 splits. On CPU (the
+    # interpreter, in tests) one "SM" keeps several L-blocks per program, so small test shapes
+    # exercise the loop over L.
     sms = _num_sms(x.device.index) if x.is_cuda else 1
-    n_split = min(n_lblocks, max(1, triton.cdiv(4 * sms, batch * n_dblocks)))
+    n_split = min(n_lblocks, max(1, triton.cdiv(8 * sms, batch * n_dblocks)))
     blocks_per_program = triton.cdiv(n_lblocks, n_split)
     n_split = triton.cdiv(n_lblocks, blocks_per_program)
 
@@ -366,8 +569,7 @@ def causal_conv1d_bwd(
         *dy.stride(), *x.stride(), *weight.stride(), *_strides(bias, 1),
         *_strides(initial_state, 3), *dx.stride(), *dw_part.stride(), *_strides(db_part, 2),
         *_strides(dinit if initial_state is not None else None, 3),
-        W=width, W_PAD=triton.next_power_of_2(width), SILU=silu,
-        BLOCK_D=block_d, BLOCK_L=block_l, num_warps=4,
+        W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
     )
     dbias = x.new_empty(0, dtype=torch.float32)
     if db_part is not None:

@@ -9,6 +9,9 @@ import triton.language as tl
 
 from ..triton_common import LOG2E, silu, softplus
 
+# Compiled kernels may only read globals that are constexpr (the interpreter would not notice).
+_LOG2E = tl.constexpr(LOG2E)
+
 
 @triton.heuristics({
     "HAS_D": lambda args: args["D_ptr"] is not None,
@@ -49,7 +52,8 @@ def _selective_state_update_kernel(
     # A block of channels may straddle two groups, so the group is looked up per channel.
     offs_g = offs_d // dim_per_group
 
-    state_ptrs = state_ptr + pid_b * stride_state_b + offs_d[:, None] * stride_state_d + offs_n[None, :] * stride_state_n
+    state_ptrs = (state_ptr + pid_b * stride_state_b
+                  + offs_d[:, None] * stride_state_d + offs_n[None, :] * stride_state_n)
     h = tl.load(state_ptrs, mask=mask_dn, other=0.0)  # [BLOCK_D, BLOCK_N]
     x = tl.load(x_ptr + pid_b * stride_x_b + offs_d * stride_x_d, mask=mask_d, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + pid_b * stride_dt_b + offs_d * stride_dt_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -64,7 +68,7 @@ def _selective_state_update_kernel(
     C = tl.load(C_ptr + pid_b * stride_C_b + offs_g[:, None] * stride_C_g + offs_n[None, :] * stride_C_n,
                 mask=mask_dn, other=0.0).to(tl.float32)
 
-    dA = tl.exp2(dt[:, None] * A * LOG2E)
+    dA = tl.exp2(dt[:, None] * A * _LOG2E)
     # Padded lanes load h = B = 0, so they stay 0 and add nothing to the readout.
     h = h * dA + (dt * x)[:, None] * B  # [BLOCK_D, BLOCK_N]
     tl.store(state_ptrs, h, mask=mask_dn)

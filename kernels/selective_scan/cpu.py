@@ -169,19 +169,19 @@ def selective_scan_bwd(
 
     for start, h_start in zip(reversed(starts), reversed(boundary)):
         chunk = chunk_at(start)
+        end = start + chunk.length
         hs = chunk.states(h_start)
-        dy_c = _time_major(dy, start, chunk.length + start, cdtype)
+        dy_c = _time_major(dy, start, end, cdtype)
         if z is not None:
             # The gate's gradient needs the ungated output, recomputed here.
             y_c = chunk.readout(hs)
             if D is not None:
                 y_c = y_c + D.to(cdtype) * chunk.u
-            z_c = _time_major(z, start, start + chunk.length, cdtype)
+            z_c = _time_major(z, start, end, cdtype)
             sig = torch.sigmoid(z_c)
             # d silu(z)/dz = sigmoid(z) * (1 + z * (1 - sigmoid(z))).
             _store(dz, start, dy_c * y_c * sig * (1 + z_c * (1 - sig)))
             dy_c = dy_c * z_c * sig
-        du_c = torch.zeros_like(chunk.u) if D is None else dy_c * D.to(cdtype)
         if D is not None:
             dD += (dy_c * chunk.u).sum((0, 1))
         dy5 = dy_c.view(chunk.u5.shape)
@@ -201,7 +201,9 @@ def selective_scan_bwd(
         dA += (d_dtA * chunk.dt5).sum((0, 1))
         dhs_B = torch.matmul(dhs, chunk.B5.transpose(-1, -2))  # sum_n dh_t[n] * B_t[n]
         ddt = (d_dtA * A5).sum(-1, keepdim=True) + dhs_B * chunk.u5
-        du_c = du_c + (dhs_B * chunk.dt5).view(chunk.u.shape)
+        du_c = (dhs_B * chunk.dt5).view(chunk.u.shape)
+        if D is not None:
+            du_c += dy_c * D.to(cdtype)
         _store(dB, start, torch.matmul(dhs.transpose(-1, -2), chunk.dt5 * chunk.u5).squeeze(-1))
 
         ddt = ddt.view(chunk.u.shape)
@@ -222,5 +224,7 @@ def selective_scan_bwd(
         dD=None if D is None else dD.to(D.dtype),
         dz=dz,
         ddelta_bias=None if delta_bias is None else ddelta_bias.to(delta_bias.dtype),
-        dinitial_state=None if initial_state is None else dh.view(batch, dim, nstate).to(initial_state.dtype),
+        dinitial_state=(
+            None if initial_state is None else dh.view(batch, dim, nstate).to(initial_state.dtype)
+        ),
     )

@@ -15,13 +15,15 @@ Work decomposition ("three levels of parallelism"):
    chain in registers, with no shuffles (see the kernel and ``scan_fwd_config``).
 3. Across segments (only when batch * dim is too small to fill the GPU): a first launch of
    the same kernel reduces every segment but the last to its composite step (A_seg, B_seg);
-   ``_segment_carry_kernel`` walks the composites serially (at most ``MAX_SEGMENTS`` steps
-   per state element) to the state entering each segment; the last launch runs every
-   segment from its carry and writes y.
+   the second launch runs every segment and writes y, each program first walking the
+   composites before its segment (at most ``MAX_SEGMENTS - 1`` steps per state element) to
+   its carry. Two launches, not three: the serial carry walk is folded into the programs
+   that need it (host launch cost dominates at short L, see benchmarks/NOTES_scan_fwd.md).
 
 No (batch, dim, L, N) tensor is ever written: the only workspace is the segment composites,
 2 * (segments - 1) * batch * dim * N fp32.
 """
+import contextlib
 import functools
 from typing import NamedTuple, Optional, Tuple
 
@@ -34,11 +36,6 @@ from ..triton_common import LOG2E, linear_combine, silu, softplus
 # Upper bound on the time split: the carry pass is serial in the segment index, and every
 # segment but the last costs its exps twice (once for its composite, once for y).
 MAX_SEGMENTS = 8
-
-# A jit function may only read module globals that are tl.constexpr; triton_common.LOG2E is a
-# plain float (fine in the interpreter, a NameError when compiling for a GPU).
-_LOG2E = tl.constexpr(LOG2E)
-_CARRY_BLOCK = 1024
 
 
 class ScanFwdConfig(NamedTuple):
@@ -55,6 +52,12 @@ def _next_pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv: that one is a jit-callable and costs ~1 µs per host-side call.
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=1024)  # a pure function of its arguments, called on every launch
 def scan_fwd_config(
     batch: int, dim: int, L: int, N: int, dims_per_group: int, num_sms: int
 ) -> ScanFwdConfig:
@@ -100,16 +103,16 @@ def scan_fwd_config(
         # Largest power of two that divides dims_per_group (x & -x isolates the lowest set bit).
         block_d = min(block_d, dims_per_group & -dims_per_group)
     num_warps = max(1, min(num_warps, block_d * lanes_n // 32))
-    warps = batch * triton.cdiv(dim, block_d) * num_warps
+    warps = batch * _cdiv(dim, block_d) * num_warps
     n_segments = 1
-    n_chunks = triton.cdiv(L, chunk_t)
+    n_chunks = _cdiv(L, chunk_t)
     while (
         n_segments < MAX_SEGMENTS
         and warps * n_segments < 8 * num_sms
         and n_chunks // (2 * n_segments) >= 16
     ):
         n_segments *= 2
-    while num_warps > 1 and batch * triton.cdiv(dim, block_d) * n_segments < num_sms:
+    while num_warps > 1 and batch * _cdiv(dim, block_d) * n_segments < num_sms:
         num_warps //= 2
         block_d //= 2
     return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments)
@@ -121,10 +124,16 @@ def _num_sms(device_index: int) -> int:
 
 
 @triton.jit
-def _pick_last(x, y):
-    # A reduction that keeps its right operand returns the last element along the axis; with
-    # the time axis inside one thread it compiles to nothing but a register read.
-    return y
+def _last_step(x, CHUNK_T: tl.constexpr):
+    """x[CHUNK_T - 1] of a chunk tile [CHUNK_T, ...4-D]: the state after the chunk.
+
+    A masked sum, not a "keep the right operand" tl.reduce: Triton's cross-lane reductions
+    combine butterfly partners in either order (they assume a commutative combine), and time
+    does span lanes when a program is narrow (block_d * lanes_n < 32). -0.0 is the exact
+    identity of +, so with time inside one thread this folds to a register read.
+    """
+    is_last = (tl.arange(0, CHUNK_T) == CHUNK_T - 1)[:, None, None, None]
+    return tl.sum(tl.where(is_last, x, -0.0), axis=0)
 
 
 @triton.jit
@@ -160,16 +169,9 @@ def _load_chunk(
     return u, delta, z, Bt, Ct
 
 
-@triton.heuristics(
-    {
-        "HAS_D": lambda args: args["D_ptr"] is not None,
-        "HAS_Z": lambda args: args["z_ptr"] is not None,
-        "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
-        "HAS_INIT": lambda args: args["h0_ptr"] is not None,
-        "STORE_LAST": lambda args: args["last_ptr"] is not None,
-        "TIME_SPLIT": lambda args: args["seg_a_ptr"] is not None,
-    }
-)
+# The HAS_* flags are passed by the launcher rather than through @triton.heuristics: the
+# heuristics wrapper rebuilds a dict of all ~60 arguments once per flag on every launch, which
+# was a measurable part of the per-call host cost (benchmarks/host_overhead_scan.py).
 @triton.jit
 def _selective_scan_fwd_kernel(
     # pointers
@@ -225,7 +227,7 @@ def _selective_scan_fwd_kernel(
     # exp(delta * A) == exp2(delta * (A * log2(e))): fold the constant once so the inner loop
     # issues a single MUFU ex2 per element. Padded n get A = 0 -> a = 1, and B = 0 -> b = 0.
     A = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
-                other=0.0).to(tl.float32) * _LOG2E  # [N_PER_THREAD, BLOCK_D, LANES_N]
+                other=0.0).to(tl.float32) * LOG2E  # [N_PER_THREAD, BLOCK_D, LANES_N]
     if HAS_DELTA_BIAS:
         delta_bias = tl.load(delta_bias_ptr + offs_d * stride_delta_bias, mask=mask_d,
                              other=0.0).to(tl.float32)
@@ -252,15 +254,19 @@ def _selective_scan_fwd_kernel(
         else:
             h = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
         if TIME_SPLIT:
-            # Segment s > 0 starts from the carry that _segment_carry_kernel left in slot s - 1.
-            if pid_s > 0:
-                h = tl.load(seg_b_ptr + (pid_s - 1) * seg_stride + offs_state, mask=mask_dn,
-                            other=0.0)
+            # Segment s starts from h_s = A_{s-1} * h_{s-1} + B_{s-1}, with h_0 the initial
+            # state and (A_j, B_j) the composites of the first launch. Every program walks its
+            # own prefix (at most MAX_SEGMENTS - 1 tile-sized steps) instead of a separate
+            # carry launch: the walk is tiny next to the segment, a launch is not.
+            for j in range(0, pid_s):
+                seg_a = tl.load(seg_a_ptr + j * seg_stride + offs_state, mask=mask_dn, other=1.0)
+                seg_b = tl.load(seg_b_ptr + j * seg_stride + offs_state, mask=mask_dn, other=0.0)
+                h = seg_a * h + seg_b
         # Route the start state through a chunk-shaped tile so that it enters the loop in the
         # chunk tile's layout. A carry that starts as a plain load keeps the load's layout: a
         # shared-memory round trip of h every chunk and ~40 more registers (ptxas, sm_90).
-        h = tl.reduce(tl.broadcast_to(h[None, :, :, :],
-                                      (CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N)), 0, _pick_last)
+        h = _last_step(tl.broadcast_to(h[None, :, :, :],
+                                       (CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N)), CHUNK_T)
 
     # Software prefetch: the next chunk's loads are issued before this chunk's arithmetic, so
     # their latency hides behind the scan even at low occupancy (batch 1).
@@ -315,7 +321,7 @@ def _selective_scan_fwd_kernel(
         is_first = (tl.arange(0, CHUNK_T) == 0)[:, None, None, None]
         b = tl.where(is_first, a * h[None, :, :, :] + b, b)
         _, hs = tl.associative_scan((a, b), 0, linear_combine)  # the states h_t
-        h = tl.reduce(hs, 0, _pick_last)
+        h = _last_step(hs, CHUNK_T)
         if SEGMENT_TOTALS:
             dt_sum += tl.sum(dt, axis=0)
         else:
@@ -339,38 +345,39 @@ def _selective_scan_fwd_kernel(
             tl.store(last_ptr + offs_state, h, mask=mask_dn)
 
 
-@triton.jit
-def _segment_carry_kernel(
-    # pointers
-    seg_a_ptr, seg_b_ptr, h0_ptr,
-    # sizes
-    dim, N, n_states, n_carries,
-    # strides
-    stride_h0_b, stride_h0_d, stride_h0_n,
-    # meta-parameters
-    BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
-):
-    """Second, small pass of a time split: the serial walk over segment composites.
+class _LaunchPlan(NamedTuple):
+    """Everything about a launch that depends only on the problem's sizes and the config."""
 
-    In place over the [n_carries, batch, dim, N] workspace: slot s holds the composite
-    (A_s, B_s) of segment s on entry and the state entering segment s + 1 on exit,
-    h_{s+1} = A_s * h_s + B_s with h_0 = initial_state (or 0).
-    """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_states
-    if HAS_INIT:
-        offs_n = offs % N
-        offs_d = (offs // N) % dim
-        offs_b = offs // (N * dim)
-        h = tl.load(h0_ptr + offs_b * stride_h0_b + offs_d * stride_h0_d + offs_n * stride_h0_n,
-                    mask=mask, other=0.0).to(tl.float32)
-    else:
-        h = tl.zeros((BLOCK,), tl.float32)
-    for s in range(0, n_carries):
-        seg_a = tl.load(seg_a_ptr + s * n_states + offs, mask=mask, other=1.0)
-        seg_b = tl.load(seg_b_ptr + s * n_states + offs, mask=mask, other=0.0)
-        h = seg_a * h + seg_b
-        tl.store(seg_b_ptr + s * n_states + offs, h, mask=mask)
+    grid_totals: Tuple[int, int, int]  # first launch of a time split (unused when unsplit)
+    grid: Tuple[int, int, int]  # the output launch
+    seg_len: int
+    n_segments: int
+    n_per_thread: int
+    lanes_n: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(batch: int, dim: int, L: int, N: int, config: ScanFwdConfig) -> _LaunchPlan:
+    block_n = _next_pow2(N)
+    n_segments = max(1, min(config.n_segments, _cdiv(L, config.chunk_t)))
+    # Segments are whole chunks long, so only the last one has a ragged tail.
+    seg_len = _cdiv(_cdiv(L, n_segments), config.chunk_t) * config.chunk_t
+    n_segments = _cdiv(L, seg_len)
+    n_blocks_d = _cdiv(dim, config.block_d)
+    return _LaunchPlan(
+        grid_totals=(n_blocks_d, batch, max(1, n_segments - 1)),
+        grid=(n_blocks_d, batch, n_segments),
+        seg_len=seg_len,
+        n_segments=n_segments,
+        n_per_thread=max(1, block_n // config.lanes_n),
+        lanes_n=min(config.lanes_n, block_n),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_span(shape: torch.Size, stride: Tuple[int, ...]) -> int:
+    """Largest in-row element offset of a tensor (the kernel indexes one batch row in int32)."""
+    return sum((n - 1) * st for n, st in zip(shape[1:], stride[1:]))
 
 
 def selective_scan_fwd(
@@ -400,11 +407,16 @@ def selective_scan_fwd(
     Returns:
         y (batch, dim, L) in u's dtype, and last_state (batch, dim, N) fp32 if
         ``return_last_state`` else None.
+
+    Host cost matters here (at batch 1 / short L the call is launch-bound): everything that
+    depends only on sizes is cached (``scan_fwd_config``, ``_launch_plan``, ``_row_span``),
+    and the unsplit case is a single launch with no workspace.
     """
     batch, dim, L = u.shape
+    if L < 1:
+        raise ValueError(f"u: expected at least one timestep, got shape {tuple(u.shape)}")
     G, N = B.shape[1], B.shape[2]
     dims_per_group = dim // G
-    block_n = _next_pow2(N)
     if config is None:
         n_sms = _num_sms(u.device.index) if u.is_cuda else 132
         config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms)
@@ -414,47 +426,47 @@ def selective_scan_fwd(
             "block reads a single B/C group")
     # The kernel adds the batch offset in int64 but indexes within one batch row in int32.
     for name, t in (("u", u), ("delta", delta), ("z", z), ("B", B), ("C", C)):
-        if t is not None and sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31:
+        if t is not None and _row_span(t.shape, t.stride()) >= 2**31:
             raise ValueError(
                 f"{name}: one batch row spans more than 2**31 elements (shape {tuple(t.shape)}, "
                 f"strides {t.stride()}); the Triton selective scan indexes rows in int32")
+    plan = _launch_plan(batch, dim, L, N, config)
 
     y = torch.empty((batch, dim, L), dtype=u.dtype, device=u.device)
     last_state = (torch.empty((batch, dim, N), dtype=torch.float32, device=u.device)
                   if return_last_state else None)
-    n_segments = max(1, min(config.n_segments, triton.cdiv(L, config.chunk_t)))
-    # Segments are whole chunks long, so only the last one has a ragged tail.
-    seg_len = triton.cdiv(triton.cdiv(L, n_segments), config.chunk_t) * config.chunk_t
-    n_segments = triton.cdiv(L, seg_len)
     seg_a = seg_b = None
-    if n_segments > 1:
-        seg_a = torch.empty((n_segments - 1, batch, dim, N), dtype=torch.float32, device=u.device)
-        seg_b = torch.empty_like(seg_a)
+    if plan.n_segments > 1:
+        seg_a = torch.empty((2, plan.n_segments - 1, batch, dim, N), dtype=torch.float32,
+                            device=u.device)
+        seg_a, seg_b = seg_a[0], seg_a[1]
 
     z_strides = z.stride() if z is not None else (0, 0, 0)
     h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0)
     D_stride = D.stride(0) if D is not None else 0
     bias_stride = delta_bias.stride(0) if delta_bias is not None else 0
 
-    def launch(segment_totals: bool, n_programs_t: int):
-        grid = (triton.cdiv(dim, config.block_d), batch, n_programs_t)
+    def launch(segment_totals: bool, grid: Tuple[int, int, int]):
         _selective_scan_fwd_kernel[grid](
             u, delta, A, B, C, D, z, delta_bias, initial_state,
             y, last_state, seg_a, seg_b,
-            batch, dim, L, N, dims_per_group, seg_len,
+            batch, dim, L, N, dims_per_group, plan.seg_len,
             *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
             D_stride, bias_stride, *z_strides, *h0_strides, *y.stride(),
             BLOCK_D=config.block_d, CHUNK_T=config.chunk_t,
-            N_PER_THREAD=max(1, block_n // config.lanes_n), LANES_N=min(config.lanes_n, block_n),
+            N_PER_THREAD=plan.n_per_thread, LANES_N=plan.lanes_n,
             SEGMENT_TOTALS=segment_totals, DELTA_SOFTPLUS=delta_softplus,
+            HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
+            HAS_INIT=initial_state is not None, STORE_LAST=last_state is not None,
+            TIME_SPLIT=seg_a is not None,
             num_warps=config.num_warps,
         )
 
-    if n_segments > 1:
-        launch(True, n_segments - 1)
-        n_states = batch * dim * N
-        _segment_carry_kernel[(triton.cdiv(n_states, _CARRY_BLOCK),)](
-            seg_a, seg_b, initial_state, dim, N, n_states, n_segments - 1, *h0_strides,
-            BLOCK=_CARRY_BLOCK, HAS_INIT=initial_state is not None, num_warps=4)
-    launch(False, n_segments)
+    # Triton launches on the current device; make that u's (e.g. u on cuda:1). The context
+    # manager is skipped in the common case, where it would only add host time.
+    switch = u.is_cuda and u.device.index != torch.cuda.current_device()
+    with torch.cuda.device(u.device) if switch else contextlib.nullcontext():
+        if seg_a is not None:
+            launch(True, plan.grid_totals)
+        launch(False, plan.grid)
     return y, last_state

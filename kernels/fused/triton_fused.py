@@ -1,0 +1,296 @@
+"""Fused Mamba-block scan in Triton: causal conv1d (+ silu) and/or the dt projection inside the
+selective-scan forward kernel.
+
+What each fusion level really saves (HBM traffic of one Mamba-1 mixer forward)
+------------------------------------------------------------------------------
+Let E = batch * dim * L elements and s the activation size (2 B bf16, 4 B fp32). At level 0
+(split: ``ssm.causal_conv1d``, x_proj/dt_proj matmuls, ``ssm.selective_scan``) the tensors of
+E elements move as follows:
+
+* conv:    reads the pre-conv x (E), writes u = silu(conv(x)) (E);
+* x_proj:  reads u (E), writes x_dbl = (dt_low, B, C), (batch, L, R + 2N): small (R = dim/16);
+* dt_proj: reads dt_low (small), writes delta = W_dt @ dt_low (E);
+* scan:    reads u, delta, z (3E), writes y (E).
+
+That is 8E * s of elementwise traffic (plus the small x_dbl and the in/out projections).
+
+**Level 1** (conv + silu + scan + D + z in one kernel, reading the pre-conv x with a halo of W-1
+steps that is re-read from L1/L2 rather than carried): the scan reads x instead of u. But x_proj
+is a matmul over u and produces B, C and dt, which the scan needs *before* it starts, so u must
+still be materialised by a separate conv for x_proj. In a Mamba block level 1 therefore saves
+**nothing** (the scan's read of u becomes a read of x: same bytes) and adds W multiply-adds
+and the conv's registers to the scan. It only wins where the conv output has no other consumer
+(a selective_scan_ref-style function that takes its u straight from the conv); the heuristic
+(``ssm_compile/heuristic.py``) models exactly that and does not pick level 1 when the conv
+output also feeds x_proj.
+
+**Level 2** (level 1 + delta = W_dt @ dt_low + bias + softplus inside the kernel, reading
+dt_low through a strided view of the x_proj output): delta never exists in HBM, which removes
+its write and its read: 2E * s of the 8E * s, i.e. up to 25% of the block's elementwise traffic
+(the scan alone goes from 4E to 3E). The cost is R multiply-adds per (t, d) element (R = 48
+for d_model 768, against ~5N operations of the scan itself), done on every lane that holds the
+(t, d) element in the scan's layout, plus a [CHUNK_T] accumulator column per thread.
+
+The kernel has both stages as constexprs (``FUSE_CONV``, ``FUSE_DT``), so the dt projection
+can also be fused alone (conv output read as u): that is the combination with the traffic
+win and no conv overhead; ``kernels/fused/op.py`` exposes every combination and
+``benchmarks/bench_fusion.py`` times them.
+
+Limits, by design: no time split across programs (the level-0 kernel splits L when
+batch * dim is too small to fill the GPU; the fused kernel does not, so the heuristic keeps
+level 0 for those shapes), no software prefetch of the next chunk (the level-0 kernel has one;
+here it would hold the conv halo and dt columns of two chunks at once), no initial/last state
+(prefill with a cache keeps level 0), and forward only (see ``op.py``).
+
+Layers: ``_fused_scan_kernel`` (jit), ``fused_scan_fwd`` (launcher). Tiles come from the
+level-0 kernel's ``scan_fwd_config`` (same register tile, same layout reasoning).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..selective_scan.triton_fwd import ScanFwdConfig, _last_step, _next_pow2, scan_fwd_config
+from ..triton_common import LOG2E, linear_combine, silu, softplus
+
+# Jit functions may only read tl.constexpr globals (see triton_fwd.py).
+_LOG2E = tl.constexpr(LOG2E)
+
+
+class FusedLaunch(NamedTuple):
+    """What a launch produced: y, and the compiled kernel (None under the interpreter), whose
+    ``n_regs`` / ``n_spills`` the heuristic reads to correct its register estimate."""
+
+    y: torch.Tensor
+    compiled: object
+
+
+@triton.heuristics(
+    {
+        "HAS_D": lambda args: args["D_ptr"] is not None,
+        "HAS_Z": lambda args: args["z_ptr"] is not None,
+        "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
+        "HAS_CONV_BIAS": lambda args: args["conv_b_ptr"] is not None,
+        "FUSE_CONV": lambda args: args["conv_w_ptr"] is not None,
+        "FUSE_DT": lambda args: args["dt_w_ptr"] is not None,
+    }
+)
+@triton.jit
+def _fused_scan_kernel(
+    # pointers
+    x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr,
+    conv_w_ptr, conv_b_ptr, dt_w_ptr, y_ptr,
+    # sizes
+    dim, L, N, R, dims_per_group,
+    # strides
+    stride_x_b, stride_x_d, stride_x_l,
+    stride_delta_b, stride_delta_c, stride_delta_l,  # c: dim, or dt_rank when FUSE_DT
+    stride_A_d, stride_A_n,
+    stride_B_b, stride_B_g, stride_B_n, stride_B_l,
+    stride_C_b, stride_C_g, stride_C_n, stride_C_l,
+    stride_D, stride_delta_bias,
+    stride_z_b, stride_z_d, stride_z_l,
+    stride_cw_d, stride_cw_k, stride_cb,
+    stride_dtw_d, stride_dtw_r,
+    stride_y_b, stride_y_d, stride_y_l,
+    # meta-parameters
+    BLOCK_D: tl.constexpr, CHUNK_T: tl.constexpr,
+    N_PER_THREAD: tl.constexpr, LANES_N: tl.constexpr,
+    W: tl.constexpr, CONV_SILU: tl.constexpr,
+    DELTA_SOFTPLUS: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
+    HAS_CONV_BIAS: tl.constexpr, FUSE_CONV: tl.constexpr, FUSE_DT: tl.constexpr,
+):
+    # Same 4-D tile as the level-0 kernel: [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N], time and
+    # N_PER_THREAD inside a thread (serial scan, register readout). Do not reorder the axes.
+    pid_d = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
+    mask_d = offs_d < dim
+    mask_bn = offs_bn < N
+    offs_n3 = offs_bn[:, None, :]
+    offs_d3 = offs_d[None, :, None]
+    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]
+    pid_g = (pid_d * BLOCK_D) // dims_per_group
+
+    x_ptr += pid_b * stride_x_b
+    delta_ptr += pid_b * stride_delta_b
+    if HAS_Z:
+        z_ptr += pid_b * stride_z_b
+    y_ptr += pid_b * stride_y_b
+    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
+    C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
+
+    A = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
+                other=0.0).to(tl.float32) * _LOG2E  # [N_PER_THREAD, BLOCK_D, LANES_N]
+    if HAS_DELTA_BIAS:
+        delta_bias = tl.load(delta_bias_ptr + offs_d * stride_delta_bias, mask=mask_d,
+                             other=0.0).to(tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d * stride_D, mask=mask_d, other=0.0).to(tl.float32)
+    if HAS_CONV_BIAS:
+        conv_b = tl.load(conv_b_ptr + offs_d * stride_cb, mask=mask_d, other=0.0).to(tl.float32)
+
+    h = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
+    # Give the carry the chunk tile's layout from the start (see triton_fwd.py: a carry born
+    # as a plain tile costs a shared-memory round trip per chunk).
+    h = _last_step(tl.broadcast_to(h[None, :, :, :], (CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N)),
+                   CHUNK_T)
+
+    for t0 in range(0, L, CHUNK_T):
+        offs_t = t0 + tl.arange(0, CHUNK_T)
+        mask_t = offs_t < L
+        mask_td = mask_t[:, None] & mask_d[None, :]
+
+        if FUSE_CONV:
+            # u[t] = act(bias + sum_k w[k] * x[t - (W-1) + k]); the W-1 halo steps before the
+            # chunk are re-read (they hit L1/L2) instead of shifted in registers, which Triton
+            # cannot express. Times before 0 read as 0: no initial conv state at this level.
+            acc = tl.zeros((CHUNK_T, BLOCK_D), tl.float32)
+            for k in tl.static_range(W):
+                pos = offs_t - (W - 1) + k
+                xk = tl.load(x_ptr + pos[:, None] * stride_x_l + offs_d[None, :] * stride_x_d,
+                             mask=((pos >= 0) & (pos < L))[:, None] & mask_d[None, :], other=0.0)
+                wk = tl.load(conv_w_ptr + offs_d * stride_cw_d + k * stride_cw_k, mask=mask_d,
+                             other=0.0)
+                acc += wk.to(tl.float32)[None, :] * xk.to(tl.float32)
+            if HAS_CONV_BIAS:
+                acc += conv_b[None, :]
+            if CONV_SILU:
+                acc = silu(acc)
+            # Round through x's dtype as the split path's conv output is rounded, so the fused
+            # level's u carries the same rounding as the split level's.
+            uf = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+            # Padded timesteps must be the identity step: u = 0 there, which the conv bias and
+            # the halo taps are not.
+            uf = tl.where(mask_td, uf, 0.0)  # [CHUNK_T, BLOCK_D]
+        else:
+            uf = tl.load(x_ptr + offs_t[:, None] * stride_x_l + offs_d[None, :] * stride_x_d,
+                         mask=mask_td, other=0.0).to(tl.float32)
+
+        if FUSE_DT:
+            # delta[t, d] = sum_r dt_low[r, t] * W_dt[d, r], one column r at a time: two small
+            # loads (L1 hits after the first column: a chunk of x_proj rows is ~2 KB) and an
+            # FMA into the [CHUNK_T, BLOCK_D] accumulator. A [CHUNK_T, BLOCK_R, BLOCK_D] product
+            # tile reduced over r would need a cross-thread reduction whose layout Triton picks;
+            # the column loop needs none and adds only two [CHUNK_T]-sized values per thread.
+            # dt_low is read through the x_proj output's strided view (no copy).
+            dt = tl.zeros((CHUNK_T, BLOCK_D), tl.float32)
+            for r in range(0, R):
+                dtl = tl.load(delta_ptr + r * stride_delta_c + offs_t * stride_delta_l,
+                              mask=mask_t, other=0.0)  # [CHUNK_T]
+                wdt = tl.load(dt_w_ptr + offs_d * stride_dtw_d + r * stride_dtw_r, mask=mask_d,
+                              other=0.0)  # [BLOCK_D]
+                dt += dtl.to(tl.float32)[:, None] * wdt.to(tl.float32)[None, :]
+            # The split path's matmul rounds delta to dt_low's dtype; do the same.
+            dt = dt.to(delta_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            dt = tl.load(delta_ptr + offs_t[:, None] * stride_delta_l + offs_d[None, :] * stride_delta_c,
+                         mask=mask_td, other=0.0).to(tl.float32)
+        if HAS_DELTA_BIAS:
+            dt += delta_bias[None, :]
+        if DELTA_SOFTPLUS:
+            dt = softplus(dt)
+        # dt = 0 on padded steps: a = exp2(0) = 1, b = 0, nothing leaks into the carry.
+        dt = tl.where(mask_td, dt, 0.0)
+        dtu = dt * uf
+
+        mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
+        Bf = tl.load(B_ptr + offs_t[:, None, None] * stride_B_l + offs_bn[None, :, :] * stride_B_n,
+                     mask=mask_tn, other=0.0).to(tl.float32)  # [CHUNK_T, N_PER_THREAD, LANES_N]
+        Cf = tl.load(C_ptr + offs_t[:, None, None] * stride_C_l + offs_bn[None, :, :] * stride_C_n,
+                     mask=mask_tn, other=0.0).to(tl.float32)
+
+        # [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N]
+        a = tl.exp2(dt[:, None, :, None] * A[None, :, :, :])
+        b = dtu[:, None, :, None] * Bf[:, :, None, :]
+        # Fold the carry into the first step so the scanned b is the state itself.
+        is_first = (tl.arange(0, CHUNK_T) == 0)[:, None, None, None]
+        b = tl.where(is_first, a * h[None, :, :, :] + b, b)
+        _, hs = tl.associative_scan((a, b), 0, linear_combine)
+        h = _last_step(hs, CHUNK_T)
+
+        y = tl.sum(tl.sum(hs * Cf[:, :, None, :], axis=1), axis=2)  # [CHUNK_T, BLOCK_D]
+        if HAS_D:
+            y += Dv[None, :] * uf
+        if HAS_Z:
+            z = tl.load(z_ptr + offs_t[:, None] * stride_z_l + offs_d[None, :] * stride_z_d,
+                        mask=mask_td, other=0.0)
+            y *= silu(z.to(tl.float32))
+        tl.store(y_ptr + offs_t[:, None] * stride_y_l + offs_d[None, :] * stride_y_d,
+                 y.to(y_ptr.dtype.element_ty), mask=mask_td)
+
+
+def fused_config(batch: int, dim: int, L: int, N: int, dims_per_group: int,
+                 num_sms: int) -> ScanFwdConfig:
+    """The level-0 tiles without the time split (the fused kernel walks all of L)."""
+    return scan_fwd_config(batch, dim, L, N, dims_per_group, num_sms)._replace(n_segments=1)
+
+
+def fused_scan_fwd(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor],
+    z: Optional[torch.Tensor],
+    delta_bias: Optional[torch.Tensor],
+    delta_softplus: bool,
+    conv_weight: Optional[torch.Tensor],
+    conv_bias: Optional[torch.Tensor],
+    conv_silu: bool,
+    dt_weight: Optional[torch.Tensor],
+    *,
+    config: Optional[ScanFwdConfig] = None,
+) -> FusedLaunch:
+    """Launch the fused kernel (inputs already validated by the op layer).
+
+    Args:
+        x: (batch, dim, L): the pre-conv input when ``conv_weight`` is given, else u.
+        delta: (batch, dim, L), or dt_low (batch, R, L) when ``dt_weight`` (dim, R) is given.
+        A: (dim, N). B, C: (batch, G, N, L). D, delta_bias, conv_bias: (dim,) or None.
+        z: (batch, dim, L) or None. conv_weight: (dim, W) or None.
+        config: tile override; default ``fused_config``.
+
+    Returns:
+        ``FusedLaunch(y, compiled)``: y (batch, dim, L) in x's dtype.
+    """
+    batch, dim, L = x.shape
+    G, N = B.shape[1], B.shape[2]
+    dims_per_group = dim // G
+    block_n = _next_pow2(N)
+    if config is None:
+        n_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        config = fused_config(batch, dim, L, N, dims_per_group, n_sms)
+    R = dt_weight.shape[1] if dt_weight is not None else 0
+    # The batch offset is int64 in the kernel; offsets within one batch row are int32.
+    for name, t in (("x", x), ("delta", delta), ("z", z), ("B", B), ("C", C)):
+        if t is not None and sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) >= 2**31:
+            raise ValueError(
+                f"{name}: one batch row spans more than 2**31 elements (shape {tuple(t.shape)}, "
+                f"strides {t.stride()}); the fused Triton scan indexes rows in int32")
+    y = torch.empty((batch, dim, L), dtype=x.dtype, device=x.device)
+
+    def strides(t, n):
+        return t.stride() if t is not None else (0,) * n
+
+    grid = (triton.cdiv(dim, config.block_d), batch)
+    compiled = _fused_scan_kernel[grid](
+        x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bias, dt_weight, y,
+        dim, L, N, R, dims_per_group,
+        *x.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
+        *strides(D, 1), *strides(delta_bias, 1), *strides(z, 3),
+        *strides(conv_weight, 2), *strides(conv_bias, 1), *strides(dt_weight, 2), *y.stride(),
+        BLOCK_D=config.block_d, CHUNK_T=config.chunk_t,
+        N_PER_THREAD=max(1, block_n // config.lanes_n), LANES_N=min(config.lanes_n, block_n),
+        W=conv_weight.shape[1] if conv_weight is not None else 1, CONV_SILU=conv_silu,
+        DELTA_SOFTPLUS=delta_softplus,
+        num_warps=config.num_warps,
+    )
+    return FusedLaunch(y, compiled if x.is_cuda else None)
