@@ -78,62 +78,138 @@ def mixer_assoc(mixer, hidden):
     return mixer.out_proj(y.transpose(1, 2).to(hidden.dtype))
 
 
+def scan_path(dtype) -> str:
+    """Which scan form dynamo captures from this transformers on this device: compile a 1-layer
+    model at a small L and read which ssm pass fired. The loop form unrolls L steps per layer,
+    so its compile time grows with L x layers and caps the lengths this script can afford."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch._dynamo.reset()
+    probe = build(True, dtype, layers=1).eval()
+    with torch.no_grad():
+        torch.compile(probe, backend="ssm")(torch.randint(0, VOCAB, (1, 32), device="cuda"))
+    fired = dict(counters["ssm"])
+    print(f"probe: ssm rewrites {fired}", flush=True)
+    torch._dynamo.reset()
+    return "assoc" if fired.get("scan_assoc") else "loop" if fired.get("scan_loop") else "none"
+
+
+def train_step_ms(model, fn, ids):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        fn(ids, labels=ids).loss.backward()
+        opt.step()
+
+    return step
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lens", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--loop-len", type=int, default=128, help="L for the one-layer inductor loop-path baseline")
+    p.add_argument("--train-len", type=int, default=2048, help="L of the training-step comparison (0: skip)")
+    p.add_argument("--time-budget", type=float, default=300, help="seconds; later baselines are skipped")
     args = p.parse_args()
+    start = time.perf_counter()
+
+    def over_budget(what: str) -> bool:
+        if time.perf_counter() - start > args.time_budget:
+            notes.append(f"skipped {what}: time budget of {args.time_budget:.0f} s used up")
+            return True
+        return False
+
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     nbytes = torch.finfo(dtype).bits // 8
     gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
     print(f"copy bandwidth {gbs:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+    path = scan_path(dtype)
+    lens = args.lens if path == "assoc" else [min(L, 256) for L in args.lens]
+    notes = [f"transformers {__import__('transformers').__version__} under dynamo gives the {path!r} scan form"
+             + ("" if path == "assoc" else "; lengths capped at 256 because the unrolled loop's compile time "
+                "grows with L x layers")]
 
     rows = []
     model = build(True, dtype).eval()
-    ssm = torch.compile(model, backend="ssm")
-    ind = torch.compile(model)
-    for L in args.lens:
+    for L in lens:
+        # A fresh compile per length: the compile-time column is then a cold compile at that L.
+        torch._dynamo.reset()
+        ssm = torch.compile(model, backend="ssm")
+        ind = torch.compile(model)
         ids = torch.randint(0, VOCAB, (args.batch, L), device="cuda")
         tok = args.batch * L
         fl = floor_ms(args.batch, L, nbytes, tflops, gbs)
         with torch.no_grad():
             ref = model(ids).logits.float()
-            res = {}
-            res["eager"] = (0.0, median_ms(lambda: model(ids), warmup_ms=1, rep_ms=1))
+            res = {"eager": (0.0, median_ms(lambda: model(ids), warmup_ms=1, rep_ms=1))}
             c = timed_compile(ssm, ids)
             out = ssm(ids).logits.float()
-            err = ((out - ref).norm() / ref.norm()).item()
+            notes.append(f"L={L}: ssm vs eager logits rel err {((out - ref).norm() / ref.norm()).item():.2e}")
             res["ssm"] = (c, median_ms(lambda: ssm(ids)))
-            try:
-                c = timed_compile(ind, ids)
-                res["inductor (assoc path)"] = (c, median_ms(lambda: ind(ids)))
-            except Exception as e:  # noqa: BLE001 - a failing baseline must not end the run
-                print(f"inductor assoc path failed at L={L}: {type(e).__name__}: {e}", flush=True)
+            if not over_budget(f"inductor forward at L={L}"):
+                try:
+                    c = timed_compile(ind, ids)
+                    res[f"inductor ({path} path)"] = (c, median_ms(lambda: ind(ids)))
+                except Exception as e:  # noqa: BLE001 - a failing baseline must not end the run
+                    notes.append(f"inductor failed at L={L}: {type(e).__name__}: {e}")
         for name, (c, ms) in res.items():
-            rows.append([name, L, c, ms, tok / ms * 1e3, fl / ms, res["ssm"][1] and ms / res["ssm"][1]])
-        print(f"L={L}: ssm vs eager logits rel err {err:.2e}", flush=True)
+            rows.append([name, L, c, ms, tok / ms * 1e3, fl / ms, ms / res["ssm"][1]])
+        print(markdown_table(["variant", "L", "compile s", "fwd ms", "tokens/s", "floor/time", "time/ssm"], rows),
+              flush=True)
 
-    # One layer through inductor on the unrolled-loop path (and the direct associative_scan
-    # layer), at a small L: the model figure is x24 layers, an extrapolation.
+    # One layer through inductor on the unrolled-loop path and on a direct associative_scan, at a
+    # small L (the loop's compile time grows with L); x24 layers gives the model-level estimate.
+    layer_rows = []
     mixer = build(False, dtype, layers=1).backbone.layers[0].mixer.eval()
     L = args.loop_len
     h = torch.randn(args.batch, L, D_MODEL, device="cuda", dtype=dtype)
     with torch.no_grad():
-        for name, fn in [("layer: inductor loop path", torch.compile(mixer)),
-                         ("layer: inductor assoc (direct)", torch.compile(lambda t: mixer_assoc(mixer, t))),
-                         ("layer: ssm", torch.compile(mixer, backend="ssm")),
-                         ("layer: eager loop", mixer)]:
+        for name, fn in [("inductor loop path", torch.compile(mixer)),
+                         ("inductor assoc (direct)", torch.compile(lambda t: mixer_assoc(mixer, t))),
+                         ("ssm", torch.compile(mixer, backend="ssm")),
+                         ("eager loop", mixer)]:
+            if over_budget(f"one-layer {name}"):
+                continue
             try:
                 c = timed_compile(fn, h)
-                rows.append([name, L, c, median_ms(lambda: fn(h)), "", "", ""])
+                layer_rows.append([name, L, c, median_ms(lambda: fn(h))])
             except Exception as e:  # noqa: BLE001
-                print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+                notes.append(f"layer {name} failed: {type(e).__name__}: {e}")
+    print(markdown_table(["one layer", "L", "compile s", "fwd ms"], layer_rows), flush=True)
 
-    header = ["variant", "L", "compile s", "fwd ms", "tokens/s", "floor/time", "time/ssm"]
-    write_out("bench_e2e.md", f"batch {args.batch}, {args.dtype}, 130m-shaped HF Mamba, copy {gbs:.0f} GB/s, "
-              f"matmul {tflops:.0f} TFLOP/s\n\n" + markdown_table(header, rows))
+    train_rows = []
+    if args.train_len:
+        L = args.train_len if path == "assoc" else min(args.train_len, 256)
+        ids = torch.randint(0, VOCAB, (args.batch, L), device="cuda")
+        for name in ["ssm", "eager", f"inductor ({path} path)"]:
+            if name != "ssm" and over_budget(f"training step {name}"):
+                continue
+            model = build(True, dtype).train()
+            fn = {"ssm": lambda m: torch.compile(m, backend="ssm"), "eager": lambda m: m}.get(name, torch.compile)(model)
+            try:
+                step = train_step_ms(model, fn, ids)
+                c = timed_compile(step)
+                ms = median_ms(step, warmup_ms=1, rep_ms=1) if name == "eager" else median_ms(step)
+                train_rows.append([name, L, c, ms, args.batch * L / ms * 1e3, torch.cuda.max_memory_allocated() / 2**30])
+            except Exception as e:  # noqa: BLE001 - e.g. eager running out of memory on the (B, D, L, N) tensors
+                notes.append(f"train {name} L={L}: {type(e).__name__}: {str(e)[:200]}")
+            del model, fn
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        print(markdown_table(["train step", "L", "first step s", "step ms", "tokens/s", "peak GiB"], train_rows),
+              flush=True)
+
+    write_out("bench_e2e.md", "\n\n".join([
+        f"130m-shaped HF Mamba (24 layers, d_model 768), batch {args.batch}, {args.dtype}; "
+        f"copy {gbs:.0f} GB/s, matmul {tflops:.0f} TFLOP/s (measured in this run)",
+        markdown_table(["variant", "L", "compile s", "fwd ms", "tokens/s", "floor/time", "time/ssm"], rows),
+        markdown_table(["one layer", "L", "compile s", "fwd ms"], layer_rows),
+        markdown_table(["train step", "L", "first step s", "step ms", "tokens/s", "peak GiB"], train_rows),
+        "\n".join(f"- {n}" for n in notes)]))
 
 
 if __name__ == "__main__":
