@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import random
 import math
 import os
 import sys
@@ -85,7 +86,7 @@ def run_level(level, p):
     return ops.fused_mamba_scan(p["x"], dt_low_t, *common, p["conv_w"], p["conv_b"], "silu", p["dt_w"])
 
 
-def main(quick: bool = False):
+def main(quick: bool = False, time_budget_s: float = TIME_BUDGET_S):
     from ssm_compile.kernels.causal_conv1d import op as conv_op
     from ssm_compile.kernels.fused import op as fused_op
     from ssm_compile.kernels.selective_scan import op as scan_op
@@ -99,10 +100,12 @@ def main(quick: bool = False):
     start = time.time()
     rows, stopped = [], None
     configs = list(itertools.product(DTYPES, BATCHES, DIMS, LS, NS))
+    # A fixed shuffle, so that a run cut short by the time budget still samples the whole grid.
+    random.Random(0).shuffle(configs)
     if quick:
         configs = list(itertools.product(["bf16"], BATCHES, [768], [512, 2048], [16]))
     for dname, batch, dim, L, N in configs:
-        if time.time() - start > TIME_BUDGET_S:
+        if time.time() - start > time_budget_s:
             stopped = f"time budget reached after {len(rows)} of {len(configs)} configs"
             break
         dtype = DTYPES[dname]
@@ -157,7 +160,9 @@ def main(quick: bool = False):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 bf16 configs only")
+    parser.add_argument("--time-budget", type=float, default=TIME_BUDGET_S,
+                        help="seconds; the sweep stops there and reports the configs measured")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fusion.py needs a CUDA GPU")
-    main(quick=args.quick)
+    main(quick=args.quick, time_budget_s=args.time_budget)

@@ -51,6 +51,7 @@ MAMBA = {(8, 1024): (0.450, 0.231), (8, 2048): (0.887, 0.463), (8, 4096): (1.766
 NAIVE_MAX_L = 2048
 ASSOC_MAX_BYTES = 40e9
 ASSOC_BUDGET_S = 150  # compiles of the associative_scan baseline are slow; cap their total
+SWEEP_BUDGET_S = 360  # the lead's GPU commands are limited to 10 minutes, main table included
 GRAPH_CALLS = 10  # calls per captured graph: one replay's launch cost is spread over them
 
 
@@ -157,6 +158,8 @@ def try_time(fn, *args, **kw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
+    ap.add_argument("--sweep-named", action="store_true",
+                    help="time only the named candidate tiles of the sweep (a one-minute run)")
     args = ap.parse_args()
     start = time.time()
     props = torch.cuda.get_device_properties(0)
@@ -177,7 +180,8 @@ def main():
         for batch, L in SHAPES:
             x = make_inputs(batch, L, dtype)
             cfg = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
-            cfg_s = f"d{cfg.block_d}/t{cfg.chunk_t}/ln{cfg.lanes_n}/w{cfg.num_warps}/s{cfg.n_segments}"
+            cfg_s = (f"d{cfg.block_d}/t{cfg.chunk_t}/ln{cfg.lanes_n}/w{cfg.num_warps}"
+                     f"/s{cfg.n_segments}/r{cfg.max_registers or '-'}/p{cfg.prefetch}")
             t_ours = try_time(ours, x)
             try:
                 t_graph = graph_ms(ours, x)
@@ -221,48 +225,90 @@ def main():
     text = (f"GPU {props.name}, {n_sms} SMs, clock {clock:.2f} GHz, copy BW {bw:.0f} GB/s\n\n"
             + markdown_table(header, rows))
     write_out("bench_scan.md", text)
-    if args.sweep:
-        sweep(n_sms, bw, clock)
+    if args.sweep or args.sweep_named:
+        sweep(n_sms, bw, clock, named_only=args.sweep_named)
     print(f"total {time.time() - start:.0f}s")
 
 
-def sweep(n_sms, bw, clock):
+def named_candidates(default, segs):
+    """The candidates of NOTES_scan_fwd.md ("Issue 2, fp32 regression"), always listed."""
+    return {
+        default: "default",
+        ScanFwdConfig(32, 16, 4, 4, segs, None, 1): "t16 uncapped (run 3)",
+        ScanFwdConfig(32, 8, 4, 4, segs, None, 1): "t8 (model 1)",
+        ScanFwdConfig(32, 16, 4, 4, segs, 128, 1): "t16 cap 128 (model 2)",
+        ScanFwdConfig(32, 16, 4, 4, segs, 168, 2): "t16 prefetch 2",
+    }
+
+
+def grid(batch, seg_options):
+    for lanes_n in (2, 4, 8):
+        for chunk_t in (8, 16, 32):
+            if chunk_t * N // lanes_n > 64:
+                continue
+            for num_warps in (1, 2, 4, 8):
+                # (max_registers, prefetch) variants; only 4-warp tiles are register-bound.
+                variants = [(None, 1)]
+                if num_warps == 4 and batch > 1:
+                    variants += [(168, 1), (128, 1), (96, 1), (80, 1), (None, 2), (168, 2)]
+                elif num_warps == 4:
+                    variants += [(168, 1), (168, 2)]
+                for segs in seg_options:
+                    for cap, prefetch in variants:
+                        yield ScanFwdConfig((32 // lanes_n) * num_warps, chunk_t, lanes_n, num_warps, segs, cap,
+                                            prefetch)
+
+
+def sweep(n_sms, bw, clock, named_only=False):
     """Time a grid of tile configs on the headline shapes; the best per shape is the data the
     heuristic in scan_fwd_config should reproduce. ~150 kernel compiles: a few minutes.
 
-    Ranked by CUDA-graph time (GPU time alone: the tiles do not change the host cost)."""
+    Ranked by CUDA-graph time (GPU time alone: the tiles do not change the host cost).
+
+    4-warp tiles are also timed under per-thread register caps (ptxas maxnreg) that buy one
+    more program per SM: 168 = 3 programs, 128 = 4, 96 = 5, 80 = 6 (65536 / (k * 128), rounded
+    down to 8). Offline (Triton 3.6, sm_90, fp32): t16 uncapped 180 registers (2 programs),
+    t16/r168 no spill, t16/r128 48 B spilled (7 local loads per chunk), t8 uncapped 96,
+    t8/r80 32 B spilled (4 local loads per chunk). prefetch = 2 keeps two chunks of loads in
+    flight per program (t16: 168 registers uncapped, +3 % instructions)."""
     rows = []
+    # Headline shapes first: the sweep stops compiling new configs after SWEEP_BUDGET_S.
     cases = [(torch.float32, 8, 2048, (1,)), (torch.bfloat16, 8, 2048, (1,)),
-             (torch.bfloat16, 1, 2048, (1, 2, 4, 8)), (torch.float32, 1, 128, (1,))]
+             (torch.float32, 1, 2048, (8,)), (torch.bfloat16, 1, 2048, (1, 8)),
+             (torch.float32, 1, 128, (1,))]
+    start, skipped = time.time(), 0
     for dtype, batch, L, seg_options in cases:
         elt = torch.finfo(dtype).bits // 8
         x = make_inputs(batch, L, dtype)
         results = []
-        for lanes_n in (2, 4, 8):
-            for chunk_t in (8, 16, 32):
-                if chunk_t * N // lanes_n > 64:
-                    continue
-                for num_warps in (1, 2, 4, 8):
-                    for segs in seg_options:
-                        cfg = ScanFwdConfig((32 // lanes_n) * num_warps, chunk_t, lanes_n,
-                                            num_warps, segs)
-                        try:
-                            t = graph_ms(lambda x, cfg=cfg: ours(x, cfg), x)
-                        except Exception:  # noqa: BLE001 - a config may not compile
-                            traceback.print_exc()
-                            continue
-                        results.append((t, cfg))
+        default = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
+        named = named_candidates(default, default.n_segments)
+        for cfg in (named if named_only else grid(batch, seg_options)):
+            if time.time() - start > SWEEP_BUDGET_S:
+                skipped += 1
+                continue
+            try:
+                t = graph_ms(lambda x, cfg=cfg: ours(x, cfg), x)
+            except Exception:  # noqa: BLE001 - a config may not compile
+                traceback.print_exc()
+                continue
+            results.append((t, cfg))
+        print(f"sweep {dtype} batch {batch}: {len(results)} configs [{time.time() - start:.0f}s]",
+              flush=True)
         results.sort(key=lambda r: r[0])
         fl = floor_ms(batch, L, elt, bw, n_sms, clock)
-        default = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
-        shown = results[:6] + [r for r in results[6:] if r[1] == default]
+        shown = results[:6] + [r for r in results[6:] if r[1] in named]
         for t, cfg in shown:
             rows.append(["fp32" if dtype == torch.float32 else "bf16", batch, L, str(tuple(cfg)),
-                         t, f"{100 * fl / t:.0f}%", "default" if cfg == default else ""])
+                         t, f"{100 * fl / t:.0f}%", named.get(cfg, "")])
         del x
         torch.cuda.empty_cache()
-    write_out("bench_scan_sweep.md", markdown_table(
-        ["dtype", "batch", "L", "config (block_d, chunk_t, lanes_n, warps, segs)", "graph ms",
+    note = ""
+    if skipped:
+        note = f"{skipped} configs not timed (sweep budget {SWEEP_BUDGET_S} s spent)\n\n"
+    write_out("bench_scan_sweep.md", note + markdown_table(
+        ["dtype", "batch", "L",
+         "config (block_d, chunk_t, lanes_n, warps, segs, max regs, prefetch)", "graph ms",
          "%floor", ""], rows))
 
 

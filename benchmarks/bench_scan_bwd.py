@@ -1,15 +1,18 @@
 """Selective-scan backward on the GPU: our Triton kernels against eager, inductor and mamba_ssm.
 
-Run on the H200: ``python benchmarks/bench_scan_bwd.py`` (about 3-5 minutes). Prints markdown
-tables and writes ``$OUT/bench_scan_bwd.md`` when OUT is set. Each baseline runs inside its own
+Run on the H200: ``python benchmarks/bench_scan_bwd.py`` (under 90 s: the backward-only table,
+the per-kernel split and our fwd+bwd); ``--sweep`` adds the tile sweep (~1-2 min) and
+``--baselines`` the eager/inductor fwd+bwd baselines (~3 min). Prints markdown tables and
+writes ``$OUT/bench_scan_bwd.md`` when OUT is set. Each baseline runs inside its own
 try block, so one that fails (or is missing on this torch) leaves a note, not a crash.
 
 Tables:
 1. backward only (our launcher called directly, after one forward), against the mamba_ssm
    CUDA backward anchors, with the fraction of device copy bandwidth achieved on the minimal
    bytes (read u, delta, z, B, C, dy; write du, ddelta, dz, dB, dC);
-2. a tile sweep at the main shape, to pick the launcher defaults;
-3. forward+backward through ``torch.ops.ssm.selective_scan`` with peak memory, beside eager
+2. the per-kernel split at the main shape (fp32 and bf16);
+3. with ``--sweep``: a tile sweep at the main shape, to pick the launcher defaults;
+4. forward+backward through ``torch.ops.ssm.selective_scan`` with peak memory, beside eager
    autograd (reference-style PyTorch that materialises (batch, dim, L, N)), inductor on the
    unrolled loop and inductor on ``associative_scan``; the last two only at small L.
 """
@@ -39,9 +42,10 @@ MAMBA_BWD_MS = {
 # O(L^2): both are capped at a small L where they still compile in under a minute.
 LOOP_L = 128
 ASSOC_L = LOOP_L
-# Later sections are skipped (with a note) past these marks, to stay under 6 minutes.
-SWEEP_BUDGET_S = 150
-TIME_BUDGET_S = 270
+# Later sections are skipped (with a note) past these marks (seconds from the start; the
+# default run, without --sweep or --baselines, ends well before either).
+SWEEP_BUDGET_S = 240
+TIME_BUDGET_S = 420
 
 
 def make_inputs(batch, L, dtype, requires_grad=False):
@@ -177,35 +181,63 @@ def backward_table(copy_gbs, notes):
     return markdown_table(header, rows)
 
 
+# Candidates for the launcher defaults (see benchmarks/NOTES_scan_bwd.md, "H12"). Chunk-kernel
+# registers and SASS instructions per (d, t, n) element in its n-loop, sm_90 / triton 3.6:
 SWEEP = [
-    dict(chunk=64, block_d=8), dict(chunk=64, block_d=16, num_warps=8), dict(chunk=64, block_d=32, num_warps=8),
-    dict(chunk=32, block_d=16), dict(chunk=32, block_d=32), dict(chunk=128, block_d=8),
-    dict(chunk=128, block_d=16, num_warps=8), dict(state_block_d=32), dict(state_block_d=64, state_num_warps=8),
-    dict(state_block_d=8, state_num_warps=2), dict(num_splits=1), dict(num_splits=8),
+    dict(chunk=128, block_d=1, num_warps=1),  # the default: 122 regs, 56 instr/elt, no barrier
+    dict(chunk=64, block_d=16, num_warps=4),  # H3's tiles: 247 regs, 73 instr/elt, 42 BAR/iter
+    dict(chunk=64, block_d=2, num_warps=1),  # 168 regs, 75 instr/elt
+    dict(chunk=32, block_d=4, num_warps=1),  # 168 regs, 70 instr/elt
+    dict(chunk=64, block_d=4, num_warps=2),  # 199 regs, 94 instr/elt
+    dict(chunk=256, block_d=1, num_warps=2),  # 250 regs, 100 instr/elt (rows cross warps)
+    # 186 regs, 97 instr/elt, 46 BAR/iter, but half the dB/dC read-modify-write traffic per
+    # element: if it comes close to the default, that traffic (L2) is what limits the default.
+    dict(chunk=128, block_d=2, num_warps=2),
+    dict(chunk=128, block_d=1, num_warps=1, num_splits=8),  # half the default's programs
+    dict(chunk=128, block_d=1, num_warps=1, num_splits=34),  # twice the default's programs
+    # Chunk-state kernel (default [8, 128] x 4 warps: 20 instr/elt, 8 BAR/iter, 64 regs):
+    dict(chunk=128, block_d=1, num_warps=1, state_block_d=2, state_num_warps=1),  # 20/elt, no BAR
+    dict(chunk=128, block_d=1, num_warps=1, state_block_d=4, state_num_warps=1),  # 18/elt, 113 regs
+    dict(chunk=128, block_d=1, num_warps=1, state_block_d=16, state_num_warps=8),  # 19/elt, 4 BAR
 ]
+# bf16 re-times this many of the fastest fp32 candidates.
+SWEEP_BF16_TOP = 3
 
 
 def sweep_table(notes, start):
-    rows = []
-    # fp32 only: the kernels are compute bound, so the best tiles carry over to bf16.
-    for dname, dtype in (("fp32", torch.float32),):
-        x, dy = make_inputs(8, 2048, dtype)
-        default = choose_tiles(8, DIM, 2048, N, 1, x["u"].device)
-        rows.append([dname, f"default {tuple(default)}", median_ms(bwd_call(x, dy))])
-        for cfg in SWEEP:
-            if time.time() - start > SWEEP_BUDGET_S:
-                notes.append("tile sweep cut short by the time budget")
-                break
-            try:
-                rows.append([dname, str(cfg), median_ms(bwd_call(x, dy, **cfg))])
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
-                notes.append(f"sweep {dname} {cfg}: {type(e).__name__}: {e}")
-        del x, dy
-    return markdown_table(["dtype", "tiles (chunk, state_block_d, block_d, num_splits, state_warps, warps)",
-                           "bwd ms B8 L2048"], rows)
+    rows, fp32_ms = [], []
+    x, dy = make_inputs(8, 2048, torch.float32)
+    default = choose_tiles(8, DIM, 2048, N, 1, x["u"].device)
+    rows.append(["fp32", f"default {tuple(default)}", median_ms(bwd_call(x, dy))])
+    for cfg in SWEEP:
+        if time.time() - start > SWEEP_BUDGET_S:
+            notes.append("tile sweep cut short by the time budget")
+            break
+        try:
+            ms = median_ms(bwd_call(x, dy, **cfg))
+            rows.append(["fp32", str(cfg), ms])
+            fp32_ms.append((ms, cfg))
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+            notes.append(f"sweep fp32 {cfg}: {type(e).__name__}: {e}")
+    del x, dy
+    # bf16 moves half the bytes but runs the same fp32 arithmetic: re-time only the leaders.
+    x, dy = make_inputs(8, 2048, torch.bfloat16)
+    for _, cfg in sorted(fp32_ms, key=lambda r: r[0])[:SWEEP_BF16_TOP]:
+        if time.time() - start > SWEEP_BUDGET_S:
+            notes.append("bf16 tile sweep cut short by the time budget")
+            break
+        try:
+            rows.append(["bf16", str(cfg), median_ms(bwd_call(x, dy, **cfg))])
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+            notes.append(f"sweep bf16 {cfg}: {type(e).__name__}: {e}")
+    del x, dy
+    best = min(fp32_ms, key=lambda r: r[0])[1] if fp32_ms else None
+    table = markdown_table(["dtype", "tiles (chunk, state_block_d, block_d, num_splits, state_warps, warps)",
+                            "bwd ms B8 L2048"], rows)
+    return table, best
 
 
-def fwd_bwd_table(notes, start):
+def fwd_bwd_table(notes, start, baselines):
     rows = []
     try:
         from ssm_compile.kernels.selective_scan import op
@@ -215,11 +247,12 @@ def fwd_bwd_table(notes, start):
         notes.append(f"torch.ops.ssm.selective_scan unavailable: {type(e).__name__}: {e}")
         return "(no fwd+bwd table)"
     plan = [("ours", scan_ours, b, L, dn) for dn in DTYPES for b, L in SHAPES]
-    plan += [("eager", scan_eager, b, L, dn) for dn in DTYPES for b, L in SHAPES if L <= 2048]
-    plan += [("ours", scan_ours, 8, ASSOC_L, "fp32"),
-             ("inductor assoc_scan", torch.compile(scan_assoc), 8, ASSOC_L, "fp32")]
-    # Last: the unrolled loop is the slowest to compile.
-    plan += [("inductor loop", torch.compile(scan_eager), 8, LOOP_L, "fp32")]
+    if baselines:
+        plan += [("eager", scan_eager, b, L, dn) for dn in DTYPES for b, L in SHAPES if L <= 2048]
+        plan += [("ours", scan_ours, 8, ASSOC_L, "fp32"),
+                 ("inductor assoc_scan", torch.compile(scan_assoc), 8, ASSOC_L, "fp32")]
+        # Last: the unrolled loop is the slowest to compile.
+        plan += [("inductor loop", torch.compile(scan_eager), 8, LOOP_L, "fp32")]
     for name, fn, batch, L, dname in plan:
         if time.time() - start > TIME_BUDGET_S:
             notes.append(f"skipped {name} B{batch} L{L} {dname}: time budget")
@@ -239,13 +272,13 @@ def fwd_bwd_table(notes, start):
     return markdown_table(["impl", "dtype", "batch", "L", "fwd+bwd ms", "peak MiB", "first call s"], rows)
 
 
-def kernel_split(notes):
+def kernel_split(notes, dname="fp32", tiles=None):
     """Per-kernel CUDA time of one backward at the main shape (which of the three dominates)."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
-        x, dy = make_inputs(8, 2048, torch.float32)
-        call = bwd_call(x, dy)
+        x, dy = make_inputs(8, 2048, DTYPES[dname])
+        call = bwd_call(x, dy, **(tiles or {}))
         call()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
@@ -253,7 +286,8 @@ def kernel_split(notes):
             torch.cuda.synchronize()
         rows = [[e.key[:60], e.device_time_total / 5 / 1000] for e in prof.key_averages()]
         rows.sort(key=lambda r: -r[1])
-        return markdown_table(["kernel (B8 L2048 fp32)", "ms per backward"], rows[:8])
+        label = f"kernel (B8 L2048 {dname}{', ' + str(tiles) if tiles else ''})"
+        return markdown_table([label, "ms per backward"], rows[:6])
     except Exception as e:  # noqa: BLE001 - the profiler is a diagnostic only
         notes.append(f"profiler: {type(e).__name__}: {e}")
         return "(no kernel split)"
@@ -263,7 +297,9 @@ def main():
     import argparse
 
     p = argparse.ArgumentParser()
-    p.add_argument("--sweep", action="store_true", help="also time the tile sweep")
+    p.add_argument("--sweep", action="store_true", help="also time the tile sweep (~1-2 min)")
+    p.add_argument("--baselines", action="store_true",
+                   help="also time eager and inductor fwd+bwd (~3 min, mostly compiling)")
     args = p.parse_args()
     start = time.time()
     notes = []
@@ -281,12 +317,16 @@ def main():
          f"triton {__import__('triton').__version__})",
          f"dim {DIM}, N {N}, z + delta_bias + softplus + D. Device copy bandwidth: {copy_gbs:.0f} GB/s.")
     emit("## Backward only", backward_table(copy_gbs, notes))
-    emit("## Per-kernel split", kernel_split(notes))
+    emit("## Per-kernel split", kernel_split(notes, "fp32"), kernel_split(notes, "bf16"))
     if args.sweep:
-        emit("## Tile sweep", sweep_table(notes, start))
+        table, best = sweep_table(notes, start)
+        emit("## Tile sweep", table)
+        if best is not None:
+            emit("Per-kernel split of the fastest fp32 candidate:", kernel_split(notes, "fp32", best))
     emit("## Forward + backward (op level)",
-         f"inductor loop capped at L={LOOP_L}, inductor associative_scan at L={ASSOC_L}; eager at L <= 2048.",
-         fwd_bwd_table(notes, start), f"Total benchmark time {time.time() - start:.0f} s.")
+         f"inductor loop capped at L={LOOP_L}, inductor associative_scan at L={ASSOC_L}; eager at L <= 2048"
+         + ("." if args.baselines else " (baselines not run: pass --baselines)."),
+         fwd_bwd_table(notes, start, args.baselines), f"Total benchmark time {time.time() - start:.0f} s.")
     if notes:
         emit("## Notes", "\n".join(f"- {n}" for n in notes))
     write_out("bench_scan_bwd.md", "\n\n".join(parts))

@@ -12,6 +12,9 @@ shape where this overhead is the whole cost:
   fwd (grad)      the op on inputs that require grad (builds the autograd node)
   fwd+bwd         forward and ``torch.autograd.grad`` of every differentiable input
 
+plus eager ``F.conv1d`` + silu forward+backward at the same shape as a yardstick (not stubbed:
+it is what issue 4 compares ``causal_conv1d`` with).
+
 ``--cuda`` also times the real launches (``real`` column): median host time per call of 200
 back-to-back calls, clock stopped before the synchronize (what the CPU spends to enqueue), and
 ``sync`` with the synchronize inside the clock (bounded by the GPU when it is slower).
@@ -24,6 +27,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import markdown_table, write_out  # noqa: E402
@@ -133,7 +137,7 @@ def cases(device: str):
 
     def scan_inputs(grad):
         return dict(u=rand(BATCH, DIM, L, grad=grad), delta=rand(BATCH, DIM, L, grad=grad),
-                    A=-rand(DIM, N).abs().requires_grad_(grad), B=rand(BATCH, N, L, grad=grad),
+                    A=(-rand(DIM, N).abs()).requires_grad_(grad), B=rand(BATCH, N, L, grad=grad),
                     C=rand(BATCH, N, L, grad=grad), D=rand(DIM, grad=grad), z=rand(BATCH, DIM, L, grad=grad),
                     delta_bias=rand(DIM, grad=grad))
 
@@ -146,6 +150,10 @@ def cases(device: str):
 
     def conv(kw):
         return torch.ops.ssm.causal_conv1d(kw["x"], kw["weight"], kw["bias"], "silu", None)
+
+    def eager_conv(kw):
+        y = F.conv1d(kw["x"], kw["weight"].unsqueeze(1), kw["bias"], padding=W - 1, groups=DIM)[..., :L]
+        return F.silu(y)
 
     def fwd_bwd(op, kw):
         y = op(kw)
@@ -164,6 +172,7 @@ def cases(device: str):
         ("causal_conv1d", "fwd", lambda: conv(conv_plain)),
         ("causal_conv1d", "fwd (grad)", lambda: conv(conv_grad)),
         ("causal_conv1d", "fwd+bwd", lambda: fwd_bwd(conv, conv_grad)),
+        ("eager F.conv1d + silu (yardstick, never stubbed)", "fwd+bwd", lambda: fwd_bwd(eager_conv, conv_grad)),
         ("selective_state_update", "fwd", lambda: torch.ops.ssm.selective_state_update(
             state, x1, dt1, A1, B1, C1, D1, z1, dtb1, True)),
         ("causal_conv1d_update", "fwd", lambda: torch.ops.ssm.causal_conv1d_update(

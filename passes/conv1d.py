@@ -16,7 +16,9 @@ view goes in as is and the user's transpose after it stays.
 The slice is what makes a padded conv causal: with padding W-1 on both sides, output position t
 sees inputs t-(W-1)..t, so the FIRST L outputs are the causal conv and the last W-1 see the
 right-hand zero padding. Anything else (another padding, a slice not starting at 0, a slice of
-another length, another user of the unsliced output) is a different function and is refused.
+another length, another user of the unsliced output) is a different function and is refused,
+with the reason recorded. An unpadded conv (HF's decode step over ``cat([conv_state, x])``, which
+the decode pass rewrites) is not a candidate at all and is skipped without a record.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import is_call, is_method, propagate_val, val
+from .fx_utils import depthwise_weight, is_call, is_method, propagate_val, val
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -135,6 +137,19 @@ def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: 
     return None
 
 
+def is_unpadded(args: dict[str, Any], weight: Any) -> bool:
+    """A conv with no padding on a kernel wider than 1 is not a causal-conv candidate at all.
+
+    It is a 'valid' conv over a window the caller assembled itself (HF's decode step convolves
+    ``torch.cat([conv_state, x])`` this way, and the decode pass rewrites that), so refusing it
+    here is no near-miss worth reporting.
+    """
+    padding, wv = _single(args["padding"]), val(weight)
+    width = wv.shape[-1] if isinstance(wv, torch.Tensor) and wv.dim() == 3 else None
+    unpadded = padding == 0 if isinstance(padding, int) else (isinstance(padding, str) and padding == "valid")
+    return unpadded and isinstance(width, int) and width > 1
+
+
 def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
     """The silu applied to ``y`` (nodes to replace, last node first; pattern name), if it is y's only use."""
     users = list(y.users)
@@ -149,17 +164,6 @@ def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
     return None
 
 
-def _kernel_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.Node:
-    """The (dim, W) weight as a view: the tensor the user unsqueezed, or a squeeze(1) of the 3-D one."""
-    if (is_method(weight, "unsqueeze") or is_call(weight, torch.unsqueeze)) and weight.args[1:] == (1,):
-        source = weight.args[0]
-        if isinstance(val(source), torch.Tensor) and val(source).dim() == 2:
-            return source
-    squeezed = graph.call_method("squeeze", (weight, 1))
-    propagate_val(squeezed)
-    return squeezed
-
-
 def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for conv in list(graph.nodes):
@@ -169,6 +173,8 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         x, weight = args["input"], args["weight"]
         users = list(conv.users)
         sliced = users[0] if len(users) == 1 and is_call(users[0], operator.getitem) else None
+        if is_unpadded(args, weight):
+            continue
         reason = check_causal_conv(conv, x, weight, args, sliced)
         if reason is not None:
             ctx.miss(FAMILY, reason, [conv])
@@ -177,7 +183,7 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         act_nodes, act_pattern = act if act is not None else ([], None)
         last = act_nodes[0] if act_nodes else sliced
         with graph.inserting_before(conv):
-            kernel_weight = _kernel_weight(graph, weight)
+            kernel_weight = depthwise_weight(graph, weight)
             op = graph.call_function(torch.ops.ssm.causal_conv1d.default,
                                      (x, kernel_weight, args["bias"], "silu" if act_nodes else None))
             propagate_val(op)

@@ -47,7 +47,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import is_call, is_method, propagate_val, val
+from .fx_utils import depthwise_weight, is_call, is_method, propagate_val, val
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -578,17 +578,6 @@ def check_conv_update(m: dict[str, Any]) -> str | None:
     return None
 
 
-def _kernel_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.Node:
-    """The (dim, W) weight: the tensor the user unsqueezed, or a squeeze(1) view of the 3-D one."""
-    if (is_method(weight, "unsqueeze") or is_call(weight, torch.unsqueeze)) and weight.args[1:] == (1,):
-        src = _tensor(weight.args[0])
-        if src is not None and src.dim() == 2:
-            return weight.args[0]
-    out = graph.call_method("squeeze", (weight, 1))
-    propagate_val(out)
-    return out
-
-
 def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for cat in list(graph.nodes):
@@ -610,7 +599,7 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         with graph.inserting_before(m["conv"]):
             x = _widen_for(graph, m["x"], out_dtype)
             op = graph.call_function(torch.ops.ssm.causal_conv1d_update.default,
-                                     (x, m["conv_state"], _kernel_weight(graph, m["weight"]), m["bias"],
+                                     (x, m["conv_state"], depthwise_weight(graph, m["weight"]), m["bias"],
                                       m["activation"]))
             propagate_val(op)
             result = _cast_to(graph, op, out_dtype)

@@ -16,219 +16,30 @@ Only torch's default softplus (beta=1, threshold=20) is what the op computes; an
 a near-miss. The intermediate nodes are left in place: if something else uses them, they keep
 computing for that user, and dead ones go with the pass manager's dead-code elimination.
 
-The helpers at the top (finding scan nodes, reading and writing their arguments in schema
-order, following permutation views) are shared with ``tail.py`` and ``scan_assoc.py``.
+``match_bias`` and the target tuples are shared with ``tail.py``; the scan-op and layout helpers
+this pass uses live in ``fx_utils.py``.
 """
 from __future__ import annotations
 
 import operator
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .fx_utils import is_call, is_method, permute_view, propagate_val, shape_of, val
+from .fx_utils import (cast_dtype, is_call, is_method, layout_source, permute_view, propagate_val, scan_args,
+                       scan_nodes, set_scan_args, shape_of)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
 
-SCAN_QUALNAME = "ssm::selective_scan"
-SCAN_ARG_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
-                  "initial_state", "return_last_state")
-_SCAN_DEFAULTS = {"D": None, "z": None, "delta_bias": None, "delta_softplus": False,
-                  "initial_state": None, "return_last_state": False}
 
 SOFTPLUS_TARGETS = (F.softplus, torch._C._nn.softplus, torch.ops.aten.softplus)
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear)
 ADD_TARGETS = (operator.add, torch.add, torch.ops.aten.add)
 MUL_TARGETS = (operator.mul, torch.mul, torch.ops.aten.mul)
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_CAST_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
-                 "bfloat16": torch.bfloat16}
-
-
-# ---------------------------------------------------------------------------------------------
-# Scan-op helpers (shared with tail.py and scan_assoc.py)
-# ---------------------------------------------------------------------------------------------
-
-def is_scan_node(node: Any) -> bool:
-    """``node`` calls ``ssm::selective_scan`` (the packet, as a user's direct call records it, or
-    ``.default``, as the scan passes emit it)."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
-        return False
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.name() == SCAN_QUALNAME
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name == SCAN_QUALNAME
-    return False
-
-
-def scan_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if is_scan_node(n)]
-
-
-def scan_args(node: torch.fx.Node) -> dict[str, Any]:
-    """The op's arguments by schema name, whether they were passed positionally or by keyword."""
-    out = dict(_SCAN_DEFAULTS)
-    out.update(zip(SCAN_ARG_NAMES, node.args))
-    out.update(node.kwargs)
-    return out
-
-
-def set_scan_args(node: torch.fx.Node, args: dict[str, Any]) -> None:
-    """Rewrite ``node`` as ``ssm.selective_scan.default`` with all eleven arguments positional,
-    the form the scan passes emit, so later passes and snapshots see one canonical call."""
-    node.target = torch.ops.ssm.selective_scan.default
-    node.args = tuple(args[name] for name in SCAN_ARG_NAMES)
-    node.kwargs = {}
-
-
-def output_getitem(scan: torch.fx.Node, index: int) -> Optional[torch.fx.Node]:
-    """The unique ``getitem(scan, index)`` user, or None (absent or duplicated)."""
-    found = [u for u in scan.users if is_call(u, operator.getitem) and u.args[1] == index]
-    return found[0] if len(found) == 1 else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout helpers: permutation views and dtype casts
-# ---------------------------------------------------------------------------------------------
-
-def cast_dtype(node: torch.fx.Node) -> Optional[torch.dtype]:
-    """The dtype ``node`` casts its first input to, if it is nothing but a float dtype cast."""
-    if is_method(node, *_CAST_METHODS) and len(node.args) == 1 and not node.kwargs:
-        return _CAST_METHODS[node.target]
-    if is_method(node, "to", "type") and not node.kwargs and len(node.args) == 2:
-        dtype = node.args[1]
-        if isinstance(dtype, torch.dtype) and dtype in _FLOAT_DTYPES:
-            return dtype
-    if is_method(node, "to") and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
-        dtype = node.kwargs["dtype"]
-        if dtype in _FLOAT_DTYPES:
-            return dtype
-    if is_method(node, "type_as") and len(node.args) == 2:
-        out = val(node)
-        return out.dtype if isinstance(out, torch.Tensor) and out.dtype in _FLOAT_DTYPES else None
-    return None
-
-
-def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Every ``src`` value is exactly representable in ``dst`` (bf16/fp16 -> fp32 -> fp64)."""
-    rank = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
-    return src == dst or rank.get(dst, 0) > rank.get(src, 0)
-
-
-def _dims(args: Sequence[Any]) -> list[int]:
-    if len(args) == 1 and isinstance(args[0], (list, tuple)):
-        return list(args[0])
-    return list(args)
-
-
-def view_perm(node: torch.fx.Node) -> Optional[list[int]]:
-    """If ``node`` is a pure axis permutation of its first input, ``sigma`` with
-    ``node`` axis ``m`` = input axis ``sigma[m]``; else None. ``.contiguous()`` counts (it copies,
-    but the values are the same)."""
-    if not isinstance(node, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
-        return None
-    out = val(node)
-    if not isinstance(out, torch.Tensor):
-        return None
-    n = out.dim()
-    ident = list(range(n))
-    if (is_method(node, "transpose", "swapaxes", "swapdims")
-            or is_call(node, torch.transpose, torch.swapaxes, torch.swapdims)):
-        if len(node.args) != 3 or node.kwargs:
-            return None
-        i, j = (d % n for d in node.args[1:])
-        ident[i], ident[j] = ident[j], ident[i]
-        return ident
-    if is_method(node, "permute") or is_call(node, torch.permute):
-        dims = node.kwargs.get("dims", None) or _dims(node.args[1:])
-        return [d % n for d in dims] if sorted(d % n for d in dims) == ident else None
-    if is_method(node, "movedim", "moveaxis") or is_call(node, torch.movedim, torch.moveaxis):
-        src, dst = node.args[1:3] if len(node.args) == 3 else (None, None)
-        if not isinstance(src, int) or not isinstance(dst, int):
-            return None
-        ident.pop(src % n)
-        ident.insert(dst % n, src % n)
-        return ident
-    if is_method(node, "t") or is_call(node, torch.t):
-        return ident[::-1] if n == 2 else (ident if n < 2 else None)
-    if is_call(node, getattr) and node.args[1] == "mT" and n >= 2:
-        ident[-1], ident[-2] = ident[-2], ident[-1]
-        return ident
-    if is_method(node, "contiguous"):
-        return ident
-    return None
-
-
-class Layout(NamedTuple):
-    """``node`` axis ``i`` holds ``base`` axis ``perm[i]``; ``lossless`` is False if a rounding
-    cast lies between them."""
-
-    base: torch.fx.Node
-    perm: tuple[int, ...]
-    lossless: bool
-
-
-def layout_source(node: torch.fx.Node, allow_casts: bool = True) -> Layout:
-    """Follow permutation views (and float casts when ``allow_casts``) back from ``node``."""
-    perm = list(range(len(shape_of(node) or ())))
-    lossless = True
-    while True:
-        sigma = view_perm(node)
-        if sigma is not None:
-            perm = [sigma[p] for p in perm]
-            node = node.args[0]
-            continue
-        dtype = cast_dtype(node) if allow_casts else None
-        if dtype is not None and isinstance(node.args[0], torch.fx.Node):
-            src = val(node.args[0])
-            if not isinstance(src, torch.Tensor) or src.dtype not in _FLOAT_DTYPES:
-                break
-            lossless = lossless and is_lossless_cast(src.dtype, dtype)
-            node = node.args[0]
-            continue
-        break
-    return Layout(node, tuple(perm), lossless)
-
-
-def inverse(perm: Sequence[int]) -> list[int]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return inv
-
-
-def node_order(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def hoist_before(node: torch.fx.Node, anchor: torch.fx.Node, blocked: torch.fx.Node) -> bool:
-    """Move ``node`` (and the inputs it needs) above ``anchor`` so ``anchor`` may use it.
-
-    Returns False, moving nothing, if ``node`` depends on ``blocked`` (the scan itself: a value
-    computed from the scan's output can't become one of its inputs). Only called on pure tensor
-    ops (the D/z/bias chains the user wrote after the scan), so moving them changes no result.
-    """
-    order = node_order(anchor.graph)
-    to_move: list[torch.fx.Node] = []
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n is blocked:
-            return False
-        if order[n] < order[anchor] or n in to_move:
-            continue
-        if n.op not in ("call_function", "call_method"):
-            return False
-        to_move.append(n)
-        stack.extend(n.all_input_nodes)
-    for n in sorted(to_move, key=order.__getitem__):
-        anchor.prepend(n)
-    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,8 +26,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.fx
 
-from .delta import output_getitem, scan_args, scan_nodes
-from .fx_utils import is_call, is_method, propagate_val, shape_of, val
+from .fx_utils import is_call, is_method, output_getitem, propagate_val, scan_args, scan_nodes, shape_of, val
 from .manager import PassContext, PassManager
 
 FAMILY = "fuse"

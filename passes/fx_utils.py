@@ -8,7 +8,7 @@ generic; no pattern knowledge lives in this file.
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.fx
@@ -16,6 +16,14 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 _CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+SCAN_QUALNAME = "ssm::selective_scan"
+SCAN_ARG_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+                  "initial_state", "return_last_state")
+_SCAN_DEFAULTS = {"D": None, "z": None, "delta_bias": None, "delta_softplus": False,
+                  "initial_state": None, "return_last_state": False}
+_CAST_METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+                       "bfloat16": torch.bfloat16}
 
 __all__ = [
     "val",
@@ -36,6 +44,22 @@ __all__ = [
     "parse_slice",
     "parse_index",
     "getitem",
+    "SCAN_ARG_NAMES",
+    "is_scan_node",
+    "scan_nodes",
+    "scan_args",
+    "set_scan_args",
+    "output_getitem",
+    "cast_dtype",
+    "is_lossless_cast",
+    "view_perm",
+    "Layout",
+    "layout_source",
+    "inverse",
+    "node_order",
+    "hoist_before",
+    "follow_views",
+    "depthwise_weight",
 ]
 
 
@@ -344,3 +368,219 @@ def getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: Any) -> torch.fx.
     out = graph.call_function(operator.getitem, (node, index))
     propagate_val(out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Scan-op helpers (used by delta.py, tail.py, fuse.py and the scan passes)
+# ---------------------------------------------------------------------------------------------
+
+def is_scan_node(node: Any) -> bool:
+    """``node`` calls ``ssm::selective_scan`` (the packet, as a user's direct call records it, or
+    ``.default``, as the scan passes emit it)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name() == SCAN_QUALNAME
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name == SCAN_QUALNAME
+    return False
+
+
+def scan_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if is_scan_node(n)]
+
+
+def scan_args(node: torch.fx.Node) -> dict[str, Any]:
+    """The op's arguments by schema name, whether they were passed positionally or by keyword."""
+    out = dict(_SCAN_DEFAULTS)
+    out.update(zip(SCAN_ARG_NAMES, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def set_scan_args(node: torch.fx.Node, args: dict[str, Any]) -> None:
+    """Rewrite ``node`` as ``ssm.selective_scan.default`` with all eleven arguments positional,
+    the form the scan passes emit, so later passes and snapshots see one canonical call."""
+    node.target = torch.ops.ssm.selective_scan.default
+    node.args = tuple(args[name] for name in SCAN_ARG_NAMES)
+    node.kwargs = {}
+
+
+def output_getitem(scan: torch.fx.Node, index: int) -> torch.fx.Node | None:
+    """The unique ``getitem(scan, index)`` user, or None (absent or duplicated)."""
+    found = [u for u in scan.users if is_call(u, operator.getitem) and u.args[1] == index]
+    return found[0] if len(found) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers: permutation views and dtype casts
+# ---------------------------------------------------------------------------------------------
+
+def cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` casts its first input to, if it is nothing but a float dtype cast."""
+    if is_method(node, *_CAST_METHOD_DTYPES) and len(node.args) == 1 and not node.kwargs:
+        return _CAST_METHOD_DTYPES[node.target]
+    if is_method(node, "to", "type") and not node.kwargs and len(node.args) == 2:
+        dtype = node.args[1]
+        if isinstance(dtype, torch.dtype) and dtype in _FLOAT_DTYPES:
+            return dtype
+    if is_method(node, "to") and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
+        dtype = node.kwargs["dtype"]
+        if dtype in _FLOAT_DTYPES:
+            return dtype
+    if is_method(node, "type_as") and len(node.args) == 2:
+        out = val(node)
+        return out.dtype if isinstance(out, torch.Tensor) and out.dtype in _FLOAT_DTYPES else None
+    return None
+
+
+def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every ``src`` value is exactly representable in ``dst`` (bf16/fp16 -> fp32 -> fp64)."""
+    rank = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+    return src == dst or rank.get(dst, 0) > rank.get(src, 0)
+
+
+def _dims(args: Sequence[Any]) -> list[int]:
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        return list(args[0])
+    return list(args)
+
+
+def view_perm(node: torch.fx.Node) -> list[int] | None:
+    """If ``node`` is a pure axis permutation of its first input, ``sigma`` with
+    ``node`` axis ``m`` = input axis ``sigma[m]``; else None. ``.contiguous()`` counts (it copies,
+    but the values are the same)."""
+    if not isinstance(node, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    out = val(node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    n = out.dim()
+    ident = list(range(n))
+    if (is_method(node, "transpose", "swapaxes", "swapdims")
+            or is_call(node, torch.transpose, torch.swapaxes, torch.swapdims)):
+        if len(node.args) != 3 or node.kwargs:
+            return None
+        i, j = (d % n for d in node.args[1:])
+        ident[i], ident[j] = ident[j], ident[i]
+        return ident
+    if is_method(node, "permute") or is_call(node, torch.permute):
+        dims = node.kwargs.get("dims", None) or _dims(node.args[1:])
+        return [d % n for d in dims] if sorted(d % n for d in dims) == ident else None
+    if is_method(node, "movedim", "moveaxis") or is_call(node, torch.movedim, torch.moveaxis):
+        src, dst = node.args[1:3] if len(node.args) == 3 else (None, None)
+        if not isinstance(src, int) or not isinstance(dst, int):
+            return None
+        ident.pop(src % n)
+        ident.insert(dst % n, src % n)
+        return ident
+    if is_method(node, "t") or is_call(node, torch.t):
+        return ident[::-1] if n == 2 else (ident if n < 2 else None)
+    if is_call(node, getattr) and node.args[1] == "mT" and n >= 2:
+        ident[-1], ident[-2] = ident[-2], ident[-1]
+        return ident
+    if is_method(node, "contiguous"):
+        return ident
+    return None
+
+
+class Layout(NamedTuple):
+    """``node`` axis ``i`` holds ``base`` axis ``perm[i]``; ``lossless`` is False if a rounding
+    cast lies between them."""
+
+    base: torch.fx.Node
+    perm: tuple[int, ...]
+    lossless: bool
+
+
+def layout_source(node: torch.fx.Node, allow_casts: bool = True) -> Layout:
+    """Follow permutation views (and float casts when ``allow_casts``) back from ``node``."""
+    perm = list(range(len(shape_of(node) or ())))
+    lossless = True
+    while True:
+        sigma = view_perm(node)
+        if sigma is not None:
+            perm = [sigma[p] for p in perm]
+            node = node.args[0]
+            continue
+        dtype = cast_dtype(node) if allow_casts else None
+        if dtype is not None and isinstance(node.args[0], torch.fx.Node):
+            src = val(node.args[0])
+            if not isinstance(src, torch.Tensor) or src.dtype not in _FLOAT_DTYPES:
+                break
+            lossless = lossless and is_lossless_cast(src.dtype, dtype)
+            node = node.args[0]
+            continue
+        break
+    return Layout(node, tuple(perm), lossless)
+
+
+def inverse(perm: Sequence[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return inv
+
+
+def node_order(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def hoist_before(node: torch.fx.Node, anchor: torch.fx.Node, blocked: torch.fx.Node) -> bool:
+    """Move ``node`` (and the inputs it needs) above ``anchor`` so ``anchor`` may use it.
+
+    Returns False, moving nothing, if ``node`` depends on ``blocked`` (the scan itself: a value
+    computed from the scan's output can't become one of its inputs). Only called on pure tensor
+    ops (the D/z/bias chains the user wrote after the scan), so moving them changes no result.
+    """
+    order = node_order(anchor.graph)
+    to_move: list[torch.fx.Node] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n is blocked:
+            return False
+        if order[n] < order[anchor] or n in to_move:
+            continue
+        if n.op not in ("call_function", "call_method"):
+            return False
+        to_move.append(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(to_move, key=order.__getitem__):
+        anchor.prepend(n)
+    return True
+
+
+def follow_views(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, ...], list[torch.fx.Node]]:
+    """Follow ``node`` forward through single-user permutation views and float casts.
+
+    Returns ``(end, perm, chain)``: ``end`` axis ``i`` holds ``node`` axis ``perm[i]``; ``chain`` is
+    the nodes passed, in order. A rewrite that replaces ``node`` can then hand ``end``'s users one
+    permuted view instead of re-creating the user's chain of transposes.
+    """
+    perm, chain = tuple(range(len(shape_of(node) or ()))), []
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not user.args or user.args[0] is not node:
+            break
+        sigma = view_perm(user)
+        if sigma is not None:
+            perm = tuple(perm[s] for s in sigma)
+        elif cast_dtype(user) is None:
+            break
+        node = user
+        chain.append(user)
+    return node, perm, chain
+
+
+def depthwise_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.Node:
+    """A depthwise conv's (dim, 1, W) weight as the (dim, W) the ssm conv ops take, with no copy:
+    the 2-D tensor the user unsqueezed, else a ``squeeze(1)`` view inserted at the insertion point."""
+    if (is_method(weight, "unsqueeze") or is_call(weight, torch.unsqueeze)) and weight.args[1:] == (1,):
+        source = weight.args[0]
+        if isinstance(val(source), torch.Tensor) and val(source).dim() == 2:
+            return source
+    squeezed = graph.call_method("squeeze", (weight, 1))
+    propagate_val(squeezed)
+    return squeezed

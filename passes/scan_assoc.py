@@ -29,6 +29,12 @@ then holds their union. Because that combine is the composition of the affine ma
 every t. The combine's order matters: ``a_l*b_r + b_l`` (the right-to-left composition) or any
 nonlinear combine is refused.
 
+Under dynamic shapes (a second sequence length makes dynamo recompile with a symbolic L) the
+HOP form is proved as is: its combine doesn't depend on L. The generic form's slices and
+interleaves do, so it is interpreted again at every L the graph's shape guards admit (they pin
+the odd/even recursion, typically to one length); the rewrite happens only if every admitted
+length gives the same proof, and a range too wide to enumerate is recorded as a miss.
+
 Then ``passes.discretize.match_discretization`` proves the inputs are exp(Δ·A) and Δ·B·u, and
 ``index_term`` proves the readout is Σ_n states·C; the last state is ``states[..., -1, ...]``
 along the time axis.
@@ -46,10 +52,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .delta import SCAN_ARG_NAMES, cast_dtype, hoist_before, node_order, view_perm
-from .discretize import Discretized, index_term, match_discretization
-from .fx_utils import dtype_of, getitem, is_call, is_method, permute_view, propagate_val, shape_of, val
+from .discretize import Source, index_term, match_discretization
+from .fx_utils import dtype_of, follow_views, hoist_before, is_call, is_method, node_order, shape_of, val
 from .manager import PassContext, PassManager
+from .scan_loop import emit_selective_scan
 
 log = logging.getLogger("ssm_compile")
 
@@ -82,11 +88,21 @@ class _Fail(Exception):
     pass
 
 
+class _SymbolicLength(_Fail):
+    """The generic form was reached with a symbolic time length; ``scan_assoc_pass`` then proves it
+    for every length the graph's guards admit instead."""
+
+
+# Above this many candidate lengths the guards are not enumerated (the graph is left alone).
+_MAX_LENGTHS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class SymbolicRun:
     """The entries of a time axis of symbolic length (dynamic shapes): every entry is one step
-    ``(t, t)`` (``kind="steps"``) or a prefix ``(0, t)`` (``kind="prefixes"``). Only the HOP form
-    traces with a symbolic length; the generic form's recursion needs a concrete one."""
+    ``(t, t)`` (``kind="steps"``) or a prefix ``(0, t)`` (``kind="prefixes"``). The HOP form is
+    proved at a symbolic length; the generic form's slices need a concrete one, so it is
+    re-interpreted at every length its guards admit (``_regions_at_every_length``)."""
 
     kind: str
     length: Any
@@ -101,8 +117,7 @@ class Seq:
 
     def entries(self) -> tuple[Interval, ...]:
         if isinstance(self.iv, SymbolicRun):
-            raise _Fail("the time axis has a symbolic length; only the associative_scan HOP "
-                        "(combine_mode='pointwise') can be proved then")
+            raise _SymbolicLength("the time axis has a symbolic length")
         return self.iv
 
     def is_steps(self) -> bool:
@@ -150,6 +165,8 @@ class Region:
     saw_combine: bool = False
     mode: str = "generic"
     failure: Optional[str] = None
+    symbolic: bool = False      # failed only because the time length is symbolic
+    proved_lengths: tuple[int, ...] = ()    # the lengths a symbolic-length region was proved at
 
 
 
@@ -226,8 +243,12 @@ def prove_combine(sub: torch.fx.GraphModule, num_extra: int = 0) -> tuple[int, i
 # ---------------------------------------------------------------------------------------------
 
 class _Interpreter:
-    def __init__(self, gm: torch.fx.GraphModule):
+    """Interpret ``gm`` once. With ``lengths`` (symbol -> int) every symbolic size is evaluated at
+    that assignment, so the generic form's slices and interleaves can be followed exactly."""
+
+    def __init__(self, gm: torch.fx.GraphModule, lengths: Optional[dict[sympy.Symbol, sympy.Integer]] = None):
         self.gm = gm
+        self.lengths = lengths
         self.values: dict[torch.fx.Node, Abstract] = {}
         self.region_of: dict[torch.fx.Node, Region] = {}   # seed -> region
         self.symbols: dict[sympy.Symbol, Seq] = {}
@@ -277,6 +298,7 @@ class _Interpreter:
                 out = self._transfer(node, region)
             except _Fail as e:
                 region.failure = str(e)
+                region.symbolic = isinstance(e, _SymbolicLength)
                 continue
             region.nodes.append(node)
             if self.pending and out is not None:
@@ -287,7 +309,7 @@ class _Interpreter:
                 self.values[node] = out
         regions = []
         for r in self.region_of.values():
-            if r not in regions and (r.saw_combine or r.mode == "pointwise"):
+            if r not in regions and (r.saw_combine or r.mode == "pointwise" or r.symbolic):
                 regions.append(r)   # identity: Region compares by object (eq=False)
         return regions
 
@@ -306,15 +328,34 @@ class _Interpreter:
         shape = shape_of(x)
         if shape is None or dst != 0 or not isinstance(src, int) or len(shape) < 2:
             return
-        length = shape[src]
+        try:
+            length = self._concrete(shape[src])
+        except _Fail:
+            return   # an axis sized by other symbols than the time length's: not a scan's time axis
         steps = (tuple((t, t) for t in range(length)) if isinstance(length, int)
                  else SymbolicRun("steps", length))
         self.values[node] = Seq(node, steps)
         self.region_of[node] = Region(seeds=[node], nodes=[node])
 
     # -- transfer functions ---------------------------------------------------------------
+    def _concrete(self, x: Any) -> Any:
+        """``x`` with its symbolic sizes (SymInts, or nodes computing them) evaluated at
+        ``self.lengths``; unchanged without an assignment."""
+        if self.lengths is None:
+            return x
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._concrete(e) for e in x)
+        v = val(x) if isinstance(x, torch.fx.Node) else x
+        if isinstance(v, torch.SymInt):
+            size = v.node.expr.xreplace(self.lengths)
+            if not size.is_Integer:
+                raise _Fail(f"a size of the scan, {size}, depends on more than the time length")
+            return int(size)
+        return x
+
     def _transfer(self, node: torch.fx.Node, region: Region) -> Optional[Abstract]:
-        args = [self.values.get(a, a) if isinstance(a, torch.fx.Node) else a for a in node.args]
+        args = [self.values[a] if isinstance(a, torch.fx.Node) and a in self.values else self._concrete(a)
+                for a in node.args]
         if is_call(node, torch.ops.aten.slice, torch.ops.aten.slice.Tensor):
             return self._slice(args)
         if is_call(node, *_ADD_BATCH_DIM):
@@ -521,19 +562,9 @@ def match_readout(user: torch.fx.Node, states: torch.fx.Node, roles: tuple[str, 
 def _through_views(readout: Readout) -> Readout:
     """Absorb the permutations and casts right after the readout (HF's ``.transpose(1, 2)``), so
     the op's ``y`` reaches the user through one permute instead of a chain of views."""
-    end, roles, chain = readout.end, readout.out_roles, list(readout.chain)
-    while len(end.users) == 1:
-        (user,) = end.users
-        if not user.args or user.args[0] is not end:
-            break
-        sigma = view_perm(user)
-        if sigma is not None:
-            roles = tuple(roles[s] for s in sigma)
-        elif cast_dtype(user) is None:
-            break
-        end = user
-        chain.append(user)
-    return dataclasses.replace(readout, end=end, out_roles=roles, chain=chain)
+    end, perm, chain = follow_views(readout.end)
+    return dataclasses.replace(readout, end=end, out_roles=tuple(readout.out_roles[p] for p in perm),
+                               chain=readout.chain + chain)
 
 
 def last_state_index(node: torch.fx.Node, states: torch.fx.Node, t_axis: int, length: int) -> bool:
@@ -560,47 +591,6 @@ def last_state_index(node: torch.fx.Node, states: torch.fx.Node, t_axis: int, le
 # ---------------------------------------------------------------------------------------------
 # Rewrite
 # ---------------------------------------------------------------------------------------------
-
-def _emit_inputs(graph: torch.fx.Graph, disc: Discretized, readout: Readout) -> dict[str, torch.fx.Node]:
-    """Views bringing the sources into the op's layout (no copies: the op takes any strides).
-
-    Mirrors ``scan_loop._emit_scan`` (which takes a loop match, so it can't be called here).
-    """
-    args = {
-        "u": permute_view(graph, disc.u.node, disc.u.perm_to("bdt")),
-        "delta": permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt")),
-        "A": permute_view(graph, disc.A.node, disc.A.perm_to("dn")),
-        "C": permute_view(graph, readout.C, tuple(readout.C_roles.index(r) for r in "bnt")),
-    }
-    if disc.time_invariant_B:
-        # B[d, n] is the same for every batch and step: grouped B with G = dim (and C expanded
-        # to match), as stride-0 views, so no (batch, dim, N, L) tensor is made here.
-        b_dn = permute_view(graph, disc.B.node, disc.B.perm_to("dn"))
-        b4 = _node(graph, "call_function", operator.getitem, b_dn, (None, slice(None), slice(None), None))
-        batch = _node(graph, "call_method", "size", args["u"], 0)
-        dim = _node(graph, "call_method", "size", args["u"], 1)
-        steps = _node(graph, "call_method", "size", args["u"], 2)
-        args["B"] = _node(graph, "call_method", "expand", b4, batch, -1, -1, steps)
-        c4 = _node(graph, "call_function", operator.getitem, args["C"], (slice(None), None))
-        args["C"] = _node(graph, "call_method", "expand", c4, -1, dim, -1, -1)
-    else:
-        args["B"] = permute_view(graph, disc.B.node, disc.B.perm_to("bnt"))
-    return args
-
-
-def _node(graph: torch.fx.Graph, op: str, target: Any, *args: Any) -> torch.fx.Node:
-    node = graph.create_node(op, target, args)
-    propagate_val(node)
-    return node
-
-
-def _cast_like(graph: torch.fx.Graph, node: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
-    if dtype_of(node) == dtype_of(like):
-        return node
-    out = graph.call_method("to", (node, dtype_of(like)))
-    propagate_val(out)
-    return out
-
 
 def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None:
     seeds = [s for s in region.seeds if s in region.roles]
@@ -654,21 +644,11 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
     graph = gm.graph
     size = dict(zip(roles, shape_of(all_states)))
     with graph.inserting_before(anchor):
-        args = _emit_inputs(graph, disc, readout)
-        args.update(D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
-                    return_last_state=bool(lasts))
-        scan = graph.call_function(torch.ops.ssm.selective_scan.default,
-                                   tuple(args[name] for name in SCAN_ARG_NAMES))
-        propagate_val(scan)
-        y = getitem(graph, scan, 0)
-        y_user = _cast_like(graph, permute_view(graph, y, ["bdt".index(r) for r in readout.out_roles]),
-                            readout.end)
-        last_user = None
-        if lasts:
-            last = getitem(graph, scan, 1)
-            kept = tuple(r for r in roles if r != "t")
-            last_user = _cast_like(graph, permute_view(graph, last, ["bdn".index(r) for r in kept]),
-                                   lasts[0])
+        y_user, last_user = emit_selective_scan(
+            graph, disc, Source(readout.C, readout.C_roles), length=length,
+            y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),
+            last_state_roles=tuple(r for r in roles if r != "t") if lasts else None,
+            last_state_dtype=dtype_of(lasts[0]) if lasts else None)
     readout.end.replace_all_uses_with(y_user)
     for node in lasts:
         node.replace_all_uses_with(last_user)
@@ -676,6 +656,8 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
                 + products + region.nodes)
     decision = {"L": _static(length), "N": _static(size["n"]), "combine_mode": region.mode, "layout": "".join(roles),
                 "last_state": bool(lasts)}
+    if region.proved_lengths:
+        decision["proved_lengths"] = list(region.proved_lengths)
     ctx.rewrite(FAMILY, f"associative_scan({region.mode})", region.nodes, "ssm.selective_scan.default",
                 decision)
     ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", disc.nodes, "ssm.selective_scan.default",
@@ -708,8 +690,89 @@ def _erase_dead(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
         graph.erase_node(node)
 
 
+def _admissible_lengths(lengths: list[torch.SymInt]) -> tuple[sympy.Symbol, list[int]] | str:
+    """Every value of the time length's symbol that the graph's shape guards admit.
+
+    Dynamo runs this graph only for inputs that pass its guards, and the generic form's guards
+    pin its recursion (so usually one length, or a few). Proving the scan at each admitted value
+    therefore proves the graph for every input it will ever see.
+    """
+    symbols = set().union(*(s.node.expr.free_symbols for s in lengths))
+    if len(symbols) != 1:
+        return f"the time length depends on {len(symbols)} symbols; expected one"
+    (sym,) = symbols
+    shape_env = lengths[0].node.shape_env
+    bounds = shape_env.var_to_range[sym]
+    if bool(bounds.upper > bounds.lower + _MAX_LENGTHS):
+        return (f"the time length {sym} ranges over {bounds.lower}..{bounds.upper}; the generic "
+                f"associative_scan is proved length by length, for at most {_MAX_LENGTHS} lengths")
+    # Guards on other sizes too (batch, dim) are left out: that only admits more lengths, each of
+    # which is then proved, so the result stays sound.
+    guards = [g.expr for g in shape_env.guards if g.expr.free_symbols == {sym}]
+    admitted = [n for n in range(int(bounds.lower), int(bounds.upper) + 1)
+                if all(bool(g.xreplace({sym: sympy.Integer(n)})) for g in guards)]
+    if not admitted:
+        return f"no length of {sym} in {bounds.lower}..{bounds.upper} passes the graph's guards"
+    return sym, admitted
+
+
+def _summary(region: Region) -> tuple:
+    """What the rewrite reads from a region, to compare the interpretations at several lengths."""
+    return (region.failure, region.mode, tuple(n.name for n in region.nodes),
+            tuple(sorted((n.name, r) for n, r in region.roles.items())),
+            tuple((n.name, s.leaf.name, s.is_prefixes()) for n, s in region.outputs))
+
+
+def _regions_at_every_length(gm: torch.fx.GraphModule, symbolic: list[Region],
+                             values: dict[torch.fx.Node, Abstract]) -> list[Region]:
+    """Re-interpret the regions that stopped at a symbolic length, once per admitted length.
+
+    A region is kept (as interpreted at the first length) only if every length gives the same
+    proof; otherwise its failure says at which length it broke. A region that is no scan at all
+    at a concrete length (a ``movedim`` that merely looked like a seed) is dropped.
+    """
+    runs: dict[tuple[sympy.Symbol, int], list[Region]] = {}
+    regions = []
+    for region in symbolic:
+        lengths = [values[s].iv.length for s in region.seeds if isinstance(values[s].iv, SymbolicRun)]
+        admissible = _admissible_lengths(lengths)
+        if isinstance(admissible, str):
+            region.failure = admissible
+            regions.append(region)
+            continue
+        sym, admitted = admissible
+        proved: Optional[Region] = None
+        for n in admitted:
+            if (sym, n) not in runs:
+                runs[sym, n] = _Interpreter(gm, {sym: sympy.Integer(n)}).run()
+            # The symbolic run stopped each seed at its first slice, before the combine joined
+            # them: the concrete region holds this one's seeds and possibly more.
+            found = next((r for r in runs[sym, n] if set(region.seeds) <= set(r.seeds)), None)
+            if found is None:
+                break
+            if found.failure is not None:
+                region.failure = f"at {sym}={n}: {found.failure}"
+                break
+            if proved is not None and _summary(found) != _summary(proved):
+                region.failure = f"at {sym}={n}: the scan differs from the one at {sym}={admitted[0]}"
+                break
+            proved = proved or found
+        else:
+            proved.proved_lengths = tuple(admitted)
+            log.debug("scan_assoc: proved the generic form at %s in %s", sym, admitted)
+            region = proved
+        if found is not None and region not in regions:
+            regions.append(region)
+    return regions
+
+
 def scan_assoc_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
-    regions = _Interpreter(gm).run()
+    interpreter = _Interpreter(gm)
+    regions = interpreter.run()
+    symbolic = [r for r in regions if r.symbolic]
+    if symbolic:
+        regions = ([r for r in regions if not r.symbolic]
+                   + _regions_at_every_length(gm, symbolic, interpreter.values))
     log.debug("scan_assoc: %d associative scan(s) in the graph", len(regions))
     for region in regions:
         if region.failure is not None:

@@ -25,15 +25,16 @@ guessed:
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .delta import (ADD_TARGETS, MUL_TARGETS, cast_dtype, hoist_before, inverse, layout_source,
-                    match_bias, output_getitem, scan_args, scan_nodes, set_scan_args, view_perm)
-from .fx_utils import dtype_of, is_call, is_method, permute_view, propagate_val, shape_of
+from .delta import ADD_TARGETS, MUL_TARGETS, match_bias
+from .fx_utils import (dtype_of, follow_views, hoist_before, inverse, is_call, is_method, layout_source,
+                       output_getitem, permute_view, propagate_val, scan_args, scan_nodes, set_scan_args,
+                       shape_of)
 from .manager import PassContext, PassManager
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
@@ -52,18 +53,31 @@ class YChain(NamedTuple):
 
 
 def follow_y(y: torch.fx.Node) -> YChain:
-    node, perm = y, (0, 1, 2)
-    while len(node.users) == 1:
-        (user,) = node.users
-        if not user.args or user.args[0] is not node:
-            break
-        sigma = view_perm(user)
-        if sigma is not None:
-            perm = tuple(perm[s] for s in sigma)
-        elif cast_dtype(user) is None:
-            break
-        node = user
-    return YChain(node, perm)
+    top, perm, _ = follow_views(y)
+    return YChain(top, perm)
+
+
+def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
+               match: Callable[[torch.fx.Node, YChain], Any]) -> Optional[tuple[YChain, torch.fx.Node, Any]]:
+    """The first user of the scan's ``y`` chain that ``match`` recognises, as ``(chain, user,
+    match result)``; None, recording why under ``family`` if it was a near-miss, when there is
+    none or ``y`` has other users (folding would change what they read)."""
+    y = output_getitem(scan, 0)
+    if y is None:
+        return None
+    chain = follow_y(y)
+    for user in list(chain.top.users):
+        found = match(user, chain)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            ctx.miss(family, found, [user])
+            return None
+        if len(chain.top.users) > 1:
+            ctx.miss(family, f"y ({chain.top.name}) has other users besides the {family}", [user])
+            return None
+        return chain, user, found
+    return None
 
 
 def _binary(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
@@ -138,38 +152,26 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
 
 
 def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> bool:
-    y = output_getitem(scan, 0)
-    if y is None:
-        return False
-    chain = follow_y(y)
     args = scan_args(scan)
-    for user in list(chain.top.users):
-        skip = match_skip(user, chain, args["u"])
-        if skip is None:
-            continue
-        if isinstance(skip, str):
-            ctx.miss("skip", skip, [user])
-            return False
-        if len(chain.top.users) > 1:
-            ctx.miss("skip", f"y ({chain.top.name}) has other users besides the skip", [user])
-            return False
-        if args["z"] is not None:
-            ctx.miss("skip", "D·u is added after the z gate: y*silu(z) + D*u is not the op's "
-                     "(y + D*u)*silu(z)", [user])
-            return False
-        if args["D"] is not None:
-            ctx.miss("skip", "the scan already has a D", [user])
-            return False
-        if not hoist_before(skip.D, scan, scan):
-            ctx.miss("skip", "D is computed from the scan's output", [user])
-            return False
-        args["D"] = skip.D
-        set_scan_args(scan, args)
-        _replace_with(skip.add, chain.top)
-        ctx.rewrite("skip", "y + u * D", skip.nodes, "ssm.selective_scan.default",
-                    {"perm": list(chain.perm)})
-        return True
-    return False
+    found = _find_tail(ctx, scan, "skip", lambda user, chain: match_skip(user, chain, args["u"]))
+    if found is None:
+        return False
+    chain, user, skip = found
+    if args["z"] is not None:
+        ctx.miss("skip", "D·u is added after the z gate: y*silu(z) + D*u is not the op's "
+                 "(y + D*u)*silu(z)", [user])
+        return False
+    if args["D"] is not None:
+        ctx.miss("skip", "the scan already has a D", [user])
+        return False
+    if not hoist_before(skip.D, scan, scan):
+        ctx.miss("skip", "D is computed from the scan's output", [user])
+        return False
+    args["D"] = skip.D
+    set_scan_args(scan, args)
+    _replace_with(skip.add, chain.top)
+    ctx.rewrite("skip", "y + u * D", skip.nodes, "ssm.selective_scan.default", {"perm": list(chain.perm)})
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,35 +231,23 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
 
 
 def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> bool:
-    y = output_getitem(scan, 0)
-    if y is None:
-        return False
-    chain = follow_y(y)
     args = scan_args(scan)
-    for user in list(chain.top.users):
-        gate = match_gate(user, chain)
-        if gate is None:
-            continue
-        if isinstance(gate, str):
-            ctx.miss("gate", gate, [user])
-            return False
-        if len(chain.top.users) > 1:
-            ctx.miss("gate", f"y ({chain.top.name}) has other users besides the gate", [user])
-            return False
-        if args["z"] is not None:
-            ctx.miss("gate", "the scan already has a z", [user])
-            return False
-        if not hoist_before(gate.z, scan, scan):
-            ctx.miss("gate", "z is computed from the scan's output", [user])
-            return False
-        with gm.graph.inserting_before(scan):
-            args["z"] = permute_view(gm.graph, gate.z, inverse(chain.perm))
-        set_scan_args(scan, args)
-        _replace_with(gate.out, chain.top)
-        ctx.rewrite("gate", "y * silu(z)", gate.nodes, "ssm.selective_scan.default",
-                    {"perm": list(chain.perm)})
-        return True
-    return False
+    found = _find_tail(ctx, scan, "gate", match_gate)
+    if found is None:
+        return False
+    chain, user, gate = found
+    if args["z"] is not None:
+        ctx.miss("gate", "the scan already has a z", [user])
+        return False
+    if not hoist_before(gate.z, scan, scan):
+        ctx.miss("gate", "z is computed from the scan's output", [user])
+        return False
+    with gm.graph.inserting_before(scan):
+        args["z"] = permute_view(gm.graph, gate.z, inverse(chain.perm))
+    set_scan_args(scan, args)
+    _replace_with(gate.out, chain.top)
+    ctx.rewrite("gate", "y * silu(z)", gate.nodes, "ssm.selective_scan.default", {"perm": list(chain.perm)})
+    return True
 
 
 def tail_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:

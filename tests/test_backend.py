@@ -147,23 +147,6 @@ def test_uuid_reaches_inductor_cache_key():
     assert pm.cache_key_pass(lambda graph: None).uuid() is None
 
 
-def test_missing_pass_module_is_skipped_with_a_warning(caplog, monkeypatch):
-    import importlib
-
-    real_import = importlib.import_module
-
-    def fake_import(name, *args):
-        if name == "ssm_compile.passes.decode":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real_import(name, *args)
-
-    monkeypatch.setattr(importlib, "import_module", fake_import)
-    with caplog.at_level("WARNING", logger="ssm_compile"):
-        pm = build_pass_manager(SSMOptions(passes=("conv1d", "decode")))
-    assert [name for name, _ in pm.passes] == ["conv1d"]
-    assert "decode is not available" in caplog.text
-
-
 # --- the xproj pass, through the backend ----------------------------------------------------
 
 R, N = 2, 4

@@ -356,3 +356,38 @@ def test_triton_layouts(case):
         grad = getattr(grads, "d" + name)
         assert grad.shape == inputs[name].shape, name
         assert rel_err(grad, ref[name]) < TOL[DTYPES[dtype]], name
+
+
+def test_validation_cache_still_rejects_a_new_bad_signature():
+    """A signature that passed once is cached; a different, bad one must still be rejected."""
+    good = make_inputs(1, 8, 16, 4, torch.float32, (True, True, True, False))
+    for _ in range(2):
+        torch.ops.ssm.causal_conv1d(*op_args(good))
+    bad = dict(good, initial_state=good["initial_state"][..., :2])
+    for _ in range(2):  # a rejected signature is never cached
+        with pytest.raises(ValueError, match="initial_state"):
+            torch.ops.ssm.causal_conv1d(*op_args(bad))
+    with pytest.raises(ValueError, match="activation"):
+        torch.ops.ssm.causal_conv1d(*op_args(dict(good, activation="relu")))
+
+
+def test_no_grad_and_inference_mode_match_the_autograd_path():
+    inputs = make_inputs(1, 8, 16, 4, torch.float32, (True, True, True, False))
+    leaves = {k: v.clone().requires_grad_() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    y_grad = torch.ops.ssm.causal_conv1d(*op_args(leaves))
+    assert y_grad.grad_fn is not None
+    with torch.no_grad():
+        y_nograd = torch.ops.ssm.causal_conv1d(*op_args(leaves))
+    assert y_nograd.grad_fn is None and not y_nograd.requires_grad
+    with torch.inference_mode():
+        y_inf = torch.ops.ssm.causal_conv1d(*op_args(inputs))
+    assert torch.equal(y_nograd, y_grad.detach()) and torch.equal(y_inf, y_grad.detach())
+
+
+def test_double_backward_is_refused_by_name():
+    inputs = make_inputs(1, 8, 16, 4, torch.float64, (True, True, False, False))
+    x = inputs["x"].requires_grad_()
+    y = torch.ops.ssm.causal_conv1d(*op_args(inputs))
+    (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dx.sum().backward()

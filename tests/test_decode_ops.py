@@ -344,3 +344,42 @@ def test_decode_ops_mutation_survives_compile():
         y_c = compiled(state_c, conv_c, kw["x"])
         assert torch.equal(y_e, y_c)
     assert torch.equal(state_e, state_c) and torch.equal(conv_e, conv_c)
+
+
+def test_mutation_bumps_the_version_counter():
+    """The in-place write is visible to autograd's version counter, as the schema's (a!) says."""
+    kw = _state_update_kwargs()
+    before = kw["state"]._version
+    decode_op.selective_state_update(**kw)
+    assert kw["state"]._version > before
+    ckw = _conv_kwargs()
+    before = ckw["conv_state"]._version
+    decode_op.causal_conv1d_update(**ckw)
+    assert ckw["conv_state"]._version > before
+
+
+def test_validation_cache_still_rejects_a_new_bad_signature():
+    """A signature that passed once is cached; a different, bad one must still be rejected."""
+    kw = _state_update_kwargs()
+    for _ in range(2):
+        decode_op.selective_state_update(**kw)
+    kw["x"] = kw["x"][:, :4]
+    for _ in range(2):  # a rejected signature is never cached
+        with pytest.raises(ValueError, match="x must have shape"):
+            decode_op.selective_state_update(**kw)
+    ckw = _conv_kwargs()
+    decode_op.causal_conv1d_update(**ckw)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        decode_op.causal_conv1d_update(**dict(ckw, activation="relu"))
+
+
+def test_inference_mode_and_no_grad_match_eager():
+    kw = _state_update_kwargs()
+    state0 = kw["state"].clone()
+    y_eager = decode_op.selective_state_update(**kw)
+    state_eager = kw["state"].clone()
+    for ctx in (torch.no_grad, torch.inference_mode):
+        kw["state"] = state0.clone()
+        with ctx():
+            y = decode_op.selective_state_update(**kw)
+        assert torch.equal(y, y_eager) and torch.equal(kw["state"], state_eager)

@@ -259,3 +259,25 @@ def test_prefill_with_cache_fills_the_same_states(assoc):
     assert rel_err(out.logits, ref.logits) <= TOL[torch.float32]
     assert rel_err(out.cache.get_recurrent_state(0), ref.cache.get_recurrent_state(0)) <= TOL[torch.float32]
     torch.testing.assert_close(out.cache.get_conv_state(0), ref.cache.get_conv_state(0), rtol=0, atol=0)
+
+
+def test_decode_step_is_rewritten_without_prefill_near_misses():
+    # HF's decode step convolves torch.cat([conv_state, x]) unpadded and runs a one-step scan
+    # "loop"; the decode pass rewrites both. Neither is a near-miss of the prefill passes (an
+    # unpadded conv is no causal-conv candidate), and the one-step loop is reported once, not
+    # once per product in it.
+    from ssm_compile import explain
+
+    model = tiny_model(hidden=16, layers=1, state=4, rank=2)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        prefill = model(ids, use_cache=True)
+        cache = getattr(prefill, "cache", None) or prefill.cache_params
+        step_ref = model(ids[:, -1:], cache_params=copy.deepcopy(cache), use_cache=True,
+                         cache_position=torch.tensor([6])).logits
+        report = explain(lambda tok, c: model(tok, cache_params=c, use_cache=True,
+                                              cache_position=torch.tensor([6])).logits,
+                         ids[:, -1:], copy.deepcopy(cache))
+    assert sorted(r.family for r in report.rewrites) == ["conv_update", "state_update"]
+    assert [(m.family, m.reason) for m in report.misses] == [("scan_loop", "a one-step loop is left alone")]
+    assert rel_err(report.output, step_ref) <= TOL[torch.float32]

@@ -235,6 +235,25 @@ NEGATIVES = {
 }
 
 
+def unpadded_window(x, w, b):
+    # HF's decode step: the caller builds the window (state + new input) and convolves it unpadded.
+    return F.conv1d(x, w, b, padding=0, groups=x.shape[1])
+
+
+def unpadded_window_valid(x, w, b):
+    return F.conv1d(x, w, b, padding="valid", groups=x.shape[1])
+
+
+@pytest.mark.parametrize("fn", [unpadded_window, unpadded_window_valid], ids=["padding-0", "padding-valid"])
+def test_unpadded_conv_is_no_candidate_and_records_no_miss(fn):
+    x, w, b = make_inputs()
+    cap, out = compile_and_run(fn, x, w, b)
+    assert counters["ssm"]["conv1d"] == 0 and not cap.ctx.rewrites
+    assert not [m for m in cap.ctx.misses if m.family == "conv1d"], cap.ctx.misses
+    assert torch.conv1d in [n.target for n in cap.gm.graph.nodes]
+    torch.testing.assert_close(out, fn(x, w, b), rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:Using padding='same'")
 @pytest.mark.parametrize("case", list(NEGATIVES))
 def test_near_misses_are_refused(case):

@@ -279,6 +279,34 @@ def test_pointwise_dynamic_length():
     assert "associative_scan" not in normalized_graph_str(cap.gm)
 
 
+def test_generic_dynamic_length_is_proved_at_every_admitted_length():
+    # The generic form's slices need concrete sizes; with a symbolic L the pass re-runs its proof
+    # at every length the graph's guards admit (they pin the odd/even recursion, so few remain).
+    cap = Captured(fold=True)
+    fn = torch.compile(functools.partial(hf_selective_scan, mode="generic"), backend=cap, dynamic=True)
+    for length in (6, 12):
+        args = make_inputs(length)
+        check_close(fn(*args), reference(hf_selective_scan, *args))
+    assert counters["ssm"]["scan_assoc"] == counters["stats"]["unique_graphs"] >= 1, cap.ctx.misses
+    symbolic = [r.decision for r in cap.ctx.rewrites if r.family == "scan_assoc" and isinstance(r.decision["L"], str)]
+    assert symbolic, "no graph had a symbolic L"
+    assert 12 in symbolic[-1]["proved_lengths"]
+    assert "batch_dim" not in normalized_graph_str(cap.gm)
+
+
+def test_generic_dynamic_length_with_too_many_lengths_is_a_miss(monkeypatch):
+    # When the guards leave more lengths than the pass will enumerate, the scan stays as it is
+    # and the miss says why.
+    monkeypatch.setattr(scan_assoc, "_MAX_LENGTHS", 0)
+    cap = Captured()
+    fn = torch.compile(functools.partial(hf_selective_scan, mode="generic"), backend=cap, dynamic=True)
+    args = make_inputs(12)
+    check_close(fn(*args), reference(hf_selective_scan, *args))
+    assert counters["ssm"]["scan_assoc"] == 0
+    assert any(m.family == "scan_assoc" and "proved length by length" in m.reason for m in cap.ctx.misses), \
+        cap.ctx.misses
+
+
 def test_hf_generic_snapshot():
     cap, _ = compile_and_run(hf_selective_scan, *make_inputs(6), fold=True)
     assert_expected_inline(normalized_graph_str(cap.gm), """\

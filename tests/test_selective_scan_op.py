@@ -608,3 +608,49 @@ def test_cuda_compile_fullgraph_inductor():
     (grad_eager,) = torch.autograd.grad(loss_eager, [u])
     torch.testing.assert_close(loss, loss_eager, rtol=1e-5, atol=1e-4)
     assert rel_err(grad, grad_eager) < TOL[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Library-based registration (low host overhead): the validation cache, the no-grad
+# redispatch, inference mode and double backward.
+
+
+def test_validation_cache_still_rejects_a_new_bad_signature():
+    """A signature that passed once is cached; a different, bad one must still be rejected."""
+    good = make_inputs(Case())
+    run_op(good)
+    run_op(good)
+    bad = dict(good, delta=good["delta"][..., :-1])
+    for _ in range(2):  # a rejected signature is never cached
+        with pytest.raises(ValueError, match="delta must have shape"):
+            run_op(bad)
+
+
+def test_no_grad_and_inference_mode_match_the_autograd_path():
+    inputs = make_inputs(Case(batch=1, L=20))
+    leaves = {k: v.clone().requires_grad_() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    y_grad, h_grad = run_op(leaves)
+    assert y_grad.grad_fn is not None and y_grad.requires_grad
+    with torch.no_grad():
+        y_nograd, h_nograd = run_op(leaves)
+    assert y_nograd.grad_fn is None and not y_nograd.requires_grad
+    with torch.inference_mode():
+        y_inf, h_inf = run_op(inputs)
+    for out in (y_nograd, y_inf):
+        assert torch.equal(out, y_grad.detach())
+    for out in (h_nograd, h_inf):
+        assert torch.equal(out, h_grad.detach())
+
+
+def test_double_backward_is_refused_by_name():
+    inputs = make_inputs(Case(batch=1, L=12, dtype=torch.float64))
+    u = inputs["u"].requires_grad_()
+    y, _ = run_op(inputs)
+    (du,) = torch.autograd.grad(y.sum(), u, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        du.sum().backward()
+
+
+def test_autograd_kernel_is_registered_at_the_autograd_key():
+    for name in ("ssm::selective_scan", "ssm::selective_scan_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"), name

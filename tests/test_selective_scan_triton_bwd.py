@@ -38,6 +38,7 @@ class Case:
     chunk_size: Optional[int] = 16
     num_splits: Optional[int] = None
     block_d: Optional[int] = None
+    num_warps: Optional[int] = None
     # Scale of the raw delta: large values test softplus past its threshold and decays that
     # underflow to exactly 0.
     delta_scale: float = 1.0
@@ -50,7 +51,7 @@ class Case:
         )
         extra = "".join(
             f"-{k}{v}" for k, v in (("T", self.chunk_size), ("S", self.num_splits), ("BD", self.block_d),
-                                    ("x", self.delta_scale)) if v not in (None, 1.0)
+                                    ("W", self.num_warps), ("x", self.delta_scale)) if v not in (None, 1.0)
         )
         return f"B{self.batch}-D{self.dim}-L{self.L}-N{self.N}-G{self.G}-{dt}-{flags or 'bare'}{extra}"
 
@@ -96,7 +97,8 @@ def run_bwd(case: Case, inputs, dy, dlast):
     return selective_scan_bwd(
         dy, dlast, inputs["u"], inputs["delta"], inputs["A"], inputs["B"], inputs["C"], inputs["D"],
         inputs["z"], inputs["delta_bias"], case.softplus, inputs["initial_state"],
-        tiles=dict(chunk=case.chunk_size, num_splits=case.num_splits, block_d=case.block_d),
+        tiles=dict(chunk=case.chunk_size, num_splits=case.num_splits, block_d=case.block_d,
+                   num_warps=case.num_warps),
     )
 
 
@@ -110,7 +112,11 @@ CASES = [
     Case(has_D=False, has_bias=False, has_dlast=False),
     Case(softplus=False, has_z=False, has_dlast=True, has_init=False),
     Case(dim=5, N=5, L=29),  # N and dim that fill no power-of-two block
-    Case(L=70, chunk_size=None),  # the default chunk length, crossing a boundary
+    Case(L=70, chunk_size=None),  # the default chunk length, one ragged chunk
+    # Default tiles (one channel per step, chunk 128) across a chunk boundary, in 3 slices.
+    Case(dim=3, L=200, chunk_size=None, num_splits=3),
+    # Wide multi-warp tiles, as the benchmark's sweep tries: sums over channels inside a program.
+    Case(dim=8, L=40, block_d=4, num_warps=2),
     Case(L=33, delta_scale=30.0),  # softplus past 20; exp(delta*A) underflows to 0
     Case(dtype=torch.bfloat16),
     Case(dtype=torch.float16, L=37, G=2),
@@ -133,6 +139,34 @@ def test_grads_match_fp64_reference(case):
         # fp32 parameters (A, D, delta_bias, initial_state) are accumulated and returned in fp32.
         tol = TOL[case.dtype] if inputs[name].dtype == case.dtype else TOL[torch.float32]
         assert rel_err(out, ref[name]) < tol, f"{grad_name}: rel err {rel_err(out, ref[name]):.2e}"
+
+
+@pytest.mark.parametrize(
+    "batch, dim, L, G, sms",
+    [(8, 1536, 2048, 1, 132), (1, 1536, 2048, 1, 132), (8, 1536, 8192, 1, 132), (2, 24, 40, 3, 132), (1, 5, 3, 1, 1)],
+    ids=["B8-D1536-L2048-H200", "B1-D1536-L2048-H200", "B8-D1536-L8192-H200", "B2-D24-L40-G3-H200", "B1-D5-L3-cpu"],
+)
+def test_choose_tiles_fills_the_gpu_and_covers_every_channel(batch, dim, L, G, sms, monkeypatch):
+    from ssm_compile.kernels.selective_scan import triton_bwd
+
+    monkeypatch.setattr(triton_bwd, "_num_sms", lambda device: sms)
+    tiles = triton_bwd.choose_tiles(batch, dim, L, 16, G, torch.device("cpu"))
+    dim_per_group = dim // G
+    per_split = -(-dim_per_group // tiles.num_splits)
+    per_split = -(-per_split // tiles.block_d) * tiles.block_d
+    # The slices tile the group's channels exactly: none is empty, none is missed.
+    assert (tiles.num_splits - 1) * per_split < dim_per_group <= tiles.num_splits * per_split
+    assert tiles.chunk & (tiles.chunk - 1) == 0 and 16 <= tiles.chunk <= 128
+    assert tiles.block_d <= dim_per_group
+    warps = tiles.num_splits * -(-L // tiles.chunk) * batch * G * tiles.num_warps
+    # Enough resident warps to hide the scans' latency (16 per SM, less what rounding slices to
+    # whole channel blocks loses), unless the problem has too few channels to give them.
+    assert warps >= 0.9 * 16 * sms or tiles.num_splits * tiles.block_d >= dim_per_group, tiles
+
+
+def test_bad_chunk_names_argument():
+    with pytest.raises(ValueError, match="chunk"):
+        run_bwd(Case(chunk_size=24), *make_inputs(Case(chunk_size=24)))
 
 
 def test_dlast_state_seeds_the_last_step():

@@ -5,11 +5,18 @@ Layers: Triton kernels in ``triton_conv.py`` (CUDA), PyTorch in ``cpu.py`` (CPU)
 autograd formula (through a second op, ``ssm::causal_conv1d_backward``, so that the backward is
 also a single opaque kernel under AOTAutograd), and the public wrapper ``causal_conv1d_fn``.
 Nothing is registered until ``register()`` is called.
+
+Host cost per call is what batch-1 and short-L training steps pay on top of the kernels, so the
+autograd kernel is a plain ``torch.autograd.Function`` behind the ``Autograd`` key (what
+``register_autograd`` builds, minus its per-call argument re-packing), and the real kernels
+remember which input signatures already passed ``check_causal_conv1d_args``
+(``benchmarks/host_overhead_ops.py`` measures it).
 """
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
+from torch import _C
 
 from . import cpu, triton_conv
 
@@ -25,6 +32,28 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # mamba_ssm and the causal-conv1d package accept "swish" as a synonym of silu.
 _ACTIVATIONS = (None, "silu", "swish")
 MIN_WIDTH, MAX_WIDTH = 2, 8
+
+
+# Input signatures (shapes, dtypes, devices, activation) that passed check_causal_conv1d_args:
+# validity depends on nothing else, and a lookup costs about half of a full check. Bounded so
+# that a stream of ever-new shapes cannot grow it without limit.
+_VALIDATED: set = set()
+_MAX_VALIDATED = 4096
+
+
+def _check_args_cached(x, weight, bias, activation, initial_state) -> None:
+    """``check_causal_conv1d_args`` for real (never fake) tensors, skipped for a known signature.
+
+    Fake impls must not use it: their sizes may be symbolic, and SymInts are not hashable.
+    """
+    tensors = (x, weight, bias, initial_state)
+    key = tuple([None if t is None else (t.shape, t.dtype, t.device) for t in tensors] + [activation])
+    if key in _VALIDATED:
+        return
+    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    if len(_VALIDATED) >= _MAX_VALIDATED:
+        _VALIDATED.clear()
+    _VALIDATED.add(key)
 
 
 def _check_tensor(name: str, t: torch.Tensor, shape: tuple, device: torch.device) -> None:
@@ -87,12 +116,12 @@ def _fwd_fake(x, weight, bias=None, activation=None, initial_state=None):
 
 
 def _fwd_cpu(x, weight, bias=None, activation=None, initial_state=None):
-    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    _check_args_cached(x, weight, bias, activation, initial_state)
     return cpu.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation))
 
 
 def _fwd_cuda(x, weight, bias=None, activation=None, initial_state=None):
-    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    _check_args_cached(x, weight, bias, activation, initial_state)
     return triton_conv.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation))
 
 
@@ -109,34 +138,104 @@ def _bwd_fake(dy, x, weight, bias, activation, initial_state):
 
 
 def _bwd_cpu(dy, x, weight, bias, activation, initial_state):
-    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    _check_args_cached(x, weight, bias, activation, initial_state)
     _check_grad(dy, x)
     return tuple(cpu.causal_conv1d_bwd(dy, x, weight, bias, initial_state, _is_silu(activation)))
 
 
 def _bwd_cuda(dy, x, weight, bias, activation, initial_state):
-    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    _check_args_cached(x, weight, bias, activation, initial_state)
     _check_grad(dy, x)
     grads = triton_conv.causal_conv1d_bwd(dy, x, weight, bias, initial_state, _is_silu(activation))
     return tuple(grads)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, activation, initial_state = inputs
-    ctx.save_for_backward(x, weight, bias, initial_state)
-    ctx.activation = activation
+class _ApplyGrads(NamedTuple):
+    """Gradients of ``_CausalConv1d.apply``'s arguments, by name (autograd reads it as a tuple)."""
+
+    keyset: None
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    activation: None
+    initial_state: Optional[torch.Tensor]
 
 
-def _backward(ctx, dy):
-    x, weight, bias, initial_state = ctx.saved_tensors
-    grads = cpu.ConvGrads(
-        *torch.ops.ssm.causal_conv1d_backward(dy, x, weight, bias, ctx.activation, initial_state)
-    )
-    # The op returns empty placeholders for absent inputs; autograd wants None there.
-    dbias = None if bias is None else grads.dbias
-    dinitial_state = None if initial_state is None else grads.dinitial_state
-    dactivation = None  # a string has no gradient
-    return grads.dx, grads.dweight, dbias, dactivation, dinitial_state
+class _CausalConv1d(torch.autograd.Function):
+    """The autograd node of ``ssm::causal_conv1d``, applied by its ``Autograd``-key kernel.
+
+    ``keyset`` is the dispatch keyset the op was called with: forward redispatches below
+    autograd with it (as ``register_autograd`` does), so that dispatch modes and functorch
+    layers active at the call are honoured.
+    """
+
+    @staticmethod
+    def forward(ctx, keyset, x, weight, bias, activation, initial_state):
+        with _C._AutoDispatchBelowAutograd():
+            y = torch.ops.ssm.causal_conv1d.default.redispatch(
+                keyset & _C._after_autograd_keyset, x, weight, bias, activation, initial_state
+            )
+        ctx.save_for_backward(x, weight, bias, initial_state)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, initial_state = ctx.saved_tensors
+        args = (dy, x, weight, bias, ctx.activation, initial_state)
+        if torch.is_grad_enabled():
+            # create_graph=True: go through the backward op's autograd kernel, which refuses.
+            grads = cpu.ConvGrads(*torch.ops.ssm.causal_conv1d_backward.default(*args))
+        else:
+            # Nothing is recorded anyway, so skip the (Python) autograd kernel's dispatch hop.
+            with _C._AutoDispatchBelowAutograd():
+                grads = cpu.ConvGrads(*torch.ops.ssm.causal_conv1d_backward.default(*args))
+        # The op returns empty placeholders for absent inputs; autograd wants None there.
+        return _ApplyGrads(
+            keyset=None,
+            x=grads.dx,
+            weight=grads.dweight,
+            bias=None if bias is None else grads.dbias,
+            activation=None,  # a string has no gradient
+            initial_state=None if initial_state is None else grads.dinitial_state,
+        )
+
+
+def _fwd_autograd(keyset, x, weight, bias=None, activation=None, initial_state=None):
+    # The dispatcher drops trailing arguments equal to their defaults, hence the defaults here.
+    if _C.is_grad_enabled() and _C._any_requires_grad(x, weight, bias, initial_state):
+        return _CausalConv1d.apply(keyset, x, weight, bias, activation, initial_state)
+    with _C._AutoDispatchBelowAutograd():
+        return torch.ops.ssm.causal_conv1d.default.redispatch(
+            keyset & _C._after_autograd_keyset, x, weight, bias, activation, initial_state
+        )
+
+
+class _RefuseDoubleBackward(torch.autograd.Function):
+    """Autograd node for ``ssm::causal_conv1d_backward``: its own backward is not implemented."""
+
+    @staticmethod
+    def forward(ctx, keyset, *args):
+        with _C._AutoDispatchBelowAutograd():
+            return torch.ops.ssm.causal_conv1d_backward.default.redispatch(
+                keyset & _C._after_autograd_keyset, *args
+            )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "causal_conv1d: double backward (create_graph=True through ssm::causal_conv1d) is not "
+            "supported: ssm::causal_conv1d_backward has no autograd formula"
+        )
+
+
+def _bwd_autograd(keyset, *args):
+    if _C.is_grad_enabled() and _C._any_requires_grad(*args):
+        return _RefuseDoubleBackward.apply(keyset, *args)
+    with _C._AutoDispatchBelowAutograd():
+        return torch.ops.ssm.causal_conv1d_backward.default.redispatch(
+            keyset & _C._after_autograd_keyset, *args
+        )
 
 
 @functools.cache
@@ -154,9 +253,8 @@ def register() -> torch.library.Library:
     lib.impl("causal_conv1d_backward", _bwd_cuda, "CUDA")
     torch.library.register_fake("ssm::causal_conv1d", _fwd_fake, lib=lib)
     torch.library.register_fake("ssm::causal_conv1d_backward", _bwd_fake, lib=lib)
-    torch.library.register_autograd(
-        "ssm::causal_conv1d", _backward, setup_context=_setup_context, lib=lib
-    )
+    lib.impl("causal_conv1d", _fwd_autograd, "Autograd", with_keyset=True)
+    lib.impl("causal_conv1d_backward", _bwd_autograd, "Autograd", with_keyset=True)
     return lib
 
 

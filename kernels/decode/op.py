@@ -5,11 +5,19 @@ functionalization turns the call into a functional op plus a copy back, and CUDA
 the write to the static cache buffer. They are inference-only: no autograd formula is
 registered (PyTorch refuses one for a mutating op), so a backward through either raises
 "no autograd formula was registered" instead of returning wrong gradients.
+
+One decode step runs these ops once per layer, so their host cost is per token. They are
+defined on a ``torch.library.Library`` fragment (schema, CPU/CUDA kernels, fake kernel, and an
+``Autograd`` kernel that only refuses differentiation) rather than with
+``torch.library.custom_op``, whose per-call Python layers (autograd wrapper, version-bump
+kernel, aliasing check, dynamo-disable wrapper) cost more than the kernels themselves at batch 1;
+and the real kernels remember which input signatures already passed their checks
+(``benchmarks/host_overhead_ops.py`` measures it).
 """
 import functools
-from typing import Optional
 
 import torch
+from torch import _C
 
 from . import cpu
 
@@ -17,6 +25,33 @@ _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTIVATIONS = (None, "silu")
 MAX_N = 256
 MIN_W, MAX_W = 2, 8
+
+_STATE_UPDATE_SCHEMA = (
+    "selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+    "Tensor? D=None, Tensor? z=None, Tensor? dt_bias=None, bool dt_softplus=False) -> Tensor"
+)
+_CONV_UPDATE_SCHEMA = (
+    "causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias=None, "
+    "str? activation=None) -> Tensor"
+)
+
+# Input signatures (shapes, dtypes, devices, flags) that passed the checks below: validity
+# depends on nothing else, and a lookup costs about half of a full check. Bounded so that a
+# stream of ever-new shapes cannot grow it without limit.
+_VALIDATED: set = set()
+_MAX_VALIDATED = 4096
+
+
+def _checked_once(check, *args) -> None:
+    """Run ``check(*args)`` unless these real (never fake: SymInts are unhashable) arguments'
+    signature already passed it."""
+    key = tuple([check] + [(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args])
+    if key in _VALIDATED:
+        return
+    check(*args)
+    if len(_VALIDATED) >= _MAX_VALIDATED:
+        _VALIDATED.clear()
+    _VALIDATED.add(key)
 
 
 def _check_tensor(name, t, shape, dtypes, device):
@@ -93,56 +128,97 @@ def _grouped(B: torch.Tensor) -> torch.Tensor:
     return B.unsqueeze(1) if B.dim() == 2 else B
 
 
-def _state_update_impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-    check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias)
+@functools.cache
+def _triton_decode():
+    """The Triton launchers, imported on the first CUDA call (a cached lookup after that)."""
+    from . import triton_decode
+
+    return triton_decode
+
+
+def _state_update_impl(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    _checked_once(check_selective_state_update_args, state, x, dt, A, B, C, D, z, dt_bias)
     B, C = _grouped(B), _grouped(C)
     if state.is_cuda:
-        from . import triton_decode
-
-        return triton_decode.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+        y = _triton_decode().selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+        # The kernel writes through a raw pointer, which autograd's version counter cannot see
+        # (the CPU path's copy_ bumps it by itself); the schema's (a!) promises a visible write.
+        torch.autograd.graph.increment_version(state)
+        return y
     return cpu.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
 
-def _conv_update_impl(x, conv_state, weight, bias, activation):
-    check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
+def _state_update_fake(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias)
+    return x.new_empty(x.shape)
+
+
+def _conv_update_impl(x, conv_state, weight, bias=None, activation=None):
+    _checked_once(check_causal_conv1d_update_args, x, conv_state, weight, bias, activation)
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
     if x.is_cuda:
-        from . import triton_decode
-
-        y = triton_decode.causal_conv1d_update(x3, conv_state, weight, bias, activation)
+        y = _triton_decode().causal_conv1d_update(x3, conv_state, weight, bias, activation)
+        # A raw-pointer write, as in _state_update_impl.
+        torch.autograd.graph.increment_version(conv_state)
     else:
         y = cpu.causal_conv1d_update(x3, conv_state, weight, bias, activation)
     return y.squeeze(-1) if x.dim() == 2 else y
 
 
+def _conv_update_fake(x, conv_state, weight, bias=None, activation=None):
+    check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
+    return x.new_empty(x.shape)
+
+
+class _NoBackward(torch.autograd.Function):
+    """Autograd node of a decode op: it runs the op, and its backward refuses by name."""
+
+    @staticmethod
+    def forward(ctx, op, keyset, *args):
+        ctx.op_name = op.name()
+        with _C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & _C._after_autograd_keyset, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"Trying to backward through {ctx.op_name} but no autograd formula was registered: "
+            f"the decode ops are inference-only (use ssm::selective_scan / ssm::causal_conv1d "
+            f"for training)"
+        )
+
+
+def _autograd_kernel(op):
+    """The ``Autograd``-key kernel of a decode op: a plain redispatch unless a grad is wanted."""
+
+    def kernel(keyset, *args):
+        if _C.is_grad_enabled() and _C._any_requires_grad(*args):
+            return _NoBackward.apply(op, keyset, *args)
+        with _C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & _C._after_autograd_keyset, *args)
+
+    return kernel
+
+
 @functools.cache
-def register() -> None:
-    """Define ``ssm::selective_state_update`` and ``ssm::causal_conv1d_update`` (idempotent)."""
+def register() -> torch.library.Library:
+    """Define ``ssm::selective_state_update`` and ``ssm::causal_conv1d_update`` (idempotent).
 
-    @torch.library.custom_op("ssm::selective_state_update", mutates_args=("state",), device_types=("cpu", "cuda"))
-    def selective_state_update_op(
-        state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-        C: torch.Tensor, D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None,
-        dt_bias: Optional[torch.Tensor] = None, dt_softplus: bool = False,
-    ) -> torch.Tensor:
-        return _state_update_impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
-
-    @selective_state_update_op.register_fake
-    def _(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
-        check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias)
-        return x.new_empty(x.shape)
-
-    @torch.library.custom_op("ssm::causal_conv1d_update", mutates_args=("conv_state",), device_types=("cpu", "cuda"))
-    def causal_conv1d_update_op(
-        x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-        activation: Optional[str] = None,
-    ) -> torch.Tensor:
-        return _conv_update_impl(x, conv_state, weight, bias, activation)
-
-    @causal_conv1d_update_op.register_fake
-    def _(x, conv_state, weight, bias=None, activation=None):
-        check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
-        return x.new_empty(x.shape)
+    Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
+    """
+    lib = torch.library.Library("ssm", "FRAGMENT")
+    for schema, impl, fake in (
+        (_STATE_UPDATE_SCHEMA, _state_update_impl, _state_update_fake),
+        (_CONV_UPDATE_SCHEMA, _conv_update_impl, _conv_update_fake),
+    ):
+        name = schema[: schema.index("(")]
+        lib.define(schema)
+        for device_key in ("CPU", "CUDA"):
+            lib.impl(name, impl, device_key)
+        torch.library.register_fake(f"ssm::{name}", fake, lib=lib)
+        op = getattr(torch.ops.ssm, name).default
+        lib.impl(name, _autograd_kernel(op), "Autograd", with_keyset=True)
+    return lib
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):

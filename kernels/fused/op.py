@@ -17,7 +17,6 @@ says so, rather than letting autograd fail with a generic "not differentiable" e
 Nothing is registered until ``register()`` is called.
 """
 import functools
-from typing import Optional
 
 import torch
 

@@ -2,11 +2,20 @@
 
 ``register()`` defines two ops (nothing happens at import):
 
-* ``ssm::selective_scan`` -- the forward, differentiable through ``register_autograd``;
+* ``ssm::selective_scan`` -- the forward, differentiable through an ``Autograd``-key kernel
+  backed by a ``torch.autograd.Function``;
 * ``ssm::selective_scan_backward`` -- its gradients, an op of its own with a fake impl so that
   AOTAutograd and inductor keep the backward opaque instead of tracing into a kernel.
 
 Both run the chunked PyTorch code in ``cpu.py`` on CPU and the Triton launchers on CUDA.
+
+The ops are defined on a ``torch.library.Library`` fragment (backend, fake and autograd kernels
+registered one by one) rather than with ``torch.library.custom_op``: custom_op wraps every call
+in several Python layers (its autograd kernel, an output-aliasing check, a dynamo-disable
+wrapper), about 13 µs per call, which dominated batch-1, short-L and decode steps. For the same
+reason the real impls remember which input signatures (shapes, dtypes, devices) already passed
+``check_selective_scan_inputs``; the fake impl always checks, so bad inputs still fail at
+compile time. ``benchmarks/host_overhead_ops.py`` measures what is left.
 
 Dtype policy (checked by ``check_selective_scan_inputs``):
 
@@ -27,6 +36,7 @@ import functools
 from typing import Optional
 
 import torch
+from torch import _C
 
 from . import cpu
 
@@ -35,22 +45,48 @@ _SUPPORTED_DEVICES = ("cpu", "cuda")
 MAX_DSTATE = 256
 
 _SCHEMA = (
-    "(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D=None, Tensor? z=None, "
+    "selective_scan(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D=None, Tensor? z=None, "
     "Tensor? delta_bias=None, bool delta_softplus=False, Tensor? initial_state=None, "
     "bool return_last_state=False) -> (Tensor y, Tensor last_state)"
 )
 # Absent optional inputs get an empty (0,) gradient: a schema cannot return None.
 _BACKWARD_SCHEMA = (
-    "(Tensor dy, Tensor? dlast_state, Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, "
+    "selective_scan_backward(Tensor dy, Tensor? dlast_state, Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, "
     "Tensor? D, Tensor? z, Tensor? delta_bias, bool delta_softplus, Tensor? initial_state) -> "
     "(Tensor du, Tensor ddelta, Tensor dA, Tensor dB, Tensor dC, Tensor dD, Tensor dz, "
     "Tensor ddelta_bias, Tensor dinitial_state)"
 )
-# Inputs of ssm::selective_scan in schema order, so that backward can return gradients by name.
-_INPUT_NAMES = (
-    "u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "initial_state",
+# Arguments of _SelectiveScan.apply (the dispatch keyset, then ssm::selective_scan's inputs in
+# schema order), so that backward can return gradients by name.
+_APPLY_ARGS = (
+    "keyset", "u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "initial_state",
     "return_last_state",
 )
+
+
+# Input signatures that passed check_selective_scan_inputs, each with its state dtype. Both
+# depend only on shapes, dtypes and devices, and a lookup costs about half of a full check.
+# Bounded so that a stream of ever-new shapes cannot grow it without limit.
+_VALIDATED: dict = {}
+_MAX_VALIDATED = 4096
+
+
+def _checked_state_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) -> torch.dtype:
+    """``check_selective_scan_inputs`` for real (never fake) tensors, skipped for a known
+    signature; returns ``cpu.compute_dtype`` of the inputs.
+
+    Fake impls must not use it: their sizes may be symbolic, and SymInts are not hashable.
+    """
+    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    key = tuple([None if t is None else (t.shape, t.dtype, t.device) for t in tensors])
+    state_dtype = _VALIDATED.get(key)
+    if state_dtype is None:
+        check_selective_scan_inputs(*tensors)
+        state_dtype = cpu.compute_dtype(*tensors)
+        if len(_VALIDATED) >= _MAX_VALIDATED:
+            _VALIDATED.clear()
+        _VALIDATED[key] = state_dtype
+    return state_dtype
 
 
 def _expect_shape(name: str, t: torch.Tensor, shape: tuple, meaning: str) -> None:
@@ -164,22 +200,27 @@ def _grouped(B: torch.Tensor) -> torch.Tensor:
     return B.unsqueeze(1) if B.dim() == 3 else B
 
 
+@functools.cache
+def _triton_launchers():
+    """The Triton launcher modules, imported on the first CUDA call (a cached lookup after that,
+    cheaper than an import statement per call)."""
+    from . import triton_bwd, triton_fwd
+
+    return triton_fwd, triton_bwd
+
+
 def _selective_scan_impl(
     u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
     return_last_state=False,
 ):
-    check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    state_dtype = _checked_state_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     _check_device(u)
-    if u.device.type == "cuda":
-        from .triton_fwd import selective_scan_fwd
-    else:
-        selective_scan_fwd = cpu.selective_scan_fwd
-    y, last_state = selective_scan_fwd(
+    launcher = _triton_launchers()[0] if u.is_cuda else cpu
+    y, last_state = launcher.selective_scan_fwd(
         u, delta, A, _grouped(B), _grouped(C), D, z, delta_bias, delta_softplus, initial_state,
         return_last_state,
     )
     if last_state is None:
-        state_dtype = cpu.compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
         last_state = u.new_empty((0,), dtype=state_dtype)
     return y, last_state
 
@@ -201,9 +242,8 @@ def _absent(u: torch.Tensor) -> torch.Tensor:
     return u.new_empty((0,))
 
 
-def _check_backward_inputs(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, initial_state):
-    """The forward's checks plus the incoming gradients' shapes, dtypes and devices."""
-    check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+def _check_incoming_grads(dy, dlast_state, u, A) -> None:
+    """The incoming gradients' shapes, dtypes and devices (the inputs are checked separately)."""
     batch, dim, seqlen = u.shape
     expected = {"dy": (dy, (batch, dim, seqlen), "(batch, dim, L)")}
     if dlast_state is not None:
@@ -224,13 +264,11 @@ def _check_backward_inputs(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias,
 
 
 def _backward_impl(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state):
-    _check_backward_inputs(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, initial_state)
+    _checked_state_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    _check_incoming_grads(dy, dlast_state, u, A)
     _check_device(u)
-    if u.device.type == "cuda":
-        from .triton_bwd import selective_scan_bwd
-    else:
-        selective_scan_bwd = cpu.selective_scan_bwd
-    grads = selective_scan_bwd(
+    launcher = _triton_launchers()[1] if u.is_cuda else cpu
+    grads = launcher.selective_scan_bwd(
         dy, dlast_state, u, delta, A, _grouped(B), _grouped(C), D, z, delta_bias, delta_softplus,
         initial_state,
     )
@@ -247,7 +285,8 @@ def _backward_impl(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, delta_s
 
 
 def _backward_fake(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state):
-    _check_backward_inputs(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, initial_state)
+    check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    _check_incoming_grads(dy, dlast_state, u, A)
 
     def dense(t):
         return _absent(u) if t is None else t.new_empty(t.shape)
@@ -261,53 +300,119 @@ def _backward_fake(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, delta_s
     )
 
 
-def _setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state = inputs
-    # Only the inputs are saved: the backward recomputes the states it needs.
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    ctx.delta_softplus = delta_softplus
-    ctx.return_last_state = return_last_state
+class _SelectiveScan(torch.autograd.Function):
+    """The autograd node of ``ssm::selective_scan``, applied by its ``Autograd``-key kernel.
+
+    ``keyset`` is the dispatch keyset the op was called with: forward redispatches below
+    autograd with it (as ``register_autograd`` does), so that dispatch modes and functorch
+    layers active at the call are honoured.
+    """
+
+    @staticmethod
+    def forward(ctx, keyset, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
+                return_last_state):
+        with _C._AutoDispatchBelowAutograd():
+            y, last_state = torch.ops.ssm.selective_scan.default.redispatch(
+                keyset & _C._after_autograd_keyset, u, delta, A, B, C, D, z, delta_bias,
+                delta_softplus, initial_state, return_last_state,
+            )
+        # Only the inputs are saved: the backward recomputes the states it needs.
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state)
+        ctx.delta_softplus = delta_softplus
+        ctx.return_last_state = return_last_state
+        return y, last_state
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_last_state):
+        u, delta, A, B, C, D, z, delta_bias, initial_state = ctx.saved_tensors
+        # Without return_last_state the (0,) placeholder output carries no gradient.
+        dlast_state = grad_last_state if ctx.return_last_state else None
+        args = (grad_y, dlast_state, u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, initial_state)
+        if torch.is_grad_enabled():
+            # create_graph=True: go through the backward op's autograd kernel, which refuses.
+            grad_tuple = torch.ops.ssm.selective_scan_backward.default(*args)
+        else:
+            # Nothing is recorded anyway, so skip the (Python) autograd kernel's dispatch hop.
+            with _C._AutoDispatchBelowAutograd():
+                grad_tuple = torch.ops.ssm.selective_scan_backward.default(*args)
+        du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state = grad_tuple
+        grads = {
+            "u": du, "delta": ddelta, "A": dA, "B": dB, "C": dC, "D": dD, "z": dz,
+            "delta_bias": ddelta_bias, "initial_state": dinitial_state,
+        }
+        for name, given in (("D", D), ("z", z), ("delta_bias", delta_bias), ("initial_state", initial_state)):
+            if given is None:
+                del grads[name]  # it is only the (0,) placeholder
+        # The keyset, the flags (delta_softplus, return_last_state) and absent inputs get no gradient.
+        return tuple(grads.get(name) for name in _APPLY_ARGS)
 
 
-def _autograd_backward(ctx, grad_y, grad_last_state):
-    u, delta, A, B, C, D, z, delta_bias, initial_state = ctx.saved_tensors
-    # Without return_last_state the (0,) placeholder output carries no gradient.
-    dlast_state = grad_last_state if ctx.return_last_state else None
-    du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state = torch.ops.ssm.selective_scan_backward(
-        grad_y, dlast_state, u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, initial_state
-    )
-    grads = {
-        "u": du, "delta": ddelta, "A": dA, "B": dB, "C": dC, "D": dD, "z": dz,
-        "delta_bias": ddelta_bias, "initial_state": dinitial_state,
-    }
-    for name, given in (("D", D), ("z", z), ("delta_bias", delta_bias), ("initial_state", initial_state)):
-        if given is None:
-            del grads[name]  # it is only the (0,) placeholder
-    # The flags (delta_softplus, return_last_state) and absent inputs get no gradient.
-    return tuple(grads.get(name) for name in _INPUT_NAMES)
+def _selective_scan_autograd(
+    keyset, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+    initial_state=None, return_last_state=False,
+):
+    # The dispatcher drops trailing arguments equal to their defaults, hence the defaults here.
+    if _C.is_grad_enabled() and _C._any_requires_grad(u, delta, A, B, C, D, z, delta_bias, initial_state):
+        return _SelectiveScan.apply(
+            keyset, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state
+        )
+    with _C._AutoDispatchBelowAutograd():
+        return torch.ops.ssm.selective_scan.default.redispatch(
+            keyset & _C._after_autograd_keyset, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+            initial_state, return_last_state,
+        )
+
+
+class _RefuseDoubleBackward(torch.autograd.Function):
+    """Autograd node for ``ssm::selective_scan_backward``: its own backward is not implemented."""
+
+    @staticmethod
+    def forward(ctx, keyset, *args):
+        with _C._AutoDispatchBelowAutograd():
+            return torch.ops.ssm.selective_scan_backward.default.redispatch(
+                keyset & _C._after_autograd_keyset, *args
+            )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "selective_scan: double backward (create_graph=True through ssm::selective_scan) is "
+            "not supported: ssm::selective_scan_backward has no autograd formula"
+        )
+
+
+def _backward_autograd(keyset, *args):
+    if _C.is_grad_enabled() and _C._any_requires_grad(*args):
+        return _RefuseDoubleBackward.apply(keyset, *args)
+    with _C._AutoDispatchBelowAutograd():
+        return torch.ops.ssm.selective_scan_backward.default.redispatch(
+            keyset & _C._after_autograd_keyset, *args
+        )
 
 
 @functools.cache
-def register():
+def register() -> torch.library.Library:
     """Define ``ssm::selective_scan`` and ``ssm::selective_scan_backward`` (idempotent).
 
-    Returns the two ``CustomOpDef``s; the cache keeps them alive.
+    Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
     """
-    scan = torch.library.custom_op(
-        "ssm::selective_scan", _selective_scan_impl, mutates_args=(), schema=_SCHEMA
-    )
-    scan.register_fake(_selective_scan_fake)
-    backward = torch.library.custom_op(
-        "ssm::selective_scan_backward", _backward_impl, mutates_args=(), schema=_BACKWARD_SCHEMA
-    )
-    backward.register_fake(_backward_fake)
-    scan.register_autograd(_autograd_backward, setup_context=_setup_context)
-    return scan, backward
+    lib = torch.library.Library("ssm", "FRAGMENT")
+    lib.define(_SCHEMA)
+    lib.define(_BACKWARD_SCHEMA)
+    for name, impl, fake, autograd in (
+        ("selective_scan", _selective_scan_impl, _selective_scan_fake, _selective_scan_autograd),
+        ("selective_scan_backward", _backward_impl, _backward_fake, _backward_autograd),
+    ):
+        for device_key in ("CPU", "CUDA"):
+            lib.impl(name, impl, device_key)
+        torch.library.register_fake(f"ssm::{name}", fake, lib=lib)
+        lib.impl(name, autograd, "Autograd", with_keyset=True)
+    return lib
 
 
 @torch.compiler.assume_constant_result
 def _ensure_registered() -> bool:
-    # Dynamo runs this eagerly while tracing (instead of tracing into custom_op's machinery,
+    # Dynamo runs this eagerly while tracing (instead of tracing into the Library machinery,
     # which would graph-break), so the wrapper also works under torch.compile(fullgraph=True).
     register()
     return True

@@ -14,13 +14,16 @@ transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the ch
    left after chunk 0 is dL/d initial_state.
 3. ``_chunk_bwd_kernel``: with both boundaries known, every chunk is independent. One program
    per (chunk, batch, slice of a group's channels) recomputes the interior with two in-chunk
-   associative scans (h forward, dh in reverse) and forms all gradients. Because a program
+   scans (h forward, dh in reverse) and forms all gradients. Each thread owns 4 consecutive
+   steps, so a scan is a serial chain in registers plus one cross-lane scan of the threads'
+   composites (``_scan_fwd``, ``_scan_rev``). Because a program
    loops over many channels of ONE group, it sums their dB/dC into rows of a per-slice
    partial that it alone owns; dA, dD and ddelta_bias are written per (batch, chunk).
    The launcher reduces all partials with a fixed-order ``torch.sum``: no atomics, the same
    bits on every run.
 
-The chunk kernels work on [channels, chunk] tiles and loop over the N state columns, so sums
+The chunk kernels work on [channels, chunk] tiles ([channels, chunk / 4, 4] in the second one)
+and loop over the N state columns, so sums
 over N are running sums in registers rather than cross-thread reductions, and a tile's size
 does not depend on N (N <= 256 costs loop trips, not registers).
 """
@@ -37,32 +40,101 @@ from .grads import ScanGrads
 _LOG2E = tl.constexpr(LOG2E)
 
 # Kernels work on [BLOCK_D, CHUNK] tiles, one state column at a time.
-_CHUNK = 64
+_CHUNK = 128
+# Elements of the chunk-state kernel's tile.
 _TILE = 1024
+# Channels per loop step of the chunk kernel. One channel per step keeps its [1, 32, 4] tile
+# (chunk 128) inside one warp: the sums over channels (dB, dC) vanish, no cross-warp reduction
+# or barrier is left in the n-loop, and the kernel needs ~122 registers (sm_90, triton 3.6)
+# instead of ~250 at [16, 64] with 4 warps, which doubles the warps an SM can hold.
+_BLOCK_D = 1
+# Consecutive time steps per thread in the chunk kernel's tiles: the serial part of its scans,
+# and one 16 B vector of fp32 per load. Its scans are written out for exactly 4.
+_STEPS = 4
 # (channel, state) pairs per program of the state pass; it is a light, latency-bound walk.
 _PASS_BLOCK = 128
-# Enough programs in the chunk kernel to give every SM a few to switch between.
-_PROGRAMS_PER_SM = 4
+# Resident warps per SM the chunk kernel's grid aims for: its n-loop is a chain of dependent
+# cross-lane scan steps, so throughput scales with the warps a scheduler can switch between
+# (at ~120 registers an SM holds 16 one-warp programs).
+_WARPS_PER_SM = 16
 
 
 @triton.jit
-def _delta_tile(delta_ptr, bias, offs_d, t, mask_d, mask_t, stride_delta_d, stride_delta_l,
-                HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFTPLUS: tl.constexpr):
-    """Delta for a [BLOCK_D, CHUNK] tile and its pre-activation.
+def _delta_tile(delta_ptrs, bias, mask, HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFTPLUS: tl.constexpr):
+    """Delta for a tile of (channel, time) pointers and its pre-activation; ``bias`` is already
+    broadcast to the tile's rank.
 
     Delta is zero outside the sequence and the channel block, so padded steps decay by
     exp(0) = 1 and inject nothing; a softplus(bias) there would corrupt the chunk sums.
     """
-    mask = mask_d[:, None] & mask_t[None, :]
-    x = tl.load(delta_ptr + offs_d[:, None] * stride_delta_d + t[None, :] * stride_delta_l,
-                mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(delta_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA_BIAS:
-        x += bias[:, None]
+        x += bias
     if DELTA_SOFTPLUS:
         dt = softplus(x)
     else:
         dt = x
     return tl.where(mask, dt, 0.0), x
+
+
+@triton.jit
+def _steps(x):
+    """A [BLOCK_D, ROWS, 4] tile as its four step columns ([BLOCK_D, ROWS] each).
+
+    The step axis lives inside one thread, so split/join are register renamings; Triton's own
+    scan along it would not be (a reverse scan is lowered through lane permutations).
+    """
+    even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 2, 2]))  # steps (0, 2), (1, 3)
+    s0, s2 = tl.split(even)
+    s1, s3 = tl.split(odd)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _unsteps(s0, s1, s2, s3):
+    x = tl.join(tl.join(s0, s2), tl.join(s1, s3))
+    return tl.reshape(x, [s0.shape[0], s0.shape[1], 4])
+
+
+@triton.jit
+def _scan_fwd(a, b, ROWS: tl.constexpr):
+    """h_t = a_t * h_{t-1} + b_t from h = 0, over a [BLOCK_D, ROWS, 4] tile, t = row * 4 + step.
+
+    Each thread owns a row's 4 consecutive steps: the chain along them is serial in registers;
+    only the rows' composites (one per thread) are scanned across lanes, and the state entering
+    each row is the previous row's result, fetched with a one-lane gather.
+    """
+    a0, a1, a2, a3 = _steps(a)
+    b0, b1, b2, b3 = _steps(b)
+    h1 = a1 * b0 + b1
+    h2 = a2 * h1 + b2
+    h3 = a3 * h2 + b3
+    p1 = a0 * a1
+    p2 = p1 * a2
+    p3 = p2 * a3
+    _, h_end = tl.associative_scan((p3, h3), axis=1, combine_fn=linear_combine)  # [BLOCK_D, ROWS]
+    rows = tl.arange(0, ROWS)[None, :]
+    prev = tl.broadcast_to(tl.maximum(rows - 1, 0), h_end.shape)
+    h_in = tl.where(rows == 0, 0.0, tl.gather(h_end, prev, 1))
+    return _unsteps(b0 + a0 * h_in, h1 + p1 * h_in, h2 + p2 * h_in, h3 + p3 * h_in)
+
+
+@triton.jit
+def _scan_rev(alpha, c, ROWS: tl.constexpr):
+    """x_t = alpha_t * x_{t+1} + c_t from x = 0 past the tile; layout as in ``_scan_fwd``."""
+    a0, a1, a2, a3 = _steps(alpha)
+    c0, c1, c2, c3 = _steps(c)
+    x2 = a2 * c3 + c2
+    x1 = a1 * x2 + c1
+    x0 = a0 * x1 + c0
+    p2 = a2 * a3
+    p1 = a1 * p2
+    p0 = a0 * p1
+    _, x_start = tl.associative_scan((p0, x0), axis=1, combine_fn=linear_combine, reverse=True)
+    rows = tl.arange(0, ROWS)[None, :]
+    nxt = tl.broadcast_to(tl.minimum(rows + 1, ROWS - 1), x_start.shape)
+    x_in = tl.where(rows == ROWS - 1, 0.0, tl.gather(x_start, nxt, 1))
+    return _unsteps(x0 + p0 * x_in, x1 + p1 * x_in, x2 + p2 * x_in, c3 + a3 * x_in)
 
 
 @triton.heuristics({
@@ -105,11 +177,11 @@ def _chunk_state_kernel(
     mask_t = t < L
     mask_dt = mask_d[:, None] & mask_t[None, :]
 
-    bias = 0.0
+    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_DELTA_BIAS:
         bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    dt, _ = _delta_tile(delta_ptr + pid_b * stride_delta_b, bias, offs_d, t, mask_d, mask_t,
-                        stride_delta_d, stride_delta_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+    dt, _ = _delta_tile(delta_ptr + pid_b * stride_delta_b + offs_d[:, None] * stride_delta_d
+                        + t[None, :] * stride_delta_l, bias[:, None], mask_dt, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
     u = tl.load(u_ptr + pid_b * stride_u_b + offs_d[:, None] * stride_u_d + t[None, :] * stride_u_l,
                 mask=mask_dt, other=0.0).to(tl.float32)
     g = tl.load(dy_ptr + pid_b * stride_dy_b + offs_d[:, None] * stride_dy_d + t[None, :] * stride_dy_l,
@@ -217,18 +289,29 @@ def _chunk_bwd_kernel(
     # meta-parameters
     DELTA_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_DELTA_BIAS: tl.constexpr,
-    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, STEPS: tl.constexpr,
 ):
+    """Recompute a chunk's interior and form every gradient, one state column at a time.
+
+    Tiles are [BLOCK_D, ROWS, STEPS] with time t = chunk start + row * STEPS + step: each
+    thread owns a row's STEPS consecutive steps (one 16 B vector of fp32 when STEPS = 4), so
+    both scans run serially in registers and only ROWS composites per channel cross lanes
+    (see ``_scan_fwd``/``_scan_rev``).
+    """
+    tl.static_assert(STEPS == 4, "the in-thread scans are written out for 4 steps")
+    ROWS: tl.constexpr = CHUNK // STEPS
     pid_c = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
     pid_g = tl.program_id(2) // n_splits
     pid_s = tl.program_id(2) % n_splits
-    offs_t = tl.arange(0, CHUNK)
+    offs_t = tl.arange(0, ROWS)[:, None] * STEPS + tl.arange(0, STEPS)[None, :]  # [ROWS, STEPS]
     t = pid_c * CHUNK + offs_t
     mask_t = t < L
     mask_next = t + 1 < L
     # The chunk's last real step, where the carry from later chunks enters dh.
     last = tl.minimum(L - pid_c * CHUNK, CHUNK) - 1
+    is_first = (offs_t == 0)[None, :, :]
+    is_last = (offs_t == last)[None, :, :]
 
     B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
     C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
@@ -252,60 +335,58 @@ def _chunk_bwd_kernel(
         offs_dl = d0 + tl.arange(0, BLOCK_D)
         offs_d = pid_g * dim_per_group + offs_dl
         mask_d = offs_dl < d_stop
-        mask_dt = mask_d[:, None] & mask_t[None, :]
+        d3 = offs_d[:, None, None]
+        t3 = t[None, :, :]
+        mask_dt = mask_d[:, None, None] & mask_t[None, :, :]  # [BLOCK_D, ROWS, STEPS]
 
-        bias = 0.0
+        bias = tl.zeros([BLOCK_D, 1, 1], dtype=tl.float32)
         if HAS_DELTA_BIAS:
-            bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        dt, x = _delta_tile(delta_ptr, bias, offs_d, t, mask_d, mask_t, stride_delta_d,
-                            stride_delta_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+            bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None, None]
+        delta_ptrs = delta_ptr + d3 * stride_delta_d + t3 * stride_delta_l
+        dt, x = _delta_tile(delta_ptrs, bias, mask_dt, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
         # dh_t = a_{t+1} * dh_{t+1} + C_t * g_t needs the NEXT step's decay at position t; a
-        # second (cached) load of delta shifted by one is cheaper than shuffling a tile.
-        dt_next, _ = _delta_tile(delta_ptr, bias, offs_d, t + 1, mask_d, mask_next,
-                                 stride_delta_d, stride_delta_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-        u = tl.load(u_ptr + offs_d[:, None] * stride_u_d + t[None, :] * stride_u_l,
-                    mask=mask_dt, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs_d[:, None] * stride_dy_d + t[None, :] * stride_dy_l,
-                     mask=mask_dt, other=0.0).to(tl.float32)
+        # second (cached) load of delta shifted by one is cheaper than shifting a tile.
+        dt_next, _ = _delta_tile(delta_ptrs + stride_delta_l, bias,
+                                 mask_d[:, None, None] & mask_next[None, :, :], HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+        u = tl.load(u_ptr + d3 * stride_u_d + t3 * stride_u_l, mask=mask_dt, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + d3 * stride_dy_d + t3 * stride_dy_l, mask=mask_dt, other=0.0).to(tl.float32)
         if HAS_Z:
-            z = tl.load(z_ptr + offs_d[:, None] * stride_z_d + t[None, :] * stride_z_l,
-                        mask=mask_dt, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + d3 * stride_z_d + t3 * stride_z_l, mask=mask_dt, other=0.0).to(tl.float32)
             g = dy * silu(z)
         else:
             g = dy
         dtu = dt * u
 
-        # One state column at a time: [BLOCK_D, CHUNK] tiles, sums over n are running sums.
-        y = tl.zeros([BLOCK_D, CHUNK], dtype=tl.float32)  # C . h, before skip and gate (for dz)
-        q = tl.zeros([BLOCK_D, CHUNK], dtype=tl.float32)  # dh . B
-        s = tl.zeros([BLOCK_D, CHUNK], dtype=tl.float32)  # (dh * a * h_prev) . A * log2(e)
+        # One state column at a time; sums over n are running sums.
+        y = tl.zeros([BLOCK_D, ROWS, STEPS], dtype=tl.float32)  # C . h, before skip and gate (for dz)
+        q = tl.zeros([BLOCK_D, ROWS, STEPS], dtype=tl.float32)  # dh . B
+        s = tl.zeros([BLOCK_D, ROWS, STEPS], dtype=tl.float32)  # (dh * a * h_prev) . A * log2(e)
         for n in range(N):
             A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * _LOG2E
-            Bn = tl.load(B_ptr + n * stride_B_n + t * stride_B_l, mask=mask_t, other=0.0).to(tl.float32)
-            Cn = tl.load(C_ptr + n * stride_C_n + t * stride_C_l, mask=mask_t, other=0.0).to(tl.float32)
-            h0 = tl.load(hs_ptr + ws_off + offs_d * N + n, mask=mask_d, other=0.0)
-            r = tl.load(rs_ptr + ws_off + offs_d * N + n, mask=mask_d, other=0.0)
+            A2 = A2[:, None, None]
+            Bn = tl.load(B_ptr + n * stride_B_n + t * stride_B_l, mask=mask_t, other=0.0).to(tl.float32)[None, :, :]
+            Cn = tl.load(C_ptr + n * stride_C_n + t * stride_C_l, mask=mask_t, other=0.0).to(tl.float32)[None, :, :]
+            h0 = tl.load(hs_ptr + ws_off + offs_d * N + n, mask=mask_d, other=0.0)[:, None, None]
+            r = tl.load(rs_ptr + ws_off + offs_d * N + n, mask=mask_d, other=0.0)[:, None, None]
 
             # Forward recompute; h entering the chunk is folded into the first step's input.
-            a = tl.exp2(A2[:, None] * dt)  # [BLOCK_D, CHUNK]
-            b = dtu * Bn[None, :]
-            b_in = tl.where(offs_t[None, :] == 0, b + a * h0[:, None], b)
-            _, h = tl.associative_scan((a, b_in), axis=1, combine_fn=linear_combine)
+            a = tl.exp2(A2 * dt)
+            b = dtu * Bn
+            h = _scan_fwd(a, tl.where(is_first, b + a * h0, b), ROWS)
             if HAS_Z:
-                y += h * Cn[None, :]
+                y += h * Cn
 
             # Adjoint: a reverse scan of (a_{t+1}, C_t * g_t), the later chunks' carry entering
             # at the last real step. Steps past it hold c = 0 and contribute nothing.
-            alpha = tl.exp2(A2[:, None] * dt_next)
-            c = g * Cn[None, :]
-            c = tl.where(offs_t[None, :] == last, c + r[:, None], c)
-            _, dh = tl.associative_scan((alpha, c), axis=1, combine_fn=linear_combine, reverse=True)
+            c = g * Cn
+            dh = _scan_rev(tl.exp2(A2 * dt_next), tl.where(is_last, c + r, c), ROWS)
 
             # h_t - b_t = a_t * h_{t-1}: the decay's input, recovered without shifting h.
             e = dh * (h - b)
-            q += dh * Bn[None, :]
-            s += e * A2[:, None]
-            tl.store(dA_part_ptr + ws_off + offs_d * N + n, tl.sum(e * dt, axis=1), mask=mask_d)
+            q += dh * Bn
+            s += e * A2
+            dA_n = tl.sum(tl.sum(e * dt, axis=2), axis=1)
+            tl.store(dA_part_ptr + ws_off + offs_d * N + n, dA_n, mask=mask_d)
             # dB/dC sum over this program's channels: read-modify-write of rows it alone owns.
             dB_ptrs = dB_part_ptr + bc_part + n * L
             dC_ptrs = dC_part_ptr + bc_part + n * L
@@ -314,15 +395,14 @@ def _chunk_bwd_kernel(
 
         if HAS_Z:
             if HAS_D:
-                y += tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None] * u
+                y += tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None, None] * u
             sig_z = tl.sigmoid(z)
             dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
-            tl.store(dz_ptr + offs_d[:, None] * stride_dz_d + t[None, :] * stride_dz_l,
-                     dz.to(dz_ptr.dtype.element_ty), mask=mask_dt)
+            tl.store(dz_ptr + d3 * stride_dz_d + t3 * stride_dz_l, dz.to(dz_ptr.dtype.element_ty), mask=mask_dt)
         du = q * dt
         if HAS_D:
-            du += tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None] * g
-            tl.store(dD_part_ptr + part_off + offs_d, tl.sum(g * u, axis=1), mask=mask_d)
+            du += tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None, None] * g
+            tl.store(dD_part_ptr + part_off + offs_d, tl.sum(tl.sum(g * u, axis=2), axis=1), mask=mask_d)
         ddt = q * u + s * (1.0 / _LOG2E)
         if DELTA_SOFTPLUS:
             # softplus'(x) = sigmoid(x); it rounds to 1 above torch's threshold of 20, matching
@@ -330,10 +410,9 @@ def _chunk_bwd_kernel(
             ddt *= tl.sigmoid(x)
         ddt = tl.where(mask_dt, ddt, 0.0)
         if HAS_DELTA_BIAS:
-            tl.store(ddb_part_ptr + part_off + offs_d, tl.sum(ddt, axis=1), mask=mask_d)
-        tl.store(du_ptr + offs_d[:, None] * stride_du_d + t[None, :] * stride_du_l,
-                 du.to(du_ptr.dtype.element_ty), mask=mask_dt)
-        tl.store(ddelta_ptr + offs_d[:, None] * stride_ddelta_d + t[None, :] * stride_ddelta_l,
+            tl.store(ddb_part_ptr + part_off + offs_d, tl.sum(tl.sum(ddt, axis=2), axis=1), mask=mask_d)
+        tl.store(du_ptr + d3 * stride_du_d + t3 * stride_du_l, du.to(du_ptr.dtype.element_ty), mask=mask_dt)
+        tl.store(ddelta_ptr + d3 * stride_ddelta_d + t3 * stride_ddelta_l,
                  ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_dt)
         # The next block reads the dB/dC rows that other threads of this program just wrote.
         tl.debug_barrier()
@@ -378,11 +457,14 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     dpg = triton.next_power_of_2(dim_per_group)
     sms = _num_sms(device)
     chunk = overrides.get("chunk") or max(16, min(_CHUNK, triton.next_power_of_2(L)))
+    if chunk < _STEPS or chunk & (chunk - 1):
+        raise ValueError(f"selective_scan_bwd: tiles chunk must be a power of two >= {_STEPS}, got {chunk}")
     state_bd = overrides.get("state_block_d") or max(1, min(_TILE // chunk, dpg))
-    block_d = overrides.get("block_d") or max(1, min(_TILE // chunk, dpg))
+    block_d = overrides.get("block_d") or min(_BLOCK_D, dpg)
+    num_warps = overrides.get("num_warps") or _warps_for(block_d * chunk, _STEPS)
     n_chunks = triton.cdiv(L, chunk)
     splits = overrides.get("num_splits") or min(
-        triton.cdiv(_PROGRAMS_PER_SM * sms, n_chunks * batch * G), triton.cdiv(dim_per_group, block_d)
+        triton.cdiv(_WARPS_PER_SM * sms, num_warps * n_chunks * batch * G), triton.cdiv(dim_per_group, block_d)
     )
     # Each slice is a whole number of channel blocks, so only a group's last block is ragged.
     per_split = triton.cdiv(triton.cdiv(dim_per_group, splits), block_d) * block_d
@@ -391,15 +473,15 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         state_block_d=state_bd,
         block_d=block_d,
         num_splits=triton.cdiv(dim_per_group, per_split),
-        state_num_warps=overrides.get("state_num_warps") or _warps_for(state_bd * chunk),
-        num_warps=overrides.get("num_warps") or _warps_for(block_d * chunk),
+        state_num_warps=overrides.get("state_num_warps") or _warps_for(state_bd * chunk, 8),
+        num_warps=num_warps,
     )
 
 
-def _warps_for(tile: int) -> int:
-    # About eight tile elements per thread: fewer leave the per-column overhead (loads, the
-    # scan's cross-lane steps) unamortised, more run out of registers in the chunk kernel.
-    return max(1, min(8, tile // (32 * 8)))
+def _warps_for(tile: int, per_thread: int) -> int:
+    # Fewer elements per thread leave the per-column overhead (loads, the scan's cross-lane
+    # steps) unamortised; more cost registers (the chunk kernel keeps ~15 live tiles).
+    return max(1, min(8, tile // (32 * per_thread)))
 
 
 def selective_scan_bwd(
@@ -481,7 +563,7 @@ def selective_scan_bwd(
         batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
         *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
         *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
-        DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk,
+        DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, STEPS=_STEPS,
         num_warps=cfg.num_warps,
     )
     return ScanGrads(

@@ -33,6 +33,10 @@ import triton.language as tl
 
 from ..triton_common import LOG2E, linear_combine, silu, softplus
 
+# Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
+# scan_fwd_config): 65536 / (3 * 128) = 170.7, rounded down to ptxas's allocation granule of 8.
+_OCCUPANCY_REGS_3X4 = 168
+
 # Upper bound on the time split: the carry pass is serial in the segment index, and every
 # segment but the last costs its exps twice (once for its composite, once for y).
 MAX_SEGMENTS = 8
@@ -46,6 +50,9 @@ class ScanFwdConfig(NamedTuple):
     lanes_n: int  # lanes of a warp spread over the state dim; the rest of N is per thread
     num_warps: int
     n_segments: int  # time-parallel split of L across programs; 1 = no split
+    # Per-thread register cap handed to ptxas (Triton's ``maxnreg``); None = ptxas's choice.
+    max_registers: Optional[int] = None
+    prefetch: int = 1  # chunks whose loads are in flight while one is computed (1 or 2)
 
 
 def _next_pow2(x: int) -> int:
@@ -87,6 +94,18 @@ def scan_fwd_config(
       every segment but the last.
     * A grid that still has fewer programs than SMs (short L, batch 1) gets narrower programs
       (fewer warps, smaller block_d), so the work spreads over more SMs.
+    * max_registers: the 16-step, 4-warp tile (N <= 16) is capped at 168 registers, which is
+      what 3 programs of 4 warps per SM allow (65536 / (3 * 128) rounded down to ptxas's
+      granule of 8). Uncapped, ptxas lands anywhere in 164-182 depending on the flags (Triton
+      3.6, sm_90: fp32 without last_state 180, fp32 time-split output pass 182, bf16 168),
+      and above 168 only 2 programs fit per SM: the fp32 forward at batch 8 ran 1.5x slower
+      (0.259 -> 0.389 ms) from nothing but that. At 168 the unsplit loop is unchanged (691
+      instructions, no local memory); the fp32 split pass reloads 16 B per chunk from L1.
+      Narrower programs (1-2 warps) are only chosen when programs < SMs, where occupancy
+      does not matter and a cap would only add spills (1 warp: 236 regs uncapped).
+    * prefetch = 1: one chunk of loads in flight per program already covers HBM latency by
+      Little's law (3 programs x ~8 KB per SM at 1.6 TB/s would need ~2 µs latency to be the
+      bound); 2 costs ~3 % instructions and is a sweep candidate (bench_scan.py --sweep).
 
     A register-budget / occupancy model can replace these constants: the kernel accepts any
     power-of-two block_d, chunk_t, lanes_n.
@@ -115,7 +134,10 @@ def scan_fwd_config(
     while num_warps > 1 and batch * _cdiv(dim, block_d) * n_segments < num_sms:
         num_warps //= 2
         block_d //= 2
-    return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments)
+    max_registers = None
+    if lanes_n == 4 and chunk_t == 16 and num_warps == 4:
+        max_registers = _OCCUPANCY_REGS_3X4
+    return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments, max_registers)
 
 
 @functools.cache
@@ -196,6 +218,7 @@ def _selective_scan_fwd_kernel(
     DELTA_SOFTPLUS: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
     HAS_INIT: tl.constexpr, STORE_LAST: tl.constexpr, TIME_SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,  # chunks loaded ahead of the one being computed: 1 or 2
 ):
     # Every per-element tile is 4-D [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N]. Triton's default
     # layout hands the lanes to the fastest dims first (LANES_N, then BLOCK_D) and the warps to
@@ -268,8 +291,10 @@ def _selective_scan_fwd_kernel(
         h = _last_step(tl.broadcast_to(h[None, :, :, :],
                                        (CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N)), CHUNK_T)
 
-    # Software prefetch: the next chunk's loads are issued before this chunk's arithmetic, so
-    # their latency hides behind the scan even at low occupancy (batch 1).
+    # Software prefetch: the loads of the chunk PREFETCH chunks ahead are issued before this
+    # chunk's arithmetic, so their latency hides behind the scan even at low occupancy
+    # (batch 1). PREFETCH = 2 doubles the bytes in flight per program for one more set of
+    # raw tiles in registers (for when HBM latency, not issue, bounds the loop).
     u, delta, z, Bt, Ct = _load_chunk(
         u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
         offs_d, t_start + tl.arange(0, CHUNK_T), offs_bn, mask_d, mask_bn, t_end,
@@ -277,12 +302,19 @@ def _selective_scan_fwd_kernel(
         stride_B_n, stride_B_l, stride_C_n, stride_C_l,
         # The first launch of a time split needs neither the gate (z) nor the readout (C).
         HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS)
+    if PREFETCH == 2:
+        u2, delta2, z2, Bt2, Ct2 = _load_chunk(
+            u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
+            offs_d, t_start + CHUNK_T + tl.arange(0, CHUNK_T), offs_bn, mask_d, mask_bn, t_end,
+            stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
+            stride_B_n, stride_B_l, stride_C_n, stride_C_l,
+            HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS)
     for t0 in range(t_start, t_end, CHUNK_T):
         offs_t = t0 + tl.arange(0, CHUNK_T)
         mask_t = offs_t < t_end
         nxt = _load_chunk(
             u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
-            offs_d, offs_t + CHUNK_T, offs_bn, mask_d, mask_bn, t_end,
+            offs_d, offs_t + PREFETCH * CHUNK_T, offs_bn, mask_d, mask_bn, t_end,
             stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
             stride_B_n, stride_B_l, stride_C_n, stride_C_l,
             HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS)
@@ -333,7 +365,11 @@ def _selective_scan_fwd_kernel(
                 y *= silu(z.to(tl.float32))
             tl.store(y_ptr + offs_t[:, None] * stride_y_l + offs_d[None, :] * stride_y_d,
                      y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
-        u, delta, z, Bt, Ct = nxt
+        if PREFETCH == 2:
+            u, delta, z, Bt, Ct = u2, delta2, z2, Bt2, Ct2
+            u2, delta2, z2, Bt2, Ct2 = nxt
+        else:
+            u, delta, z, Bt, Ct = nxt
 
     if SEGMENT_TOTALS:
         seg_a = tl.exp2(A * dt_sum[None, :, None])
@@ -420,6 +456,8 @@ def selective_scan_fwd(
     if config is None:
         n_sms = _num_sms(u.device.index) if u.is_cuda else 132
         config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms)
+    if config.prefetch not in (1, 2):
+        raise ValueError(f"config.prefetch: expected 1 or 2 chunks ahead, got {config.prefetch}")
     if G > 1 and dims_per_group % config.block_d:
         raise ValueError(
             f"config.block_d={config.block_d} must divide dim // G = {dims_per_group}: a channel "
@@ -458,8 +496,8 @@ def selective_scan_fwd(
             SEGMENT_TOTALS=segment_totals, DELTA_SOFTPLUS=delta_softplus,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
             HAS_INIT=initial_state is not None, STORE_LAST=last_state is not None,
-            TIME_SPLIT=seg_a is not None,
-            num_warps=config.num_warps,
+            TIME_SPLIT=seg_a is not None, PREFETCH=config.prefetch,
+            num_warps=config.num_warps, maxnreg=config.max_registers,
         )
 
     # Triton launches on the current device; make that u's (e.g. u on cuda:1). The context
