@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import MambaConfig, MambaForCausalLM
 
-from ssm_compile.explain import explain
+from ssm_compile.report import explain
 
 SIZES = {
     # hidden, layers, vocab, state

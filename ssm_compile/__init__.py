@@ -12,8 +12,10 @@ _EXPORTS = {
     "selective_state_update": "ssm_compile.kernels.decode.op",
     "causal_conv1d_update": "ssm_compile.kernels.decode.op",
     "register_ops": "ssm_compile.kernels",
-    "backend": "ssm_compile.backend",
-    "explain": "ssm_compile.explain",
+    "backend": "ssm_compile.compiler",
+    "explain": "ssm_compile.report",
+    "SSMOptions": "ssm_compile.config",
+    "PASS_NAMES": "ssm_compile.config",
 }
 
 __all__ = sorted(_EXPORTS)

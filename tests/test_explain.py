@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from ssm_compile.backend import backend
-from ssm_compile.explain import explain
+from ssm_compile.compiler import backend
+from ssm_compile.report import explain
 
 
 @pytest.fixture(autouse=True)
@@ -85,16 +85,16 @@ def test_explain_leaves_no_state_behind(caplog):
 
 
 def test_long_node_lists_are_shortened():
-    from ssm_compile.explain import _names
+    from ssm_compile.report import _names
 
     assert _names([f"n{i}" for i in range(3)]) == "n0, n1, n2"
     assert _names([f"n{i}" for i in range(20)]) == "n0, n1, n2, n3, n4, n5, n6, n7, ... (12 more)"
 
 
-def test_package_level_explain_stays_callable_after_submodule_import():
-    # Importing the submodule binds `ssm_compile.explain` to the module; it must still be callable.
+def test_package_level_explain_after_submodule_import():
+    # Importing the implementing module must not rebind the package's `explain` function.
     import ssm_compile
-    import ssm_compile.explain  # noqa: F401
+    import ssm_compile.report  # noqa: F401
 
     report = ssm_compile.explain(causal_conv, *inputs())
     assert report.counts == {"conv1d": 1}

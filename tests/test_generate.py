@@ -322,7 +322,7 @@ def test_prefill_scan_returns_last_state_into_cache():
     is what the cache's copy_ stores; the decode graph writes its caches only through the ops."""
     import re
 
-    from ssm_compile.backend import SSMBackend
+    from ssm_compile.compiler import SSMBackend
     from ssm_compile.config import SSMOptions
 
     records = []

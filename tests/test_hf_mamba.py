@@ -217,7 +217,7 @@ def test_partial_rewrite_keeps_the_inlined_associative_scan_runnable():
     # Only conv1d rewrites; HF's associative_scan stays as dynamo inlined it, functorch
     # bookkeeping (_vmap_increment_nesting, _add_batch_dim, ...) included. Cleaning up after the
     # conv rewrite must not drop those "unused" calls: the graph would fail at run time.
-    from ssm_compile.backend import backend
+    from ssm_compile.compiler import backend
 
     model = tiny_model(hidden=16, layers=1, state=4, rank=2, assoc=True)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
@@ -233,7 +233,7 @@ def test_new_sequence_length_recompiles_and_still_rewrites(assoc):
     # The second length makes dynamo recompile (the loop form specialises on L; the
     # associative_scan form comes back with a symbolic L): both graphs must be rewritten. The
     # rewritten graphs run eagerly to keep this test fast; the rewrites are the same.
-    from ssm_compile.backend import backend
+    from ssm_compile.compiler import backend
 
     model = tiny_model(hidden=16, layers=1, state=4, rank=2, assoc=assoc)
     compiled = torch.compile(model, backend=backend(inductor=False))
@@ -248,7 +248,7 @@ def test_new_sequence_length_recompiles_and_still_rewrites(assoc):
 def test_prefill_with_cache_fills_the_same_states(assoc):
     # With a cache, the prefill scan also returns its last state (return_last_state=True) and
     # the conv input is recorded in the cache: both must match eager.
-    from ssm_compile.backend import backend
+    from ssm_compile.compiler import backend
 
     model = tiny_model(hidden=16, layers=1, state=4, rank=2, assoc=assoc)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import GraphRecord, SSMBackend, make_module_callable
+from .compiler import GraphRecord, SSMBackend
 from .config import SSMOptions
 
 log = logging.getLogger("ssm_compile")
@@ -119,6 +119,3 @@ def explain(model_or_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Repor
     report = Report(graphs=records, graph_breaks={k: v for k, v in breaks.items() if v > 0}, output=output)
     log.info("%s", report.summary())
     return report
-
-
-make_module_callable(__name__, explain)

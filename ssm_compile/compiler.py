@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
-import types
 from typing import Any, Callable, Mapping
 
 import torch
@@ -105,22 +103,3 @@ def ssm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str |
     """The ``backend="ssm"`` entry point; ``torch.compile``'s ``mode``/``options`` land here."""
     return SSMBackend(SSMOptions.from_kwargs(mode=mode, options=options))(gm, example_inputs)
 
-
-def make_module_callable(module_name: str, fn: Callable[..., Any]) -> None:
-    """Make the module ``module_name`` callable as ``fn``.
-
-    ``ssm_compile.backend`` and ``ssm_compile.explain`` are both a submodule and the function the
-    package exports under that name. Importing a submodule (the entry point imports this one)
-    binds the package attribute to the MODULE, shadowing the function for good; a callable
-    module keeps ``ssm_compile.backend(**options)`` and ``ssm_compile.explain(model, x)`` working
-    whichever of the two the attribute ends up being.
-    """
-
-    class _CallableModule(types.ModuleType):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return fn(*args, **kwargs)
-
-    sys.modules[module_name].__class__ = _CallableModule
-
-
-make_module_callable(__name__, backend)
