@@ -463,8 +463,12 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     block_d = overrides.get("block_d") or min(_BLOCK_D, dpg)
     num_warps = overrides.get("num_warps") or _warps_for(block_d * chunk, _STEPS)
     n_chunks = triton.cdiv(L, chunk)
+    # dB/dC are reduced through one (batch, G, N, L) partial per channel slice. Capping the
+    # slices at an eighth of the channels keeps those partials far below a (batch, dim, L, N)
+    # tensor even for narrow layers, where filling the SMs alone would give every channel one.
     splits = overrides.get("num_splits") or min(
-        triton.cdiv(_WARPS_PER_SM * sms, num_warps * n_chunks * batch * G), triton.cdiv(dim_per_group, block_d)
+        triton.cdiv(_WARPS_PER_SM * sms, num_warps * n_chunks * batch * G), triton.cdiv(dim_per_group, block_d),
+        max(1, dim_per_group // 8),
     )
     # Each slice is a whole number of channel blocks, so only a group's last block is ragged.
     per_split = triton.cdiv(triton.cdiv(dim_per_group, splits), block_d) * block_d
