@@ -5,11 +5,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
-from utils import TOL, rel_err
+from utils import PassCapture, TOL, compile_with_passes, rel_err
 
 from ssm_compile.passes import conv1d as conv1d_pass
 from ssm_compile.passes.fx_utils import normalized_graph_str
-from ssm_compile.passes.manager import PassManager
 
 DIM, L, W = 6, 11, 4
 
@@ -25,24 +24,11 @@ def fresh():
     torch._dynamo.reset()
 
 
-class Captured:
-    """A backend that runs only the conv1d pass and keeps the rewritten graph and the context."""
-
-    def __init__(self):
-        self.gm, self.ctx = None, None
-
-    def __call__(self, gm, example_inputs):
-        pm = PassManager()
-        conv1d_pass.register(pm)
-        self.ctx = pm(gm)
-        self.gm = gm
-        return gm.forward
+PASSES = (conv1d_pass,)
 
 
 def compile_and_run(fn, *args):
-    cap = Captured()
-    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
-    return cap, out
+    return compile_with_passes(fn, *args, passes=PASSES)
 
 
 def make_inputs(dtype=torch.float32, width=W, dim=DIM, length=L, layout="bdl"):
@@ -164,7 +150,7 @@ def test_half_precision_numerics(dtype):
 
 def test_dynamic_shapes_prove_slice_length_symbolically():
     x, w, b = make_inputs()
-    cap = Captured()
+    cap = PassCapture(*PASSES)
     torch._dynamo.mark_dynamic(x, 2)
     compiled = torch.compile(f_functional_silu, backend=cap)
     out = compiled(x, w, b)

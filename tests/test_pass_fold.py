@@ -10,12 +10,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
-from utils import TOL, rel_err
+from utils import TOL, compile_with_passes, rel_err
 
 from ssm_compile.passes import delta as delta_pass
 from ssm_compile.passes import tail as tail_pass
 from ssm_compile.passes.fx_utils import normalized_graph_str
-from ssm_compile.passes.manager import PassManager
 
 BATCH, DIM, L, N, R = 2, 6, 7, 4, 3
 
@@ -31,25 +30,11 @@ def fresh():
     torch._dynamo.reset()
 
 
-class Captured:
-    """A backend that runs the delta and tail passes and keeps the rewritten graph and context."""
-
-    def __init__(self):
-        self.gm, self.ctx = None, None
-
-    def __call__(self, gm, example_inputs):
-        pm = PassManager()
-        delta_pass.register(pm)
-        tail_pass.register(pm)
-        self.ctx = pm(gm)
-        self.gm = gm
-        return gm.forward
+PASSES = (delta_pass, tail_pass)
 
 
 def compile_and_run(fn, *args):
-    cap = Captured()
-    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
-    return cap, out
+    return compile_with_passes(fn, *args, passes=PASSES)
 
 
 def scan(u, delta, A, B, C):

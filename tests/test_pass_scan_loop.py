@@ -8,12 +8,11 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
-from utils import TOL, rel_err
+from utils import PassCapture, TOL, compile_with_passes, rel_err
 
 from ssm_compile.passes import scan_loop
 from ssm_compile.passes.discretize import match_discretization
 from ssm_compile.passes.fx_utils import normalized_graph_str
-from ssm_compile.passes.manager import PassManager
 
 BATCH, DIM, N, L = 2, 6, 4, 9
 
@@ -29,24 +28,11 @@ def fresh():
     torch._dynamo.reset()
 
 
-class Captured:
-    """A backend that runs only the scan_loop pass and keeps the rewritten graph and the context."""
-
-    def __init__(self):
-        self.gm, self.ctx = None, None
-
-    def __call__(self, gm, example_inputs):
-        pm = PassManager()
-        scan_loop.register(pm)
-        self.ctx = pm(gm)
-        self.gm = gm
-        return gm.forward
+PASSES = (scan_loop,)
 
 
 def compile_and_run(fn, *args):
-    cap = Captured()
-    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
-    return cap, out
+    return compile_with_passes(fn, *args, passes=PASSES)
 
 
 def as_tuple(x):
@@ -303,7 +289,7 @@ def test_lengths(length):
 def test_dynamic_shapes(fn, layout):
     """With symbolic batch/dim/state sizes (the loop's length is specialised by unrolling)."""
     args = make_inputs(layout=layout)
-    cap = Captured()
+    cap = PassCapture(*PASSES)
     out = torch.compile(fn, backend=cap, dynamic=True)(*args)
     assert_rewritten(cap)
     assert_close(out, fn(*args), TOL[torch.float32])
@@ -715,7 +701,7 @@ def test_hf_mamba_model_loop_branch():
     torch.manual_seed(0)
     model = MambaForCausalLM(cfg).eval()
     ids = torch.randint(0, 64, (2, 10))
-    cap = Captured()
+    cap = PassCapture(*PASSES)
     with torch.no_grad():
         ref = model(ids, use_cache=False).logits
         out = torch.compile(model, backend=cap)(ids, use_cache=False).logits

@@ -14,3 +14,29 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # Where the Triton kernels run in tests: on the GPU when there is one, else on CPU tensors under
 # TRITON_INTERPRET=1 (set by conftest.py).
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class PassCapture:
+    """A dynamo backend that runs only the given pass modules, keeping the rewritten graph and the
+    pass context for assertions, then runs the graph eagerly."""
+
+    def __init__(self, *pass_modules):
+        self.pass_modules = pass_modules
+        self.gm, self.ctx = None, None
+
+    def __call__(self, gm, example_inputs):
+        from ssm_compile.passes.manager import PassManager
+
+        pm = PassManager()
+        for module in self.pass_modules:
+            module.register(pm)
+        self.ctx = pm(gm)
+        self.gm = gm
+        return gm.forward
+
+
+def compile_with_passes(fn, *args, passes):
+    """Compile ``fn`` (fullgraph) through a ``PassCapture`` of ``passes`` and call it once."""
+    cap = PassCapture(*passes)
+    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    return cap, out
