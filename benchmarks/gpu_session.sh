@@ -2,10 +2,16 @@
 # One device-machine call: install the package, then run the named steps, logging under $OUT.
 #   bash benchmarks/gpu_session.sh env tests check scan bwd conv e2e generate
 # Each step's full log goes to $OUT/<step>.log; a failing step does not stop the others.
+# The device machine has no package index: test-only wheels it lacks (expecttest) travel in
+# .whl/ (ignored by git; pass it in the device call's `carry`), fetched here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl expecttest
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; tail -n 20 "$OUT/install.log"; }
 
 step() {
@@ -20,12 +26,16 @@ step() {
 for s in "$@"; do
     case $s in
         env) step env bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"' ;;
-        tests) step tests python3 -m pytest -q -x --timeout=600 tests -p no:cacheprovider ;;
+        tests) step tests python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan_triton_fwd.py \
+                   tests/test_selective_scan_triton_bwd.py tests/test_fused.py tests/test_causal_conv1d.py \
+                   tests/test_decode_ops.py tests/test_selective_scan_op.py -k "cuda or triton or Triton or gpu or fused" ;;
         check) step check python3 benchmarks/check_scan_gpu.py ;;
         scan) step scan python3 benchmarks/bench_scan.py ;;
+        sweep) step sweep python3 benchmarks/bench_scan.py --sweep-named ;;
         bwd) step bwd python3 benchmarks/bench_scan_bwd.py ;;
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
-        e2e) step e2e python3 benchmarks/bench_e2e.py ;;
+        e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget 150 ;;
+        fusion) step fusion python3 benchmarks/bench_fusion.py --quick ;;
         generate) step generate python3 benchmarks/bench_generate.py ;;
         *) echo "unknown step $s" ;;
     esac
