@@ -125,9 +125,6 @@ class IndexTerm:
     exp_of: "IndexTerm | None" = None
     looked_through: list[torch.fx.Node] = dataclasses.field(default_factory=list)
 
-    def resolve(self, label: int) -> int:
-        return self.uf.find(label)
-
     def factor_labels(self, f: Factor) -> tuple[int, ...]:
         return tuple(self.uf.find(x) for x in f.labels)
 
