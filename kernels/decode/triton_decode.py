@@ -9,8 +9,6 @@ import triton.language as tl
 
 from ..triton_common import LOG2E, silu, softplus
 
-# Compiled kernels may only read globals that are constexpr (the interpreter would not notice).
-_LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.heuristics({
@@ -68,7 +66,7 @@ def _selective_state_update_kernel(
     C = tl.load(C_ptr + pid_b * stride_C_b + offs_g[:, None] * stride_C_g + offs_n[None, :] * stride_C_n,
                 mask=mask_dn, other=0.0).to(tl.float32)
 
-    dA = tl.exp2(dt[:, None] * A * _LOG2E)
+    dA = tl.exp2(dt[:, None] * A * LOG2E)
     # Padded lanes load h = B = 0, so they stay 0 and add nothing to the readout.
     h = h * dA + (dt * x)[:, None] * B  # [BLOCK_D, BLOCK_N]
     tl.store(state_ptrs, h, mask=mask_dn)

@@ -56,8 +56,6 @@ import triton.language as tl
 from ..selective_scan.triton_fwd import ScanFwdConfig, _last_step, _next_pow2, scan_fwd_config
 from ..triton_common import LOG2E, linear_combine, silu, softplus
 
-# Jit functions may only read tl.constexpr globals (see triton_fwd.py).
-_LOG2E = tl.constexpr(LOG2E)
 
 
 class FusedLaunch(NamedTuple):
@@ -127,7 +125,7 @@ def _fused_scan_kernel(
     C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
 
     A = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
-                other=0.0).to(tl.float32) * _LOG2E  # [N_PER_THREAD, BLOCK_D, LANES_N]
+                other=0.0).to(tl.float32) * LOG2E  # [N_PER_THREAD, BLOCK_D, LANES_N]
     if HAS_DELTA_BIAS:
         delta_bias = tl.load(delta_bias_ptr + offs_d * stride_delta_bias, mask=mask_d,
                              other=0.0).to(tl.float32)

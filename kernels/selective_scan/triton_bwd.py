@@ -36,8 +36,6 @@ import triton.language as tl
 from ..triton_common import LOG2E, linear_combine, silu, softplus
 from .grads import ScanGrads
 
-# Compiled kernels may read module globals only when they are constexprs.
-_LOG2E = tl.constexpr(LOG2E)
 
 # Kernels work on [BLOCK_D, CHUNK] tiles, one state column at a time.
 _CHUNK = 128
@@ -201,7 +199,7 @@ def _chunk_state_kernel(
     C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
     ws_ptrs = (pid_b * n_chunks + pid_c) * dim * N + offs_d * N
     for n in range(N):
-        A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * _LOG2E
+        A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * LOG2E
         Bn = tl.load(B_ptr + n * stride_B_n + t * stride_B_l, mask=mask_t, other=0.0).to(tl.float32)
         Cn = tl.load(C_ptr + n * stride_C_n + t * stride_C_l, mask=mask_t, other=0.0).to(tl.float32)
         h_end = tl.sum(tl.exp2(A2[:, None] * tail) * dtu * Bn[None, :], axis=1)
@@ -237,7 +235,7 @@ def _state_pass_kernel(
     mask = offs < dim * N
     offs_d = offs // N
     offs_n = offs % N
-    A2 = tl.load(A_ptr + offs_d * stride_A_d + offs_n * stride_A_n, mask=mask, other=0.0).to(tl.float32) * _LOG2E
+    A2 = tl.load(A_ptr + offs_d * stride_A_d + offs_n * stride_A_n, mask=mask, other=0.0).to(tl.float32) * LOG2E
     if HAS_INIT:
         h = tl.load(init_ptr + pid_b * stride_init_b + offs_d * stride_init_d + offs_n * stride_init_n,
                     mask=mask, other=0.0).to(tl.float32)
@@ -362,7 +360,7 @@ def _chunk_bwd_kernel(
         q = tl.zeros([BLOCK_D, ROWS, STEPS], dtype=tl.float32)  # dh . B
         s = tl.zeros([BLOCK_D, ROWS, STEPS], dtype=tl.float32)  # (dh * a * h_prev) . A * log2(e)
         for n in range(N):
-            A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * _LOG2E
+            A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * LOG2E
             A2 = A2[:, None, None]
             Bn = tl.load(B_ptr + n * stride_B_n + t * stride_B_l, mask=mask_t, other=0.0).to(tl.float32)[None, :, :]
             Cn = tl.load(C_ptr + n * stride_C_n + t * stride_C_l, mask=mask_t, other=0.0).to(tl.float32)[None, :, :]
@@ -403,7 +401,7 @@ def _chunk_bwd_kernel(
         if HAS_D:
             du += tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[:, None, None] * g
             tl.store(dD_part_ptr + part_off + offs_d, tl.sum(tl.sum(g * u, axis=2), axis=1), mask=mask_d)
-        ddt = q * u + s * (1.0 / _LOG2E)
+        ddt = q * u + s * (1.0 / LOG2E)
         if DELTA_SOFTPLUS:
             # softplus'(x) = sigmoid(x); it rounds to 1 above torch's threshold of 20, matching
             # the identity branch there.
