@@ -15,13 +15,15 @@ Needs torch >= 2.11, triton >= 3.6; takes about a minute on an H200.
 """
 import logging
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from ssm_compile.kernels.causal_conv1d.op import causal_conv1d_fn, register
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import event_median_ms  # noqa: E402
 
 DIM, WIDTH = 1536, 4
 # (dtype name, batch, L, x layout)
@@ -50,27 +52,11 @@ def ours(x, weight, bias):
     return causal_conv1d_fn(x, weight, bias, activation="silu")
 
 
-def time_ms(fn, warmup=5, iters=30):
-    """Median of per-iteration CUDA-event times, in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def copy_bandwidth_gbs():
     """Device-to-device copy bandwidth (read + write bytes / time) on a 1 GiB buffer."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
+    ms = event_median_ms(lambda: dst.copy_(src))
     return 2 * src.numel() / ms / 1e6
 
 
@@ -129,7 +115,7 @@ def bench_shape(dtype, batch, seqlen, layout, copy_gbs):
             torch.autograd.grad(fn(*leaves), leaves, dy)
 
         for pass_name, run in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-            ms = time_ms(run)
+            ms = event_median_ms(run)
             gbs = minimal_bytes[pass_name] / ms / 1e6
             rows.append((pass_name, name, ms, gbs, gbs / copy_gbs))
     return err, rows

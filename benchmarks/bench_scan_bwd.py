@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth_gbs, markdown_table, median_ms, write_out  # noqa: E402
+from common import copy_bandwidth_gbs, event_median_ms, markdown_table, median_ms, write_out  # noqa: E402
 
 from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles, selective_scan_bwd  # noqa: E402
 
@@ -83,21 +83,6 @@ def bwd_call(x, dy, **tiles):
         dy, None, x["u"], x["delta"], x["A"], B4, C4, x["D"], x["z"], x["delta_bias"], True, None,
         tiles=tiles or None,
     )
-
-
-def slow_ms(fn, reps=3):
-    """For baselines that take 100s of ms per call: a warm-up, then the median of a few."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def peak_mib(fn):
@@ -263,7 +248,7 @@ def fwd_bwd_table(notes, start, baselines):
             t0 = time.time()
             step()  # compile / warm-up
             first_s = time.time() - t0
-            ms = median_ms(step) if name == "ours" else slow_ms(step)
+            ms = median_ms(step) if name == "ours" else event_median_ms(step, warmup=1, iters=3)
             rows.append([name, dname, batch, L, ms, peak_mib(step), first_s])
             del x, dy, step
         except Exception as e:  # noqa: BLE001 - a failing baseline must not stop the others

@@ -5,6 +5,7 @@ All timings are medians of CUDA-event measurements after warm-up (triton's do_be
 from __future__ import annotations
 
 import os
+import statistics
 
 import torch
 import triton
@@ -12,6 +13,23 @@ import triton
 
 def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def event_median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    """Median of per-call CUDA-event times: for calls too slow (or too few) for do_bench's
+    time-based repetition, e.g. baselines that take hundreds of ms."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
