@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import copy_bandwidth_gbs, markdown_table, matmul_tflops, median_ms, write_out
+from common import copy_bandwidth_gbs, dynamo_folds_is_exporting, markdown_table, matmul_tflops, median_ms, write_out
 
 D_MODEL, N_LAYER, VOCAB, N_STATE, EXPAND, D_CONV = 768, 24, 50280, 16, 2, 4
 
@@ -78,21 +78,54 @@ def mixer_assoc(mixer, hidden):
     return mixer.out_proj(y.transpose(1, 2).to(hidden.dtype))
 
 
-def scan_path(dtype) -> str:
-    """Which scan form dynamo captures from this transformers on this device: compile a 1-layer
-    model at a small L and read which ssm pass fired. The loop form unrolls L steps per layer,
-    so its compile time grows with L x layers and caps the lengths this script can afford."""
+def scan_path(dtype, backend) -> str:
+    """Which scan form dynamo captures from this transformers for ``backend`` ("ssm": ours;
+    "torch": any other backend, observed through one that runs the ssm passes on a copy of the
+    graph): compile a 1-layer model at a small L and read which pass fired. The loop form unrolls
+    L steps per layer, so its compile time grows with L x layers."""
     from torch._dynamo.utils import counters
+
+    from ssm_compile.compiler import SSMBackend
+    from ssm_compile.config import SSMOptions
 
     counters.clear()
     torch._dynamo.reset()
     probe = build(True, dtype, layers=1).eval()
+    ssm = SSMBackend(SSMOptions.from_kwargs(inductor=False))
+    fn = ssm if backend == "ssm" else _observe_only(ssm)
     with torch.no_grad():
-        torch.compile(probe, backend="ssm")(torch.randint(0, VOCAB, (1, 32), device="cuda"))
+        torch.compile(probe, backend=fn)(torch.randint(0, VOCAB, (1, 32), device="cuda"))
     fired = dict(counters["ssm"])
-    print(f"probe: ssm rewrites {fired}", flush=True)
     torch._dynamo.reset()
     return "assoc" if fired.get("scan_assoc") else "loop" if fired.get("scan_loop") else "none"
+
+
+def _observe_only(ssm):
+    """A backend that is not ours (so dynamo_compat leaves torch's behaviour alone) but runs the
+    ssm passes on a copy of the graph to see which scan form torch's own backends receive."""
+    import copy
+
+    from ssm_compile.kernels import register_ops
+
+    register_ops()
+
+    def observe(gm, example_inputs):
+        ssm.pass_manager()(copy.deepcopy(gm))
+        return gm.forward
+
+    return observe
+
+
+def with_direct_assoc(model):
+    """A copy of ``model`` whose mixers call torch's associative_scan directly (``mixer_assoc``):
+    the inductor associative_scan baseline where torch's own backends see HF's loop."""
+    import copy
+    import functools
+
+    twin = copy.deepcopy(model)
+    for layer in twin.backbone.layers:
+        layer.mixer.forward = functools.partial(lambda mixer, h, **_: mixer_assoc(mixer, h), layer.mixer)
+    return twin
 
 
 def train_step_ms(model, fn, ids):
@@ -114,8 +147,11 @@ def main():
     p.add_argument("--loop-len", type=int, default=128, help="L for the one-layer inductor loop-path baseline")
     p.add_argument("--train-len", type=int, default=2048, help="L of the training-step comparison (0: skip)")
     p.add_argument("--time-budget", type=float, default=300, help="seconds; later baselines are skipped")
+    p.add_argument("--parts", default="forward,layer,train", help="which of forward,layer,train to run")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     start = time.perf_counter()
+    notes = []
 
     def over_budget(what: str) -> bool:
         if time.perf_counter() - start > args.time_budget:
@@ -127,77 +163,84 @@ def main():
     nbytes = torch.finfo(dtype).bits // 8
     gbs, tflops = copy_bandwidth_gbs(), matmul_tflops()
     print(f"copy bandwidth {gbs:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
-    path = scan_path(dtype)
-    lens = args.lens if path == "assoc" else [min(L, 256) for L in args.lens]
-    notes = [f"transformers {__import__('transformers').__version__} under dynamo gives the {path!r} scan form"
-             + ("" if path == "assoc" else "; lengths capped at 256 because the unrolled loop's compile time "
-                "grows with L x layers")]
+    ssm_path, torch_path = scan_path(dtype, "ssm"), scan_path(dtype, "torch")
+    notes.append(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}: "
+                 f"dynamo folds is_exporting() to True: {dynamo_folds_is_exporting()}; scan form under "
+                 f"backend='ssm': {ssm_path!r}, under torch's own backends: {torch_path!r}")
+    print(notes[-1], flush=True)
 
     rows = []
     model = build(True, dtype).eval()
-    for L in lens:
+    # Inductor on the associative_scan path: HF's own branch where torch's backends reach it,
+    # otherwise the same weights with associative_scan called directly in every mixer.
+    assoc_model = model if torch_path == "assoc" else with_direct_assoc(model)
+    assoc_name = "inductor assoc (HF)" if torch_path == "assoc" else "inductor assoc (direct)"
+    for L in args.lens if "forward" in parts else []:
         # A fresh compile per length: the compile-time column is then a cold compile at that L.
         torch._dynamo.reset()
-        ssm = torch.compile(model, backend="ssm")
-        ind = torch.compile(model)
         ids = torch.randint(0, VOCAB, (args.batch, L), device="cuda")
         tok = args.batch * L
         fl = floor_ms(args.batch, L, nbytes, tflops, gbs)
         with torch.no_grad():
             ref = model(ids).logits.float()
             res = {"eager": (0.0, median_ms(lambda: model(ids), warmup_ms=1, rep_ms=1))}
+            ssm = torch.compile(model, backend="ssm")
             c = timed_compile(ssm, ids)
             out = ssm(ids).logits.float()
             notes.append(f"L={L}: ssm vs eager logits rel err {((out - ref).norm() / ref.norm()).item():.2e}")
             res["ssm"] = (c, median_ms(lambda: ssm(ids)))
-            if not over_budget(f"inductor forward at L={L}"):
+            if not over_budget(f"{assoc_name} at L={L}"):
                 try:
+                    ind = torch.compile(assoc_model)
                     c = timed_compile(ind, ids)
-                    res[f"inductor ({path} path)"] = (c, median_ms(lambda: ind(ids)))
+                    res[assoc_name] = (c, median_ms(lambda: ind(ids)))
                 except Exception as e:  # noqa: BLE001 - a failing baseline must not end the run
-                    notes.append(f"inductor failed at L={L}: {type(e).__name__}: {e}")
+                    notes.append(f"{assoc_name} failed at L={L}: {type(e).__name__}: {str(e)[:300]}")
         for name, (c, ms) in res.items():
             rows.append([name, L, c, ms, tok / ms * 1e3, fl / ms, ms / res["ssm"][1]])
         print(markdown_table(["variant", "L", "compile s", "fwd ms", "tokens/s", "floor/time", "time/ssm"], rows),
               flush=True)
 
-    # One layer through inductor on the unrolled-loop path and on a direct associative_scan, at a
-    # small L (the loop's compile time grows with L); x24 layers gives the model-level estimate.
+    # Inductor on the unrolled-loop path, one layer at a small L (compile time grows with L; the
+    # issue quotes 346 s for one layer at L=1024), next to ssm on the same layer.
     layer_rows = []
     mixer = build(False, dtype, layers=1).backbone.layers[0].mixer.eval()
     L = args.loop_len
     h = torch.randn(args.batch, L, D_MODEL, device="cuda", dtype=dtype)
     with torch.no_grad():
-        for name, fn in [("inductor loop path", torch.compile(mixer)),
+        for name, fn in [] if "layer" not in parts else [("ssm", torch.compile(mixer, backend="ssm")),
+                         ("inductor loop path", torch.compile(mixer)),
                          ("inductor assoc (direct)", torch.compile(lambda t: mixer_assoc(mixer, t))),
-                         ("ssm", torch.compile(mixer, backend="ssm")),
                          ("eager loop", mixer)]:
             if over_budget(f"one-layer {name}"):
                 continue
+            torch._dynamo.reset()
             try:
                 c = timed_compile(fn, h)
                 layer_rows.append([name, L, c, median_ms(lambda: fn(h))])
             except Exception as e:  # noqa: BLE001
-                notes.append(f"layer {name} failed: {type(e).__name__}: {e}")
+                notes.append(f"layer {name} failed: {type(e).__name__}: {str(e)[:300]}")
     print(markdown_table(["one layer", "L", "compile s", "fwd ms"], layer_rows), flush=True)
 
     train_rows = []
-    if args.train_len:
-        L = args.train_len if path == "assoc" else min(args.train_len, 256)
+    if args.train_len and "train" in parts:
+        L = args.train_len
         ids = torch.randint(0, VOCAB, (args.batch, L), device="cuda")
-        for name in ["ssm", "eager", f"inductor ({path} path)"]:
+        for name in ["ssm", "eager", assoc_name]:
             if name != "ssm" and over_budget(f"training step {name}"):
                 continue
+            torch._dynamo.reset()
             model = build(True, dtype).train()
-            fn = {"ssm": lambda m: torch.compile(m, backend="ssm"), "eager": lambda m: m}.get(name, torch.compile)(model)
+            run = {"ssm": lambda m: torch.compile(m, backend="ssm"), "eager": lambda m: m}.get(
+                name, lambda m: torch.compile(m if torch_path == "assoc" else with_direct_assoc(m)))(model)
             try:
-                step = train_step_ms(model, fn, ids)
+                step = train_step_ms(model, run, ids)
                 c = timed_compile(step)
                 ms = median_ms(step, warmup_ms=1, rep_ms=1) if name == "eager" else median_ms(step)
                 train_rows.append([name, L, c, ms, args.batch * L / ms * 1e3, torch.cuda.max_memory_allocated() / 2**30])
             except Exception as e:  # noqa: BLE001 - e.g. eager running out of memory on the (B, D, L, N) tensors
                 notes.append(f"train {name} L={L}: {type(e).__name__}: {str(e)[:200]}")
-            del model, fn
+            del model, run
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         print(markdown_table(["train step", "L", "first step s", "step ms", "tokens/s", "peak GiB"], train_rows),

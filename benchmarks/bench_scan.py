@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, markdown_table, median_ms, sm_clock_ghz, write_out  # noqa: E402
+from common import graph_ms as common_graph_ms  # noqa: E402
 
 from ssm_compile.kernels.selective_scan import op as scan_op  # noqa: E402
 from ssm_compile.kernels.selective_scan.triton_fwd import (  # noqa: E402
@@ -80,20 +81,8 @@ def through_op(x):
 
 
 def graph_ms(fn, x):
-    """GPU time per call of fn(x): GRAPH_CALLS calls captured in one CUDA graph, replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile + allocate outside the capture
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn(x)
-    ms = median_ms(graph.replay) / GRAPH_CALLS
-    del graph
-    return ms
+    """GPU time per call of fn(x), from GRAPH_CALLS calls replayed in one CUDA graph."""
+    return common_graph_ms(lambda: fn(x), GRAPH_CALLS)
 
 
 def naive(x):

@@ -76,3 +76,35 @@ def write_out(name: str, text: str) -> None:
     if out:
         with open(os.path.join(out, name), "w") as f:
             f.write(text + "\n")
+
+
+def dynamo_folds_is_exporting() -> bool:
+    """Whether this torch's dynamo folds ``torch.compiler.is_exporting()`` to True under plain
+    torch.compile (torch 2.11; fixed upstream by pytorch#176499). HF's Mamba then takes its
+    unrolled loop under every backend but ours (``ssm_compile.dynamo_compat``)."""
+    def probe(x):
+        return x + (1 if torch.compiler.is_exporting() else 0)
+
+    torch._dynamo.reset()
+    folded = bool(torch.compile(probe, backend="eager")(torch.zeros(())).item())
+    torch._dynamo.reset()
+    return folded
+
+
+def graph_ms(fn, calls: int = 10) -> float:
+    """GPU time per call of fn(): ``calls`` calls captured in one CUDA graph and replayed, so
+    the host's launch cost is not in the figure."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and allocate outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = median_ms(graph.replay) / calls
+    del graph
+    return ms
+

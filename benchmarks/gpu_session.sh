@@ -17,7 +17,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 step() {
     local name=$1; shift
     local t0=$SECONDS
-    "$@" >"$OUT/$name.log" 2>&1
+    # A per-step limit: a step that hangs (a compile that never ends) must not take the
+    # results of the steps after it down with the whole device call.
+    timeout "${STEP_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name rc=$rc $((SECONDS - t0))s"
     tail -n "${TAIL:-25}" "$OUT/$name.log"
@@ -29,14 +31,17 @@ for s in "$@"; do
         tests) step tests python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan_triton_fwd.py \
                    tests/test_selective_scan_triton_bwd.py tests/test_fused.py tests/test_causal_conv1d.py \
                    tests/test_decode_ops.py tests/test_selective_scan_op.py -k "cuda or triton or Triton or gpu or fused" ;;
+        probe) step probe python3 benchmarks/probe_scan_path.py ;;
         check) step check python3 benchmarks/check_scan_gpu.py ;;
         scan) step scan python3 benchmarks/bench_scan.py ;;
         sweep) step sweep python3 benchmarks/bench_scan.py --sweep-named ;;
         bwd) step bwd python3 benchmarks/bench_scan_bwd.py ;;
+        bwdsweep) step bwdsweep python3 benchmarks/bench_scan_bwd.py --sweep --baselines ;;
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
-        e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget 150 ;;
+        e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} ;;
         fusion) step fusion python3 benchmarks/bench_fusion.py --quick ;;
-        generate) step generate python3 benchmarks/bench_generate.py ;;
+        fusionsweep) step fusionsweep python3 benchmarks/bench_fusion.py --time-budget ${FUSION_BUDGET:-300} ;;
+        generate) step generate python3 benchmarks/bench_generate.py --time-budget ${GEN_BUDGET:-330} ;;
         *) echo "unknown step $s" ;;
     esac
 done

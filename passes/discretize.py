@@ -40,6 +40,7 @@ __all__ = [
     "match_step_discretization",
     "view_source",
     "grouped_source",
+    "product_source",
     "ROLES",
 ]
 
@@ -79,6 +80,7 @@ class Discretized:
     a_roles: tuple[str, ...]
     b_roles: tuple[str, ...]
     nodes: list[torch.fx.Node]
+    negate_A: bool = False  # A_full = exp(-(Δ·A)): the op gets -A
 
     @property
     def time_invariant_B(self) -> bool:
@@ -124,6 +126,11 @@ class IndexTerm:
     uf: _UnionFind
     exp_of: "IndexTerm | None" = None
     looked_through: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    # Set on the term ``index_term`` returns: the term of every node it looked through, in the
+    # same labels, so a caller can find which graph value holds a sub-product of the factors.
+    parts: dict[torch.fx.Node, list["IndexTerm"]] = dataclasses.field(default_factory=dict)
+    # -1 when the product is negated (``exp(-Δ·A)``); only evaluated with ``allow_neg``.
+    sign: int = 1
 
     def factor_labels(self, f: Factor) -> tuple[int, ...]:
         return tuple(self.uf.find(x) for x in f.labels)
@@ -154,15 +161,39 @@ def _dims_arg(node: torch.fx.Node, pos: int, name: str):
     return node.kwargs.get(name)
 
 
+def _spell_ellipsis(ins: list[str], out: str, values: list[Any]) -> tuple[list[str], str] | None:
+    """Replace einsum's ``...`` by letters: the k-th axis from the right of every ``...`` is one
+    index (``'...dn,...n->...d'``), as einsum broadcasts them; size-1 axes are dealt with by the
+    caller exactly as for named axes."""
+    if "..." not in "".join(ins) + out:
+        return ins, out
+    if any(s.replace("...", "", 1).count(".") for s in ins + [out]):
+        return None
+    spare = [ch for ch in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if ch not in "".join(ins) + out]
+    widths = []
+    for sub, v in zip(ins, values):
+        if not isinstance(v, torch.Tensor):
+            return None
+        widths.append(v.dim() - (len(sub) - 3) if "..." in sub else 0)
+    width = max(widths)
+    if min(widths) < 0 or width > len(spare):
+        return None
+    letters = spare[:width]
+    ins = [sub.replace("...", "".join(letters[width - w:])) for sub, w in zip(ins, widths)]
+    return ins, out.replace("...", "".join(letters))
+
+
 class _Evaluator:
     """Evaluate a node as an IndexTerm, stopping at ``stop`` nodes and at anything not
     structural (those become leaf factors with fresh labels)."""
 
-    def __init__(self, stop: set[torch.fx.Node], allow_exp: bool, allow_sum: bool):
+    def __init__(self, stop: set[torch.fx.Node], allow_exp: bool, allow_sum: bool, allow_neg: bool = False):
         self.stop = stop
         self.allow_exp = allow_exp
+        self.allow_neg = allow_neg
         self.allow_sum = allow_sum
         self.uf = _UnionFind()
+        self.parts: dict[torch.fx.Node, list[IndexTerm]] = {}
 
     def leaf(self, node: torch.fx.Node) -> IndexTerm:
         labels = tuple(self.uf.fresh() for _ in range(val(node).dim()))
@@ -178,6 +209,7 @@ class _Evaluator:
         if t is None:
             return self.leaf(node)
         t.looked_through.append(node)
+        self.parts.setdefault(node, []).append(t)
         return t
 
     def _structural(self, node: torch.fx.Node, top: bool) -> IndexTerm | None:
@@ -189,6 +221,12 @@ class _Evaluator:
                 return None
             return IndexTerm([], inner.out, set(), self.uf, exp_of=inner,
                              looked_through=inner.looked_through)
+        if self.allow_neg and (is_call(node, operator.neg, torch.neg) or is_method(node, "neg")) \
+                and len(node.args) == 1 and not node.kwargs:
+            # -(Δ·A) is Δ·(-A) exactly (negation is exact and rounding is symmetric), so an
+            # exponent's matcher can hand the op a negated A.
+            inner = self.term(node.args[0])
+            return None if inner is None else dataclasses.replace(inner, sign=-inner.sign)
         if is_cast(node) or (is_method(node, "contiguous", "clone") and len(node.args) == 1 and not node.kwargs):
             # Same values: the op reads any strides, so the copy is not needed for the scan.
             return self.term(node.args[0])
@@ -230,7 +268,10 @@ class _Evaluator:
         factors = [f for t in terms for f in t.factors]
         summed = set(summed).union(*(t.summed for t in terms))
         through = [n for t in terms for n in t.looked_through]
-        return IndexTerm(factors, out, summed, self.uf, looked_through=through)
+        sign = 1
+        for t in terms:
+            sign *= t.sign
+        return IndexTerm(factors, out, summed, self.uf, looked_through=through, sign=sign)
 
     def _einsum(self, node) -> IndexTerm | None:
         eq, *ops = node.args
@@ -239,11 +280,17 @@ class _Evaluator:
         if not isinstance(eq, str) or node.kwargs:
             return None
         eq = eq.replace(" ", "")
-        m = re.fullmatch(r"([a-zA-Z,]+)->([a-zA-Z]*)", eq)
+        m = re.fullmatch(r"([a-zA-Z,.]+)->([a-zA-Z.]*)", eq)
         if m is None:
             return None
         ins, outs = m.group(1).split(","), m.group(2)
-        if len(ins) != len(ops) or len(set(outs)) != len(outs):
+        if len(ins) != len(ops):
+            return None
+        spelled = _spell_ellipsis(ins, outs, [val(o) for o in ops])
+        if spelled is None:
+            return None
+        ins, outs = spelled
+        if len(set(outs)) != len(outs):
             return None
         terms = [self.term(o) for o in ops]
         if any(t is None for t in terms):
@@ -353,7 +400,7 @@ class _Evaluator:
         return None
 
     def _relabel(self, t: IndexTerm, out: tuple[int, ...]) -> IndexTerm:
-        return IndexTerm(t.factors, out, t.summed, self.uf, t.exp_of, t.looked_through)
+        return IndexTerm(t.factors, out, t.summed, self.uf, t.exp_of, t.looked_through, sign=t.sign)
 
     def _drop_ones(self, x, dims) -> IndexTerm | None:
         src = val(x)
@@ -412,13 +459,18 @@ class _Evaluator:
 
 
 def index_term(node: torch.fx.Node, stop: Sequence[torch.fx.Node] = (), *, allow_exp: bool = False,
-               allow_sum: bool = False) -> IndexTerm | None:
+               allow_sum: bool = False, allow_neg: bool = False) -> IndexTerm | None:
     """Evaluate ``node`` as an index expression (see module docstring); None if it isn't a tensor.
 
     ``stop`` nodes are always leaves. ``allow_exp`` lets the top node be ``exp(...)``;
-    ``allow_sum`` lets ``sum(dim)`` contract axes (readouts).
+    ``allow_sum`` lets ``sum(dim)`` contract axes (readouts); ``allow_neg`` looks through
+    negations, counting them in the term's ``sign`` (otherwise a negation is a leaf).
     """
-    return _Evaluator(set(stop), allow_exp, allow_sum).term(node, top=True)
+    ev = _Evaluator(set(stop), allow_exp, allow_sum, allow_neg)
+    t = ev.term(node, top=True)
+    if t is not None:
+        t.parts = ev.parts
+    return t
 
 
 def view_source(node: torch.fx.Node, roles: Sequence[str]) -> Source:
@@ -468,6 +520,78 @@ def _roles_of(term: IndexTerm, f: Factor, role: dict[int, str]) -> tuple[str, ..
     return tuple(role[lab] for lab in labels)
 
 
+def _broadcast_roles(term: IndexTerm, f: Factor, role: dict[int, str]) -> tuple[str | None, ...] | None:
+    """The role of each axis of a factor; None for a size-1 axis it broadcasts along."""
+    roles: list[str | None] = []
+    for lab, size in zip(term.factor_labels(f), val(f.node).shape):
+        if lab in role:
+            roles.append(role[lab])
+        elif _is_one(size):
+            roles.append(None)
+        else:
+            return None
+    named = [r for r in roles if r is not None]
+    return tuple(roles) if len(set(named)) == len(named) else None
+
+
+def product_source(term: IndexTerm, group: list[Factor], role: dict[int, str]) -> Source | None:
+    """A graph value that is exactly the product of the factors in ``group``, with its roles.
+
+    A single factor is its own value. Several (B = weight · rms_normalised(B_raw), as Jamba and
+    mambapy's inner layer norms write it) must already be multiplied together by one node the
+    evaluator looked through: the op then reads the user's own product, so no new arithmetic
+    (and no new rounding) is introduced.
+    """
+    ids = {id(f) for f in group}
+    if len(group) == 1:
+        roles = _roles_of(term, group[0], role)
+        return None if roles is None else Source(group[0].node, roles)
+    for node, terms in term.parts.items():
+        for t in terms:
+            if t.summed or t.exp_of is not None or {id(f) for f in t.factors} != ids or len(t.factors) != len(ids):
+                continue
+            labels = t.out_labels()
+            if len(set(labels)) != len(labels) or any(lab not in role for lab in labels):
+                continue
+            return view_source(node, tuple(role[lab] for lab in labels))
+    return None
+
+
+def _split_input_factors(term: IndexTerm, factors: list[Factor], role: dict[int, str]
+                         ) -> tuple[Source, Source] | str:
+    """Split B_full's factors other than Δ into u (batch, dim, time) and B (with the state axis).
+
+    A factor with the state axis belongs to B, one with the dim axis (and no state axis) to u; a
+    factor with neither (e.g. an RMS norm's per-token ``rsqrt``, (batch, time, 1)) may belong to
+    either, so each way is tried. Each side must be one existing graph value (``product_source``).
+    """
+    to_B, to_u, free = [], [], []
+    for f in factors:
+        roles = _broadcast_roles(term, f, role)
+        if roles is None:
+            return "a factor has an axis that is not one of (batch, dim, time, state)"
+        if "n" in roles:
+            to_B.append(f)
+        elif "d" in roles:
+            to_u.append(f)
+        else:
+            free.append(f)
+    if not to_B or not (to_u or free):
+        return "expected factors Δ, B (with the state axis) and u"
+    for sides in itertools.product((0, 1), repeat=len(free)):
+        B_group = to_B + [f for f, s in zip(free, sides) if s == 0]
+        u_group = to_u + [f for f, s in zip(free, sides) if s == 1]
+        if not u_group:
+            continue
+        B_src, u_src = product_source(term, B_group, role), product_source(term, u_group, role)
+        if B_src is not None and u_src is not None:
+            return u_src, B_src
+    if len(to_B) > 1 or len(to_u) > 1 or free:
+        return ("the factors besides Δ are not two graph values u and B; "
+                f"found {len(to_B)} with the state axis, {len(to_u)} with the dim axis, {len(free)} with neither")
+    return "a factor has an axis that is not one of (batch, dim, time, state)"
+
+
 def _time_axes(axes) -> tuple[int, int]:
     if isinstance(axes, int):
         return axes, axes
@@ -494,7 +618,20 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
         ``deltaB_u = einsum('bdl,bnl,bdl->bdln', delta, B, u)``:
         ``match_discretization(deltaA, deltaB_u, 2)`` gives ``u=Source(u, ("b","d","t"))``,
         ``B=Source(B, ("b","n","t"))``, ``a_roles == b_roles == ("b","d","t","n")``.
+        ``exp(-delta[..., None] * A_pos)`` is proved too, with ``negate_A`` set.
     """
+    # Negations are looked through only when the plain reading fails: a user's ``A = -exp(A_log)``
+    # then stays the op's A itself, and the plain reading's reason is the one reported.
+    found = _match_discretization(a_full, b_full, axes, allow_neg=False)
+    if isinstance(found, str):
+        negated = _match_discretization(a_full, b_full, axes, allow_neg=True)
+        if not isinstance(negated, str):
+            return negated
+    return found
+
+
+def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int | tuple[int, int],
+                          allow_neg: bool) -> Discretized | str:
     ta, tb = _time_axes(axes)
     va, vb = val(a_full), val(b_full)
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
@@ -503,7 +640,7 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
         return ("A_full and B_full must be 4-D (batch, dim, time, state) in some order, "
                 f"got {va.dim()}-D and {vb.dim()}-D")
 
-    at = index_term(a_full, allow_exp=True)
+    at = index_term(a_full, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
         return "A_full is not exp(Δ·A)"
     inner = at.exp_of
@@ -538,7 +675,7 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
         return "A_full: A must have exactly the axes (dim, state)"
 
     bt = index_term(b_full)
-    if bt is None or bt.summed or len(bt.factors) != 3:
+    if bt is None or bt.summed or len(bt.factors) < 3:
         n = 0 if bt is None else len(bt.factors)
         return f"B_full is not a product Δ·B·u (found {n} factors)"
     deltas = [f for f in bt.factors if f.node is fd.node]
@@ -561,21 +698,10 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
     if [r for r in b_roles if r != "t"] != [r for r in a_roles if r != "t"]:
         return "A_full and B_full slices have different axis orders; the state update would not line up"
     others = [f for f in bt.factors if f is not fdb]
-    u_src = B_src = None
-    for f in others:
-        roles = _roles_of(bt, f, brole)
-        if roles is None:
-            return "B_full: a factor has an axis that is not one of (batch, dim, time, state)"
-        if "n" in roles:
-            if B_src is not None:
-                return "B_full: two factors carry the state axis"
-            B_src = Source(f.node, roles)
-        else:
-            if u_src is not None:
-                return "B_full: expected one input factor u"
-            u_src = Source(f.node, roles)
-    if B_src is None or u_src is None:
-        return "B_full: expected factors Δ, B (with the state axis) and u"
+    split = _split_input_factors(bt, others, brole)
+    if isinstance(split, str):
+        return f"B_full: {split}"
+    u_src, B_src = split
     if sorted(u_src.roles) != ["b", "d", "t"]:
         return "B_full: u must have exactly the axes (batch, dim, time)"
     if sorted(B_src.roles) == ["b", "d", "n", "t"]:
@@ -592,6 +718,7 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
         a_roles=a_roles,
         b_roles=b_roles,
         nodes=list(dict.fromkeys(at.looked_through + bt.looked_through)),
+        negate_A=inner.sign < 0,
     )
 
 
@@ -632,7 +759,17 @@ def match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node) -> tupl
         B_full do not exist, so ``a_roles``/``b_roles`` are the state's roles followed by "t"
         (the layout they would have if stacked along a trailing time axis). Or a reason string.
     """
-    at = index_term(alpha, allow_exp=True)
+    found = _match_step_discretization(alpha, beta, allow_neg=False)
+    if isinstance(found, str):
+        negated = _match_step_discretization(alpha, beta, allow_neg=True)
+        if not isinstance(negated, str):
+            return negated
+    return found
+
+
+def _match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node, allow_neg: bool
+                               ) -> tuple[Discretized, int] | str:
+    at = index_term(alpha, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
         return "the state's multiplier is not exp(Δ·A)"
     inner = at.exp_of
@@ -704,5 +841,5 @@ def match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node) -> tupl
     virtual = state_roles + ("t",)
     nodes = list(dict.fromkeys(at.looked_through + bt.looked_through))
     disc = Discretized(u=u_src, delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles), B=B_src,
-                       a_roles=virtual, b_roles=virtual, nodes=nodes)
+                       a_roles=virtual, b_roles=virtual, nodes=nodes, negate_A=inner.sign < 0)
     return disc, t0

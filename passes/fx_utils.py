@@ -280,9 +280,9 @@ def normalized_graph_str(gm: torch.fx.GraphModule | torch.fx.Graph, with_meta: b
 def time_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
     """``(base, axis, index)`` if ``node`` selects one index along one axis of ``base``.
 
-    Accepts ``x[:, :, i]``, ``x[..., i, :]``, ``x[:, None, :, i]`` and ``x.select(axis, i)``;
-    negative indices are normalised, so ``x[:, -1]`` at step 0 reads as index L-1 (and is
-    refused as a lag).
+    Accepts ``x[:, :, i]``, ``x[..., i, :]``, ``x[:, None, :, i]``, ``x.select(axis, i)`` and
+    item i of ``x.unbind(axis)``; negative indices are normalised, so ``x[:, -1]`` at step 0 reads
+    as index L-1 (and is refused as a lag).
     """
     parsed = parse_slice(node)
     return None if parsed is None else parsed[:3]
@@ -301,11 +301,32 @@ def parse_slice(node: Any) -> tuple[torch.fx.Node, int, int, list[int | None]] |
             return None
         axis %= vb.dim()
         index = (slice(None),) * axis + (idx,)
+    elif is_call(node, operator.getitem) and _unbind_source(node.args[0]) is not None:
+        # ``for x_t in x.unbind(dim)``: item i of the unbind is x.select(dim, i).
+        base, axis = _unbind_source(node.args[0])
+        idx = node.args[1]
+        if not isinstance(idx, int) or isinstance(idx, bool):
+            return None
+        index = (slice(None),) * axis + (idx,)
     elif is_call(node, operator.getitem):
         base, index = node.args
     else:
         return None
     return parse_index(base, index)
+
+
+def _unbind_source(node: Any) -> tuple[torch.fx.Node, int] | None:
+    """``(x, dim)`` if ``node`` is ``x.unbind(dim)`` / ``torch.unbind(x, dim)``, dim normalised."""
+    if not (is_call(node, torch.unbind) or is_method(node, "unbind")) or not node.args:
+        return None
+    x = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    vx = val(x)
+    if not isinstance(x, torch.fx.Node) or not isinstance(vx, torch.Tensor) or not isinstance(dim, int):
+        return None
+    if set(node.kwargs) - {"dim"} or len(node.args) > 2:
+        return None
+    return x, dim % vx.dim()
 
 
 def parse_index(base: Any, index: Any) -> tuple[torch.fx.Node, int, int, list[int | None]] | None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import logging
 import operator
+import pathlib
 from typing import Any, Callable
 
 import torch
@@ -127,11 +127,16 @@ class PassManager:
         return ctx
 
     def uuid(self) -> str:
-        """Hash of every pass's module source and the options, for inductor's cache keys."""
+        """Hash of the pass package's sources, the pass order and the options, for inductor's
+        cache keys. Every module of the package is hashed, not only those that register a pass:
+        the shared matchers (fx_utils, discretize, readout) decide what gets rewritten too."""
         h = hashlib.sha256()
-        for name, fn in self.passes:
+        for name, _ in self.passes:
             h.update(name.encode())
-            h.update(inspect.getsource(inspect.getmodule(fn)).encode())
+        package = pathlib.Path(__file__).parent
+        for path in sorted(package.glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
         h.update(repr(sorted(self.options.items())).encode())
         return h.hexdigest()
 

@@ -52,9 +52,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .discretize import Source, index_term, match_discretization
-from .fx_utils import dtype_of, follow_views, hoist_before, is_call, is_method, node_order, shape_of, val
+from .discretize import Source, match_discretization
+from .fx_utils import dtype_of, hoist_before, is_call, is_method, node_order, shape_of, val
 from .manager import PassContext, PassManager
+from .readout import last_state_index, match_readout
 from .scan_loop import emit_selective_scan
 
 log = logging.getLogger("ssm_compile")
@@ -507,88 +508,6 @@ def _union(left: tuple[Interval, ...], right: tuple[Interval, ...]) -> tuple[Int
 
 
 # ---------------------------------------------------------------------------------------------
-# Readout and last state
-# ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Readout:
-    end: torch.fx.Node          # the node whose value is y in ``out_roles`` layout
-    C: torch.fx.Node
-    C_roles: tuple[str, ...]
-    out_roles: tuple[str, ...]
-    nodes: list[torch.fx.Node]  # what the index proof looked through
-    chain: list[torch.fx.Node] = dataclasses.field(default_factory=list)  # states -> end
-
-
-def _complete_readout(node: torch.fx.Node, states: torch.fx.Node, roles: tuple[str, ...]
-                      ) -> Optional[Readout]:
-    term = index_term(node, stop=[states], allow_sum=True)
-    if term is None or term.exp_of is not None or len(term.factors) != 2:
-        return None
-    mine = [f for f in term.factors if f.node is states]
-    others = [f for f in term.factors if f.node is not states]
-    if len(mine) != 1 or len(others) != 1:
-        return None
-    role = {}
-    for lab, r in zip(term.factor_labels(mine[0]), roles):
-        if role.setdefault(lab, r) != r:
-            return None
-    c_labels, out = term.factor_labels(others[0]), term.out_labels()
-    if not all(lab in role for lab in c_labels + out):
-        return None
-    c_roles, out_roles = tuple(role[x] for x in c_labels), tuple(role[x] for x in out)
-    n_label = next(lab for lab, r in role.items() if r == "n")
-    if (sorted(c_roles) != ["b", "n", "t"] or sorted(out_roles) != ["b", "d", "t"]
-            or term.summed_labels() != {n_label}):
-        return None
-    return Readout(node, others[0].node, c_roles, out_roles, term.looked_through)
-
-
-def match_readout(user: torch.fx.Node, states: torch.fx.Node, roles: tuple[str, ...]
-                  ) -> Optional[Readout]:
-    """Follow ``user`` forward (single users) to the first node that is Σ_n states·C."""
-    node, chain = user, []
-    for _ in range(8):
-        chain.append(node)
-        found = _complete_readout(node, states, roles)
-        if found is not None:
-            return _through_views(dataclasses.replace(found, chain=chain))
-        if len(node.users) != 1:
-            return None
-        (node,) = node.users
-    return None
-
-
-def _through_views(readout: Readout) -> Readout:
-    """Absorb the permutations and casts right after the readout (HF's ``.transpose(1, 2)``), so
-    the op's ``y`` reaches the user through one permute instead of a chain of views."""
-    end, perm, chain = follow_views(readout.end)
-    return dataclasses.replace(readout, end=end, out_roles=tuple(readout.out_roles[p] for p in perm),
-                               chain=readout.chain + chain)
-
-
-def last_state_index(node: torch.fx.Node, states: torch.fx.Node, t_axis: int, length: int) -> bool:
-    """``node`` is ``states[..., -1, ...]`` (the last time step, every other axis whole)."""
-    ndim = len(shape_of(states))
-    if is_method(node, "select") or is_call(node, torch.select):
-        dim, index = node.args[1:3] if len(node.args) == 3 else (None, None)
-        return (isinstance(dim, int) and dim % ndim == t_axis and isinstance(index, int)
-                and (index == -1 or (isinstance(length, int) and index == length - 1)))
-    if not (is_call(node, operator.getitem) and node.args[0] is states):
-        return False
-    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    if len(idx) > ndim or len(idx) <= t_axis:
-        return False
-    for axis, i in enumerate(idx):
-        if axis == t_axis:
-            if not (isinstance(i, int) and (i == -1 or (isinstance(length, int) and i == length - 1))):
-                return False
-        elif i != slice(None):
-            return False
-    return True
-
-
-# ---------------------------------------------------------------------------------------------
 # Rewrite
 # ---------------------------------------------------------------------------------------------
 
@@ -619,6 +538,12 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
     disc = match_discretization(a_seed.args[0], b_seed.args[0], t_axis)
     if isinstance(disc, str):
         ctx.miss("discretization", disc, [a_seed.args[0], b_seed.args[0]])
+        return
+    if dtype_of(all_states) == torch.float64 and dtype_of(disc.u.node) != torch.float64:
+        # The op accumulates in float32 unless u is float64: states the user computes in float64
+        # would silently lose precision.
+        ctx.miss(FAMILY, f"the states are computed in float64 but u is {dtype_of(disc.u.node)}: the op "
+                 "would accumulate in float32", [all_states])
         return
     roles = disc.b_roles
     readouts, lasts = [], []

@@ -3,8 +3,10 @@
 Dynamo unrolls ``for i in range(L): h = A_full[:, :, i] * h + B_full[:, :, i]; ys.append(C_t · h)``
 into L copies of the same few nodes. This pass
 
-1. anchors on ``α_0 * H``: α_0 a time slice ``A_full[..., 0, ...]``, or a computation on time
-   slices that all read t=0 (code that discretises inside the loop); H is the initial state;
+1. anchors on ``α_0 * H`` (a ``mul``, or the product inside ``addcmul``): α_0 a time slice
+   ``A_full[..., 0, ...]`` (indexing, ``select`` or an ``unbind`` item), or a computation on time
+   slices that all read t=0 (code that discretises inside the loop); H is the initial state
+   (zeros, or any tensor that broadcasts to the state: it becomes ``initial_state``);
 2. proves step 0 symbolically: with every node that does not depend on H replaced by a symbol,
    h_0 must be exactly ``α·H + β`` — linear, no other terms — where α and β are the slices t=0
    of two tensors (A_full, B_full), or per-step values computed from slices t=0;
@@ -13,12 +15,15 @@ into L copies of the same few nodes. This pass
 4. proves the readout of h_0 is ``Σ_n h_0 · C_full[t=0]`` (einsum, matmul, product + sum) and
    that the per-step outputs are collected once, in time order, along one axis (``stack``,
    ``cat`` of unsqueezed outputs, or writes into a fresh buffer: ``out[:, :, t] = y``,
-   ``out[:, t].copy_(y)``);
+   ``out[:, t].copy_(y)``); or, when the states themselves are stacked (mamba.py's
+   ``selective_scan_seq``), that the stack is read out once as ``Σ_n states · C_full``
+   (``readout.match_readout``) and otherwise only at its last step;
 5. proves ``A_full = exp(Δ·A)``, ``B_full = Δ·B·u`` (``discretize.match_discretization``), or
    the same for one step's values (``discretize.match_step_discretization``);
 6. replaces the loop by one ``ssm.selective_scan`` on permuted views of the sources.
 
-Anything that does not fit is left untouched and recorded with ``ctx.miss``.
+Anything that does not fit is left untouched and recorded with ``ctx.miss``; so is an unrolled
+linear recurrence no anchor reached (an EMA ``h = c*h + x_t``, a gated RNN with a 3-D decay).
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ from .fx_utils import (
     val,
 )
 from .manager import PassContext
+from .readout import last_state_index, match_readout
 
 FAMILY = "scan_loop"
 ONE_STEP = "a one-step loop is left alone"
@@ -240,6 +246,7 @@ class LoopMatch:
     out: "Collected"                        # how the per-step outputs are collected
     h_last: torch.fx.Node
     last_users: list[torch.fx.Node]         # users of h_{L-1} outside the loop
+    last_views: list[torch.fx.Node]         # ``states[:, -1]`` of stacked states: the last state too
     loop_nodes: list[torch.fx.Node]         # step + readout nodes of every step, in graph order
 
 
@@ -252,8 +259,19 @@ def _same_shape(a, b) -> bool:
     return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
 
 
+def _broadcasts_to(src, dst) -> bool:
+    """``src`` broadcasts to exactly ``dst`` (aligned on the right, each axis equal or 1)."""
+    if len(src) > len(dst):
+        return False
+    return all(_same_size(a, b) or statically_known_true(a == 1) for a, b in zip(reversed(src), reversed(dst)))
+
+
 def _size_repr(s) -> int | str:
     return int(s) if is_concrete_int(s) else str(s)
+
+
+def _is_exp(node: Any) -> bool:
+    return is_call(node, torch.exp) or is_method(node, "exp")
 
 
 def _is_zeros(node: Any) -> bool:
@@ -287,7 +305,7 @@ def _collects(c: torch.fx.Node, y: torch.fx.Node) -> bool:
 
 @dataclasses.dataclass
 class Collected:
-    kind: str                               # "stack", "cat", "setitem" or "copy_"
+    kind: str                               # "stack", "cat", "setitem", "copy_" or "states"
     out_node: torch.fx.Node                 # the value that holds all outputs after the loop
     out_users: list[torch.fx.Node]          # its users after the loop, to be redirected
     writes: list[torch.fx.Node]             # the collecting nodes, erased with the loop
@@ -398,102 +416,11 @@ def _find_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx.No
     return None
 
 
-def match_loop(a0: torch.fx.Node, H: torch.fx.Node, muls: list[torch.fx.Node], pos) -> LoopMatch | str | None:
-    """Try to prove that the recurrence anchored at ``a0 * H`` is a selective scan.
-
-    Returns the match, a reason string, or None when ``a0 * H`` does not even start a chain
-    of steps (an ordinary product, not worth a miss record).
-    """
-    key0 = _leaf_key(a0, 0)
-    per_step = key0[0] == "op"
-    base, axis = _key_slices(key0)[0][1:3]
-    L = int(val(base).shape[axis])
-    if L < 2:
-        return ONE_STEP
-    # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies.
-    h0 = None
-    for mul in muls:
-        for a1, x in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
-            if (isinstance(a1, torch.fx.Node) and isinstance(x, torch.fx.Node) and pos[x] > pos[H]
-                    and _leaf_key(a1, 1) == key0 and _between(H, x, pos) is not None):
-                h0 = x
-    if h0 is None:
-        if per_step:
-            return None
-        return "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
-    region = _between(H, h0, pos)
-    Hs = sympy.Symbol("H")
-    try:
-        env, leaves = _sym_eval(region, H, Hs)
-    except _NotElementwise as e:
-        return f"the state update uses an op that is not an elementwise add/mul ({e})"
-    f = sympy.expand(env[h0])
-    alpha = sympy.expand(sympy.diff(f, Hs))
-    beta = sympy.expand(f.subs(Hs, 0))
-    if Hs in alpha.free_symbols or sympy.expand(f - alpha * Hs - beta) != 0:
-        return "the state update is not linear in the previous state"
-    if alpha not in leaves or beta not in leaves:
-        return f"the state update is h*({alpha}) + ({beta}); expected A_full[t]*h + B_full[t] with two time slices"
-    a_leaf, b_leaf = leaves[alpha], leaves[beta]
-    shape = val(a_leaf).shape
-    if not _same_shape(val(b_leaf).shape, shape) or not _same_shape(val(h0).shape, shape):
-        return "the state update broadcasts: A_full[t], B_full[t] and h_t differ in shape"
-    if _leaf_key(a_leaf, 0) != key0:
-        return "the state's multiplier at step 0 is not A_full[t=0]"
-    if per_step:
-        if time_slice(b_leaf) is not None:
-            return "the state update mixes a precomputed B_full with a per-step exp(Δ·A)"
-        disc = match_step_discretization(a_leaf, b_leaf)
-        if isinstance(disc, str):
-            return f"discretization: {disc}"
-        disc, t0 = disc
-        if t0 != 0:
-            return f"the state update at step 0 reads its inputs at time index {t0}, not 0"
-        for name, src in (("u", disc.u), ("delta", disc.delta), ("B", disc.B)):
-            if "t" in src.roles and not _same_size(val(src.node).shape[src.roles.index("t")], L):
-                return f"{name}'s time axis does not have the loop's length"
-        a_base = b_base = None
-    else:
-        b_slice = time_slice(b_leaf)
-        if b_slice is None:
-            return "the state update's coefficients are not time slices of full tensors"
-        a_base, a_axis = base, axis
-        b_base, b_axis, b_idx = b_slice
-        if b_idx != 0:
-            return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
-        if val(b_base).dim() != 4 or not _same_size(val(b_base).shape[b_axis], L):
-            return "B_full is not a 4-D tensor with the loop's length along its time axis"
-    init = None
-    if not _is_zeros(H):
-        if not isinstance(val(H), torch.Tensor) or not _same_shape(val(H).shape, shape):
-            got = tuple(val(H).shape) if isinstance(val(H), torch.Tensor) else type(val(H))
-            return f"initial state shape {got} does not match the state shape {tuple(shape)}"
-        init = H
-
-    # Every later step must repeat step 0 with time indices shifted by t.
-    steps = [region]
-    h = [h0]
-    for t in range(1, L):
-        bind = {H: h[-1]}
-        missing = _walk(region, bind, t)
-        if missing is not None:
-            return f"step {t} does not repeat step 0's state update (no copy of {missing})"
-        steps.append([bind[n] for n in region])
-        h.append(bind[h0])
-
-    # Readout of h_0: the first value that a stack/cat collects.
-    step1 = set(steps[1])
-    y0 = _find_readout(h0, step1)
-    if y0 is None:
-        return "no per-step readout of the state is collected by stack/cat"
-    rregion = _between(h0, y0, pos)
-    if rregion is None or step1.intersection(rregion):
-        return "the readout of step 0 depends on a later state"
-    if not per_step:
-        disc = match_discretization(a_base, b_base, (a_axis, b_axis))
-        if isinstance(disc, str):
-            return f"discretization: {disc}"
-    state_roles = tuple(r for r in disc.a_roles if r != "t")
+def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torch.fx.Node], h: list[torch.fx.Node],
+                        state_roles: tuple[str, ...], L: int, disc: Discretized, pos: dict[torch.fx.Node, int]
+                        ) -> tuple[Source, torch.fx.Node, Collected, list[list[torch.fx.Node]]] | str:
+    """Prove ``y0 = Σ_n h_0 · C_full[t=0]``, that every step repeats it and that the outputs are
+    collected once, in order. Returns (C source, C_full, the collection, each step's readout nodes)."""
     rt = index_term(y0, stop=[h0], allow_sum=True)
     if rt is None or len(rt.factors) != 2 or not any(f.node is h0 for f in rt.factors):
         return "the readout is not a contraction of h_t with C_t"
@@ -547,10 +474,171 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, muls: list[torch.fx.Node], p
     out = _collect(ys, y_roles, pos)
     if isinstance(out, str):
         return out
+    return c_src, c_base, out, readouts
+
+
+def _match_stacked_readout(stacked: torch.fx.Node, h: list[torch.fx.Node], state_roles: tuple[str, ...], L: int
+                           ) -> tuple[Source, Collected, list[torch.fx.Node]] | str:
+    """The states themselves are stacked (``hs = torch.stack(hs, dim=1)``) and read out after the
+    loop, ``y = (hs @ C.unsqueeze(-1)).squeeze(3)``: the readout is proved on the stacked tensor as
+    for the associative scan's states, and ``hs[:, -1]`` is the last state.
+
+    Returns (C source, the collection with ``out_node`` the readout, the last-state views).
+    """
+    if list(stacked.args[0]) != h:
+        return "the stacked states are not every step's state, once, in time order"
+    dim = stacked.args[1] if len(stacked.args) > 1 else stacked.kwargs.get("dim", 0)
+    if not isinstance(dim, int):
+        return "the states are stacked along a non-constant axis"
+    roles = list(state_roles)
+    roles.insert(dim % (len(roles) + 1), "t")
+    roles = tuple(roles)
+    t_axis = roles.index("t")
+    readouts, last_views = [], []
+    for user in stacked.users:
+        if last_state_index(user, stacked, t_axis, L):
+            last_views.append(user)
+            continue
+        readout = match_readout(user, stacked, roles)
+        if readout is None:
+            return (f"the stacked states are used by {user.name}, which is neither a readout Σ_n h·C "
+                    "nor the last state")
+        readouts.append(readout)
+    if len(readouts) != 1:
+        return f"expected one readout of the stacked states, found {len(readouts)}"
+    (readout,) = readouts
+    c_src = Source(readout.C, readout.C_roles)
+    if not _same_size(val(readout.C).shape[readout.C_roles.index("t")], L):
+        return "C_full's time axis does not have the loop's length"
+    writes = [stacked, *last_views, *readout.chain, *readout.nodes, readout.end]
+    out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(writes)), readout.out_roles)
+    return c_src, out, last_views
+
+
+def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.fx.Node, Any, Any]], pos
+               ) -> LoopMatch | str | None:
+    """Try to prove that the recurrence anchored at ``a0 * H`` is a selective scan.
+
+    Returns the match, a reason string, or None when ``a0 * H`` does not even start a chain
+    of steps (an ordinary product, not worth a miss record).
+    """
+    key0 = _leaf_key(a0, 0)
+    per_step = key0[0] == "op"
+    base, axis = _key_slices(key0)[0][1:3]
+    L = int(val(base).shape[axis])
+    if L < 2:
+        return ONE_STEP
+    # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies.
+    h0 = None
+    for _, p, q in products:
+        for a1, x in ((p, q), (q, p)):
+            if (isinstance(a1, torch.fx.Node) and isinstance(x, torch.fx.Node) and pos[x] > pos[H]
+                    and _leaf_key(a1, 1) == key0 and _between(H, x, pos) is not None):
+                h0 = x
+    if h0 is None:
+        if per_step and not (_is_exp(a0) and _same_shape(val(a0).shape, val(H).shape)):
+            return None
+        if per_step:
+            # exp(...) of time slices multiplying a state-shaped value looks like a step; say why
+            # it is not one (e.g. a loop-invariant value such as -A recomputed in every step is a
+            # different node per step, and only time slices are compared shifted).
+            return ("no state chain: step 1's exp(...) is not step 0's with every time index + 1 "
+                    "(a value recomputed in every step that is not a time slice?)")
+        return "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
+    region = _between(H, h0, pos)
+    Hs = sympy.Symbol("H")
+    try:
+        env, leaves = _sym_eval(region, H, Hs)
+    except _NotElementwise as e:
+        return f"the state update uses an op that is not an elementwise add/mul ({e})"
+    f = sympy.expand(env[h0])
+    alpha = sympy.expand(sympy.diff(f, Hs))
+    beta = sympy.expand(f.subs(Hs, 0))
+    if Hs in alpha.free_symbols or sympy.expand(f - alpha * Hs - beta) != 0:
+        return "the state update is not linear in the previous state"
+    if alpha not in leaves or beta not in leaves:
+        return f"the state update is h*({alpha}) + ({beta}); expected A_full[t]*h + B_full[t] with two time slices"
+    a_leaf, b_leaf = leaves[alpha], leaves[beta]
+    shape = val(a_leaf).shape
+    if not _same_shape(val(b_leaf).shape, shape) or not _same_shape(val(h0).shape, shape):
+        return "the state update broadcasts: A_full[t], B_full[t] and h_t differ in shape"
+    if _leaf_key(a_leaf, 0) != key0:
+        return "the state's multiplier at step 0 is not A_full[t=0]"
+    if per_step:
+        if time_slice(b_leaf) is not None:
+            return "the state update mixes a precomputed B_full with a per-step exp(Δ·A)"
+        disc = match_step_discretization(a_leaf, b_leaf)
+        if isinstance(disc, str):
+            return f"discretization: {disc}"
+        disc, t0 = disc
+        if t0 != 0:
+            return f"the state update at step 0 reads its inputs at time index {t0}, not 0"
+        for name, src in (("u", disc.u), ("delta", disc.delta), ("B", disc.B)):
+            if "t" in src.roles and not _same_size(val(src.node).shape[src.roles.index("t")], L):
+                return f"{name}'s time axis does not have the loop's length"
+        a_base = b_base = None
+    else:
+        b_slice = time_slice(b_leaf)
+        if b_slice is None:
+            return "the state update's coefficients are not time slices of full tensors"
+        a_base, a_axis = base, axis
+        b_base, b_axis, b_idx = b_slice
+        if b_idx != 0:
+            return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
+        if val(b_base).dim() != 4 or not _same_size(val(b_base).shape[b_axis], L):
+            return "B_full is not a 4-D tensor with the loop's length along its time axis"
+    init = None
+    if not _is_zeros(H):
+        if not isinstance(val(H), torch.Tensor) or not _broadcasts_to(val(H).shape, shape):
+            got = tuple(val(H).shape) if isinstance(val(H), torch.Tensor) else type(val(H))
+            return f"initial state shape {got} does not broadcast to the state shape {tuple(shape)}"
+        init = H
+
+    # Every later step must repeat step 0 with time indices shifted by t.
+    steps = [region]
+    h = [h0]
+    for t in range(1, L):
+        bind = {H: h[-1]}
+        missing = _walk(region, bind, t)
+        if missing is not None:
+            return f"step {t} does not repeat step 0's state update (no copy of {missing})"
+        steps.append([bind[n] for n in region])
+        h.append(bind[h0])
+
+    # Readout: per step (the first value after h_0 that a stack/cat collects), or of all the
+    # states at once after the loop, when the states themselves are stacked.
+    stacked = next((c for c in h0.users if is_call(c, torch.stack) and _collects(c, h0)), None)
+    step1 = set(steps[1])
+    if stacked is None:
+        y0 = _find_readout(h0, step1)
+        if y0 is None:
+            return "no per-step readout of the state is collected by stack/cat, and the states are not stacked"
+        rregion = _between(h0, y0, pos)
+        if rregion is None or step1.intersection(rregion):
+            return "the readout of step 0 depends on a later state"
+    if not per_step:
+        disc = match_discretization(a_base, b_base, (a_axis, b_axis))
+        if isinstance(disc, str):
+            return f"discretization: {disc}"
+    state_roles = tuple(r for r in disc.a_roles if r != "t")
+    if stacked is not None:
+        found = _match_stacked_readout(stacked, h, state_roles, L)
+        if isinstance(found, str):
+            return found
+        c_src, out, last_views = found
+        c_base = c_src.node
+        readouts = [[] for _ in range(L)]
+    else:
+        found = _match_step_readout(y0, h0, rregion, h, state_roles, L, disc, pos)
+        if isinstance(found, str):
+            return found
+        c_src, c_base, out, readouts = found
+        last_views = []
 
     # Nothing inside the loop may be used from outside, except the last state.
+    collected_states = {stacked} if stacked is not None else set()
     for t in range(L):
-        allowed = set(steps[t]) | set(readouts[t]) | (set(steps[t + 1]) if t + 1 < L else set())
+        allowed = set(steps[t]) | set(readouts[t]) | (set(steps[t + 1]) if t + 1 < L else set()) | collected_states
         for n in steps[t]:
             if t == L - 1 and n is h[t]:
                 continue
@@ -561,7 +649,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, muls: list[torch.fx.Node], p
             if any(u not in readouts[t] and u not in out.writes for u in n.users):
                 return f"step {t}'s readout value is used outside the loop"
     loop_nodes = set().union(*steps, *readouts)
-    last_users = [u for u in h[-1].users if u not in loop_nodes]
+    last_users = [u for u in h[-1].users if u not in loop_nodes and u not in collected_states]
 
     # The op reads its inputs once, where it is placed; a value mutated in place anywhere would
     # make that read differ from what the loop saw.
@@ -575,6 +663,11 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, muls: list[torch.fx.Node], p
             return f"{name} is mutated in place"
     if any(_mutated(n) for n in disc.nodes):
         return "a value between the sources and A_full/B_full is mutated in place"
+    if val(h[-1]).dtype == torch.float64 and val(disc.u.node).dtype != torch.float64:
+        # The op accumulates in float32 unless u is float64: a state the user keeps in float64
+        # (for accuracy) would silently lose precision.
+        return (f"the state is accumulated in float64 but u is {val(disc.u.node).dtype}: "
+                "the op would accumulate in float32")
     for name, src in (("u", disc.u), ("delta", disc.delta), ("A", disc.A), ("B", disc.B)):
         if val(src.node).dtype == torch.float64 and val(src.node).device.type != "cpu":
             return f"{name} is float64; ssm.selective_scan has no float64 kernel on {val(src.node).device}"
@@ -587,6 +680,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, muls: list[torch.fx.Node], p
         out=out,
         h_last=h[-1],
         last_users=last_users,
+        last_views=last_views,
         loop_nodes=sorted(loop_nodes, key=pos.__getitem__),
     )
 
@@ -631,7 +725,8 @@ def emit_selective_scan(
         length: the sequence length L (for a time-invariant B's expanded view); a SymInt under
             dynamic shapes.
         y_roles / y_dtype: layout ("b", "d", "t" in some order) and dtype of the output to produce.
-        initial_state: h_{-1} and its roles (b, d, n), or None for zeros.
+        initial_state: h_{-1} and its roles (b, d, n in some order; leading ones may be missing
+            and axes may be size 1, broadcast as in the user's update), or None for zeros.
         last_state_roles / last_state_dtype: the layout and dtype of the last state to produce, or
             None when nobody uses it (then return_last_state=False).
 
@@ -641,6 +736,8 @@ def emit_selective_scan(
     u = permute_view(graph, disc.u.node, disc.u.perm_to("bdt"))
     delta = permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt"))
     A = permute_view(graph, disc.A.node, disc.A.perm_to("dn"))
+    if disc.negate_A:
+        A = _node(graph, "call_function", operator.neg, A)
     Cv = permute_view(graph, C.node, C.perm_to("bgnt" if "g" in C.roles else "bnt"))
     if disc.time_invariant_B:
         # B[d, n] is the same for every batch and step: pass it as grouped B with G = dim,
@@ -669,7 +766,18 @@ def emit_selective_scan(
             B = _node(graph, "call_method", "expand", B4, -1, groups, -1, -1)
     init = None
     if initial_state is not None:
-        init = permute_view(graph, initial_state.node, initial_state.perm_to("bdn"))
+        init, roles = initial_state.node, initial_state.roles
+        missing = tuple(r for r in "bdn" if r not in roles)
+        if missing:
+            # h_{-1} broadcast along leading state axes: add them as size-1 axes, then expand.
+            init = _node(graph, "call_function", operator.getitem, init, (None,) * len(missing))
+            roles = missing + roles
+        init = permute_view(graph, init, Source(init, roles).perm_to("bdn"))
+        sizes = (val(u).shape[0], val(u).shape[1], val(A).shape[1])
+        if not all(statically_known_true(a == b) for a, b in zip(val(init).shape, sizes)):
+            # A stride-0 view: the op reads the broadcast state without a (batch, dim, N) copy.
+            init = _node(graph, "call_method", "expand", init, _node(graph, "call_method", "size", u, 0),
+                         _node(graph, "call_method", "size", u, 1), _node(graph, "call_method", "size", A, 1))
         init = _cast(graph, init, torch.float64 if val(u).dtype == torch.float64 else torch.float32)
     want_last = last_state_roles is not None
     scan = _node(graph, "call_function", torch.ops.ssm.selective_scan.default,
@@ -686,6 +794,9 @@ def emit_selective_scan(
 
 
 def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    # A broadcast h_{-1} (e.g. a learned (dim, N) state shared by the batch) has the state's
+    # trailing roles.
+    init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
     return emit_selective_scan(
         graph,
         m.disc,
@@ -693,8 +804,8 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
         length=m.L,
         y_roles=m.out.roles,
         y_dtype=val(m.out.out_node).dtype,
-        initial_state=None if m.init is None else Source(m.init, m.state_roles),
-        last_state_roles=m.state_roles if m.last_users else None,
+        initial_state=init,
+        last_state_roles=m.state_roles if m.last_users or m.last_views else None,
         last_state_dtype=val(m.h_last).dtype,
     )
 
@@ -705,7 +816,7 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     d = m.disc
     inputs = [d.u.node, d.delta.node, d.A.node, d.B.node, m.C.node] + ([m.init] if m.init is not None else [])
     last_input = max(inputs, key=pos.__getitem__)
-    users = m.out.out_users + m.last_users
+    users = m.out.out_users + m.last_users + [u for v in m.last_views for u in v.users]
     if users and pos[last_input] >= min(pos[u] for u in users):
         return "an input of the scan is computed after the scan's outputs are used"
     anchor = last_input.next
@@ -724,11 +835,14 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
         user.replace_input_with(m.out.out_node, y)
     for user in m.last_users:
         user.replace_input_with(m.h_last, last)
+    for view in m.last_views:
+        view.replace_all_uses_with(last)
     doomed = sorted(set(m.out.writes) | set(m.loop_nodes), key=pos.__getitem__)
     for n in reversed(doomed):
         if not n.users:
             graph.erase_node(n)
-    if m.out.kind not in ("stack", "cat") and not m.out.out_node.users:
+    # A buffer the outputs were written into is not among the erased writes: erase it once unread.
+    if m.out.kind in ("setitem", "copy_") and not m.out.out_node.users:
         graph.erase_node(m.out.out_node)
     return None
 
@@ -745,6 +859,12 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     tried: set[tuple[torch.fx.Node, torch.fx.Node]] = set()
     while _rewrite_one(gm, ctx, tried):
         pass
+    # Recurrences the anchors never reached (an EMA, a gated RNN) still get a reason in explain.
+    muls = [n for n in gm.graph.nodes
+            if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
+    reported = {name for x in ctx.misses if x.family == FAMILY for name in x.nodes}
+    for m, c, H in _unmatched_recurrences(muls, reported):
+        ctx.miss(FAMILY, _recurrence_reason(c, H), [m])
 
 
 def _key_slices(key: Any) -> list[tuple]:
@@ -756,12 +876,25 @@ def _key_slices(key: Any) -> list[tuple]:
     return []
 
 
-def _anchors(muls: list[torch.fx.Node]):
+def _products(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, Any, Any]]:
+    """Every product ``p * q`` in the graph as (node, p, q): ``mul``, and the product inside
+    ``addcmul(b, p, q)`` (value 1), which spells ``h = B_full[t] + A_full[t] * h`` in one call."""
+    found = []
+    for n in graph.nodes:
+        if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs:
+            found.append((n, n.args[0], n.args[1]))
+        elif ((is_call(n, torch.addcmul) or is_method(n, "addcmul")) and len(n.args) == 3
+              and n.kwargs.get("value", 1) == 1 and set(n.kwargs) <= {"value"}):
+            found.append((n, n.args[1], n.args[2]))
+    return found
+
+
+def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):
     """Candidate first steps ``α_0 * H``: α_0 a slice t=0 of a 4-D tensor (A_full[t=0]), or a
     computation on time slices that all read t=0 (per-step discretisation). Yields
     (mul node, α_0, H)."""
-    for m in muls:
-        for a0, H in ((m.args[0], m.args[1]), (m.args[1], m.args[0])):
+    for m, p, q in products:
+        for a0, H in ((p, q), (q, p)):
             if not isinstance(a0, torch.fx.Node) or not isinstance(val(H), torch.Tensor):
                 continue
             ts = time_slice(a0)
@@ -775,16 +908,90 @@ def _anchors(muls: list[torch.fx.Node]):
                 yield m, a0, H
 
 
+def _is_add(node: Any) -> bool:
+    return (is_call(node, operator.add, torch.add) or is_method(node, "add")) and len(node.args) == 2 \
+        and not node.kwargs
+
+
+def _coeff_key(c: Any, t: int) -> tuple:
+    """How a decay coefficient of step ``t`` compares with step 0's (a literal is itself)."""
+    return _leaf_key(c, t) if isinstance(c, torch.fx.Node) else ("literal", type(c).__name__, repr(c))
+
+
+def _next_step(m: torch.fx.Node, c: Any) -> tuple[torch.fx.Node, Any] | None:
+    """For ``m = c * H`` feeding ``h = m + x_t``: the next step's ``c' * h`` with ``c'`` being
+    ``c`` shifted one step in time, and the addend's time shift checked likewise."""
+    for a in m.users:
+        if not _is_add(a):
+            continue
+        x0 = a.args[1] if a.args[0] is m else a.args[0]
+        if not isinstance(x0, torch.fx.Node) or not _key_slices(_leaf_key(x0, 0)):
+            continue
+        for m2 in a.users:
+            if not (is_call(m2, *_MUL) or is_method(m2, "mul")) or len(m2.args) != 2 or m2.kwargs:
+                continue
+            c2 = m2.args[1] if m2.args[0] is a else m2.args[0]
+            if _coeff_key(c2, 1) != _coeff_key(c, 0):
+                continue
+            for a2 in m2.users:
+                if _is_add(a2):
+                    x1 = a2.args[1] if a2.args[0] is m2 else a2.args[0]
+                    if isinstance(x1, torch.fx.Node) and _leaf_key(x1, 1) == _leaf_key(x0, 0):
+                        return m2, c2
+    return None
+
+
+def _unmatched_recurrences(muls: list[torch.fx.Node], reported: set[str]):
+    """Unrolled linear recurrences ``h = c_t * h + x_t`` (three steps or more) with no scan_loop
+    record yet; yields (first step's product, its coefficient, its other operand)."""
+    nxt: dict[torch.fx.Node, tuple[torch.fx.Node, Any]] = {}
+    first: dict[torch.fx.Node, tuple[Any, Any]] = {}
+    for m in muls:
+        for c, H in ((m.args[0], m.args[1]), (m.args[1], m.args[0])):
+            step = _next_step(m, c)
+            if step is not None:
+                nxt[m] = step
+                first[m] = (c, H)
+                break
+    later = {m2 for m2, _ in nxt.values()}
+    for m, (c, H) in first.items():
+        if m in later or nxt[m][0] not in nxt:
+            continue
+        chain = [m]
+        while chain[-1] in nxt:
+            chain.append(nxt[chain[-1]][0])
+        if not any(n.name in reported for n in chain):
+            yield m, c, H
+
+
+def _recurrence_reason(c: Any, H: Any) -> str:
+    """Why an unrolled linear recurrence that no anchor started from is left alone."""
+    ts = time_slice(c) if isinstance(c, torch.fx.Node) else None
+    if isinstance(c, torch.fx.Node) and ts is None and _key_slices(_leaf_key(c, 0)):
+        return ("a linear recurrence h = a_t*h + x_t whose decay a_t is not a time slice of exp(Δ·A); "
+                "left alone")
+    if ts is None:
+        return ("a linear recurrence h = c*h + x_t with a time-invariant decay c (an EMA), not exp(Δ_t·A): "
+                "left alone, since ssm.selective_scan would compute c as exp(log c), which is not exactly c")
+    if val(ts[0]).dim() != 4:
+        return (f"a linear recurrence h = a_t*h + x_t whose decay is a time slice of a {val(ts[0]).dim()}-D "
+                "tensor, not of a (batch, dim, time, state) exp(Δ·A): left alone")
+    if not isinstance(H, torch.fx.Node):
+        return (f"a linear recurrence from an initial state {H!r} that is not a tensor of the state's shape: "
+                "left alone")
+    return (f"a linear recurrence that starts at time index {ts[2]}, not 0 (a state reset or a late start "
+            "splits the loop): left alone")
+
+
 def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool:
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    muls = [n for n in graph.nodes
-            if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
-    for user, a0, H in _anchors(muls):
+    products = _products(graph)
+    for user, a0, H in _anchors(products):
         if (user, a0) in tried:
             continue
         tried.add((user, a0))
-        m = match_loop(a0, H, muls, pos)
+        m = match_loop(a0, H, products, pos)
         if m is None:
             continue
         if isinstance(m, str):
@@ -801,7 +1008,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
             "N": _size_repr(val(m.disc.A.node).shape[m.disc.A.roles.index("n")]),
             "layout": _layout(m.disc.a_roles),
             "initial_state": m.init is not None,
-            "return_last_state": bool(m.last_users),
+            "return_last_state": bool(m.last_users or m.last_views),
             "collector": m.out.kind,
         }
         emitted = "ssm.selective_scan"

@@ -103,3 +103,11 @@ def ssm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str |
     """The ``backend="ssm"`` entry point; ``torch.compile``'s ``mode``/``options`` land here."""
     return SSMBackend(SSMOptions.from_kwargs(mode=mode, options=options))(gm, example_inputs)
 
+
+# Must run before dynamo traces the first frame for backend="ssm"; this import (through the
+# entry point, or ssm_compile.backend) is the only code of ours that runs that early. See
+# dynamo_compat for why, and for how the change stays limited to our own traces.
+from . import dynamo_compat  # noqa: E402  (needs SSMBackend and ssm_backend defined above)
+
+dynamo_compat.install()
+

@@ -238,3 +238,87 @@ def test_cleanup_only_drops_pure_computations():
     }
     assert [k for k, n in removable.items() if not _removable_if_unused(n)] == []
     assert [k for k, n in kept.items() if _removable_if_unused(n)] == []
+
+
+# --- torch.compiler.is_exporting() under backend="ssm" (ssm_compile.dynamo_compat) -------------
+
+def _branch_on_exporting(x):
+    return x + (1.0 if torch.compiler.is_exporting() else 0.0)
+
+
+@pytest.fixture
+def folded_is_exporting(monkeypatch):
+    """Recreate torch 2.11's dynamo, which folded is_exporting() to True under torch.compile,
+    then let dynamo_compat wrap it as it does on that release."""
+    from torch._dynamo.variables import ConstantVariable
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    from ssm_compile import dynamo_compat
+
+    def folded(self, tx, *args, **kwargs):
+        return ConstantVariable.create(True)
+
+    monkeypatch.setitem(TorchInGraphFunctionVariable._get_handlers(), torch.compiler.is_exporting, folded)
+    torch._dynamo.reset()
+    assert torch.compile(_branch_on_exporting, backend="eager")(torch.zeros(())).item() == 1.0, \
+        "the simulated torch 2.11 behaviour is not in effect"
+    torch._dynamo.reset()
+    assert dynamo_compat.install()
+    yield
+    torch._dynamo.reset()
+
+
+def test_is_exporting_is_false_under_ssm_and_other_backends_keep_their_torch(folded_is_exporting):
+    x = torch.randn(())
+    assert torch.equal(torch.compile(_branch_on_exporting, backend="ssm")(x), x + 0.0)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(_branch_on_exporting, backend=backend(inductor=False))(x), x + 0.0)
+    torch._dynamo.reset()
+    # Another backend in the same process still sees its torch's (folded) answer.
+    assert torch.equal(torch.compile(_branch_on_exporting, backend="eager")(x), x + 1.0)
+
+
+def test_is_exporting_wrapper_installs_once():
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    from ssm_compile import dynamo_compat
+
+    assert dynamo_compat.install() and dynamo_compat.install()
+    handler = TorchInGraphFunctionVariable._get_handlers()[torch.compiler.is_exporting]
+    assert getattr(handler, "_ssm_compile_is_exporting_fix")
+    assert not getattr(handler.__wrapped__, "_ssm_compile_is_exporting_fix", False)
+
+
+def test_hf_mamba_takes_associative_scan_under_folded_is_exporting(folded_is_exporting):
+    # On torch 2.11 HF's mamba_selective_scan saw is_exporting() == True and unrolled its loop
+    # (compile time growing with L); under backend="ssm" it now takes associative_scan.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=1,
+                                   use_associative_scan=True)
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 12))
+    counters.clear()
+    with torch.no_grad():
+        out = torch.compile(model, backend="ssm")(ids, use_cache=False).logits
+        ref = model(ids, use_cache=False).logits
+    assert counters["ssm"]["scan_assoc"] == 1 and counters["ssm"]["scan_loop"] == 0, dict(counters["ssm"])
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_uuid_hashes_helper_modules_of_the_pass_package(monkeypatch):
+    # A change in a shared matcher (no pass registered from it) must still miss inductor's cache.
+    import pathlib
+
+    import ssm_compile.passes.manager as manager
+
+    pm = build_pass_manager(SSMOptions())
+    before = pm.uuid()
+    real = pathlib.Path.read_bytes
+
+    def edited(path):
+        data = real(path)
+        return data + b"\n# edited" if path.name == "fx_utils.py" else data
+
+    monkeypatch.setattr(manager.pathlib.Path, "read_bytes", edited)
+    assert pm.uuid() != before

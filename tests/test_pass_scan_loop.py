@@ -145,6 +145,11 @@ def ones_initial_state(u, delta, A, B, C):
     return with_initial_state(u, delta, A, B, C, torch.ones(u.shape[0], u.shape[1], A.shape[1]))
 
 
+def broadcast_initial_state(u, delta, A, B, C):
+    """h_{-1} of shape (batch, dim, 1) broadcast over the state axis: the op gets an expanded view."""
+    return with_initial_state(u, delta, A, B, C, torch.ones(u.shape[0], u.shape[1], 1))[0]
+
+
 def setitem_buffer(u, delta, A, B, C):
     """Outputs written into a preallocated buffer with ``out[:, :, i] = y``."""
     deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
@@ -239,6 +244,7 @@ POSITIVE = [
     pytest.param(scan_ref, "bdl", id="selective-scan-ref"),
     pytest.param(time_invariant_B, "bdl", id="time-invariant-B-cat"),
     pytest.param(ones_initial_state, "bdl", id="ones-initial-state"),
+    pytest.param(broadcast_initial_state, "bdl", id="broadcast-initial-state"),
     pytest.param(setitem_buffer, "bdl", id="setitem-buffer"),
     pytest.param(copy_buffer, "bdl", id="copy-buffer"),
     pytest.param(per_step, "bdl", id="per-step"),
@@ -481,10 +487,6 @@ def lagged_readout(u, delta, A, B, C):
     return torch.stack(ys, dim=2)
 
 
-def broadcast_initial_state(u, delta, A, B, C):
-    return with_initial_state(u, delta, A, B, C, torch.ones(u.shape[0], u.shape[1], 1))[0]
-
-
 def intermediate_used(u, delta, A, B, C):
     deltaA, deltaB_u = _disc(u, delta, A, B)
     x = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
@@ -611,7 +613,6 @@ NEGATIVE = [
     pytest.param(reset_midway, "step 4 does not repeat step 0", id="reset-midway"),
     pytest.param(zeroed_midway, "step 5 does not repeat step 0", id="zeroed-midway"),
     pytest.param(lagged_readout, "lagged readout", id="lagged-readout"),
-    pytest.param(broadcast_initial_state, "initial state shape (2, 6, 1) does not match", id="broadcast-init"),
     pytest.param(intermediate_used, "intermediate state h_3 is used outside", id="intermediate-used"),
     pytest.param(out_of_order, "step 2 does not repeat step 0", id="out-of-order"),
     pytest.param(skipped_step, "step 5 does not repeat step 0", id="skipped-step"),
