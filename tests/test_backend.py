@@ -15,14 +15,6 @@ from ssm_compile.config import PASS_NAMES, SSMOptions
 from ssm_compile.passes import build_pass_manager
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def conv_silu(x, w, b):
     return F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])[..., :x.shape[-1]])
 

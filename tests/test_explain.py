@@ -1,21 +1,12 @@
 """``ssm_compile.explain``: the report of rewrites and near-misses, and no state left behind."""
 import logging
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from ssm_compile.compiler import backend
 from ssm_compile.report import explain
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def causal_conv(x, w, b):

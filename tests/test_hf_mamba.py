@@ -23,14 +23,6 @@ VOCAB = 64
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def tiny_model(hidden=16, layers=1, state=4, rank=4, use_bias=False, use_conv_bias=True, assoc=False,
                dtype=torch.float32):
     torch.manual_seed(0)

@@ -27,15 +27,12 @@ from ssm_compile.passes.manager import PassContext, PassManager
 BATCH, DIM, N = 2, 5, 4
 
 
-@pytest.fixture(autouse=True)
-def fresh():
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    # The rewritten graphs call torch.ops.ssm.*; the op must exist before they are traced.
     from ssm_compile.kernels.selective_scan import op
 
     op.register()
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 class Captured:

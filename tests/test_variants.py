@@ -32,14 +32,6 @@ MIXER = ("scan", "discretization", "readout", "delta", "skip", "gate")
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def perturbed(model):
     """Random weights everywhere (HF and mamba.py initialise D, conv bias, norms to constants)."""
     torch.manual_seed(0)
