@@ -242,8 +242,16 @@ def main():
     if args.train_len and "train" in parts:
         L = args.train_len
         ids = torch.randint(0, VOCAB, (args.batch, L), device="cuda")
+        # HF's eager path keeps exp(Δ·A), Δ·B and Δ·B·u as fp32 (batch, dim, L, N) tensors for
+        # backward in every layer, plus one (batch, dim, N) state per step: past the GPU's memory
+        # it would grind for minutes before failing, so it is skipped up front.
+        eager_gb = N_LAYER * args.batch * EXPAND * D_MODEL * L * N_STATE * 4 * 4 / 2**30
         for name in ["ssm", "eager", assoc_name]:
             if name != "ssm" and over_budget(f"training step {name}"):
+                continue
+            if name == "eager" and eager_gb > 0.8 * torch.cuda.get_device_properties(0).total_memory / 2**30:
+                notes.append(f"train eager L={L}: skipped, its saved (batch, dim, L, N) tensors need ~{eager_gb:.0f} GiB")
+                print(notes[-1], flush=True)
                 continue
             torch._dynamo.reset()
             model = build(True, dtype).train()

@@ -39,6 +39,7 @@ allocated them beforehand (needed for CUDA graphs, see ``examples/generate.py``)
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -47,7 +48,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import depthwise_weight, is_call, is_method, propagate_val, val
+from .discretize import Factor, IndexTerm, grouped_source, index_term
+from .fx_utils import depthwise_weight, is_call, is_cast, is_method, node_order, propagate_val, target_name, val
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -118,21 +120,6 @@ def _operands(node: Any, targets: tuple, method: str) -> tuple[Any, Any] | None:
     return None
 
 
-def _mul_leaves(node: Any, limit: int = 4) -> list[Any] | None:
-    """Flatten a product tree ``a * b * c`` (any association, casts looked through) into factors."""
-    ops = _operands(node, _MUL, "mul")
-    if ops is None:
-        return [node]
-    leaves = []
-    for operand in ops:
-        inner, _ = _peel(operand)
-        sub = _mul_leaves(inner, limit) if _operands(inner, _MUL, "mul") is not None else [operand]
-        if sub is None:
-            return None
-        leaves += sub
-    return leaves if len(leaves) <= limit else None
-
-
 def _unsqueezed(node: Any, axis: int) -> Any | None:
     """The tensor that ``node`` unsqueezes at ``axis`` (``t[..., None]``, ``t[:, None]``, ``t.unsqueeze(axis)``).
 
@@ -166,14 +153,6 @@ def _unsqueezed(node: Any, axis: int) -> Any | None:
 
 def _as_tuple(index: Any) -> tuple:
     return index if isinstance(index, tuple) else (index,)
-
-
-def _squeezed_last(node: Any) -> Any | None:
-    if (is_method(node, "squeeze") or is_call(node, torch.squeeze)) and node.args[1:] in ((-1,), (2,)):
-        return node.args[0]
-    if is_call(node, operator.getitem) and _as_tuple(node.args[1]) in ((Ellipsis, 0), (slice(None), slice(None), 0)):
-        return node.args[0]
-    return None
 
 
 def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -236,69 +215,232 @@ def _copy_into(node: torch.fx.Node) -> torch.fx.Node | None:
 # state_update
 # ---------------------------------------------------------------------------------------------
 
-def match_state_update(copy: torch.fx.Node) -> dict[str, Any] | None:
-    """Structure of a state update ending in ``copy``; None if ``copy`` is not such an anchor.
+# The roles of the state's axes: the op's layout (batch, dim, N).
+_STATE_ROLES = ("b", "d", "n")
+_ROLE_NAMES = {"b": "batch", "d": "dim", "n": "state", "1": "size-1", "?": "other"}
 
-    Raises ``Miss`` when the anchor (``state.copy_(state' * dA + dBx)``) is there but a piece is not.
+
+@dataclasses.dataclass
+class Update:
+    """Where a step writes ``h = read(state) * decay + addend`` and how.
+
+    ``form`` is ``"copy_"`` (``state.copy_(h)``), ``"in-place"`` (``state.mul_(decay).add_(addend)``:
+    ``h`` is None, the state itself holds the new value) or ``"returned"`` (``h`` is a new tensor
+    and the state is not written: the op then updates a clone). ``reader`` is the node that reads
+    the old state; ``writes`` are the in-place nodes the op replaces.
     """
-    state = copy.args[0]
-    h, _ = _peel(copy.args[1])
+
+    form: str
+    state: torch.fx.Node
+    h: torch.fx.Node | None
+    reader: torch.fx.Node
+    read_casts: list[torch.fx.Node]
+    decay: Any
+    addend: Any
+    writes: list[torch.fx.Node]
+
+
+def _split_update(h: Any, is_state) -> tuple[torch.fx.Node, torch.fx.Node, list, Any, Any] | None:
+    """Read ``h`` as ``read(state) * decay + addend``: (state, reader, read casts, decay, addend).
+
+    ``h`` is ``a * b + c`` in any order of the sum and of the product, or ``torch.addcmul(c, a, b)``
+    (value 1, the same sum of products). ``is_state(node)`` says which operand may be the state.
+    """
+    candidates = []
+    if ((is_call(h, torch.addcmul) or is_method(h, "addcmul")) and len(h.args) == 3
+            and set(h.kwargs) <= {"value"} and h.kwargs.get("value", 1) == 1):
+        candidates.append((h, (h.args[1], h.args[2]), h.args[0]))
     terms = _operands(h, _ADD, "add")
-    st = _tensor(state)
-    if terms is None or st is None or st.dim() != 3:
-        return None
-    # h = read(state) * dA + dBx, in either order of the sum and of the product.
-    decay = dbx = None
-    for a, b in (terms, terms[::-1]):
-        product = _peel(a)[0]
-        factors = _operands(product, _MUL, "mul")
-        if factors is None:
-            continue
-        for s_read, dA in (factors, factors[::-1]):
+    if terms is not None:
+        for a, b in (terms, terms[::-1]):
+            product = _peel(a)[0]
+            factors = _operands(product, _MUL, "mul")
+            if factors is not None:
+                candidates.append((product, factors, b))
+    for product, factors, addend in candidates:
+        for s_read, decay in (factors, factors[::-1]):
             src, casts = _peel(s_read)
-            if src is state:
-                # The node that reads the state: its innermost cast, or the product itself.
-                decay, dbx, state_read, read_casts = dA, b, casts[-1] if casts else product, casts
-                break
-        if decay is not None:
-            break
-    if decay is None:
-        # Not a recurrence on this state (e.g. the prefill writing a scan's last state into the
-        # cache): not this pattern at all, so no near-miss either.
-        return None
+            if is_state(src):
+                return src, (casts[-1] if casts else product), casts, decay, addend
+    return None
 
-    exp_node, _ = _peel(decay)
-    if not is_call(exp_node, torch.exp) and not is_method(exp_node, "exp"):
+
+def _is_state_3d(node: Any) -> bool:
+    t = _tensor(node)
+    return isinstance(node, torch.fx.Node) and t is not None and t.dim() == 3
+
+
+def _is_graph_input(node: Any) -> bool:
+    # A state that comes from outside the graph: a decode step's cache. Inside an unrolled loop
+    # the state is an intermediate, and a step of it is the scan passes' business.
+    return _is_state_3d(node) and node.op in ("placeholder", "get_attr")
+
+
+def _reaches(value: Any, state: torch.fx.Node, limit: int = 64) -> tuple[bool, bool]:
+    """(whether ``value`` depends on ``state``, whether an ``exp`` lies on the way), looking back
+    at most ``limit`` nodes."""
+    seen, stack, found_state, found_exp = set(), [value], False, False
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        found_state |= node is state
+        found_exp |= is_call(node, torch.exp) or is_method(node, "exp")
+        stack.extend(node.all_input_nodes)
+    return found_state, found_exp
+
+
+def find_update(node: torch.fx.Node) -> Update | None:
+    """The state update anchored at ``node`` (a ``copy_``, an ``add_`` or a sum), or None.
+
+    Raises ``Miss`` for a write into a 3-D state of something that reads that state and an exp
+    but is not linear in the state (``state.copy_(tanh(state * dA + dBx))``).
+    """
+    if is_method(node, "copy_") and len(node.args) == 2 and not node.kwargs:
+        state = node.args[0]
+        if not _is_state_3d(state):
+            if _tensor(state) is not None and _tensor(state).dim() == 4 and _split_update(
+                    _peel(node.args[1])[0], lambda n: n is state) is not None:
+                raise Miss("the state is 4-D (batch, heads, headdim, N): the op takes a (batch, dim, N) state; "
+                           "heads are not flattened into channels")
+            return None
+        h = _peel(node.args[1])[0]
+        split = _split_update(h, lambda n: n is state)
+        if split is None:
+            reads, through_exp = _reaches(node.args[1], state)
+            if reads and through_exp:
+                raise Miss(f"the new state is not linear in the old state: it is {target_name(h)}(...) of it")
+            return None
+        _, reader, casts, decay, addend = split
+        return Update("copy_", state, h, reader, casts, decay, addend, [node])
+    if (is_method(node, "add_") and len(node.args) == 2 and not node.kwargs and is_method(node.args[0], "mul_")
+            and len(node.args[0].args) == 2 and not node.args[0].kwargs and _is_state_3d(node.args[0].args[0])):
+        mul = node.args[0]
+        return Update("in-place", mul.args[0], None, mul, [], mul.args[1], node.args[1], [mul, node])
+    if is_call(node, *_ADD, torch.addcmul) or is_method(node, "add", "addcmul"):
+        split = _split_update(node, _is_graph_input)
+        if split is None:
+            return None
+        state, reader, casts, decay, addend = split
+        copy = _copy_into(node)
+        if copy is not None and copy.args[0] is state:
+            return None  # the copy_ anchor
+        exp_node = _peel(decay)[0]
+        if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
+            return None  # some other sum with an input in it: no sign of a decode step
+        return Update("returned", state, node, reader, casts, decay, addend, [])
+    return None
+
+
+def _factor_roles(term: IndexTerm, factor: Factor, role: dict[int, str]) -> tuple[str, ...]:
+    """The role of each axis of ``factor`` ("1" for a size-1 axis it broadcasts, "?" for other)."""
+    out = []
+    for lab, size in zip(term.factor_labels(factor), _tensor(factor.node).shape):
+        out.append(role.get(lab, "1" if statically_known_true(size == 1) else "?"))
+    return tuple(out)
+
+
+def _names(roles: tuple[str, ...]) -> str:
+    return ", ".join(_ROLE_NAMES.get(r, r) for r in roles)
+
+
+def _state_role_map(term: IndexTerm, what: str) -> dict[int, str]:
+    labels = term.out_labels()
+    if len(set(labels)) != len(labels):
+        raise Miss(f"{what}'s axes are not three distinct (batch, dim, N) axes")
+    return dict(zip(labels, _STATE_ROLES))
+
+
+def _core(roles: tuple[str, ...]) -> tuple[str, ...]:
+    """The roles of a factor's real axes: size-1 axes it broadcasts along dropped."""
+    return tuple(r for r in roles if r != "1")
+
+
+def _value_with_roles(term: IndexTerm, factor: Factor, role: dict[int, str], want: tuple[str, ...]
+                      ) -> torch.fx.Node | None:
+    """A graph value that holds exactly ``factor`` with axes ``want``: the factor itself, or a view
+    of it the term looked through (``x_t[..., 0]`` of a (batch, 1, dim) leaf, ``B[:, 0]``)."""
+    if _factor_roles(term, factor, role) == want:
+        return factor.node
+    for node, terms in term.parts.items():
+        for t in terms:
+            if (t.summed or t.exp_of is not None or len(t.factors) != 1 or t.factors[0] is not factor
+                    or t.sign != 1):
+                continue
+            if tuple(role.get(lab) for lab in t.out_labels()) == want:
+                return node
+    return None
+
+
+def _factor_value(term: IndexTerm, factor: Factor, role: dict[int, str], want: tuple[str, ...], name: str
+                  ) -> torch.fx.Node:
+    node = _value_with_roles(term, factor, role, want)
+    if node is None:
+        raise Miss(f"{name} (axes {_names(_factor_roles(term, factor, role))}) is not a ({_names(want)}) value")
+    return node
+
+
+def _grouped(term: IndexTerm, factor: Factor, role: dict[int, str], name: str) -> torch.fx.Node:
+    """B or C in the op's layout: (batch, N) as is, or (batch, G, N) behind ``repeat_interleave``."""
+    core = _core(_factor_roles(term, factor, role))
+    if core == ("b", "n"):
+        return _factor_value(term, factor, role, ("b", "n"), name)
+    if core == ("b", "d", "n"):
+        node = _factor_value(term, factor, role, ("b", "d", "n"), name)
+        src = grouped_source(node, ("b", "d", "n"))
+        if src is not None and src.roles == ("b", "g", "n"):
+            return src.node
+        raise Miss(f"{name} is per channel (batch, dim, N) but not a group broadcast (repeat_interleave over dim)")
+    raise Miss(f"{name} has axes ({_names(core)}), expected (batch, N)")
+
+
+def _prove_discretization(u: Update) -> dict[str, Any]:
+    """``decay == exp(dt[b, d] · A[d, n])`` and ``addend == dt[b, d] · B[b, n] · x[b, d]`` with one dt."""
+    shape = tuple(_tensor(u.state).shape)
+    exp_node = _peel(u.decay)[0]
+    if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
         raise Miss("the state decay is not exp(dt * A)")
-    da_factors = _operands(_peel(exp_node.args[0])[0], _MUL, "mul")
-    if da_factors is None:
+    if not _same_shape(exp_node, shape):
+        raise Miss(f"the decay exp(...) has shape {tuple(_tensor(exp_node).shape)}, not the state's {shape}")
+    at = index_term(exp_node, allow_exp=True)
+    inner = at.exp_of
+    if inner is None or inner.summed or len(inner.factors) != 2:
         raise Miss("the exponent of the decay is not a product dt * A")
-    dt = A = None
-    for p, q in (da_factors, da_factors[::-1]):
-        dt_src = _unsqueezed(p, -1)
-        if dt_src is not None and _tensor(_peel(q)[0]) is not None and _tensor(_peel(q)[0]).dim() == 2:
-            dt, A = dt_src, _peel(q)[0]
-            break
-    if dt is None:
-        raise Miss("the exponent is not dt[..., None] * A with A of shape (dim, N)")
+    role = _state_role_map(at, "the decay")
+    cores = [_core(_factor_roles(at, f, role)) for f in inner.factors]
+    if ("b", "d") not in cores:
+        raise Miss("the exponent is not dt * A with dt of shape (batch, dim)")
+    dt_f = inner.factors[cores.index(("b", "d"))]
+    a_f = next(f for f in inner.factors if f is not dt_f)
+    a_roles = _factor_roles(at, a_f, role)
+    if _core(a_roles) != ("d", "n"):
+        raise Miss(f"A has shape {tuple(_tensor(a_f.node).shape)} with axes ({_names(a_roles)}), expected (dim, N): "
+                   "exp(dt * A) must decay each channel by its own row of A")
+    dt = _factor_value(at, dt_f, role, ("b", "d"), "dt")
+    A = _factor_value(at, a_f, role, ("d", "n"), "A")
 
-    leaves = _mul_leaves(_peel(dbx)[0])
-    if leaves is None or len(leaves) != 3:
-        raise Miss("the input term is not a product of exactly dt, B and x")
-    dt_leaf = [leaf for leaf in leaves if _unsqueezed(leaf, -1) is dt]
-    if len(dt_leaf) != 1:
+    addend = _peel(u.addend)[0]
+    bt = index_term(addend) if _same_shape(addend, shape) else None
+    if bt is None or bt.summed or len(bt.factors) != 3:
+        raise Miss("the input term is not a product of exactly dt, B and x of the state's shape")
+    brole = _state_role_map(bt, "the input term")
+    bcores = [_core(_factor_roles(bt, f, brole)) for f in bt.factors]
+    dts = [f for f, r in zip(bt.factors, bcores) if f.node is dt_f.node and r == ("b", "d")]
+    if len(dts) != 1:
         raise Miss("the input term does not scale by the same dt as the decay")
-    rest = [leaf for leaf in leaves if leaf is not dt_leaf[0]]
-    x = B = None
-    for p, q in (rest, rest[::-1]):
-        xs, bs = _unsqueezed(p, -1), _unsqueezed(q, 1)
-        if xs is not None and bs is not None:
-            x, B = xs, bs
-            break
-    if x is None:
-        raise Miss("the input term is not dt[..., None] * B[:, None, :] * x[..., None]")
+    rest = [(f, r) for f, r in zip(bt.factors, bcores) if f is not dts[0]]
+    xs = [f for f, r in rest if r == ("b", "d")]
+    if len(xs) != 1:
+        raise Miss("the input term is not dt[..., None] * B[:, None, :] * x[..., None]: no single x of shape (batch, dim)")
+    B_f = next(f for f, r in rest if f is not xs[0])
+    casts = [n for n in at.looked_through + bt.looked_through if is_cast(n)]
+    return dict(dt=dt, A=A, x=_factor_value(bt, xs[0], brole, ("b", "d"), "x"), B=_grouped(bt, B_f, brole, "B"),
+                casts=casts)
 
-    # dt may be softplus(dt_raw + dt_bias).
+
+def _peel_dt(dt: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, bool, list]:
+    """``dt = softplus(dt_raw + dt_bias)`` (bias and softplus optional): (dt_raw, dt_bias, softplus, casts)."""
     dt_softplus, dt_bias = False, None
     dt_raw, dt_casts = _peel(dt)
     if is_call(dt_raw, *_SOFTPLUS):
@@ -317,70 +459,123 @@ def match_state_update(copy: torch.fx.Node) -> dict[str, Any] | None:
                 dt_raw, dt_bias = _peel(p)[0], _peel(q)[0]
                 dt_casts += _peel(p)[1] + _peel(q)[1]
                 break
-
-    # The readout: every use of h other than the state write is the one readout.
-    readout_users = [u for u in h.users if not _copy_into_chain(u, copy, h)]
-    if len(readout_users) != 1:
-        raise Miss(f"the new state has {len(readout_users)} readout uses (expected exactly one C-readout)")
-    y, C, readout_casts = _match_readout(readout_users[0], h)
-    y, tail = _match_tail(y, x)
-    return dict(copy=copy, state=state, state_read=state_read, read_casts=read_casts, h=h, x=x, dt=dt_raw,
-                A=A, B=B, C=C, D=tail["D"], z=tail["z"], dt_bias=dt_bias, dt_softplus=dt_softplus, last=y,
-                casts=dt_casts + readout_casts)
+    return dt_raw, dt_bias, dt_softplus, dt_casts
 
 
-def _copy_into_chain(user: torch.fx.Node, copy: torch.fx.Node, src: torch.fx.Node) -> bool:
+def _readout_at(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.Node | None:
+    """C if ``node`` computes ``y[b, d] = Σ_n src[b, d, n] · C[b, n]`` (C maybe grouped), else None."""
+    term = index_term(node, stop=[src], allow_sum=True)
+    if term is None or term.exp_of is not None or len(term.factors) != 2:
+        return None
+    mine = [f for f in term.factors if f.node is src]
+    if len(mine) != 1:
+        return None
+    labels = term.factor_labels(mine[0])
+    if len(set(labels)) != 3:
+        return None
+    role = dict(zip(labels, _STATE_ROLES))
+    C_f = next(f for f in term.factors if f is not mine[0])
+    if (tuple(role.get(lab) for lab in term.out_labels()) != ("b", "d")
+            or term.summed_labels() != {labels[2]}):
+        return None
+    try:
+        return _grouped(term, C_f, role, "C")
+    except Miss:
+        return None
+
+
+def _match_readout(user: torch.fx.Node, src: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list] | None:
+    """Follow ``user`` (a use of ``src``) forward through single users to a C-readout of ``src``:
+    (readout node, C, the nodes from ``user`` to it)."""
+    node, chain = user, []
+    for _ in range(4):
+        chain.append(node)
+        C = _readout_at(node, src)
+        if C is not None:
+            return node, C, chain
+        nxt = _single_user(node)
+        if nxt is None:
+            return None
+        node = nxt
+    return None
+
+
+def _is_copy_chain(user: torch.fx.Node, copy: torch.fx.Node, src: torch.fx.Node) -> bool:
     """Whether ``user`` (a use of ``src``) only leads, through casts, into the state's ``copy``."""
     if user is copy:
         return True
     if _is_cast_of(user, src):
-        return len(user.users) == 1 and _copy_into_chain(next(iter(user.users)), copy, user)
+        return len(user.users) == 1 and _is_copy_chain(next(iter(user.users)), copy, user)
     return False
 
 
-def _match_readout(first: torch.fx.Node, h: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list]:
-    """``y = C . h`` per channel, starting from the use ``first`` of h: (readout node, C, casts on h)."""
-    casts: list[torch.fx.Node] = []
-    node, user = h, first
-    if _is_cast_of(first, h):
-        node, more = _follow_casts(first)
-        casts = [first, *more]
-        user = _single_user(node)
-    if user is None:
-        raise Miss("the new state's readout cast has several users")
-    pair = _operands(user, (torch.matmul, operator.matmul), "matmul")
-    if pair is not None and pair[0] is node:
-        C = _unsqueezed(pair[1], -1)
-        sq = _single_user(user)
-        if C is None or sq is None or _squeezed_last(sq) is not user:
-            raise Miss("the readout is not matmul(h, C.unsqueeze(-1)).squeeze(-1)")
-        return sq, C, casts
-    pair = _operands(user, _MUL, "mul")
-    if pair is not None and node in pair:
-        C = _unsqueezed(pair[1] if pair[0] is node else pair[0], 1)
-        red = _single_user(user)
-        if (C is None or red is None or not (is_method(red, "sum") or is_call(red, torch.sum))
-                or red.args[1:] not in ((-1,), (2,)) or red.kwargs.get("keepdim", False)):
-            raise Miss("the readout is not (h * C[:, None, :]).sum(-1)")
-        return red, C, casts
-    raise Miss(f"the new state is read by {user.op} {user.target!r}, not a C-readout")
+def _new_state_reads(u: Update, order: dict) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Every (value, user) through which the step's result can be read: the users of ``h`` (but
+    its write), and reads of the state (or of the in-place nodes, its aliases) after the write."""
+    reads = []
+    if u.h is not None:
+        reads += [(u.h, user) for user in u.h.users if not (u.writes and _is_copy_chain(user, u.writes[-1], u.h))]
+    if u.writes:
+        after = order[u.writes[-1]]
+        for alias in [u.state, *u.writes]:
+            reads += [(alias, user) for user in alias.users if user not in u.writes and order[user] > after]
+    return reads
+
+
+def match_state_update(u: Update) -> dict[str, Any]:
+    """The decode step around update ``u``: discretisation, readout and tail, or ``Miss``."""
+    m = _prove_discretization(u)
+    dt_raw, dt_bias, dt_softplus, dt_casts = _peel_dt(m["dt"])
+    order = node_order(u.reader.graph)
+    if u.writes:
+        before = [n for n in u.state.users if n is not u.reader and n not in u.writes
+                  and order[n] < order[u.writes[-1]]]
+        if before:
+            raise Miss(f"the state is also used by {[n.name for n in before]} before its update (a readout of "
+                       "the old state?): moving the update into one op could change what they see")
+    reads = _new_state_reads(u, order)
+    readouts = [(src, user, r) for src, user in reads if user.op != "output"
+                for r in [_match_readout(user, src)] if r is not None]
+    if len(readouts) != 1:
+        users = [user.name for _, user in reads]
+        if not readouts:
+            raise Miss(f"the new state's uses {users} are not (h * C[:, None, :]).sum(-1) or another C-readout "
+                       "Σ_n h[b, d, n] · C[b, n]")
+        raise Miss(f"the new state has {len(readouts)} C-readouts (expected exactly one)")
+    src, first, (y, C, chain) = readouts[0]
+    last, tail = _match_tail(y, m["x"])
+    others = [user for s, user in reads if user is not first]
+    if u.form != "returned" and others:
+        raise Miss(f"the state is also used by {[n.name for n in others]} after its update: moving the update "
+                   "into one op could change what they see")
+    early = [n.name for n in others if order[n] < order[last]]
+    if early:
+        raise Miss(f"the new state is also used by {early} before the step's output is complete")
+    return dict(update=u, state=u.state, x=m["x"], dt=dt_raw, A=m["A"], B=m["B"], C=C, D=tail["D"], z=tail["z"],
+                dt_bias=dt_bias, dt_softplus=dt_softplus, readout_src=src, readout_first=first, last=last,
+                chain=chain + tail["nodes"], casts=m["casts"] + dt_casts)
 
 
 def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict[str, Any]]:
-    """Optional ``+ x * D``, ``* silu(z)`` and casts after the readout: (last node, pieces)."""
+    """Optional ``+ x * D``, ``* silu(z)`` and casts after the readout: (last node, pieces).
+
+    ``out += x * D`` (``operator.iadd``) counts as a sum: ``out`` is the readout's fresh result,
+    whose only user is the ``+=``.
+    """
     D = z = None
-    node = y
+    node, nodes = y, []
     while True:
         nxt = _single_user(node)
         if nxt is None:
             break
         if _is_cast_of(nxt, node):
             node = nxt
+            nodes.append(nxt)
             continue
-        add = _operands(nxt, _ADD, "add")
+        add = _operands(nxt, (*_ADD, operator.iadd), "add")
         if add is not None and D is None and z is None and node in add:
             other = add[1] if add[0] is node else add[0]
-            skip = _operands(other, _MUL, "mul")
+            skip = _operands(_peel(other)[0], _MUL, "mul")
             if skip is not None:
                 for p, q in (skip, skip[::-1]):
                     qv = _tensor(_peel(q)[0])
@@ -389,6 +584,7 @@ def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict
                         break
             if D is not None:
                 node = nxt
+                nodes.append(nxt)
                 continue
             break
         mul = _operands(nxt, _MUL, "mul")
@@ -397,20 +593,25 @@ def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict
             if is_call(other, *_SILU) and len(other.args) == 1 and not other.kwargs:
                 z = _peel(other.args[0])[0]
                 node = nxt
+                nodes.append(nxt)
                 continue
         break
-    return node, dict(D=D, z=z)
+    return node, dict(D=D, z=z, nodes=nodes)
 
 
 def check_state_update(m: dict[str, Any]) -> str | None:
     """Shapes and dtypes the op takes, and that the state is touched by nothing else; else why not."""
+    u: Update = m["update"]
     st, x = _tensor(m["state"]), _tensor(m["x"])
     batch, dim, N = st.shape
     if st.dtype != torch.float32:
         return f"the state is {st.dtype}; the op keeps its state in fp32"
+    if u.h is not None and _tensor(u.h).dtype != torch.float32:
+        return f"the new state is computed in {_tensor(u.h).dtype}; the op computes it in fp32"
     if not statically_known_true(N <= MAX_N):
         return f"N={N} state channels exceed the op's {MAX_N}"
-    expect = {"x": (batch, dim), "dt": (batch, dim), "A": (dim, N), "B": (batch, N), "C": (batch, N),
+    bc = (batch, N) if _tensor(m["B"]).dim() == 2 else (batch, _tensor(m["B"]).shape[1], N)
+    expect = {"x": (batch, dim), "dt": (batch, dim), "A": (dim, N), "B": bc, "C": bc,
               "D": (dim,), "z": (batch, dim), "dt_bias": (dim,)}
     for name, shape in expect.items():
         node = m[name]
@@ -423,55 +624,86 @@ def check_state_update(m: dict[str, Any]) -> str | None:
             return f"{name} has dtype {_tensor(node).dtype}, not one of fp32/bf16/fp16"
         if _tensor(node).device != st.device:
             return f"{name} is on {_tensor(node).device}, the state on {st.device}"
+    if len(bc) == 3 and not statically_known_true(dim % bc[1] == 0):
+        return f"B has {bc[1]} groups, which do not divide dim={dim}"
     if x.dtype not in SUPPORTED_DTYPES:
         return f"x has dtype {x.dtype}"
-    others = [u for u in m["state"].users if u is not m["copy"] and u is not m["state_read"]]
+    if u.form == "returned":
+        # The state is only read (the op updates a clone made where it is read): other users
+        # see the same value as before.
+        return None
+    allowed = {u.reader, *u.writes, m["readout_first"]}
+    others = [n for n in m["state"].users if n not in allowed]
     # A cast to the state's own dtype returns the state itself, so a cast with other users is an
     # alias of the state that would see the update at a different point.
-    others += [u for c in m["read_casts"] for u in c.users if len(c.users) > 1]
+    others += [n for c in u.read_casts for n in c.users if len(c.users) > 1]
+    others += [n for w in u.writes[:-1] for n in w.users if n not in allowed]
     if others:
-        return (f"the state is also used by {[u.name for u in others]}: moving its update into one op "
+        return (f"the state is also used by {[n.name for n in others]}: moving its update into one op "
                 "could change what they see")
+    if u.writes[-1].users and u.writes[-1] is not m["readout_src"]:
+        return f"the value of {u.writes[-1].name} (the written state) is used"
     return None
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
+    """Erase ``nodes`` (the matched chain the op replaced), latest first, each once nothing uses it.
+
+    In-place nodes among them (``out += ...``, the state writes) are not dead code to the pass
+    manager's clean-up, so they are erased here explicitly.
+    """
+    order = node_order(graph)
+    for node in sorted(set(nodes), key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
 
 
 def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
-    for copy in list(graph.nodes):
-        if not (is_method(copy, "copy_") and len(copy.args) == 2 and not copy.kwargs):
-            continue
+    for node in list(graph.nodes):
+        if node.graph is not graph:
+            continue  # erased by an earlier rewrite
         try:
-            m = match_state_update(copy)
+            u = find_update(node)
+            if u is None:
+                continue
+            m = match_state_update(u)
         except Miss as miss:
-            ctx.miss(STATE_FAMILY, str(miss), [copy])
-            continue
-        if m is None:
+            ctx.miss(STATE_FAMILY, str(miss), [node])
             continue
         reason = check_state_update(m)
-        if reason is None and copy.users:
-            reason = "the value of state.copy_(...) is used"
         if reason is not None:
-            ctx.miss(STATE_FAMILY, reason, [copy])
+            ctx.miss(STATE_FAMILY, reason, [node])
             continue
         last = m["last"]
         out_dtype = _tensor(last).dtype
+        state = m["state"]
+        if u.form == "returned":
+            # The step does not write its state, so the op writes a copy, taken where the step
+            # reads the state (later writes to it, if any, must not be seen).
+            with graph.inserting_before(u.reader):
+                state = graph.call_method("clone", (m["state"],))
+                propagate_val(state)
         with graph.inserting_before(last):
             x = _widen_for(graph, m["x"], out_dtype)
             op = graph.call_function(torch.ops.ssm.selective_state_update.default,
-                                     (m["state"], x, m["dt"], m["A"], m["B"], m["C"], m["D"], m["z"],
+                                     (state, x, m["dt"], m["A"], m["B"], m["C"], m["D"], m["z"],
                                       m["dt_bias"], m["dt_softplus"]))
             propagate_val(op)
             result = _cast_to(graph, op, out_dtype)
-        if "stack_trace" in copy.meta:
-            op.meta["stack_trace"] = copy.meta["stack_trace"]
+        if "stack_trace" in node.meta:
+            op.meta["stack_trace"] = node.meta["stack_trace"]
         last.replace_all_uses_with(result)
-        ctx.rewrite(STATE_FAMILY, "state*exp(dt*A)+dt*B*x; copy_; C-readout"
+        if u.form == "returned":
+            u.h.replace_all_uses_with(state)
+        _erase_unused(graph, m["chain"] + [m["readout_first"], last] + u.writes)
+        ctx.rewrite(STATE_FAMILY, f"state*exp(dt*A)+dt*B*x ({u.form}); C-readout"
                     + ("+D*x" if m["D"] is not None else "") + ("*silu(z)" if m["z"] is not None else ""),
-                    [copy, m["h"], last], "ssm.selective_state_update",
-                    {"N": int(_tensor(m["state"]).shape[2]), "dt_softplus": m["dt_softplus"],
+                    [node, last], "ssm.selective_state_update",
+                    {"form": u.form, "N": int(_tensor(m["state"]).shape[2]), "dt_softplus": m["dt_softplus"],
                      "dt_bias": m["dt_bias"] is not None, "D": m["D"] is not None, "z": m["z"] is not None,
+                     "groups": int(_tensor(m["B"]).shape[1]) if _tensor(m["B"]).dim() == 3 else 1,
                      "rounding_casts_dropped": _narrowing(m["casts"])})
-        graph.erase_node(copy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,6 +845,209 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         graph.erase_node(m["copy"])
 
 
+# ---------------------------------------------------------------------------------------------
+# conv_update, window form: the state is the window itself (mamba_simple's ``step``)
+# ---------------------------------------------------------------------------------------------
+#
+#     conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1)); conv_state[:, :, -1] = x
+#  or conv_state.copy_(torch.cat([conv_state[..., 1:], x[..., None]], -1))
+#     y = (conv_state * w).sum(-1) + b                  # w (dim, W), W = S: the whole window
+#     y = F.silu(y).to(dtype)                            # activation, casts optional
+#
+# The new window is the last S inputs of cat(conv_state, x), which is what the op keeps, and
+# y[b, d] = Σ_k w[d, k] · window[b, d, k] is the op's output for a width-S conv.
+
+def _shift(node: torch.fx.Node) -> tuple[Any, Any] | None:
+    """(shifts, dims) of ``torch.roll(t, shifts, dims)`` / ``t.roll(...)``, else None."""
+    if not (is_call(node, torch.roll) or is_method(node, "roll")) or set(node.kwargs) - {"shifts", "dims"}:
+        return None
+    args = dict(zip(("input", "shifts", "dims"), node.args))
+    args.update(node.kwargs)
+    return _single(args.get("shifts")), _single(args.get("dims"))
+
+
+def _is_last_position(index: Any, S: Any) -> bool:
+    """``index`` selects the last position of the last axis of a 3-D tensor (``[:, :, -1]``, ``[..., -1]``)."""
+    index = _as_tuple(index)
+    if len(index) == 2 and index[0] is Ellipsis or len(index) == 3 and index[:2] == (slice(None), slice(None)):
+        last = index[-1]
+        return isinstance(last, int) and not isinstance(last, bool) and (last == -1 or _same(last, S - 1))
+    return False
+
+
+def find_window_write(copy: torch.fx.Node) -> dict[str, Any] | None:
+    """A window roll ending in ``copy`` (``conv_state.copy_(...)``): x (batch, dim), the old-state
+    reads and the writes; None if ``copy`` is not one, ``Miss`` if it nearly is."""
+    cs = copy.args[0]
+    sv = _tensor(cs)
+    if sv is None or sv.dim() != 3 or not isinstance(cs, torch.fx.Node):
+        return None
+    S = sv.shape[2]
+    src, _ = _peel(copy.args[1])
+    if is_call(src, torch.cat):
+        pieces = src.args[0] if src.args and isinstance(src.args[0], (list, tuple)) else None
+        dim_arg = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else 0)
+        if not pieces or dim_arg not in (-1, 2):
+            return None
+        first = _peel(pieces[0])[0]
+        if not (is_call(first, operator.getitem) and first.args[0] is cs):
+            return None
+        keep = _last_axis_slice(first.args[1])
+        if len(pieces) != 2:
+            raise Miss(f"the new window is a cat of {len(pieces)} pieces, not conv_state[..., T:] and the new input")
+        x3 = pieces[1]
+        xv = _tensor(x3)
+        if keep is None or keep.stop is not None or keep.step not in (None, 1) or not isinstance(keep.start, int):
+            raise Miss(f"the new window keeps conv_state[{first.args[1]!r}], not its last inputs")
+        if xv is None or xv.dim() != 3 or not _same(xv.shape[2], 1):
+            raise Miss(f"the new window appends {None if xv is None else tuple(xv.shape)}, not one input (batch, dim, 1)")
+        if keep.start != 1:
+            raise Miss(f"the window drops {keep.start} old inputs but appends 1 new input")
+        x = _unsqueezed(x3, -1)
+        return dict(cs=cs, S=S, x=x, x3=x3, reads=[first], writes=[copy], window=src)
+    roll = _shift(src)
+    if roll is None or src.args[0] is not cs:
+        return None
+    shifts, dims = roll
+    if dims not in (-1, 2) or not isinstance(shifts, int):
+        raise Miss(f"the window is rolled with shifts={shifts!r}, dims={dims!r}, not along its last axis")
+    sets = [n for n in cs.users if is_call(n, operator.setitem) and len(n.args) == 3 and _is_last_position(n.args[1], S)]
+    order = node_order(copy.graph)
+    after = [n for n in sets if order[n] > order[copy]]
+    if not after:
+        raise Miss("the rolled window is not followed by conv_state[..., -1] = x")
+    setitem = min(after, key=order.__getitem__)
+    # roll by -1 (or S - 1) moves the oldest input to the end, where x overwrites it.
+    if not (shifts == -1 or _same(shifts, S - 1)):
+        raise Miss(f"the window is rolled by {-shifts} but 1 new input is appended")
+    x = setitem.args[2]
+    if _tensor(x) is None or _tensor(x).dim() != 2:
+        return None
+    return dict(cs=cs, S=S, x=x, x3=None, reads=[src], writes=[copy, setitem], window=None)
+
+
+def _match_window_readout(user: torch.fx.Node, src: torch.fx.Node) -> dict[str, Any] | None:
+    """``(src * w).sum(-1)`` (casts of src looked through), then ``+ b``, silu and casts."""
+    node, nodes = user, []
+    if _is_cast_of(user, src):
+        node, casts = _follow_casts(user)
+        nodes = [user, *casts]
+        node = _single_user(node)
+    pair = _operands(node, _MUL, "mul")
+    if pair is None:
+        return None
+    read = nodes[-1] if nodes else src
+    if read not in pair:
+        return None
+    weight = _peel(pair[1] if pair[0] is read else pair[0])[0]
+    red = _single_user(node)
+    if (_tensor(weight) is None or _tensor(weight).dim() != 2 or red is None
+            or not (is_method(red, "sum") or is_call(red, torch.sum))
+            or (red.args[1:] or (red.kwargs.get("dim"),)) not in ((-1,), (2,))
+            or red.kwargs.get("keepdim", False) or set(red.kwargs) - {"dim", "keepdim"}):
+        return None
+    nodes += [node, red]
+    end, bias, activation = red, None, None
+    nxt = _single_user(end)
+    add = _operands(nxt, _ADD, "add") if nxt is not None else None
+    if add is not None and end in add:
+        other = _peel(add[1] if add[0] is end else add[0])[0]
+        if _tensor(other) is not None and _tensor(other).dim() == 1:
+            bias, end = other, nxt
+            nodes.append(nxt)
+    end, casts = _follow_casts(end)
+    nodes += casts
+    nxt = _single_user(end)
+    if nxt is not None and is_call(nxt, *_SILU) and len(nxt.args) == 1 and not nxt.kwargs:
+        activation, end = "silu", nxt
+        nodes.append(nxt)
+        end, casts = _follow_casts(end)
+        nodes += casts
+    return dict(weight=weight, bias=bias, activation=activation, last=end, nodes=nodes)
+
+
+def match_window_update(copy: torch.fx.Node) -> dict[str, Any] | None:
+    """A window roll (``find_window_write``) and its one readout, or None / ``Miss``."""
+    m = find_window_write(copy)
+    if m is None:
+        return None
+    cs, written = m["cs"], m["writes"][-1]
+    order = node_order(copy.graph)
+    before = [n for n in cs.users if n not in m["reads"] + m["writes"] and order[n] < order[written]]
+    if before:
+        raise Miss(f"the conv state is also used by {[n.name for n in before]} before its update: moving the "
+                   "update into one op could change what they see")
+    reads = [(cs, n) for n in cs.users if order[n] > order[written]]
+    reads += [(w, n) for w in m["writes"] for n in w.users]
+    if m["window"] is not None:
+        reads += [(m["window"], n) for n in m["window"].users if not _is_copy_chain(n, copy, m["window"])]
+    found = [(src, user, r) for src, user in reads for r in [_match_window_readout(user, src)] if r is not None]
+    if len(found) != 1 or len(reads) != 1:
+        raise Miss(f"the new window is used by {[user.name for _, user in reads]}, not by exactly one "
+                   "(window * weight).sum(-1) readout")
+    src, first, r = found[0]
+    return {**m, **r, "first": first}
+
+
+def check_window_update(m: dict[str, Any]) -> str | None:
+    """The weight covers the whole window (W = S), widths and dtypes the op takes; else why not."""
+    S, weight = m["S"], _tensor(m["weight"])
+    dim = _tensor(m["cs"]).shape[1]
+    if not (_same(weight.shape[0], dim) and _same(weight.shape[1], S)):
+        return f"the weight has shape {tuple(weight.shape)}, expected (dim, S) = ({dim}, {S}): one tap per window slot"
+    if not isinstance(S, int) or not MIN_W <= S <= MAX_W:
+        return f"kernel width W={S} unsupported (the op takes {MIN_W} <= W <= {MAX_W})"
+    for name in ("x", "cs", "weight", "bias"):
+        t = _tensor(m[name]) if m[name] is not None else None
+        if m[name] is not None and (t is None or t.dtype not in SUPPORTED_DTYPES):
+            return f"{name} has dtype {None if t is None else t.dtype}, not one of fp32/bf16/fp16"
+    if m["bias"] is not None and not _same_shape(m["bias"], (dim,)):
+        return f"bias has shape {tuple(_tensor(m['bias']).shape)}, expected ({dim},)"
+    return None
+
+
+def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    graph = gm.graph
+    for copy in list(graph.nodes):
+        if copy.graph is not graph or not (is_method(copy, "copy_") and len(copy.args) == 2 and not copy.kwargs):
+            continue
+        try:
+            m = match_window_update(copy)
+        except Miss as miss:
+            ctx.miss(CONV_FAMILY, str(miss), [copy])
+            continue
+        if m is None:
+            continue
+        reason = check_window_update(m)
+        if reason is not None:
+            ctx.miss(CONV_FAMILY, reason, [copy])
+            continue
+        last = m["last"]
+        out_dtype = _tensor(last).dtype
+        with graph.inserting_before(last):
+            x = m["x"]
+            if x is None:
+                # x3 is (batch, dim, 1) but not an unsqueeze of a (batch, dim) value.
+                x = graph.call_method("squeeze", (m["x3"], -1))
+                propagate_val(x)
+            x = _widen_for(graph, x, out_dtype)
+            op = graph.call_function(torch.ops.ssm.causal_conv1d_update.default,
+                                     (x, m["cs"], m["weight"], m["bias"], m["activation"]))
+            propagate_val(op)
+            result = _cast_to(graph, op, out_dtype)
+        if "stack_trace" in copy.meta:
+            op.meta["stack_trace"] = copy.meta["stack_trace"]
+        last.replace_all_uses_with(result)
+        _erase_unused(graph, m["nodes"] + [m["first"], last] + m["writes"])
+        ctx.rewrite(CONV_FAMILY, ("roll; window[-1] = x" if m["window"] is None else "cat(window[1:], x)")
+                    + "; (window * w).sum(-1)" + ("+b" if m["bias"] is not None else "")
+                    + ("+silu" if m["activation"] else ""),
+                    [copy, last], "ssm.causal_conv1d_update",
+                    {"W": int(m["S"]), "S": int(m["S"]), "activation": m["activation"],
+                     "bias": m["bias"] is not None, "form": "window"})
+
+
 def register(pm: PassManager) -> None:
     pm.add(CONV_FAMILY, conv_update_pass)
+    pm.add(f"{CONV_FAMILY}_window", window_update_pass)
     pm.add(STATE_FAMILY, state_update_pass)

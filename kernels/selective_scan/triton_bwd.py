@@ -95,8 +95,9 @@ def _unsteps(s0, s1, s2, s3):
 
 
 @triton.jit
-def _scan_fwd(a, b, ROWS: tl.constexpr):
-    """h_t = a_t * h_{t-1} + b_t from h = 0, over a [BLOCK_D, ROWS, 4] tile, t = row * 4 + step.
+def _scan_fwd(a, b, h_start, ROWS: tl.constexpr):
+    """h_t = a_t * h_{t-1} + b_t from h_{-1} = h_start (a scalar or [BLOCK_D, 1]), over a
+    [BLOCK_D, ROWS, 4] tile, t = row * 4 + step.
 
     Each thread owns a row's 4 consecutive steps: the chain along them is serial in registers;
     only the rows' composites (one per thread) are scanned across lanes, and the state entering
@@ -113,13 +114,14 @@ def _scan_fwd(a, b, ROWS: tl.constexpr):
     _, h_end = tl.associative_scan((p3, h3), axis=1, combine_fn=linear_combine)  # [BLOCK_D, ROWS]
     rows = tl.arange(0, ROWS)[None, :]
     prev = tl.broadcast_to(tl.maximum(rows - 1, 0), h_end.shape)
-    h_in = tl.where(rows == 0, 0.0, tl.gather(h_end, prev, 1))
+    h_in = tl.where(rows == 0, h_start, tl.gather(h_end, prev, 1))
     return _unsteps(b0 + a0 * h_in, h1 + p1 * h_in, h2 + p2 * h_in, h3 + p3 * h_in)
 
 
 @triton.jit
-def _scan_rev(alpha, c, ROWS: tl.constexpr):
-    """x_t = alpha_t * x_{t+1} + c_t from x = 0 past the tile; layout as in ``_scan_fwd``."""
+def _scan_rev(alpha, c, x_end, ROWS: tl.constexpr):
+    """x_t = alpha_t * x_{t+1} + c_t from x = x_end past the tile (a scalar or [BLOCK_D, 1]);
+    layout as in ``_scan_fwd``."""
     a0, a1, a2, a3 = _steps(alpha)
     c0, c1, c2, c3 = _steps(c)
     x2 = a2 * c3 + c2
@@ -131,7 +133,7 @@ def _scan_rev(alpha, c, ROWS: tl.constexpr):
     _, x_start = tl.associative_scan((p0, x0), axis=1, combine_fn=linear_combine, reverse=True)
     rows = tl.arange(0, ROWS)[None, :]
     nxt = tl.broadcast_to(tl.minimum(rows + 1, ROWS - 1), x_start.shape)
-    x_in = tl.where(rows == ROWS - 1, 0.0, tl.gather(x_start, nxt, 1))
+    x_in = tl.where(rows == ROWS - 1, x_end, tl.gather(x_start, nxt, 1))
     return _unsteps(x0 + p0 * x_in, x1 + p1 * x_in, x2 + p2 * x_in, c3 + a3 * x_in)
 
 
@@ -370,14 +372,14 @@ def _chunk_bwd_kernel(
             # Forward recompute; h entering the chunk is folded into the first step's input.
             a = tl.exp2(A2 * dt)
             b = dtu * Bn
-            h = _scan_fwd(a, tl.where(is_first, b + a * h0, b), ROWS)
+            h = _scan_fwd(a, tl.where(is_first, b + a * h0, b), 0.0, ROWS)
             if HAS_Z:
                 y += h * Cn
 
             # Adjoint: a reverse scan of (a_{t+1}, C_t * g_t), the later chunks' carry entering
             # at the last real step. Steps past it hold c = 0 and contribute nothing.
             c = g * Cn
-            dh = _scan_rev(tl.exp2(A2 * dt_next), tl.where(is_last, c + r, c), ROWS)
+            dh = _scan_rev(tl.exp2(A2 * dt_next), tl.where(is_last, c + r, c), 0.0, ROWS)
 
             # h_t - b_t = a_t * h_{t-1}: the decay's input, recovered without shifting h.
             e = dh * (h - b)
@@ -416,6 +418,187 @@ def _chunk_bwd_kernel(
         tl.debug_barrier()
 
 
+@triton.jit
+def _next_step(x, ROWS: tl.constexpr):
+    """x_{t+1} at position t over a [1, ROWS, 4] tile, 0 at the tile's last step: three in-thread
+    renamings and a one-lane gather of the next row's first step, instead of a second load (and
+    softplus) of delta.
+
+    The 0 at the end makes the decay there exp(0) = 1, so the carry from later chunks (dL/dh at
+    the chunk's end, their decays included) can enter the reverse scan as its state past the tile.
+    """
+    s0, s1, s2, s3 = _steps(x)
+    rows = tl.arange(0, ROWS)[None, :]
+    nxt = tl.broadcast_to(tl.minimum(rows + 1, ROWS - 1), s0.shape)
+    return _unsteps(s1, s2, s3, tl.where(rows == ROWS - 1, 0.0, tl.gather(s0, nxt, 1)))
+
+
+@triton.heuristics({
+    "HAS_D": lambda args: args["D_ptr"] is not None,
+    "HAS_Z": lambda args: args["z_ptr"] is not None,
+    "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
+})
+@triton.jit
+def _chunk_bwd_nblock_kernel(
+    # pointers
+    dy_ptr, u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, hs_ptr, rs_ptr,
+    du_ptr, ddelta_ptr, dz_ptr, dA_part_ptr, dB_part_ptr, dC_part_ptr, dD_part_ptr, ddb_part_ptr,
+    q_acc_ptr, s_acc_ptr, y_acc_ptr,
+    # sizes
+    batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, n_splits,
+    # strides
+    stride_dy_b, stride_dy_d, stride_dy_l,
+    stride_u_b, stride_u_d, stride_u_l,
+    stride_delta_b, stride_delta_d, stride_delta_l,
+    stride_A_d, stride_A_n,
+    stride_B_b, stride_B_g, stride_B_n, stride_B_l,
+    stride_C_b, stride_C_g, stride_C_n, stride_C_l,
+    stride_z_b, stride_z_d, stride_z_l,
+    stride_du_b, stride_du_d, stride_du_l,
+    stride_ddelta_b, stride_ddelta_d, stride_ddelta_l,
+    stride_dz_b, stride_dz_d, stride_dz_l,
+    stride_qa_b, stride_qa_d, stride_qa_l,
+    stride_sa_b, stride_sa_d, stride_sa_l,
+    stride_ya_b, stride_ya_d, stride_ya_l,
+    # meta-parameters
+    DELTA_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_DELTA_BIAS: tl.constexpr,
+    NB: tl.constexpr, CHUNK: tl.constexpr, STEPS: tl.constexpr,
+):
+    """``_chunk_bwd_kernel`` with the loops swapped: dB/dC are summed over channels in registers.
+
+    The program owns (chunk, batch, group, channel slice) as before, but walks the state columns
+    in blocks of NB OUTSIDE its channel loop. Its tiles are [NB, ROWS, STEPS] (NB columns of one
+    channel; the two scans run the NB columns side by side), the block's B/C rows stay in
+    registers across all channels, and dB/dC for the block are accumulated over the channels in
+    registers and written once per program: no read-modify-write per (channel, column).
+
+    What sums over n per channel (q = dh . B, s = (dh * a * h_prev) . A * log2(e), and the
+    pre-gate y = C . h for dz) is summed in registers within a block and carried across blocks
+    as fp32 rows in q/s/y_acc (rows of (batch, dim, L)); the last block finishes du, ddelta, dz
+    from them. Per (d, t) that costs 3 x 8 B per block boundary instead of 16 B per (d, t, n).
+    """
+    tl.static_assert(STEPS == 4, "the in-thread scans are written out for 4 steps")
+    ROWS: tl.constexpr = CHUNK // STEPS
+    pid_c = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    pid_g = tl.program_id(2) // n_splits
+    pid_s = tl.program_id(2) % n_splits
+    offs_t = tl.arange(0, ROWS)[:, None] * STEPS + tl.arange(0, STEPS)[None, :]  # [ROWS, STEPS]
+    t3 = (pid_c * CHUNK + offs_t)[None, :, :]  # [1, ROWS, STEPS]
+    mask_t3 = t3 < L
+
+    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
+    C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
+    dy_ptr += pid_b * stride_dy_b
+    u_ptr += pid_b * stride_u_b
+    delta_ptr += pid_b * stride_delta_b
+    du_ptr += pid_b * stride_du_b
+    ddelta_ptr += pid_b * stride_ddelta_b
+    q_acc_ptr += pid_b * stride_qa_b
+    s_acc_ptr += pid_b * stride_sa_b
+    if HAS_Z:
+        z_ptr += pid_b * stride_z_b
+        dz_ptr += pid_b * stride_dz_b
+        y_acc_ptr += pid_b * stride_ya_b
+    ws_off = (pid_b * n_chunks + pid_c) * dim * N
+    part_off = (pid_b * n_chunks + pid_c) * dim
+    # This program alone writes its (split, batch, group, ., chunk) rows of the dB/dC partials,
+    # laid out (n_splits, batch, G, N, L), each element exactly once.
+    bc_part = ((pid_s * batch + pid_b) * G + pid_g) * N * L + t3
+
+    d_start = pid_g * dim_per_group + pid_s * dim_per_split
+    d_stop = pid_g * dim_per_group + tl.minimum((pid_s + 1) * dim_per_split, dim_per_group)
+    for n0 in range(0, N, NB):
+        offs_n = n0 + tl.arange(0, NB)
+        mask_n = offs_n < N
+        n3 = offs_n[:, None, None]
+        mask_nt = mask_n[:, None, None] & mask_t3  # [NB, ROWS, STEPS]
+        # The block's B/C rows serve every channel of the slice: loaded once, kept in registers.
+        Bt = tl.load(B_ptr + n3 * stride_B_n + t3 * stride_B_l, mask=mask_nt, other=0.0).to(tl.float32)
+        Ct = tl.load(C_ptr + n3 * stride_C_n + t3 * stride_C_l, mask=mask_nt, other=0.0).to(tl.float32)
+        dB_acc = tl.zeros([NB, ROWS, STEPS], dtype=tl.float32)
+        dC_acc = tl.zeros([NB, ROWS, STEPS], dtype=tl.float32)
+        for d in range(d_start, d_stop):
+            bias = 0.0
+            if HAS_DELTA_BIAS:
+                bias = tl.load(delta_bias_ptr + d).to(tl.float32)
+            delta_ptrs = delta_ptr + d * stride_delta_d + t3 * stride_delta_l
+            dt, _ = _delta_tile(delta_ptrs, bias, mask_t3, HAS_DELTA_BIAS, DELTA_SOFTPLUS)  # [1, ROWS, STEPS]
+            u_ptrs = u_ptr + d * stride_u_d + t3 * stride_u_l
+            dy_ptrs = dy_ptr + d * stride_dy_d + t3 * stride_dy_l
+            z_ptrs = z_ptr + d * stride_z_d + t3 * stride_z_l
+            dtu = dt * tl.load(u_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+            g = tl.load(dy_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+            if HAS_Z:
+                g *= silu(tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32))
+            A2 = (tl.load(A_ptr + d * stride_A_d + offs_n * stride_A_n, mask=mask_n, other=0.0).to(tl.float32)
+                  * LOG2E)[:, None, None]  # [NB, 1, 1]
+            h0 = tl.load(hs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]  # [NB, 1]
+            r = tl.load(rs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]
+
+            # Forward recompute and adjoint as in ``_chunk_bwd_kernel``, NB columns side by side;
+            # h0 and r enter as the scans' carries. Steps past the sequence have delta = 0, so
+            # decay 1 and no input: the carry r reaches the last real step unchanged.
+            a = tl.exp2(A2 * dt)
+            b = dtu * Bt
+            h = _scan_fwd(a, b, h0, ROWS)
+            dh = _scan_rev(tl.exp2(A2 * _next_step(dt, ROWS)), g * Ct, r, ROWS)
+            # h_t - b_t = a_t * h_{t-1}: the decay's input, recovered without shifting h.
+            e = dh * (h - b)
+            tl.store(dA_part_ptr + ws_off + d * N + offs_n, tl.sum(tl.sum(e * dt, axis=2), axis=1), mask=mask_n)
+            dB_acc += dh * dtu
+            dC_acc += h * g
+
+            # Sums over this block's columns; earlier blocks' sums come from the fp32 rows.
+            q = tl.sum(dh * Bt, axis=0, keep_dims=True)  # [1, ROWS, STEPS]
+            s = tl.sum(e * A2, axis=0, keep_dims=True)
+            if HAS_Z:
+                y = tl.sum(h * Ct, axis=0, keep_dims=True)
+            if n0 > 0:
+                q += tl.load(q_acc_ptr + d * stride_qa_d + t3 * stride_qa_l, mask=mask_t3, other=0.0)
+                s += tl.load(s_acc_ptr + d * stride_sa_d + t3 * stride_sa_l, mask=mask_t3, other=0.0)
+                if HAS_Z:
+                    y += tl.load(y_acc_ptr + d * stride_ya_d + t3 * stride_ya_l, mask=mask_t3, other=0.0)
+            if n0 + NB < N:
+                # Read back at the next block by the thread that wrote them (with several warps, by
+                # some thread after the barriers of the cross-warp sums above): no barrier here.
+                tl.store(q_acc_ptr + d * stride_qa_d + t3 * stride_qa_l, q, mask=mask_t3)
+                tl.store(s_acc_ptr + d * stride_sa_d + t3 * stride_sa_l, s, mask=mask_t3)
+                if HAS_Z:
+                    tl.store(y_acc_ptr + d * stride_ya_d + t3 * stride_ya_l, y, mask=mask_t3)
+            else:
+                # Last block: finish the per-channel gradients. u, dy, z and delta are reloaded
+                # (L1 hits from the top of this step) rather than kept live through the scans.
+                u = tl.load(u_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+                if HAS_Z:
+                    z = tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+                    if HAS_D:
+                        y += tl.load(D_ptr + d).to(tl.float32) * u
+                    sig_z = tl.sigmoid(z)
+                    dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
+                    tl.store(dz_ptr + d * stride_dz_d + t3 * stride_dz_l, dz.to(dz_ptr.dtype.element_ty),
+                             mask=mask_t3)
+                du = q * dt
+                if HAS_D:
+                    du += tl.load(D_ptr + d).to(tl.float32) * g
+                    tl.store(dD_part_ptr + part_off + d, tl.sum(g * u))
+                ddt = q * u + s * (1.0 / LOG2E)
+                if DELTA_SOFTPLUS:
+                    # softplus'(x) = sigmoid(x), which rounds to 1 past torch's threshold of 20.
+                    x = tl.load(delta_ptrs, mask=mask_t3, other=0.0).to(tl.float32) + bias
+                    ddt *= tl.sigmoid(x)
+                ddt = tl.where(mask_t3, ddt, 0.0)
+                if HAS_DELTA_BIAS:
+                    tl.store(ddb_part_ptr + part_off + d, tl.sum(ddt))
+                tl.store(du_ptr + d * stride_du_d + t3 * stride_du_l, du.to(du_ptr.dtype.element_ty), mask=mask_t3)
+                tl.store(ddelta_ptr + d * stride_ddelta_d + t3 * stride_ddelta_l,
+                         ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_t3)
+        tl.store(dB_part_ptr + bc_part + n3 * L, dB_acc, mask=mask_nt)
+        tl.store(dC_part_ptr + bc_part + n3 * L, dC_acc, mask=mask_nt)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -447,6 +630,18 @@ class Tiles(NamedTuple):
     num_splits: int  # slices of each group's channels, one chunk-kernel program each
     state_num_warps: int
     num_warps: int
+    # Chunk-kernel loop order. "column": channels outer, one state column at a time inner, dB/dC
+    # summed over channels by read-modify-write of partial rows (``_chunk_bwd_kernel``).
+    # "nblock": blocks of ``nb`` columns outer, channels inner, dB/dC summed in registers
+    # (``_chunk_bwd_nblock_kernel``; one channel per step, so ``block_d`` is 1).
+    variant: str = "column"
+    nb: int = 1  # state columns per block of the "nblock" variant
+
+
+_VARIANTS = ("column", "nblock")
+# "nblock" tiles are [nb, chunk / 4, 4]; a warp per 16 elements per thread keeps them at the
+# "column" kernel's ~4 elements per thread per [1, chunk] tile for nb = 4.
+_NBLOCK_ELEMS_PER_THREAD = 16
 
 
 def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.device, **overrides) -> Tiles:
@@ -458,8 +653,19 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     if chunk < _STEPS or chunk & (chunk - 1):
         raise ValueError(f"selective_scan_bwd: tiles chunk must be a power of two >= {_STEPS}, got {chunk}")
     state_bd = overrides.get("state_block_d") or max(1, min(_TILE // chunk, dpg))
-    block_d = overrides.get("block_d") or min(_BLOCK_D, dpg)
-    num_warps = overrides.get("num_warps") or _warps_for(block_d * chunk, _STEPS)
+    variant = overrides.get("variant") or "column"
+    if variant not in _VARIANTS:
+        raise ValueError(f"selective_scan_bwd: tiles variant must be one of {_VARIANTS}, got {variant!r}")
+    if variant == "nblock":
+        nb = overrides.get("nb") or min(4, triton.next_power_of_2(N))
+        if nb & (nb - 1):
+            raise ValueError(f"selective_scan_bwd: tiles nb must be a power of two, got {nb}")
+        block_d = 1
+        num_warps = overrides.get("num_warps") or _warps_for(nb * chunk, _NBLOCK_ELEMS_PER_THREAD)
+    else:
+        nb = 1
+        block_d = overrides.get("block_d") or min(_BLOCK_D, dpg)
+        num_warps = overrides.get("num_warps") or _warps_for(block_d * chunk, _STEPS)
     n_chunks = triton.cdiv(L, chunk)
     # dB/dC are reduced through one (batch, G, N, L) partial per channel slice. Capping the
     # slices at an eighth of the channels keeps those partials far below a (batch, dim, L, N)
@@ -477,6 +683,8 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         num_splits=triton.cdiv(dim_per_group, per_split),
         state_num_warps=overrides.get("state_num_warps") or _warps_for(state_bd * chunk, 8),
         num_warps=num_warps,
+        variant=variant,
+        nb=nb,
     )
 
 
@@ -484,6 +692,22 @@ def _warps_for(tile: int, per_thread: int) -> int:
     # Fewer elements per thread leave the per-column overhead (loads, the scan's cross-lane
     # steps) unamortised; more cost registers (the chunk kernel keeps ~15 live tiles).
     return max(1, min(8, tile // (32 * per_thread)))
+
+
+def _column_sum_rows(several_blocks: bool, du, ddelta, dz):
+    """fp32 (batch, dim, L) rows that carry the "nblock" kernel's sums over state columns
+    (q = dh . B into du's row, s into ddelta's, the pre-gate y into dz's) between column blocks.
+
+    An fp32 output is its own row: the kernel reads its running sum back from it and overwrites
+    it with the finished gradient at the last block. A half-precision output cannot hold the
+    sum, so it gets an fp32 row of its own. With one block nothing is carried.
+    """
+    def row(out):
+        if out is None or not several_blocks or out.dtype == torch.float32:
+            return out
+        return torch.empty(out.shape, device=out.device, dtype=torch.float32)
+
+    return row(du), row(ddelta), row(dz)
 
 
 def selective_scan_bwd(
@@ -535,9 +759,10 @@ def selective_scan_bwd(
     ddelta = torch.empty_like(delta)
     dz = torch.empty_like(z) if z is not None else None
     dA_part = torch.empty(batch, n_chunks, dim, N, **f32)
-    # Accumulated in place by the chunk kernel, so they start at zero.
-    dB_part = torch.zeros(num_splits, batch, G, N, L, **f32)
-    dC_part = torch.zeros(num_splits, batch, G, N, L, **f32)
+    # "column" accumulates into them in place, so they start at zero; "nblock" writes each once.
+    partial = torch.zeros if cfg.variant == "column" else torch.empty
+    dB_part = partial(num_splits, batch, G, N, L, **f32)
+    dC_part = partial(num_splits, batch, G, N, L, **f32)
     dD_part = torch.empty(batch, n_chunks, dim, **f32) if D is not None else None
     ddb_part = torch.empty(batch, n_chunks, dim, **f32) if delta_bias is not None else None
 
@@ -559,15 +784,28 @@ def selective_scan_bwd(
         *A.stride(), *strides(initial_state, 3), *strides(dlast_state, 3),
         BLOCK=_PASS_BLOCK, num_warps=_PASS_BLOCK // 32,
     )
-    _chunk_bwd_kernel[(n_chunks, batch, G * num_splits)](
-        dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
-        du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part,
-        batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
-        *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
-        *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
-        DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, STEPS=_STEPS,
-        num_warps=cfg.num_warps,
-    )
+    if cfg.variant == "column":
+        _chunk_bwd_kernel[(n_chunks, batch, G * num_splits)](
+            dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
+            du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part,
+            batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
+            *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
+            *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
+            DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, STEPS=_STEPS,
+            num_warps=cfg.num_warps,
+        )
+    else:
+        q_acc, s_acc, y_acc = _column_sum_rows(cfg.nb < N, du, ddelta, dz)
+        _chunk_bwd_nblock_kernel[(n_chunks, batch, G * num_splits)](
+            dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
+            du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part, q_acc, s_acc, y_acc,
+            batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
+            *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
+            *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
+            *q_acc.stride(), *s_acc.stride(), *strides(y_acc, 3),
+            DELTA_SOFTPLUS=delta_softplus, NB=cfg.nb, CHUNK=cfg.chunk, STEPS=_STEPS,
+            num_warps=cfg.num_warps,
+        )
     return ScanGrads(
         du=du,
         ddelta=ddelta,
