@@ -40,6 +40,7 @@ allocated them beforehand (needed for CUDA graphs, see ``examples/generate.py``)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from typing import Any
 
@@ -357,16 +358,19 @@ def _core(roles: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(r for r in roles if r != "1")
 
 
-def _value_with_roles(term: IndexTerm, factor: Factor, role: dict[int, str], want: tuple[str, ...]
+def _value_with_roles(term: IndexTerm, factors: list[Factor], role: dict[int, str], want: tuple[str, ...]
                       ) -> torch.fx.Node | None:
-    """A graph value that holds exactly ``factor`` with axes ``want``: the factor itself, or a view
-    of it the term looked through (``x_t[..., 0]`` of a (batch, 1, dim) leaf, ``B[:, 0]``)."""
-    if _factor_roles(term, factor, role) == want:
-        return factor.node
+    """A graph value that holds exactly the product of ``factors`` with axes ``want``: a single
+    factor itself, or a node the term looked through (``x_t[..., 0]`` of a (batch, 1, dim) leaf;
+    ``(w * B_raw * rsqrt(...))[:, 0]``, Jamba's normed B). The op then reads the user's own
+    value: no new arithmetic, no new rounding."""
+    if len(factors) == 1 and _factor_roles(term, factors[0], role) == want:
+        return factors[0].node
+    ids = {id(f) for f in factors}
     for node, terms in term.parts.items():
         for t in terms:
-            if (t.summed or t.exp_of is not None or len(t.factors) != 1 or t.factors[0] is not factor
-                    or t.sign != 1):
+            if (t.summed or t.exp_of is not None or t.sign != 1 or len(t.factors) != len(factors)
+                    or {id(f) for f in t.factors} != ids):
                 continue
             if tuple(role.get(lab) for lab in t.out_labels()) == want:
                 return node
@@ -375,24 +379,10 @@ def _value_with_roles(term: IndexTerm, factor: Factor, role: dict[int, str], wan
 
 def _factor_value(term: IndexTerm, factor: Factor, role: dict[int, str], want: tuple[str, ...], name: str
                   ) -> torch.fx.Node:
-    node = _value_with_roles(term, factor, role, want)
+    node = _value_with_roles(term, [factor], role, want)
     if node is None:
         raise Miss(f"{name} (axes {_names(_factor_roles(term, factor, role))}) is not a ({_names(want)}) value")
     return node
-
-
-def _grouped(term: IndexTerm, factor: Factor, role: dict[int, str], name: str) -> torch.fx.Node:
-    """B or C in the op's layout: (batch, N) as is, or (batch, G, N) behind ``repeat_interleave``."""
-    core = _core(_factor_roles(term, factor, role))
-    if core == ("b", "n"):
-        return _factor_value(term, factor, role, ("b", "n"), name)
-    if core == ("b", "d", "n"):
-        node = _factor_value(term, factor, role, ("b", "d", "n"), name)
-        src = grouped_source(node, ("b", "d", "n"))
-        if src is not None and src.roles == ("b", "g", "n"):
-            return src.node
-        raise Miss(f"{name} is per channel (batch, dim, N) but not a group broadcast (repeat_interleave over dim)")
-    raise Miss(f"{name} has axes ({_names(core)}), expected (batch, N)")
 
 
 def _prove_discretization(u: Update) -> dict[str, Any]:
@@ -422,21 +412,53 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
 
     addend = _peel(u.addend)[0]
     bt = index_term(addend) if _same_shape(addend, shape) else None
-    if bt is None or bt.summed or len(bt.factors) != 3:
-        raise Miss("the input term is not a product of exactly dt, B and x of the state's shape")
+    if bt is None or bt.summed or len(bt.factors) < 3:
+        raise Miss("the input term is not a product of dt, B and x of the state's shape")
     brole = _state_role_map(bt, "the input term")
-    bcores = [_core(_factor_roles(bt, f, brole)) for f in bt.factors]
-    dts = [f for f, r in zip(bt.factors, bcores) if f.node is dt_f.node and r == ("b", "d")]
+    dts = [f for f in bt.factors if f.node is dt_f.node and _core(_factor_roles(bt, f, brole)) == ("b", "d")]
     if len(dts) != 1:
         raise Miss("the input term does not scale by the same dt as the decay")
-    rest = [(f, r) for f, r in zip(bt.factors, bcores) if f is not dts[0]]
-    xs = [f for f, r in rest if r == ("b", "d")]
-    if len(xs) != 1:
-        raise Miss("the input term is not dt[..., None] * B[:, None, :] * x[..., None]: no single x of shape (batch, dim)")
-    B_f = next(f for f, r in rest if f is not xs[0])
+    x, B = _split_x_B(bt, [f for f in bt.factors if f is not dts[0]], brole)
     casts = [n for n in at.looked_through + bt.looked_through if is_cast(n)]
-    return dict(dt=dt, A=A, x=_factor_value(bt, xs[0], brole, ("b", "d"), "x"), B=_grouped(bt, B_f, brole, "B"),
-                casts=casts)
+    return dict(dt=dt, A=A, x=x, B=B, casts=casts)
+
+
+def _state_operand(term: IndexTerm, factors: list[Factor], role: dict[int, str]) -> torch.fx.Node | None:
+    """The one value holding the product of ``factors`` as B or C in the op's layout: (batch, N),
+    or (batch, G, N) behind a ``repeat_interleave`` over channels; else None."""
+    value = _value_with_roles(term, factors, role, ("b", "n"))
+    if value is not None:
+        return value
+    per_channel = _value_with_roles(term, factors, role, ("b", "d", "n"))
+    src = grouped_source(per_channel, ("b", "d", "n")) if per_channel is not None else None
+    return src.node if src is not None and src.roles == ("b", "g", "n") else None
+
+
+def _split_x_B(term: IndexTerm, factors: list[Factor], role: dict[int, str]) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Split the input term's factors besides dt into x (batch, dim) and B (with the state axis).
+
+    A factor with the state axis belongs to B, one with the dim axis to x; one with neither (an
+    RMS norm's per-token ``rsqrt``, (batch, 1, 1)) may belong to either, so each way is tried.
+    Each side must be one graph value the user computed (``_value_with_roles``).
+    """
+    to_B, to_x, free = [], [], []
+    for f in factors:
+        core = _core(_factor_roles(term, f, role))
+        if "?" in core:
+            raise Miss(f"a factor of the input term has axes ({_names(_factor_roles(term, f, role))})")
+        (to_B if "n" in core else to_x if "d" in core else free).append(f)
+    for sides in itertools.product((0, 1), repeat=len(free)):
+        B_group = to_B + [f for f, s in zip(free, sides) if s == 0]
+        x_group = to_x + [f for f, s in zip(free, sides) if s == 1]
+        if not B_group or not x_group:
+            continue
+        x = _value_with_roles(term, x_group, role, ("b", "d"))
+        B = _state_operand(term, B_group, role)
+        if x is not None and B is not None:
+            return x, B
+    raise Miss("the input term is not dt[..., None] * B[:, None, :] * x[..., None]: its factors besides dt are "
+               f"not two values x (batch, dim) and B (batch, N) or grouped B ({len(to_x)} with the dim axis, "
+               f"{len(to_B)} with the state axis, {len(free)} with neither)")
 
 
 def _peel_dt(dt: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, bool, list]:
@@ -465,7 +487,7 @@ def _peel_dt(dt: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, bo
 def _readout_at(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.Node | None:
     """C if ``node`` computes ``y[b, d] = Σ_n src[b, d, n] · C[b, n]`` (C maybe grouped), else None."""
     term = index_term(node, stop=[src], allow_sum=True)
-    if term is None or term.exp_of is not None or len(term.factors) != 2:
+    if term is None or term.exp_of is not None or term.sign != 1 or len(term.factors) < 2:
         return None
     mine = [f for f in term.factors if f.node is src]
     if len(mine) != 1:
@@ -474,14 +496,10 @@ def _readout_at(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.Node | None
     if len(set(labels)) != 3:
         return None
     role = dict(zip(labels, _STATE_ROLES))
-    C_f = next(f for f in term.factors if f is not mine[0])
     if (tuple(role.get(lab) for lab in term.out_labels()) != ("b", "d")
             or term.summed_labels() != {labels[2]}):
         return None
-    try:
-        return _grouped(term, C_f, role, "C")
-    except Miss:
-        return None
+    return _state_operand(term, [f for f in term.factors if f is not mine[0]], role)
 
 
 def _match_readout(user: torch.fx.Node, src: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list] | None:

@@ -95,9 +95,8 @@ def _unsteps(s0, s1, s2, s3):
 
 
 @triton.jit
-def _scan_fwd(a, b, h_start, ROWS: tl.constexpr):
-    """h_t = a_t * h_{t-1} + b_t from h_{-1} = h_start (a scalar or [BLOCK_D, 1]), over a
-    [BLOCK_D, ROWS, 4] tile, t = row * 4 + step.
+def _scan_fwd(a, b, ROWS: tl.constexpr):
+    """h_t = a_t * h_{t-1} + b_t from h = 0, over a [BLOCK_D, ROWS, 4] tile, t = row * 4 + step.
 
     Each thread owns a row's 4 consecutive steps: the chain along them is serial in registers;
     only the rows' composites (one per thread) are scanned across lanes, and the state entering
@@ -105,6 +104,22 @@ def _scan_fwd(a, b, h_start, ROWS: tl.constexpr):
     """
     a0, a1, a2, a3 = _steps(a)
     b0, b1, b2, b3 = _steps(b)
+    return _scan_fwd_steps(a0, a1, a2, a3, b0, b1, b2, b3, ROWS)
+
+
+@triton.jit
+def _scan_fwd_from(a, b, h_start, ROWS: tl.constexpr):
+    """``_scan_fwd`` from h_{-1} = h_start ([BLOCK_D, 1]), folded into the first step's input:
+    one FMA per row rather than a select over the whole tile."""
+    a0, a1, a2, a3 = _steps(a)
+    b0, b1, b2, b3 = _steps(b)
+    rows = tl.arange(0, ROWS)[None, :]
+    b0 = tl.where(rows == 0, b0 + a0 * h_start, b0)
+    return _scan_fwd_steps(a0, a1, a2, a3, b0, b1, b2, b3, ROWS)
+
+
+@triton.jit
+def _scan_fwd_steps(a0, a1, a2, a3, b0, b1, b2, b3, ROWS: tl.constexpr):
     h1 = a1 * b0 + b1
     h2 = a2 * h1 + b2
     h3 = a3 * h2 + b3
@@ -114,16 +129,31 @@ def _scan_fwd(a, b, h_start, ROWS: tl.constexpr):
     _, h_end = tl.associative_scan((p3, h3), axis=1, combine_fn=linear_combine)  # [BLOCK_D, ROWS]
     rows = tl.arange(0, ROWS)[None, :]
     prev = tl.broadcast_to(tl.maximum(rows - 1, 0), h_end.shape)
-    h_in = tl.where(rows == 0, h_start, tl.gather(h_end, prev, 1))
+    h_in = tl.where(rows == 0, 0.0, tl.gather(h_end, prev, 1))
     return _unsteps(b0 + a0 * h_in, h1 + p1 * h_in, h2 + p2 * h_in, h3 + p3 * h_in)
 
 
 @triton.jit
-def _scan_rev(alpha, c, x_end, ROWS: tl.constexpr):
-    """x_t = alpha_t * x_{t+1} + c_t from x = x_end past the tile (a scalar or [BLOCK_D, 1]);
-    layout as in ``_scan_fwd``."""
+def _scan_rev(alpha, c, ROWS: tl.constexpr):
+    """x_t = alpha_t * x_{t+1} + c_t from x = 0 past the tile; layout as in ``_scan_fwd``."""
     a0, a1, a2, a3 = _steps(alpha)
     c0, c1, c2, c3 = _steps(c)
+    return _scan_rev_steps(a0, a1, a2, a3, c0, c1, c2, c3, ROWS)
+
+
+@triton.jit
+def _scan_rev_from(alpha, c, x_end, ROWS: tl.constexpr):
+    """``_scan_rev`` from x = x_end past the tile ([BLOCK_D, 1]), folded into the last step's
+    input."""
+    a0, a1, a2, a3 = _steps(alpha)
+    c0, c1, c2, c3 = _steps(c)
+    rows = tl.arange(0, ROWS)[None, :]
+    c3 = tl.where(rows == ROWS - 1, c3 + a3 * x_end, c3)
+    return _scan_rev_steps(a0, a1, a2, a3, c0, c1, c2, c3, ROWS)
+
+
+@triton.jit
+def _scan_rev_steps(a0, a1, a2, a3, c0, c1, c2, c3, ROWS: tl.constexpr):
     x2 = a2 * c3 + c2
     x1 = a1 * x2 + c1
     x0 = a0 * x1 + c0
@@ -133,7 +163,7 @@ def _scan_rev(alpha, c, x_end, ROWS: tl.constexpr):
     _, x_start = tl.associative_scan((p0, x0), axis=1, combine_fn=linear_combine, reverse=True)
     rows = tl.arange(0, ROWS)[None, :]
     nxt = tl.broadcast_to(tl.minimum(rows + 1, ROWS - 1), x_start.shape)
-    x_in = tl.where(rows == ROWS - 1, x_end, tl.gather(x_start, nxt, 1))
+    x_in = tl.where(rows == ROWS - 1, 0.0, tl.gather(x_start, nxt, 1))
     return _unsteps(x0 + p0 * x_in, x1 + p1 * x_in, x2 + p2 * x_in, c3 + a3 * x_in)
 
 
@@ -372,14 +402,14 @@ def _chunk_bwd_kernel(
             # Forward recompute; h entering the chunk is folded into the first step's input.
             a = tl.exp2(A2 * dt)
             b = dtu * Bn
-            h = _scan_fwd(a, tl.where(is_first, b + a * h0, b), 0.0, ROWS)
+            h = _scan_fwd(a, tl.where(is_first, b + a * h0, b), ROWS)
             if HAS_Z:
                 y += h * Cn
 
             # Adjoint: a reverse scan of (a_{t+1}, C_t * g_t), the later chunks' carry entering
             # at the last real step. Steps past it hold c = 0 and contribute nothing.
             c = g * Cn
-            dh = _scan_rev(tl.exp2(A2 * dt_next), tl.where(is_last, c + r, c), 0.0, ROWS)
+            dh = _scan_rev(tl.exp2(A2 * dt_next), tl.where(is_last, c + r, c), ROWS)
 
             # h_t - b_t = a_t * h_{t-1}: the decay's input, recovered without shifting h.
             e = dh * (h - b)
@@ -542,8 +572,8 @@ def _chunk_bwd_nblock_kernel(
             # decay 1 and no input: the carry r reaches the last real step unchanged.
             a = tl.exp2(A2 * dt)
             b = dtu * Bt
-            h = _scan_fwd(a, b, h0, ROWS)
-            dh = _scan_rev(tl.exp2(A2 * _next_step(dt, ROWS)), g * Ct, r, ROWS)
+            h = _scan_fwd_from(a, b, h0, ROWS)
+            dh = _scan_rev_from(tl.exp2(A2 * _next_step(dt, ROWS)), g * Ct, r, ROWS)
             # h_t - b_t = a_t * h_{t-1}: the decay's input, recovered without shifting h.
             e = dh * (h - b)
             tl.store(dA_part_ptr + ws_off + d * N + offs_n, tl.sum(tl.sum(e * dt, axis=2), axis=1), mask=mask_n)

@@ -103,9 +103,10 @@ def scan_fwd_config(
       instructions, no local memory); the fp32 split pass reloads 16 B per chunk from L1.
       Narrower programs (1-2 warps) are only chosen when programs < SMs, where occupancy
       does not matter and a cap would only add spills (1 warp: 236 regs uncapped).
-    * prefetch = 1: one chunk of loads in flight per program already covers HBM latency by
-      Little's law (3 programs x ~8 KB per SM at 1.6 TB/s would need ~2 µs latency to be the
-      bound); 2 costs ~3 % instructions and is a sweep candidate (bench_scan.py --sweep).
+    * prefetch: the capped 4-warp tile keeps two chunks of loads in flight (measured 6 % faster
+      in fp32, 1.5 % in bf16, equal at batch 1; ~3 % more instructions, no extra registers).
+      By Little's law one chunk should already cover HBM latency at 3 programs per SM, so the
+      gain is latency hiding of the dependent chunk loop, not bandwidth. Other tiles keep 1.
 
     A register-budget / occupancy model can replace these constants: the kernel accepts any
     power-of-two block_d, chunk_t, lanes_n.
@@ -134,10 +135,13 @@ def scan_fwd_config(
     while num_warps > 1 and batch * _cdiv(dim, block_d) * n_segments < num_sms:
         num_warps //= 2
         block_d //= 2
-    max_registers = None
+    max_registers, prefetch = None, 1
     if lanes_n == 4 and chunk_t == 16 and num_warps == 4:
-        max_registers = _OCCUPANCY_REGS_3X4
-    return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments, max_registers)
+        # Measured on the H200 (bench_scan.py --sweep-named, RESULTS.md): with two chunks of
+        # loads in flight this tile runs 0.251 instead of 0.266 ms (fp32) and 0.259 instead of
+        # 0.263 ms (bf16) at batch 8, L=2048, and the same at batch 1; it stays at 168 registers.
+        max_registers, prefetch = _OCCUPANCY_REGS_3X4, 2
+    return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments, max_registers, prefetch)
 
 
 @functools.cache
