@@ -104,6 +104,27 @@ def _removable_if_unused(node: torch.fx.Node) -> bool:
             and not name.endswith("_"))
 
 
+# Activation checkpointing (torch.utils.checkpoint, HF's gradient_checkpointing_enable) makes
+# dynamo put each checkpointed layer in a subgraph called through one of these higher-order ops.
+# The subgraph is a plain function of its inputs that AOTAutograd re-runs in backward, so a
+# rewrite inside it is as sound as one at the top level, and without it a checkpointed Mamba
+# layer would keep its (batch, dim, L, N) tensors.
+_CHECKPOINT_HOPS = ("tag_activation_checkpoint", "wrap_activation_checkpoint")
+
+
+def _checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    bodies = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "_name", None) not in _CHECKPOINT_HOPS:
+            continue
+        body = node.args[0] if node.args else None
+        if isinstance(body, torch.fx.Node) and body.op == "get_attr":
+            sub = getattr(gm, body.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                bodies.append(sub)
+    return bodies
+
+
 class PassManager:
     """An ordered list of named passes. Pass modules add themselves through ``register(pm)``."""
 
@@ -116,15 +137,23 @@ class PassManager:
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassContext:
         ctx = PassContext(options=self.options)
+        self._run(gm, ctx, set())
+        return ctx
+
+    def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int]) -> None:
+        seen.add(id(gm))
+        before = len(ctx.rewrites)
         for name, fn in self.passes:
             fn(gm, ctx)
             gm.graph.lint()
-        if ctx.rewrites:
+        if len(ctx.rewrites) > before:
             # Clean up what the rewrites orphaned; a graph no pass rewrote keeps every node dynamo
             # put in it.
             gm.graph.eliminate_dead_code(is_impure_node=lambda n: not _removable_if_unused(n))
         gm.recompile()
-        return ctx
+        for body in _checkpoint_bodies(gm):
+            if id(body) not in seen:
+                self._run(body, ctx, seen)
 
     def uuid(self) -> str:
         """Hash of the pass package's sources, the pass order and the options, for inductor's

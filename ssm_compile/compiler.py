@@ -33,6 +33,16 @@ class GraphRecord:
     options: dict
 
 
+def _code(gm: torch.fx.GraphModule) -> str:
+    """The graph's Python code, followed by that of its subgraphs (checkpointed layers are one),
+    whose rewrites a reader would otherwise not see."""
+    parts = [gm.code]
+    for name, sub in gm.named_children():
+        if isinstance(sub, torch.fx.GraphModule):
+            parts.append(f"\n# subgraph {name}\n{sub.code}")
+    return "".join(parts)
+
+
 class SSMBackend:
     """A configured ``ssm`` backend: ``backend(gm, example_inputs) -> compiled callable``.
 
@@ -58,12 +68,12 @@ class SSMBackend:
         # The rewritten graph calls torch.ops.ssm.*, which must exist before it is traced.
         register_ops()
         pm = self.pass_manager()
-        before = gm.code if self.on_graph is not None else ""
+        before = _code(gm) if self.on_graph is not None else ""
         ctx = pm(gm)
         log.info("ssm backend: %d rewrite(s), %d near-miss(es) in a graph of %d nodes",
                  len(ctx.rewrites), len(ctx.misses), len(gm.graph.nodes))
         if self.on_graph is not None:
-            self.on_graph(GraphRecord(before=before, after=gm.code, rewrites=list(ctx.rewrites),
+            self.on_graph(GraphRecord(before=before, after=_code(gm), rewrites=list(ctx.rewrites),
                                       misses=list(ctx.misses), options=dict(pm.options)))
         if not self.options.inductor:
             return gm.forward

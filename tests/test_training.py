@@ -84,11 +84,16 @@ def batches(vocab=37, L=12):
     return [torch.randint(0, vocab, (2, L), generator=g) for _ in range(STEPS)]
 
 
-@pytest.mark.parametrize("use_assoc", [False, True], ids=["loop", "assoc"])
-def test_hf_mamba_training_parity(use_assoc):
+@pytest.mark.parametrize("use_assoc, checkpointing", [(False, False), (True, False), (True, True)],
+                         ids=["loop", "assoc", "assoc-gradient-checkpointing"])
+def test_hf_mamba_training_parity(use_assoc, checkpointing):
+    # With gradient checkpointing dynamo puts every layer in a checkpoint subgraph; the passes
+    # rewrite inside it (without that, a checkpointed layer kept its (batch, dim, L, N) tensors).
     torch._dynamo.reset()
     counters.clear()
     eager = hf_model(use_assoc).train()
+    if checkpointing:
+        eager.gradient_checkpointing_enable()
     compiled = copy.deepcopy(eager)
     fast = torch.compile(compiled, backend="ssm")
     data = batches()
