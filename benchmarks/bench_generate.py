@@ -158,6 +158,7 @@ def main():
                 same += "; prefill eager (HF loop path under this torch)"
             rows.append([name, batch, f"{r['ttft_ms']:.1f}", f"{r['decode_tps']:.1f}", speedup,
                          f"{r['warm_s']:.1f}", f"greedy tokens = eager: {same}"])
+            print(" | ".join(map(str, rows[-1])), flush=True)  # kept if a later config hangs
 
     import transformers
 

@@ -2,7 +2,8 @@
 
 Run on the H200: ``python benchmarks/bench_scan_bwd.py`` (under 90 s: the backward-only table,
 the per-kernel split and our fwd+bwd); ``--sweep`` adds the tile sweep (~1-2 min) and
-``--baselines`` the eager/inductor fwd+bwd baselines (~3 min). Prints markdown tables and
+``--baselines`` the eager/inductor fwd+bwd baselines (~3 min); ``--sweep --sweep-match nblock``
+sweeps only the H17 "nblock" candidates. Prints markdown tables and
 writes ``$OUT/bench_scan_bwd.md`` when OUT is set. Each baseline runs inside its own
 try block, so one that fails (or is missing on this torch) leaves a note, not a crash.
 
@@ -184,42 +185,78 @@ SWEEP = [
     dict(chunk=128, block_d=1, num_warps=1, state_block_d=2, state_num_warps=1),  # 20/elt, no BAR
     dict(chunk=128, block_d=1, num_warps=1, state_block_d=4, state_num_warps=1),  # 18/elt, 113 regs
     dict(chunk=128, block_d=1, num_warps=1, state_block_d=16, state_num_warps=8),  # 19/elt, 4 BAR
+    # 2176 programs for 2112 one-warp slots (16 per SM): if a second wave of 64 programs costs a
+    # whole program's time, 16 slices (2048 programs, one wave) is much faster than the default.
+    dict(chunk=128, block_d=1, num_warps=1, num_splits=16),
+    # H17, variant "nblock" (NOTES "H17"): state columns in blocks of nb outside the channel loop,
+    # dB/dC summed over channels in registers, no read-modify-write per (channel, column).
+    # Instructions per (d, t, n) averaged over a channel's 16 columns (the default: 64.6):
+    dict(variant="nblock", nb=4),  # 254 regs (8 warps/SM), 60.7/elt; 33 slices, group_d 8
+    dict(variant="nblock", nb=4, group_d=4),
+    dict(variant="nblock", nb=4, group_d=16),
+    dict(variant="nblock", nb=4, group_d=64),  # ~the whole slice per pass: L2 working set 3x larger
+    dict(variant="nblock", nb=4, num_splits=8),  # 1024 programs, one wave
+    dict(variant="nblock", nb=4, num_splits=64),
+    dict(variant="nblock", nb=2),  # 191 regs (10 warps/SM), 79/elt, 8 blocks
+    dict(variant="nblock", nb=8, chunk=64, num_warps=1),  # 252 regs, 74/elt, 2 blocks
+    dict(variant="nblock", nb=8, num_warps=2),  # 255 regs (24 B stack), 77/elt, cross-warp sums
+    dict(variant="nblock", nb=16, num_warps=4),  # 255 regs, 168 B spilled, 93/elt, one block
 ]
 # bf16 re-times this many of the fastest fp32 candidates.
-SWEEP_BF16_TOP = 3
+SWEEP_BF16_TOP = 4
 
 
-def sweep_table(notes, start):
+def max_rel_diff(grads, ref):
+    """Largest relative difference over all gradients: a candidate that is fast but wrong on the
+    GPU (a race the CPU interpreter cannot show) must not win the sweep."""
+    worst = 0.0
+    for field in ref._fields:
+        a, b = getattr(grads, field), getattr(ref, field)
+        if b is not None:
+            worst = max(worst, ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def sweep_table(notes, start, match=None):
     rows, fp32_ms = [], []
     x, dy = make_inputs(8, 2048, torch.float32)
     default = choose_tiles(8, DIM, 2048, N, 1, x["u"].device)
-    rows.append(["fp32", f"default {tuple(default)}", median_ms(bwd_call(x, dy))])
+    ref = bwd_call(x, dy)()
+    rows.append(["fp32", f"default {tuple(default)}", median_ms(bwd_call(x, dy)), 0.0])
     for cfg in SWEEP:
+        if match and match not in str(cfg):
+            continue
         if time.time() - start > SWEEP_BUDGET_S:
             notes.append("tile sweep cut short by the time budget")
             break
         try:
+            diff = max_rel_diff(bwd_call(x, dy, **cfg)(), ref)
             ms = median_ms(bwd_call(x, dy, **cfg))
-            rows.append(["fp32", str(cfg), ms])
-            fp32_ms.append((ms, cfg))
+            rows.append(["fp32", str(cfg), ms, diff])
+            if diff < 1e-4:
+                fp32_ms.append((ms, cfg))
+            else:
+                notes.append(f"sweep fp32 {cfg}: gradients differ from the default's by {diff:.1e}; not ranked")
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
             notes.append(f"sweep fp32 {cfg}: {type(e).__name__}: {e}")
-    del x, dy
+    del x, dy, ref
     # bf16 moves half the bytes but runs the same fp32 arithmetic: re-time only the leaders.
     x, dy = make_inputs(8, 2048, torch.bfloat16)
+    ref = bwd_call(x, dy)()
     for _, cfg in sorted(fp32_ms, key=lambda r: r[0])[:SWEEP_BF16_TOP]:
         if time.time() - start > SWEEP_BUDGET_S:
             notes.append("bf16 tile sweep cut short by the time budget")
             break
         try:
-            rows.append(["bf16", str(cfg), median_ms(bwd_call(x, dy, **cfg))])
+            diff = max_rel_diff(bwd_call(x, dy, **cfg)(), ref)
+            rows.append(["bf16", str(cfg), median_ms(bwd_call(x, dy, **cfg)), diff])
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
             notes.append(f"sweep bf16 {cfg}: {type(e).__name__}: {e}")
-    del x, dy
-    best = min(fp32_ms, key=lambda r: r[0])[1] if fp32_ms else None
-    table = markdown_table(["dtype", "tiles (chunk, state_block_d, block_d, num_splits, state_warps, warps)",
-                            "bwd ms B8 L2048"], rows)
-    return table, best
+    del x, dy, ref
+    ranked = [cfg for _, cfg in sorted(fp32_ms, key=lambda r: r[0])]
+    table = markdown_table(["dtype", "tiles (chunk, state_block_d, block_d, num_splits, state_warps, warps, "
+                            "variant, nb, group_d)", "bwd ms B8 L2048", "max rel diff vs default"], rows)
+    return table, ranked
 
 
 def fwd_bwd_table(notes, start, baselines):
@@ -283,6 +320,8 @@ def main():
 
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="also time the tile sweep (~1-2 min)")
+    p.add_argument("--sweep-match", default=None,
+                   help="only sweep candidates whose dict contains this text, e.g. nblock")
     p.add_argument("--baselines", action="store_true",
                    help="also time eager and inductor fwd+bwd (~3 min, mostly compiling)")
     args = p.parse_args()
@@ -304,10 +343,13 @@ def main():
     emit("## Backward only", backward_table(copy_gbs, notes))
     emit("## Per-kernel split", kernel_split(notes, "fp32"), kernel_split(notes, "bf16"))
     if args.sweep:
-        table, best = sweep_table(notes, start)
+        table, ranked = sweep_table(notes, start, args.sweep_match)
         emit("## Tile sweep", table)
-        if best is not None:
-            emit("Per-kernel split of the fastest fp32 candidate:", kernel_split(notes, "fp32", best))
+        if ranked:
+            emit("Per-kernel split of the fastest fp32 candidate:", kernel_split(notes, "fp32", ranked[0]))
+        nblock = [cfg for cfg in ranked if cfg.get("variant") == "nblock"]
+        if nblock and nblock[0] is not ranked[0]:
+            emit("Per-kernel split of the fastest nblock candidate:", kernel_split(notes, "fp32", nblock[0]))
     emit("## Forward + backward (op level)",
          f"inductor loop capped at L={LOOP_L}, inductor associative_scan at L={ASSOC_L}; eager at L <= 2048"
          + ("." if args.baselines else " (baselines not run: pass --baselines)."),

@@ -216,9 +216,15 @@ def _copy_into(node: torch.fx.Node) -> torch.fx.Node | None:
 # state_update
 # ---------------------------------------------------------------------------------------------
 
-# The roles of the state's axes: the op's layout (batch, dim, N).
-_STATE_ROLES = ("b", "d", "n")
-_ROLE_NAMES = {"b": "batch", "d": "dim", "n": "state", "1": "size-1", "?": "other"}
+# The roles of the state's axes: the op's layout (batch, dim, N), or mamba_ssm's with a heads
+# axis (batch, heads, headdim, N), which is the same recurrence per (head, channel) pair: the op
+# takes it as dim = heads * headdim channels.
+_STATE_ROLES = {3: ("b", "d", "n"), 4: ("b", "h", "p", "n")}
+_ROLE_NAMES = {"b": "batch", "d": "dim", "h": "heads", "p": "headdim", "n": "state", "1": "size-1", "?": "other"}
+
+
+def _roles(state: torch.fx.Node) -> tuple[str, ...]:
+    return _STATE_ROLES[_tensor(state).dim()]
 
 
 @dataclasses.dataclass
@@ -266,57 +272,52 @@ def _split_update(h: Any, is_state) -> tuple[torch.fx.Node, torch.fx.Node, list,
     return None
 
 
-def _is_state_3d(node: Any) -> bool:
+def _is_state(node: Any) -> bool:
     t = _tensor(node)
-    return isinstance(node, torch.fx.Node) and t is not None and t.dim() == 3
+    return isinstance(node, torch.fx.Node) and t is not None and t.dim() in _STATE_ROLES
 
 
 def _is_graph_input(node: Any) -> bool:
     # A state that comes from outside the graph: a decode step's cache. Inside an unrolled loop
     # the state is an intermediate, and a step of it is the scan passes' business.
-    return _is_state_3d(node) and node.op in ("placeholder", "get_attr")
+    return _is_state(node) and node.op in ("placeholder", "get_attr")
 
 
-def _reaches(value: Any, state: torch.fx.Node, limit: int = 64) -> tuple[bool, bool]:
-    """(whether ``value`` depends on ``state``, whether an ``exp`` lies on the way), looking back
-    at most ``limit`` nodes."""
-    seen, stack, found_state, found_exp = set(), [value], False, False
+def _linear_inside(value: Any, state: torch.fx.Node, limit: int = 16) -> torch.fx.Node | None:
+    """A node among the last ``limit`` ancestors of ``value`` that is a linear update of ``state``
+    (``state * decay + addend``), or None: what a non-linear recurrence wraps (``tanh(...)``)."""
+    seen, stack = set(), [value]
     while stack and len(seen) < limit:
         node = stack.pop()
         if not isinstance(node, torch.fx.Node) or node in seen:
             continue
         seen.add(node)
-        found_state |= node is state
-        found_exp |= is_call(node, torch.exp) or is_method(node, "exp")
+        if _split_update(node, lambda n: n is state) is not None:
+            return node
         stack.extend(node.all_input_nodes)
-    return found_state, found_exp
+    return None
 
 
 def find_update(node: torch.fx.Node) -> Update | None:
     """The state update anchored at ``node`` (a ``copy_``, an ``add_`` or a sum), or None.
 
-    Raises ``Miss`` for a write into a 3-D state of something that reads that state and an exp
-    but is not linear in the state (``state.copy_(tanh(state * dA + dBx))``).
+    Raises ``Miss`` for a write into a 3-D state of a function of a linear update that is not
+    itself linear in the state (``state.copy_(tanh(state * dA + dBx))``).
     """
     if is_method(node, "copy_") and len(node.args) == 2 and not node.kwargs:
         state = node.args[0]
-        if not _is_state_3d(state):
-            if _tensor(state) is not None and _tensor(state).dim() == 4 and _split_update(
-                    _peel(node.args[1])[0], lambda n: n is state) is not None:
-                raise Miss("the state is 4-D (batch, heads, headdim, N): the op takes a (batch, dim, N) state; "
-                           "heads are not flattened into channels")
+        if not _is_state(state):
             return None
         h = _peel(node.args[1])[0]
         split = _split_update(h, lambda n: n is state)
         if split is None:
-            reads, through_exp = _reaches(node.args[1], state)
-            if reads and through_exp:
-                raise Miss(f"the new state is not linear in the old state: it is {target_name(h)}(...) of it")
+            if _linear_inside(h, state) is not None:
+                raise Miss(f"the new state is not linear in the old state: it is {target_name(h)}(state * dA + ...)")
             return None
         _, reader, casts, decay, addend = split
         return Update("copy_", state, h, reader, casts, decay, addend, [node])
     if (is_method(node, "add_") and len(node.args) == 2 and not node.kwargs and is_method(node.args[0], "mul_")
-            and len(node.args[0].args) == 2 and not node.args[0].kwargs and _is_state_3d(node.args[0].args[0])):
+            and len(node.args[0].args) == 2 and not node.args[0].kwargs and _is_state(node.args[0].args[0])):
         mul = node.args[0]
         return Update("in-place", mul.args[0], None, mul, [], mul.args[1], node.args[1], [mul, node])
     if is_call(node, *_ADD, torch.addcmul) or is_method(node, "add", "addcmul"):
@@ -334,23 +335,37 @@ def find_update(node: torch.fx.Node) -> Update | None:
     return None
 
 
-def _factor_roles(term: IndexTerm, factor: Factor, role: dict[int, str]) -> tuple[str, ...]:
-    """The role of each axis of ``factor`` ("1" for a size-1 axis it broadcasts, "?" for other)."""
-    out = []
-    for lab, size in zip(term.factor_labels(factor), _tensor(factor.node).shape):
-        out.append(role.get(lab, "1" if statically_known_true(size == 1) else "?"))
-    return tuple(out)
+class RoleMap(dict):
+    """Label -> role of the state's axes; ``ones`` are the roles whose axis has size 1 (a single
+    head), which a size-1 axis of any operand matches whether or not the evaluator labelled it."""
+
+    def __init__(self, labels: tuple[int, ...], roles: tuple[str, ...], shape: tuple):
+        super().__init__(zip(labels, roles))
+        self.ones = frozenset(r for r, s in zip(roles, shape) if statically_known_true(s == 1))
+
+
+def _label_roles(labels: tuple[int, ...], shape: tuple, role: RoleMap) -> tuple[str, ...]:
+    """The role of each axis ("1" for an unlabelled size-1 axis it broadcasts, "?" for other)."""
+    return tuple(role.get(lab, "1" if statically_known_true(size == 1) else "?") for lab, size in zip(labels, shape))
+
+
+def _factor_roles(term: IndexTerm, factor: Factor, role: RoleMap) -> tuple[str, ...]:
+    return _label_roles(term.factor_labels(factor), _tensor(factor.node).shape, role)
+
+
+def _fits(have: tuple[str, ...], want: tuple[str, ...], role: RoleMap) -> bool:
+    return len(have) == len(want) and all(h == w or (h == "1" and w in role.ones) for h, w in zip(have, want))
 
 
 def _names(roles: tuple[str, ...]) -> str:
     return ", ".join(_ROLE_NAMES.get(r, r) for r in roles)
 
 
-def _state_role_map(term: IndexTerm, what: str) -> dict[int, str]:
+def _state_role_map(term: IndexTerm, roles: tuple[str, ...], shape: tuple, what: str) -> RoleMap:
     labels = term.out_labels()
     if len(set(labels)) != len(labels):
-        raise Miss(f"{what}'s axes are not three distinct (batch, dim, N) axes")
-    return dict(zip(labels, _STATE_ROLES))
+        raise Miss(f"{what}'s axes are not distinct ({_names(roles)}) axes")
+    return RoleMap(labels, roles, shape)
 
 
 def _core(roles: tuple[str, ...]) -> tuple[str, ...]:
@@ -358,13 +373,13 @@ def _core(roles: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(r for r in roles if r != "1")
 
 
-def _value_with_roles(term: IndexTerm, factors: list[Factor], role: dict[int, str], want: tuple[str, ...]
+def _value_with_roles(term: IndexTerm, factors: list[Factor], role: RoleMap, want: tuple[str, ...]
                       ) -> torch.fx.Node | None:
     """A graph value that holds exactly the product of ``factors`` with axes ``want``: a single
     factor itself, or a node the term looked through (``x_t[..., 0]`` of a (batch, 1, dim) leaf;
     ``(w * B_raw * rsqrt(...))[:, 0]``, Jamba's normed B). The op then reads the user's own
     value: no new arithmetic, no new rounding."""
-    if len(factors) == 1 and _factor_roles(term, factors[0], role) == want:
+    if len(factors) == 1 and _fits(_factor_roles(term, factors[0], role), want, role):
         return factors[0].node
     ids = {id(f) for f in factors}
     for node, terms in term.parts.items():
@@ -372,12 +387,12 @@ def _value_with_roles(term: IndexTerm, factors: list[Factor], role: dict[int, st
             if (t.summed or t.exp_of is not None or t.sign != 1 or len(t.factors) != len(factors)
                     or {id(f) for f in t.factors} != ids):
                 continue
-            if tuple(role.get(lab) for lab in t.out_labels()) == want:
+            if _fits(_label_roles(t.out_labels(), _tensor(node).shape, role), want, role):
                 return node
     return None
 
 
-def _factor_value(term: IndexTerm, factor: Factor, role: dict[int, str], want: tuple[str, ...], name: str
+def _factor_value(term: IndexTerm, factor: Factor, role: RoleMap, want: tuple[str, ...], name: str
                   ) -> torch.fx.Node:
     node = _value_with_roles(term, [factor], role, want)
     if node is None:
@@ -386,8 +401,12 @@ def _factor_value(term: IndexTerm, factor: Factor, role: dict[int, str], want: t
 
 
 def _prove_discretization(u: Update) -> dict[str, Any]:
-    """``decay == exp(dt[b, d] · A[d, n])`` and ``addend == dt[b, d] · B[b, n] · x[b, d]`` with one dt."""
+    """``decay == exp(dt[b, c] · A[c, n])`` and ``addend == dt[b, c] · B[b, n] · x[b, c]`` with one dt,
+    where c is the channel: (dim,) or (heads, headdim)."""
     shape = tuple(_tensor(u.state).shape)
+    roles = _roles(u.state)
+    chan = roles[1:-1]
+    bc, cn = ("b", *chan), (*chan, "n")
     exp_node = _peel(u.decay)[0]
     if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
         raise Miss("the state decay is not exp(dt * A)")
@@ -397,47 +416,60 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     inner = at.exp_of
     if inner is None or inner.summed or len(inner.factors) != 2:
         raise Miss("the exponent of the decay is not a product dt * A")
-    role = _state_role_map(at, "the decay")
+    role = _state_role_map(at, roles, shape, "the decay")
     cores = [_core(_factor_roles(at, f, role)) for f in inner.factors]
-    if ("b", "d") not in cores:
-        raise Miss("the exponent is not dt * A with dt of shape (batch, dim)")
-    dt_f = inner.factors[cores.index(("b", "d"))]
+    # dt is the factor with the batch axis. Either factor may lack an axis of size 1 that a view
+    # (``x.unsqueeze(1)`` for one head) adds; _factor_value then finds that view.
+    dts = [f for f, c in zip(inner.factors, cores) if "b" in c and set(c) <= set(bc)]
+    if len(dts) != 1:
+        raise Miss(f"the exponent is not dt * A with dt of axes ({_names(bc)})")
+    dt_f = dts[0]
     a_f = next(f for f in inner.factors if f is not dt_f)
-    a_roles = _factor_roles(at, a_f, role)
-    if _core(a_roles) != ("d", "n"):
-        raise Miss(f"A has shape {tuple(_tensor(a_f.node).shape)} with axes ({_names(a_roles)}), expected (dim, N): "
-                   "exp(dt * A) must decay each channel by its own row of A")
-    dt = _factor_value(at, dt_f, role, ("b", "d"), "dt")
-    A = _factor_value(at, a_f, role, ("d", "n"), "A")
+    A = _value_with_roles(at, [a_f], role, cn)
+    if A is None:
+        a_roles = _factor_roles(at, a_f, role)
+        raise Miss(f"A has shape {tuple(_tensor(a_f.node).shape)} with axes ({_names(a_roles)}), expected "
+                   f"({_names(cn)}): exp(dt * A) must decay each channel by its own row of A")
+    dt = _factor_value(at, dt_f, role, bc, "dt")
+    dt_core = _core(_factor_roles(at, dt_f, role))
 
     addend = _peel(u.addend)[0]
     bt = index_term(addend) if _same_shape(addend, shape) else None
     if bt is None or bt.summed or len(bt.factors) < 3:
         raise Miss("the input term is not a product of dt, B and x of the state's shape")
-    brole = _state_role_map(bt, "the input term")
-    dts = [f for f in bt.factors if f.node is dt_f.node and _core(_factor_roles(bt, f, brole)) == ("b", "d")]
+    brole = _state_role_map(bt, roles, shape, "the input term")
+    dts = [f for f in bt.factors if f.node is dt_f.node and _core(_factor_roles(bt, f, brole)) == dt_core]
     if len(dts) != 1:
         raise Miss("the input term does not scale by the same dt as the decay")
-    x, B = _split_x_B(bt, [f for f in bt.factors if f is not dts[0]], brole)
+    x, B = _split_x_B(bt, [f for f in bt.factors if f is not dts[0]], brole, chan)
     casts = [n for n in at.looked_through + bt.looked_through if is_cast(n)]
     return dict(dt=dt, A=A, x=x, B=B, casts=casts)
 
 
-def _state_operand(term: IndexTerm, factors: list[Factor], role: dict[int, str]) -> torch.fx.Node | None:
-    """The one value holding the product of ``factors`` as B or C in the op's layout: (batch, N),
-    or (batch, G, N) behind a ``repeat_interleave`` over channels; else None."""
+def _state_operand(term: IndexTerm, factors: list[Factor], role: RoleMap, chan: tuple[str, ...]
+                   ) -> torch.fx.Node | None:
+    """The one value holding the product of ``factors`` as B or C in the op's grouped layout, else None.
+
+    (batch, N) is one group. A value per channel (batch, dim, N), or per head (batch, heads, N),
+    is already grouped, with one group per channel (head); behind a ``repeat_interleave`` over
+    that axis it is its source (batch, G, N): channel (head) c reads group c // (size / G), the op's
+    rule for dim = heads * headdim channels as well.
+    """
     value = _value_with_roles(term, factors, role, ("b", "n"))
     if value is not None:
         return value
-    per_channel = _value_with_roles(term, factors, role, ("b", "d", "n"))
-    src = grouped_source(per_channel, ("b", "d", "n")) if per_channel is not None else None
-    return src.node if src is not None and src.roles == ("b", "g", "n") else None
+    per_group = _value_with_roles(term, factors, role, ("b", chan[0], "n"))
+    if per_group is None:
+        return None
+    src = grouped_source(per_group, ("b", "d", "n"))
+    return src.node if src is not None and src.roles == ("b", "g", "n") else per_group
 
 
-def _split_x_B(term: IndexTerm, factors: list[Factor], role: dict[int, str]) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """Split the input term's factors besides dt into x (batch, dim) and B (with the state axis).
+def _split_x_B(term: IndexTerm, factors: list[Factor], role: RoleMap, chan: tuple[str, ...]
+               ) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Split the input term's factors besides dt into x (batch, channel) and B (with the state axis).
 
-    A factor with the state axis belongs to B, one with the dim axis to x; one with neither (an
+    A factor with the state axis belongs to B, one with a channel axis to x; one with neither (an
     RMS norm's per-token ``rsqrt``, (batch, 1, 1)) may belong to either, so each way is tried.
     Each side must be one graph value the user computed (``_value_with_roles``).
     """
@@ -446,19 +478,19 @@ def _split_x_B(term: IndexTerm, factors: list[Factor], role: dict[int, str]) -> 
         core = _core(_factor_roles(term, f, role))
         if "?" in core:
             raise Miss(f"a factor of the input term has axes ({_names(_factor_roles(term, f, role))})")
-        (to_B if "n" in core else to_x if "d" in core else free).append(f)
+        (to_B if "n" in core else to_x if set(core) & set(chan) else free).append(f)
     for sides in itertools.product((0, 1), repeat=len(free)):
         B_group = to_B + [f for f, s in zip(free, sides) if s == 0]
         x_group = to_x + [f for f, s in zip(free, sides) if s == 1]
         if not B_group or not x_group:
             continue
-        x = _value_with_roles(term, x_group, role, ("b", "d"))
-        B = _state_operand(term, B_group, role)
+        x = _value_with_roles(term, x_group, role, ("b", *chan))
+        B = _state_operand(term, B_group, role, chan)
         if x is not None and B is not None:
             return x, B
     raise Miss("the input term is not dt[..., None] * B[:, None, :] * x[..., None]: its factors besides dt are "
-               f"not two values x (batch, dim) and B (batch, N) or grouped B ({len(to_x)} with the dim axis, "
-               f"{len(to_B)} with the state axis, {len(free)} with neither)")
+               f"not two values x ({_names(('b', *chan))}) and B (batch, N) or grouped B ({len(to_x)} with a "
+               f"channel axis, {len(to_B)} with the state axis, {len(free)} with neither)")
 
 
 def _peel_dt(dt: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, bool, list]:
@@ -477,15 +509,17 @@ def _peel_dt(dt: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, bo
     if pair is not None:
         for p, q in (pair, pair[::-1]):
             pv, qv = _tensor(_peel(p)[0]), _tensor(_peel(q)[0])
-            if pv is not None and qv is not None and pv.dim() == 2 and qv.dim() == 1:
+            # A bias per channel (dim,) or (heads, headdim), broadcast over the batch.
+            if (pv is not None and qv is not None and pv.dim() == qv.dim() + 1
+                    and all(_same(a, b) for a, b in zip(pv.shape[1:], qv.shape))):
                 dt_raw, dt_bias = _peel(p)[0], _peel(q)[0]
                 dt_casts += _peel(p)[1] + _peel(q)[1]
                 break
     return dt_raw, dt_bias, dt_softplus, dt_casts
 
 
-def _readout_at(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.Node | None:
-    """C if ``node`` computes ``y[b, d] = Σ_n src[b, d, n] · C[b, n]`` (C maybe grouped), else None."""
+def _readout_at(node: torch.fx.Node, src: torch.fx.Node, roles: tuple[str, ...]) -> torch.fx.Node | None:
+    """C if ``node`` computes ``y[b, c] = Σ_n src[b, c, n] · C[b, n]`` (C maybe grouped), else None."""
     term = index_term(node, stop=[src], allow_sum=True)
     if term is None or term.exp_of is not None or term.sign != 1 or len(term.factors) < 2:
         return None
@@ -493,22 +527,23 @@ def _readout_at(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.Node | None
     if len(mine) != 1:
         return None
     labels = term.factor_labels(mine[0])
-    if len(set(labels)) != 3:
+    if len(set(labels)) != len(roles):
         return None
-    role = dict(zip(labels, _STATE_ROLES))
-    if (tuple(role.get(lab) for lab in term.out_labels()) != ("b", "d")
-            or term.summed_labels() != {labels[2]}):
+    role = RoleMap(labels, roles, tuple(_tensor(src).shape))
+    if (not _fits(_label_roles(term.out_labels(), _tensor(node).shape, role), roles[:-1], role)
+            or term.summed_labels() != {labels[-1]}):
         return None
-    return _state_operand(term, [f for f in term.factors if f is not mine[0]], role)
+    return _state_operand(term, [f for f in term.factors if f is not mine[0]], role, roles[1:-1])
 
 
-def _match_readout(user: torch.fx.Node, src: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list] | None:
+def _match_readout(user: torch.fx.Node, src: torch.fx.Node, roles: tuple[str, ...]
+                   ) -> tuple[torch.fx.Node, torch.fx.Node, list] | None:
     """Follow ``user`` (a use of ``src``) forward through single users to a C-readout of ``src``:
     (readout node, C, the nodes from ``user`` to it)."""
     node, chain = user, []
     for _ in range(4):
         chain.append(node)
-        C = _readout_at(node, src)
+        C = _readout_at(node, src, roles)
         if C is not None:
             return node, C, chain
         nxt = _single_user(node)
@@ -553,7 +588,7 @@ def match_state_update(u: Update) -> dict[str, Any]:
                        "the old state?): moving the update into one op could change what they see")
     reads = _new_state_reads(u, order)
     readouts = [(src, user, r) for src, user in reads if user.op != "output"
-                for r in [_match_readout(user, src)] if r is not None]
+                for r in [_match_readout(user, src, _roles(u.state))] if r is not None]
     if len(readouts) != 1:
         users = [user.name for _, user in reads]
         if not readouts:
@@ -597,7 +632,8 @@ def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict
             if skip is not None:
                 for p, q in (skip, skip[::-1]):
                     qv = _tensor(_peel(q)[0])
-                    if _peel(p)[0] is x and qv is not None and qv.dim() == 1:
+                    # D per channel; its exact shape is check_state_update's business.
+                    if _peel(p)[0] is x and qv is not None and 1 <= qv.dim() < _tensor(x).dim():
                         D = _peel(q)[0]
                         break
             if D is not None:
@@ -621,16 +657,25 @@ def check_state_update(m: dict[str, Any]) -> str | None:
     """Shapes and dtypes the op takes, and that the state is touched by nothing else; else why not."""
     u: Update = m["update"]
     st, x = _tensor(m["state"]), _tensor(m["x"])
-    batch, dim, N = st.shape
+    batch, *chan, N = st.shape
+    chan = tuple(chan)
     if st.dtype != torch.float32:
         return f"the state is {st.dtype}; the op keeps its state in fp32"
     if u.h is not None and _tensor(u.h).dtype != torch.float32:
         return f"the new state is computed in {_tensor(u.h).dtype}; the op computes it in fp32"
     if not statically_known_true(N <= MAX_N):
         return f"N={N} state channels exceed the op's {MAX_N}"
+    if len(chan) == 2:
+        # Heads are flattened into channels: the op must write the caller's state through a
+        # (batch, heads * headdim, N) view, which needs static sizes and mergeable strides.
+        if not all(isinstance(s, int) for s in chan):
+            return f"heads x headdim = {chan} are not static sizes"
+        if st.stride(1) != chan[1] * st.stride(2):
+            return (f"the state's strides {st.stride()} do not let (heads, headdim) merge into one channel "
+                    "axis without a copy (the op must write the state itself)")
     bc = (batch, N) if _tensor(m["B"]).dim() == 2 else (batch, _tensor(m["B"]).shape[1], N)
-    expect = {"x": (batch, dim), "dt": (batch, dim), "A": (dim, N), "B": bc, "C": bc,
-              "D": (dim,), "z": (batch, dim), "dt_bias": (dim,)}
+    expect = {"x": (batch, *chan), "dt": (batch, *chan), "A": (*chan, N), "B": bc, "C": bc,
+              "D": chan, "z": (batch, *chan), "dt_bias": chan}
     for name, shape in expect.items():
         node = m[name]
         if node is None:
@@ -642,8 +687,9 @@ def check_state_update(m: dict[str, Any]) -> str | None:
             return f"{name} has dtype {_tensor(node).dtype}, not one of fp32/bf16/fp16"
         if _tensor(node).device != st.device:
             return f"{name} is on {_tensor(node).device}, the state on {st.device}"
-    if len(bc) == 3 and not statically_known_true(dim % bc[1] == 0):
-        return f"B has {bc[1]} groups, which do not divide dim={dim}"
+    # Channel c (head c // headdim) reads group c // (dim // G): G must divide the heads too.
+    if len(bc) == 3 and not statically_known_true(chan[0] % bc[1] == 0):
+        return f"B has {bc[1]} groups, which do not divide {chan[0]} {'heads' if len(chan) == 2 else 'channels'}"
     if x.dtype not in SUPPORTED_DTYPES:
         return f"x has dtype {x.dtype}"
     if u.form == "returned":
@@ -662,6 +708,13 @@ def check_state_update(m: dict[str, Any]) -> str | None:
     if u.writes[-1].users and u.writes[-1] is not m["readout_src"]:
         return f"the value of {u.writes[-1].name} (the written state) is used"
     return None
+
+
+def _flatten(graph: torch.fx.Graph, node: torch.fx.Node, axis: int) -> torch.fx.Node:
+    """``node.flatten(axis, axis + 1)``: the (heads, headdim) axes as one channel axis."""
+    out = graph.call_method("flatten", (node, axis, axis + 1))
+    propagate_val(out)
+    return out
 
 
 def _erase_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
@@ -702,13 +755,23 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             with graph.inserting_before(u.reader):
                 state = graph.call_method("clone", (m["state"],))
                 propagate_val(state)
+        chan = tuple(_tensor(m["state"]).shape[1:-1])
         with graph.inserting_before(last):
             x = _widen_for(graph, m["x"], out_dtype)
-            op = graph.call_function(torch.ops.ssm.selective_state_update.default,
-                                     (state, x, m["dt"], m["A"], m["B"], m["C"], m["D"], m["z"],
-                                      m["dt_bias"], m["dt_softplus"]))
+            args = [state, x, m["dt"], m["A"], m["B"], m["C"], m["D"], m["z"], m["dt_bias"]]
+            if len(chan) == 2:
+                # (heads, headdim) -> heads * headdim channels; the state's flatten is a view
+                # (check_state_update proved its strides merge), so the op writes the caller's state.
+                args = [_flatten(graph, a, 0 if name in ("A", "D", "dt_bias") else 1)
+                        if name not in ("B", "C") and a is not None else a
+                        for name, a in zip(("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias"), args)]
+            op = graph.call_function(torch.ops.ssm.selective_state_update.default, (*args, m["dt_softplus"]))
             propagate_val(op)
-            result = _cast_to(graph, op, out_dtype)
+            result = op
+            if len(chan) == 2:
+                result = graph.call_method("unflatten", (op, 1, chan))
+                propagate_val(result)
+            result = _cast_to(graph, result, out_dtype)
         if "stack_trace" in node.meta:
             op.meta["stack_trace"] = node.meta["stack_trace"]
         last.replace_all_uses_with(result)
@@ -718,7 +781,8 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         ctx.rewrite(STATE_FAMILY, f"state*exp(dt*A)+dt*B*x ({u.form}); C-readout"
                     + ("+D*x" if m["D"] is not None else "") + ("*silu(z)" if m["z"] is not None else ""),
                     [node, last], "ssm.selective_state_update",
-                    {"form": u.form, "N": int(_tensor(m["state"]).shape[2]), "dt_softplus": m["dt_softplus"],
+                    {"form": u.form, "N": int(_tensor(m["state"]).shape[-1]), "channels": chan,
+                     "dt_softplus": m["dt_softplus"],
                      "dt_bias": m["dt_bias"] is not None, "D": m["D"] is not None, "z": m["z"] is not None,
                      "groups": int(_tensor(m["B"]).shape[1]) if _tensor(m["B"]).dim() == 3 else 1,
                      "rounding_casts_dropped": _narrowing(m["casts"])})

@@ -39,6 +39,11 @@ class Case:
     num_splits: Optional[int] = None
     block_d: Optional[int] = None
     num_warps: Optional[int] = None
+    # Chunk-kernel loop order ("column" by default; "nblock" sums dB/dC over channels in
+    # registers), its state columns per block and channels per pass.
+    variant: Optional[str] = None
+    nb: Optional[int] = None
+    group_d: Optional[int] = None
     # Scale of the raw delta: large values test softplus past its threshold and decays that
     # underflow to exactly 0.
     delta_scale: float = 1.0
@@ -51,7 +56,8 @@ class Case:
         )
         extra = "".join(
             f"-{k}{v}" for k, v in (("T", self.chunk_size), ("S", self.num_splits), ("BD", self.block_d),
-                                    ("W", self.num_warps), ("x", self.delta_scale)) if v not in (None, 1.0)
+                                    ("W", self.num_warps), ("", self.variant), ("NB", self.nb),
+                                    ("GD", self.group_d), ("x", self.delta_scale)) if v not in (None, 1.0)
         )
         return f"B{self.batch}-D{self.dim}-L{self.L}-N{self.N}-G{self.G}-{dt}-{flags or 'bare'}{extra}"
 
@@ -98,7 +104,7 @@ def run_bwd(case: Case, inputs, dy, dlast):
         dy, dlast, inputs["u"], inputs["delta"], inputs["A"], inputs["B"], inputs["C"], inputs["D"],
         inputs["z"], inputs["delta_bias"], case.softplus, inputs["initial_state"],
         tiles=dict(chunk=case.chunk_size, num_splits=case.num_splits, block_d=case.block_d,
-                   num_warps=case.num_warps),
+                   num_warps=case.num_warps, variant=case.variant, nb=case.nb, group_d=case.group_d),
     )
 
 
@@ -123,7 +129,34 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=Case.id)
+def nblock(**kw) -> Case:
+    return Case(variant="nblock", **kw)
+
+
+# The "nblock" chunk kernel: state columns in blocks of nb outside the channel loop, dB/dC summed
+# over channels in registers, sums over columns carried between blocks in fp32 rows (du/ddelta/dz
+# themselves in fp32, rows of their own in bf16/fp16).
+NBLOCK_CASES = [
+    nblock(nb=2),  # two column blocks (one carry), two full chunks and a ragged one
+    nblock(nb=4),  # one block: nothing carried
+    nblock(L=1, nb=2),
+    # Grouped B/C, 2 slices per group, 2 channels per pass (dB/dC rows added to across passes),
+    # 5 columns in blocks of 2 (a ragged last block), prime L.
+    nblock(dim=8, G=2, N=5, L=37, nb=2, num_splits=2, group_d=2),
+    nblock(has_D=False, has_z=False, has_bias=False, softplus=False, has_init=False, has_dlast=False, nb=2),
+    nblock(has_z=False, has_init=False, nb=2, group_d=1),
+    nblock(softplus=False, has_D=False, has_bias=False, has_init=False, N=8, nb=4),
+    nblock(L=33, delta_scale=30.0, nb=2),  # softplus past 20; decays underflow to 0
+    nblock(dtype=torch.bfloat16, nb=2),
+    nblock(dtype=torch.float16, has_z=False, G=2, L=37, nb=2, group_d=2),
+    # The default chunk (128) across a chunk boundary, default nb and group_d, 3 slices.
+    nblock(dim=3, L=200, chunk_size=None, num_splits=3),
+    # Several warps per program (on a GPU: the column block spans warps, sums over it cross them).
+    nblock(N=8, nb=8, num_warps=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES + NBLOCK_CASES, ids=Case.id)
 def test_grads_match_fp64_reference(case):
     inputs, dy, dlast = make_inputs(case)
     ref = reference_grads(case, inputs, dy, dlast)
@@ -232,6 +265,92 @@ def test_deterministic():
         assert torch.equal(getattr(first, field), getattr(second, field)), field
 
 
+def test_nblock_deterministic():
+    # dB/dC rows written once per pass, running sums read back by the thread that wrote them,
+    # fixed-order sums of the partials: the same bits every run.
+    case = nblock(dim=12, G=2, L=37, N=6, nb=4, num_splits=2, group_d=2, dtype=torch.bfloat16)
+    inputs, dy, dlast = make_inputs(case)
+    first = run_bwd(case, inputs, dy, dlast)
+    second = run_bwd(case, inputs, dy, dlast)
+    for field in first._fields:
+        assert torch.equal(getattr(first, field), getattr(second, field)), field
+
+
+def test_nblock_mixed_dtypes():
+    # Each output carries its running sum in place only when it is fp32 itself: here du (bf16)
+    # and dz (fp16) get fp32 rows of their own while ddelta (fp32) is its own row.
+    case = nblock(L=37, N=5, nb=2, group_d=2)
+    inputs, dy, dlast = make_inputs(case)
+    inputs.update(u=inputs["u"].bfloat16(), z=inputs["z"].half(), C=inputs["C"].bfloat16())
+    ref = reference_grads(case, inputs, dy, dlast)
+    grads = run_bwd(case, inputs, dy, dlast)
+    for name, grad_name in GRAD_NAMES.items():
+        out = getattr(grads, grad_name)
+        assert out.dtype == inputs[name].dtype, grad_name
+        assert rel_err(out, ref[name]) < TOL[inputs[name].dtype], f"{grad_name}: rel err {rel_err(out, ref[name]):.2e}"
+
+
+def test_nblock_matches_column_beyond_rounding():
+    # Same arithmetic, different summation order (over columns, over channels).
+    case = Case(dim=8, L=24, G=2)
+    inputs, dy, dlast = make_inputs(case)
+    column = run_bwd(case, inputs, dy, dlast)
+    blocks = run_bwd(dataclasses.replace(case, variant="nblock", nb=2, group_d=3, num_splits=2), inputs, dy, dlast)
+    for field in column._fields:
+        torch.testing.assert_close(getattr(blocks, field), getattr(column, field), rtol=1e-5, atol=1e-6, msg=field)
+
+
+def test_nblock_any_strides():
+    # fp32 outputs carry the running sums in place, so du/ddelta/dz's own (time-major) strides
+    # are the carry rows' strides.
+    case = nblock(L=19, nb=2)
+    inputs, dy, dlast = make_inputs(case)
+
+    def time_major(t):
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    strided = dict(inputs)
+    for name in ("u", "delta", "z"):
+        strided[name] = time_major(inputs[name])
+    strided["B"] = inputs["B"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    ref = run_bwd(case, inputs, dy, dlast)
+    out = run_bwd(case, strided, time_major(dy), dlast)
+    assert out.du.stride() == strided["u"].stride()
+    for field in ref._fields:
+        torch.testing.assert_close(getattr(out, field), getattr(ref, field), rtol=1e-6, atol=1e-6, msg=field)
+
+
+@pytest.mark.parametrize(
+    "batch, dim, L, G, sms",
+    [(8, 1536, 2048, 1, 132), (1, 1536, 2048, 1, 132), (8, 1536, 8192, 1, 132), (2, 24, 40, 3, 132), (1, 5, 3, 1, 1)],
+    ids=["B8-D1536-L2048-H200", "B1-D1536-L2048-H200", "B8-D1536-L8192-H200", "B2-D24-L40-G3-H200", "B1-D5-L3-cpu"],
+)
+def test_choose_tiles_nblock_whole_waves(batch, dim, L, G, sms, monkeypatch):
+    from ssm_compile.kernels.selective_scan import triton_bwd
+
+    monkeypatch.setattr(triton_bwd, "_num_sms", lambda device: sms)
+    tiles = triton_bwd.choose_tiles(batch, dim, L, 16, G, torch.device("cpu"), variant="nblock")
+    assert tiles.variant == "nblock" and tiles.block_d == 1 and tiles.nb & (tiles.nb - 1) == 0
+    dim_per_group = dim // G
+    per_split = -(-dim_per_group // tiles.num_splits)
+    assert (tiles.num_splits - 1) * per_split < dim_per_group <= tiles.num_splits * per_split
+    assert tiles.num_splits <= max(1, dim_per_group // 8), tiles
+    programs = tiles.num_splits * -(-L // tiles.chunk) * batch * G
+    slots = triton_bwd._NBLOCK_WARPS_PER_SM * sms // tiles.num_warps
+    # At most the aimed-for whole waves, and a full first wave unless the channels ran out.
+    assert programs <= max(triton_bwd._NBLOCK_WAVES * slots, -(-L // tiles.chunk) * batch * G), tiles
+    assert programs >= slots or tiles.num_splits >= max(1, dim_per_group // 8) // 2, tiles
+
+
+@pytest.mark.parametrize("tiles, match", [(dict(variant="rows"), "variant"), (dict(variant="nblock", nb=3), "nb")],
+                         ids=["variant", "nb"])
+def test_bad_tiles_name_field(tiles, match):
+    from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles
+
+    with pytest.raises(ValueError, match=match):
+        choose_tiles(2, 8, 40, 4, 1, torch.device("cpu"), **tiles)
+
+
 def test_splitting_does_not_change_results_beyond_rounding():
     # The channel slices only change how dB/dC partials are grouped before the final sum.
     case = Case(dim=8, L=24)
@@ -242,7 +361,8 @@ def test_splitting_does_not_change_results_beyond_rounding():
         torch.testing.assert_close(getattr(four, field), getattr(one, field), rtol=1e-5, atol=1e-6)
 
 
-def test_memory_stays_linear():
+@pytest.mark.parametrize("variant", ["column", "nblock"])
+def test_memory_stays_linear(variant):
     # Record every tensor the launcher allocates: none may be as large as (batch, dim, L, N).
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -260,7 +380,8 @@ def test_memory_stays_linear():
                 self.numels.append(out.numel())
             return out
 
-    case = Case(L=64, N=4, dim=16)
+    # bf16 for "nblock": its running sums over columns then get fp32 rows of their own.
+    case = Case(L=64, N=4, dim=16) if variant == "column" else nblock(L=48, N=4, dim=8, nb=2, dtype=torch.bfloat16)
     inputs, dy, dlast = make_inputs(case)
     with Allocations() as allocs:
         run_bwd(case, inputs, dy, dlast)

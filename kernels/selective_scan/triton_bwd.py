@@ -475,7 +475,7 @@ def _chunk_bwd_nblock_kernel(
     du_ptr, ddelta_ptr, dz_ptr, dA_part_ptr, dB_part_ptr, dC_part_ptr, dD_part_ptr, ddb_part_ptr,
     q_acc_ptr, s_acc_ptr, y_acc_ptr,
     # sizes
-    batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, n_splits,
+    batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, n_splits, group_d,
     # strides
     stride_dy_b, stride_dy_d, stride_dy_l,
     stride_u_b, stride_u_d, stride_u_l,
@@ -500,13 +500,16 @@ def _chunk_bwd_nblock_kernel(
     The program owns (chunk, batch, group, channel slice) as before, but walks the state columns
     in blocks of NB OUTSIDE its channel loop. Its tiles are [NB, ROWS, STEPS] (NB columns of one
     channel; the two scans run the NB columns side by side), the block's B/C rows stay in
-    registers across all channels, and dB/dC for the block are accumulated over the channels in
-    registers and written once per program: no read-modify-write per (channel, column).
+    registers across the channels, and dB/dC for the block are accumulated over the channels in
+    registers and written once per group of ``group_d`` channels: no read-modify-write per
+    (channel, column), whose load, queued behind the previous store, stalled every column step of
+    ``_chunk_bwd_kernel``.
 
     What sums over n per channel (q = dh . B, s = (dh * a * h_prev) . A * log2(e), and the
     pre-gate y = C . h for dz) is summed in registers within a block and carried across blocks
     as fp32 rows in q/s/y_acc (rows of (batch, dim, L)); the last block finishes du, ddelta, dz
     from them. Per (d, t) that costs 3 x 8 B per block boundary instead of 16 B per (d, t, n).
+    See benchmarks/NOTES_scan_bwd.md, "H17".
     """
     tl.static_assert(STEPS == 4, "the in-thread scans are written out for 4 steps")
     ROWS: tl.constexpr = CHUNK // STEPS
@@ -517,6 +520,7 @@ def _chunk_bwd_nblock_kernel(
     offs_t = tl.arange(0, ROWS)[:, None] * STEPS + tl.arange(0, STEPS)[None, :]  # [ROWS, STEPS]
     t3 = (pid_c * CHUNK + offs_t)[None, :, :]  # [1, ROWS, STEPS]
     mask_t3 = t3 < L
+    rows3 = tl.arange(0, ROWS)[None, :, None]
 
     B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
     C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
@@ -539,94 +543,118 @@ def _chunk_bwd_nblock_kernel(
 
     d_start = pid_g * dim_per_group + pid_s * dim_per_split
     d_stop = pid_g * dim_per_group + tl.minimum((pid_s + 1) * dim_per_split, dim_per_group)
-    for n0 in range(0, N, NB):
-        offs_n = n0 + tl.arange(0, NB)
-        mask_n = offs_n < N
-        n3 = offs_n[:, None, None]
-        mask_nt = mask_n[:, None, None] & mask_t3  # [NB, ROWS, STEPS]
-        # The block's B/C rows serve every channel of the slice: loaded once, kept in registers.
-        Bt = tl.load(B_ptr + n3 * stride_B_n + t3 * stride_B_l, mask=mask_nt, other=0.0).to(tl.float32)
-        Ct = tl.load(C_ptr + n3 * stride_C_n + t3 * stride_C_l, mask=mask_nt, other=0.0).to(tl.float32)
-        dB_acc = tl.zeros([NB, ROWS, STEPS], dtype=tl.float32)
-        dC_acc = tl.zeros([NB, ROWS, STEPS], dtype=tl.float32)
-        for d in range(d_start, d_stop):
-            bias = 0.0
-            if HAS_DELTA_BIAS:
-                bias = tl.load(delta_bias_ptr + d).to(tl.float32)
-            delta_ptrs = delta_ptr + d * stride_delta_d + t3 * stride_delta_l
-            dt, _ = _delta_tile(delta_ptrs, bias, mask_t3, HAS_DELTA_BIAS, DELTA_SOFTPLUS)  # [1, ROWS, STEPS]
-            u_ptrs = u_ptr + d * stride_u_d + t3 * stride_u_l
-            dy_ptrs = dy_ptr + d * stride_dy_d + t3 * stride_dy_l
-            z_ptrs = z_ptr + d * stride_z_d + t3 * stride_z_l
-            dtu = dt * tl.load(u_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
-            g = tl.load(dy_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
-            if HAS_Z:
-                g *= silu(tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32))
-            A2 = (tl.load(A_ptr + d * stride_A_d + offs_n * stride_A_n, mask=mask_n, other=0.0).to(tl.float32)
-                  * LOG2E)[:, None, None]  # [NB, 1, 1]
-            h0 = tl.load(hs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]  # [NB, 1]
-            r = tl.load(rs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]
-
-            # Forward recompute and adjoint as in ``_chunk_bwd_kernel``, NB columns side by side;
-            # h0 and r enter as the scans' carries. Steps past the sequence have delta = 0, so
-            # decay 1 and no input: the carry r reaches the last real step unchanged.
-            a = tl.exp2(A2 * dt)
-            b = dtu * Bt
-            h = _scan_fwd_from(a, b, h0, ROWS)
-            dh = _scan_rev_from(tl.exp2(A2 * _next_step(dt, ROWS)), g * Ct, r, ROWS)
-            # h_t - b_t = a_t * h_{t-1}: the decay's input, recovered without shifting h.
-            e = dh * (h - b)
-            tl.store(dA_part_ptr + ws_off + d * N + offs_n, tl.sum(tl.sum(e * dt, axis=2), axis=1), mask=mask_n)
-            dB_acc += dh * dtu
-            dC_acc += h * g
-
-            # Sums over this block's columns; earlier blocks' sums come from the fp32 rows.
-            q = tl.sum(dh * Bt, axis=0, keep_dims=True)  # [1, ROWS, STEPS]
-            s = tl.sum(e * A2, axis=0, keep_dims=True)
-            if HAS_Z:
-                y = tl.sum(h * Ct, axis=0, keep_dims=True)
-            if n0 > 0:
-                q += tl.load(q_acc_ptr + d * stride_qa_d + t3 * stride_qa_l, mask=mask_t3, other=0.0)
-                s += tl.load(s_acc_ptr + d * stride_sa_d + t3 * stride_sa_l, mask=mask_t3, other=0.0)
-                if HAS_Z:
-                    y += tl.load(y_acc_ptr + d * stride_ya_d + t3 * stride_ya_l, mask=mask_t3, other=0.0)
-            if n0 + NB < N:
-                # Read back at the next block by the thread that wrote them (with several warps, by
-                # some thread after the barriers of the cross-warp sums above): no barrier here.
-                tl.store(q_acc_ptr + d * stride_qa_d + t3 * stride_qa_l, q, mask=mask_t3)
-                tl.store(s_acc_ptr + d * stride_sa_d + t3 * stride_sa_l, s, mask=mask_t3)
-                if HAS_Z:
-                    tl.store(y_acc_ptr + d * stride_ya_d + t3 * stride_ya_l, y, mask=mask_t3)
-            else:
-                # Last block: finish the per-channel gradients. u, dy, z and delta are reloaded
-                # (L1 hits from the top of this step) rather than kept live through the scans.
-                u = tl.load(u_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
-                if HAS_Z:
-                    z = tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
-                    if HAS_D:
-                        y += tl.load(D_ptr + d).to(tl.float32) * u
-                    sig_z = tl.sigmoid(z)
-                    dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
-                    tl.store(dz_ptr + d * stride_dz_d + t3 * stride_dz_l, dz.to(dz_ptr.dtype.element_ty),
-                             mask=mask_t3)
-                du = q * dt
-                if HAS_D:
-                    du += tl.load(D_ptr + d).to(tl.float32) * g
-                    tl.store(dD_part_ptr + part_off + d, tl.sum(g * u))
-                ddt = q * u + s * (1.0 / LOG2E)
-                if DELTA_SOFTPLUS:
-                    # softplus'(x) = sigmoid(x), which rounds to 1 past torch's threshold of 20.
-                    x = tl.load(delta_ptrs, mask=mask_t3, other=0.0).to(tl.float32) + bias
-                    ddt *= tl.sigmoid(x)
-                ddt = tl.where(mask_t3, ddt, 0.0)
+    # Channels are taken in groups of group_d, each group walking all the column blocks: every
+    # block re-reads the group's u, delta, dy, z rows and running sums, and a small group keeps
+    # those in L2 (group_d x CHUNK x 28 B per resident program), at one dB/dC read-modify-write
+    # per group instead of one per channel.
+    for d0 in range(d_start, d_stop, group_d):
+        d1 = tl.minimum(d0 + group_d, d_stop)
+        for n0 in range(0, N, NB):
+            offs_n = n0 + tl.arange(0, NB)
+            mask_n = offs_n < N
+            n3 = offs_n[:, None, None]
+            mask_nt = mask_n[:, None, None] & mask_t3  # [NB, ROWS, STEPS]
+            # The block's B/C rows serve every channel of the group: loaded once, kept in registers.
+            Bt = tl.load(B_ptr + n3 * stride_B_n + t3 * stride_B_l, mask=mask_nt, other=0.0).to(tl.float32)
+            Ct = tl.load(C_ptr + n3 * stride_C_n + t3 * stride_C_l, mask=mask_nt, other=0.0).to(tl.float32)
+            dB_acc = tl.zeros([NB, ROWS, STEPS], dtype=tl.float32)
+            dC_acc = tl.zeros([NB, ROWS, STEPS], dtype=tl.float32)
+            for d in range(d0, d1):
+                bias = 0.0
                 if HAS_DELTA_BIAS:
-                    tl.store(ddb_part_ptr + part_off + d, tl.sum(ddt))
-                tl.store(du_ptr + d * stride_du_d + t3 * stride_du_l, du.to(du_ptr.dtype.element_ty), mask=mask_t3)
-                tl.store(ddelta_ptr + d * stride_ddelta_d + t3 * stride_ddelta_l,
-                         ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_t3)
-        tl.store(dB_part_ptr + bc_part + n3 * L, dB_acc, mask=mask_nt)
-        tl.store(dC_part_ptr + bc_part + n3 * L, dC_acc, mask=mask_nt)
+                    bias = tl.load(delta_bias_ptr + d).to(tl.float32)
+                delta_ptrs = delta_ptr + d * stride_delta_d + t3 * stride_delta_l
+                dt, _ = _delta_tile(delta_ptrs, bias, mask_t3, HAS_DELTA_BIAS, DELTA_SOFTPLUS)  # [1, ROWS, STEPS]
+                u_ptrs = u_ptr + d * stride_u_d + t3 * stride_u_l
+                dy_ptrs = dy_ptr + d * stride_dy_d + t3 * stride_dy_l
+                dtu = dt * tl.load(u_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+                g = tl.load(dy_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+                if HAS_Z:
+                    z_ptrs = z_ptr + d * stride_z_d + t3 * stride_z_l
+                    g *= silu(tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32))
+                A2 = (tl.load(A_ptr + d * stride_A_d + offs_n * stride_A_n, mask=mask_n, other=0.0).to(tl.float32)
+                      * LOG2E)[:, None, None]  # [NB, 1, 1]
+                h0 = tl.load(hs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]  # [NB, 1]
+                r = tl.load(rs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]
+                # Earlier blocks' sums over their columns, loaded up here with the other loads: below
+                # the dA store the compiler could not move them up, and their latency would stall.
+                q_acc_ptrs = q_acc_ptr + d * stride_qa_d + t3 * stride_qa_l
+                s_acc_ptrs = s_acc_ptr + d * stride_sa_d + t3 * stride_sa_l
+                mask_acc = mask_t3 & (n0 > 0)
+                q = tl.load(q_acc_ptrs, mask=mask_acc, other=0.0)  # [1, ROWS, STEPS]
+                s = tl.load(s_acc_ptrs, mask=mask_acc, other=0.0)
+                if HAS_Z:
+                    y_acc_ptrs = y_acc_ptr + d * stride_ya_d + t3 * stride_ya_l
+                    y = tl.load(y_acc_ptrs, mask=mask_acc, other=0.0)
+
+                # Forward recompute and adjoint as in ``_chunk_bwd_kernel``, NB columns side by side;
+                # h0 and r enter as the scans' carries. Steps past the sequence have delta = 0, so
+                # decay 1 and no input: the carry r reaches the last real step unchanged.
+                a = tl.exp2(A2 * dt)
+                b = dtu * Bt
+                h = _scan_fwd_from(a, b, h0, ROWS)
+                dh = _scan_rev_from(tl.exp2(A2 * _next_step(dt, ROWS)), g * Ct, r, ROWS)
+                # h_t - b_t = a_t * h_{t-1}: the decay's input, recovered without shifting h.
+                e = dh * (h - b)
+                # Stored from a [NB, ROWS, 1] tile (row 0 only) laid out like the scans' tiles: storing
+                # the [NB] vector itself makes the compiler convert it through shared memory, with a
+                # barrier, on every channel.
+                dA = tl.sum(tl.sum(e * dt, axis=2, keep_dims=True), axis=1, keep_dims=True)  # [NB, 1, 1]
+                tl.store(dA_part_ptr + ws_off + d * N + n3 + 0 * rows3, tl.broadcast_to(dA, [NB, ROWS, 1]),
+                         mask=mask_n[:, None, None] & (rows3 == 0))
+                dB_acc += dh * dtu
+                dC_acc += h * g
+
+                # Sums over this block's columns, added to the earlier blocks'.
+                q += tl.sum(dh * Bt, axis=0, keep_dims=True)
+                s += tl.sum(e * A2, axis=0, keep_dims=True)
+                if HAS_Z:
+                    y += tl.sum(h * Ct, axis=0, keep_dims=True)
+                if n0 + NB < N:
+                    tl.store(q_acc_ptrs, q, mask=mask_t3)
+                    tl.store(s_acc_ptrs, s, mask=mask_t3)
+                    if HAS_Z:
+                        tl.store(y_acc_ptrs, y, mask=mask_t3)
+                else:
+                    # Last block: finish the per-channel gradients. u, dy, z and delta are reloaded
+                    # (L1 hits from the top of this step) rather than kept live through the scans.
+                    u = tl.load(u_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+                    dy = tl.load(dy_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+                    if HAS_Z:
+                        z = tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
+                        if HAS_D:
+                            y += tl.load(D_ptr + d).to(tl.float32) * u
+                        sig_z = tl.sigmoid(z)
+                        dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
+                        tl.store(dz_ptr + d * stride_dz_d + t3 * stride_dz_l, dz.to(dz_ptr.dtype.element_ty),
+                                 mask=mask_t3)
+                    du = q * dt
+                    if HAS_D:
+                        du += tl.load(D_ptr + d).to(tl.float32) * g
+                        tl.store(dD_part_ptr + part_off + d, tl.sum(g * u))
+                    ddt = q * u + s * (1.0 / LOG2E)
+                    if DELTA_SOFTPLUS:
+                        # softplus'(x) = sigmoid(x), which rounds to 1 past torch's threshold of 20.
+                        x = tl.load(delta_ptrs, mask=mask_t3, other=0.0).to(tl.float32) + bias
+                        ddt *= tl.sigmoid(x)
+                    ddt = tl.where(mask_t3, ddt, 0.0)
+                    if HAS_DELTA_BIAS:
+                        tl.store(ddb_part_ptr + part_off + d, tl.sum(ddt))
+                    tl.store(du_ptr + d * stride_du_d + t3 * stride_du_l, du.to(du_ptr.dtype.element_ty), mask=mask_t3)
+                    tl.store(ddelta_ptr + d * stride_ddelta_d + t3 * stride_ddelta_l,
+                             ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_t3)
+            # The slice's first group writes its rows, later groups add to them.
+            dB_ptrs = dB_part_ptr + bc_part + n3 * L
+            dC_ptrs = dC_part_ptr + bc_part + n3 * L
+            if d0 != d_start:
+                dB_acc += tl.load(dB_ptrs, mask=mask_nt, other=0.0)
+                dC_acc += tl.load(dC_ptrs, mask=mask_nt, other=0.0)
+            tl.store(dB_ptrs, dB_acc, mask=mask_nt)
+            tl.store(dC_ptrs, dC_acc, mask=mask_nt)
+            # The running sums and dB/dC rows stored above are read at the next block or group,
+            # possibly by another warp when tiles span several (a row reduced over columns is
+            # replicated across warps, and only one of them stores it). One barrier per block.
+            tl.debug_barrier()
 
 
 def _num_sms(device: torch.device) -> int:
@@ -666,12 +694,21 @@ class Tiles(NamedTuple):
     # (``_chunk_bwd_nblock_kernel``; one channel per step, so ``block_d`` is 1).
     variant: str = "column"
     nb: int = 1  # state columns per block of the "nblock" variant
+    group_d: int = 1  # "nblock": channels per pass over the column blocks
 
 
 _VARIANTS = ("column", "nblock")
 # "nblock" tiles are [nb, chunk / 4, 4]; a warp per 16 elements per thread keeps them at the
 # "column" kernel's ~4 elements per thread per [1, chunk] tile for nb = 4.
 _NBLOCK_ELEMS_PER_THREAD = 16
+# "nblock" channels per pass over the column blocks: 8 x 128 steps x 28 B (u, delta, dy, z and
+# three fp32 running sums) per resident program, ~30 MB over the H200's 1056 one-warp programs,
+# keeps the re-reads in its 50 MB L2.
+_NBLOCK_GROUP_D = 8
+# Resident one-warp "nblock" programs per SM at nb = 4 (~250 registers; sm_90, triton 3.6), and
+# the waves of them its grid aims for.
+_NBLOCK_WARPS_PER_SM = 8
+_NBLOCK_WAVES = 4
 
 
 def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.device, **overrides) -> Tiles:
@@ -692,18 +729,22 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
             raise ValueError(f"selective_scan_bwd: tiles nb must be a power of two, got {nb}")
         block_d = 1
         num_warps = overrides.get("num_warps") or _warps_for(nb * chunk, _NBLOCK_ELEMS_PER_THREAD)
+        group_d = overrides.get("group_d") or _NBLOCK_GROUP_D
     else:
-        nb = 1
+        nb = group_d = 1
         block_d = overrides.get("block_d") or min(_BLOCK_D, dpg)
         num_warps = overrides.get("num_warps") or _warps_for(block_d * chunk, _STEPS)
     n_chunks = triton.cdiv(L, chunk)
     # dB/dC are reduced through one (batch, G, N, L) partial per channel slice. Capping the
     # slices at an eighth of the channels keeps those partials far below a (batch, dim, L, N)
     # tensor even for narrow layers, where filling the SMs alone would give every channel one.
-    splits = overrides.get("num_splits") or min(
-        triton.cdiv(_WARPS_PER_SM * sms, num_warps * n_chunks * batch * G), triton.cdiv(dim_per_group, block_d),
-        max(1, dim_per_group // 8),
-    )
+    if variant == "nblock":
+        # ~250 registers: 8 one-warp programs per SM. Whole waves (rounded down, so no last wave
+        # of a few programs doubles the time), several of them to even out the programs' ends.
+        fill = max(1, _NBLOCK_WAVES * (_NBLOCK_WARPS_PER_SM * sms // num_warps) // (n_chunks * batch * G))
+    else:
+        fill = triton.cdiv(_WARPS_PER_SM * sms, num_warps * n_chunks * batch * G)
+    splits = overrides.get("num_splits") or min(fill, triton.cdiv(dim_per_group, block_d), max(1, dim_per_group // 8))
     # Each slice is a whole number of channel blocks, so only a group's last block is ragged.
     per_split = triton.cdiv(triton.cdiv(dim_per_group, splits), block_d) * block_d
     return Tiles(
@@ -715,6 +756,7 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         num_warps=num_warps,
         variant=variant,
         nb=nb,
+        group_d=group_d,
     )
 
 
@@ -829,7 +871,7 @@ def selective_scan_bwd(
         _chunk_bwd_nblock_kernel[(n_chunks, batch, G * num_splits)](
             dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part, q_acc, s_acc, y_acc,
-            batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
+            batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits, cfg.group_d,
             *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
             *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
             *q_acc.stride(), *s_acc.stride(), *strides(y_acc, 3),
