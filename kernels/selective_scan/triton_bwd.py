@@ -20,7 +20,10 @@ transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the ch
    loops over many channels of ONE group, it sums their dB/dC into rows of a per-slice
    partial that it alone owns; dA, dD and ddelta_bias are written per (batch, chunk).
    The launcher reduces all partials with a fixed-order ``torch.sum``: no atomics, the same
-   bits on every run.
+   bits on every run. ``_chunk_bwd_nblock_kernel`` (``Tiles.variant = "nblock"``, not the
+   default) is the same step with the loops swapped, blocks of state columns outside the
+   channel loop, so dB/dC are summed over channels in registers (benchmarks/NOTES_scan_bwd.md,
+   "H17").
 
 The chunk kernels work on [channels, chunk] tiles ([channels, chunk / 4, 4] in the second one)
 and loop over the N state columns, so sums
