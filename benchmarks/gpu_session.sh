@@ -37,6 +37,7 @@ for s in "$@"; do
         sweep) step sweep python3 benchmarks/bench_scan.py --sweep-named ;;
         bwd) step bwd python3 benchmarks/bench_scan_bwd.py ;;
         bwdsweep) step bwdsweep python3 benchmarks/bench_scan_bwd.py --sweep --baselines ;;
+        bwdnblock) step bwdnblock python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match nblock ;;
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
         e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} ;;
         fusion) step fusion python3 benchmarks/bench_fusion.py --quick ;;
