@@ -266,6 +266,9 @@ def test_is_exporting_is_false_under_ssm_and_other_backends_keep_their_torch(fol
     torch._dynamo.reset()
     assert torch.equal(torch.compile(_branch_on_exporting, backend=backend(inductor=False))(x), x + 0.0)
     torch._dynamo.reset()
+    # torch.compile's options wrapper around the entry point is seen through as well.
+    assert torch.equal(torch.compile(_branch_on_exporting, backend="ssm", options={"fuse": "split"})(x), x + 0.0)
+    torch._dynamo.reset()
     # Another backend in the same process still sees its torch's (folded) answer.
     assert torch.equal(torch.compile(_branch_on_exporting, backend="eager")(x), x + 1.0)
 
