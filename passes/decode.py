@@ -25,11 +25,32 @@ state_update::
     y = torch.matmul(h.to(C.dtype), C.unsqueeze(-1)).squeeze(-1)  # or (h * C[:, None, :]).sum(-1)
     y = ((y + x * D) * F.silu(z)).to(x.dtype)                     # skip, gate, cast optional
 
+Other code spells the same steps differently, so both families match what a step computes:
+
+* state_update: the new state ``h = read(state) * decay + addend`` (also ``torch.addcmul``) is
+  written with ``state.copy_(h)``, with ``state.mul_(dA).add_(dBx)`` (or ``*=``/``+=``), or not
+  at all (a step that returns its new state: the op then updates a clone). The decay and the
+  input term are proved with ``discretize.index_term``, the evaluator the scan passes use:
+  ``decay == exp(dt[b, c] · A[c, n])`` and ``addend == dt[b, c] · B[b, n] · x[b, c]`` with the same
+  dt, whatever mix of ``[..., None]``/``unsqueeze``/einsum/casts spells it; B may be a user's
+  product (Jamba's normed B) or grouped (``repeat_interleave`` over channels). The readout is any
+  ``y[b, c] = Σ_n h[b, c, n] · C[b, n]`` (matmul, einsum, mul-sum) of ``h`` or of the state read
+  back after the write (mamba_ssm's ``selective_state_update_ref``). The channel c is one axis
+  (dim), or two (heads, headdim) that the op takes flattened: mamba_ssm's layout with a heads
+  axis is Mamba-1 with dim = heads * headdim per (head, channel) pair.
+* conv_update, window forms: the state is rolled by ``conv_state.copy_(torch.roll(conv_state,
+  -1, -1)); conv_state[..., -1] = x`` (mamba_simple's ``step``), by ``conv_state.copy_(torch.cat(
+  [conv_state[..., 1:], x[..., None]], -1))``, or that cat is returned instead of written
+  (mamba.py's ``step``: the op then updates a clone). The output is ``Σ_k w[d, k] · window[b, d, k]``
+  (mul-sum or einsum, ``+ b``) of a window of W = S inputs, or ``conv1d(cat([conv_state, x]), w,
+  b, padding=P)[..., t]`` at the t whose taps are the last W inputs.
+
 Each rewrite emits one op at the place of the pattern's last node, so the op's single read and
 write of the state lands later than the original ones. That is sound only if nothing else
 touches the state: the check functions demand that the state's only users are the pattern's
-read and its ``copy_``. Casts are looked through: the ops accumulate in fp32, which is at least
-as precise as any cast chain they replace (each rewrite records the casts it dropped).
+read, its writes and its one readout after them. Casts are looked through: the ops accumulate
+in fp32, which is at least as precise as any cast chain they replace (each rewrite records the
+casts it dropped).
 
 The prefill step is not handled here: its ``mamba_selective_scan(..., return_last_state=True)``
 is the scan passes' pattern (they emit ``ssm.selective_scan(..., return_last_state=True)``), and
@@ -231,7 +252,8 @@ def _roles(state: torch.fx.Node) -> tuple[str, ...]:
 class Update:
     """Where a step writes ``h = read(state) * decay + addend`` and how.
 
-    ``form`` is ``"copy_"`` (``state.copy_(h)``), ``"in-place"`` (``state.mul_(decay).add_(addend)``:
+    ``form`` is ``"copy_"`` (``state.copy_(h)``), ``"in-place"`` (``state.mul_(decay).add_(addend)``,
+    also as two statements or ``*=`` / ``+=``:
     ``h`` is None, the state itself holds the new value) or ``"returned"`` (``h`` is a new tensor
     and the state is not written: the op then updates a clone). ``reader`` is the node that reads
     the old state; ``writes`` are the in-place nodes the op replaces.
@@ -298,7 +320,18 @@ def _linear_inside(value: Any, state: torch.fx.Node, limit: int = 16) -> torch.f
     return None
 
 
-def find_update(node: torch.fx.Node) -> Update | None:
+def _writes(node: torch.fx.Node) -> bool:
+    """``node`` writes its first argument (``copy_``, ``mul_``, ``+=``, ``t[i] = v``)."""
+    return ((node.op == "call_method" and node.target.endswith("_"))
+            or is_call(node, operator.setitem, operator.iadd, operator.imul, operator.isub, operator.itruediv))
+
+
+def _in_place(node: Any, method: str, op: Any) -> bool:
+    """``node`` is ``a.method(b)`` or ``a op= b`` (``operator.iadd``), with no other arguments."""
+    return ((is_method(node, method) or is_call(node, op)) and len(node.args) == 2 and not node.kwargs)
+
+
+def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update | None:
     """The state update anchored at ``node`` (a ``copy_``, an ``add_`` or a sum), or None.
 
     Raises ``Miss`` for a write into a 3-D state of a function of a linear update that is not
@@ -316,18 +349,24 @@ def find_update(node: torch.fx.Node) -> Update | None:
             return None
         _, reader, casts, decay, addend = split
         return Update("copy_", state, h, reader, casts, decay, addend, [node])
-    if (is_method(node, "add_") and len(node.args) == 2 and not node.kwargs and is_method(node.args[0], "mul_")
-            and len(node.args[0].args) == 2 and not node.args[0].kwargs and _is_state(node.args[0].args[0])):
+    if _in_place(node, "add_", operator.iadd):
         mul = node.args[0]
-        return Update("in-place", mul.args[0], None, mul, [], mul.args[1], node.args[1], [mul, node])
+        if not _in_place(mul, "mul_", operator.imul):
+            # ``state.mul_(dA); state.add_(dBx)``: the state's use right before the add_.
+            earlier = [n for n in mul.users if order[n] < order[node]] if isinstance(mul, torch.fx.Node) else []
+            mul = max(earlier, key=order.__getitem__) if earlier else None
+            if not (_in_place(mul, "mul_", operator.imul) and mul.args[0] is node.args[0]):
+                return None
+        if _is_state(mul.args[0]):
+            return Update("in-place", mul.args[0], None, mul, [], mul.args[1], node.args[1], [mul, node])
+        return None
     if is_call(node, *_ADD, torch.addcmul) or is_method(node, "add", "addcmul"):
         split = _split_update(node, _is_graph_input)
         if split is None:
             return None
         state, reader, casts, decay, addend = split
-        copy = _copy_into(node)
-        if copy is not None and copy.args[0] is state:
-            return None  # the copy_ anchor
+        if any(_writes(user) for user in state.users):
+            return None  # a step that writes its state: the copy_ / in-place anchors' business
         exp_node = _peel(decay)[0]
         if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
             return None  # some other sum with an input in it: no sign of a decode step
@@ -575,11 +614,11 @@ def _new_state_reads(u: Update, order: dict) -> list[tuple[torch.fx.Node, torch.
     return reads
 
 
-def match_state_update(u: Update) -> dict[str, Any]:
-    """The decode step around update ``u``: discretisation, readout and tail, or ``Miss``."""
+def match_state_update(u: Update, order: dict[torch.fx.Node, int]) -> dict[str, Any]:
+    """The decode step around update ``u``: discretisation, readout and tail, or ``Miss``.
+    ``order`` is the graph's node order (``fx_utils.node_order``)."""
     m = _prove_discretization(u)
     dt_raw, dt_bias, dt_softplus, dt_casts = _peel_dt(m["dt"])
-    order = node_order(u.reader.graph)
     if u.writes:
         before = [n for n in u.state.users if n is not u.reader and n not in u.writes
                   and order[n] < order[u.writes[-1]]]
@@ -626,6 +665,8 @@ def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict
             nodes.append(nxt)
             continue
         add = _operands(nxt, (*_ADD, operator.iadd), "add")
+        if add is not None and is_call(nxt, operator.iadd) and add[0] is not node:
+            add = None  # ``other += y`` writes other, not the readout's own fresh result
         if add is not None and D is None and z is None and node in add:
             other = add[1] if add[0] is node else add[0]
             skip = _operands(_peel(other)[0], _MUL, "mul")
@@ -731,14 +772,15 @@ def _erase_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
 
 def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
+    order = node_order(graph)
     for node in list(graph.nodes):
-        if node.graph is not graph:
+        if node not in order:
             continue  # erased by an earlier rewrite
         try:
-            u = find_update(node)
+            u = find_update(node, order)
             if u is None:
                 continue
-            m = match_state_update(u)
+            m = match_state_update(u, order)
         except Miss as miss:
             ctx.miss(STATE_FAMILY, str(miss), [node])
             continue
@@ -778,6 +820,7 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if u.form == "returned":
             u.h.replace_all_uses_with(state)
         _erase_unused(graph, m["chain"] + [m["readout_first"], last] + u.writes)
+        order = node_order(graph)
         ctx.rewrite(STATE_FAMILY, f"state*exp(dt*A)+dt*B*x ({u.form}); C-readout"
                     + ("+D*x" if m["D"] is not None else "") + ("*silu(z)" if m["z"] is not None else ""),
                     [node, last], "ssm.selective_state_update",
@@ -957,7 +1000,41 @@ def _is_last_position(index: Any, S: Any) -> bool:
     return False
 
 
-def find_window_write(copy: torch.fx.Node) -> dict[str, Any] | None:
+def _shifted_window(cat: Any, is_state) -> dict[str, Any] | None:
+    """``torch.cat([conv_state[..., 1:], x[..., None]], -1)``: the window after one new input.
+
+    None if ``cat`` does not start with a slice of the last axis of a tensor ``is_state`` accepts;
+    ``Miss`` if it does but drops or appends something else.
+    """
+    if not is_call(cat, torch.cat):
+        return None
+    pieces = cat.args[0] if cat.args and isinstance(cat.args[0], (list, tuple)) else None
+    dim_arg = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+    if not pieces or dim_arg not in (-1, 2):
+        return None
+    first = _peel(pieces[0])[0]
+    if not is_call(first, operator.getitem) or _tensor(first.args[0]) is None or _tensor(first.args[0]).dim() != 3:
+        return None
+    cs = first.args[0]
+    S = _tensor(cs).shape[2]
+    keep = _last_axis_slice(first.args[1])
+    if keep is None or not is_state(cs):
+        return None
+    if len(pieces) != 2:
+        raise Miss(f"the new window is a cat of {len(pieces)} pieces, not conv_state[..., T:] and the new input")
+    x3 = pieces[1]
+    xv = _tensor(x3)
+    if keep.stop is not None or keep.step not in (None, 1) or not isinstance(keep.start, int):
+        raise Miss(f"the new window keeps conv_state[{first.args[1]!r}], not its last inputs")
+    if xv is None or xv.dim() != 3 or not _same(xv.shape[2], 1):
+        raise Miss(f"the new window appends {None if xv is None else tuple(xv.shape)}, not one input (batch, dim, 1)")
+    dropped = keep.start + S if keep.start < 0 and isinstance(S, int) else keep.start
+    if dropped != 1:
+        raise Miss(f"the window drops {dropped} old inputs but appends 1 new input")
+    return dict(cs=cs, S=S, x=_unsqueezed(x3, -1), x3=x3, reads=[first], window=cat)
+
+
+def find_window_write(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) -> dict[str, Any] | None:
     """A window roll ending in ``copy`` (``conv_state.copy_(...)``): x (batch, dim), the old-state
     reads and the writes; None if ``copy`` is not one, ``Miss`` if it nearly is."""
     cs = copy.args[0]
@@ -966,27 +1043,9 @@ def find_window_write(copy: torch.fx.Node) -> dict[str, Any] | None:
         return None
     S = sv.shape[2]
     src, _ = _peel(copy.args[1])
-    if is_call(src, torch.cat):
-        pieces = src.args[0] if src.args and isinstance(src.args[0], (list, tuple)) else None
-        dim_arg = src.kwargs.get("dim", src.args[1] if len(src.args) > 1 else 0)
-        if not pieces or dim_arg not in (-1, 2):
-            return None
-        first = _peel(pieces[0])[0]
-        if not (is_call(first, operator.getitem) and first.args[0] is cs):
-            return None
-        keep = _last_axis_slice(first.args[1])
-        if len(pieces) != 2:
-            raise Miss(f"the new window is a cat of {len(pieces)} pieces, not conv_state[..., T:] and the new input")
-        x3 = pieces[1]
-        xv = _tensor(x3)
-        if keep is None or keep.stop is not None or keep.step not in (None, 1) or not isinstance(keep.start, int):
-            raise Miss(f"the new window keeps conv_state[{first.args[1]!r}], not its last inputs")
-        if xv is None or xv.dim() != 3 or not _same(xv.shape[2], 1):
-            raise Miss(f"the new window appends {None if xv is None else tuple(xv.shape)}, not one input (batch, dim, 1)")
-        if keep.start != 1:
-            raise Miss(f"the window drops {keep.start} old inputs but appends 1 new input")
-        x = _unsqueezed(x3, -1)
-        return dict(cs=cs, S=S, x=x, x3=x3, reads=[first], writes=[copy], window=src)
+    shifted = _shifted_window(src, lambda n: n is cs)
+    if shifted is not None:
+        return {**shifted, "writes": [copy], "form": "copy_"}
     roll = _shift(src)
     if roll is None or src.args[0] is not cs:
         return None
@@ -994,7 +1053,6 @@ def find_window_write(copy: torch.fx.Node) -> dict[str, Any] | None:
     if dims not in (-1, 2) or not isinstance(shifts, int):
         raise Miss(f"the window is rolled with shifts={shifts!r}, dims={dims!r}, not along its last axis")
     sets = [n for n in cs.users if is_call(n, operator.setitem) and len(n.args) == 3 and _is_last_position(n.args[1], S)]
-    order = node_order(copy.graph)
     after = [n for n in sets if order[n] > order[copy]]
     if not after:
         raise Miss("the rolled window is not followed by conv_state[..., -1] = x")
@@ -1005,31 +1063,40 @@ def find_window_write(copy: torch.fx.Node) -> dict[str, Any] | None:
     x = setitem.args[2]
     if _tensor(x) is None or _tensor(x).dim() != 2:
         return None
-    return dict(cs=cs, S=S, x=x, x3=None, reads=[src], writes=[copy, setitem], window=None)
+    return dict(cs=cs, S=S, x=x, x3=None, reads=[src], writes=[copy, setitem], window=None, form="roll")
+
+
+def _window_readout_at(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.Node | None:
+    """The weight w if ``node`` computes ``y[b, d] = Σ_k src[b, d, k] · w[d, k]``, else None."""
+    term = index_term(node, stop=[src], allow_sum=True)
+    if term is None or term.exp_of is not None or term.sign != 1 or len(term.factors) != 2:
+        return None
+    mine = [f for f in term.factors if f.node is src]
+    labels = term.factor_labels(mine[0]) if len(mine) == 1 else ()
+    if len(set(labels)) != 3:
+        return None
+    role = RoleMap(labels, ("b", "d", "k"), tuple(_tensor(src).shape))
+    if (not _fits(_label_roles(term.out_labels(), _tensor(node).shape, role), ("b", "d"), role)
+            or term.summed_labels() != {labels[2]}):
+        return None
+    return _value_with_roles(term, [f for f in term.factors if f is not mine[0]], role, ("d", "k"))
 
 
 def _match_window_readout(user: torch.fx.Node, src: torch.fx.Node) -> dict[str, Any] | None:
-    """``(src * w).sum(-1)`` (casts of src looked through), then ``+ b``, silu and casts."""
-    node, nodes = user, []
-    if _is_cast_of(user, src):
-        node, casts = _follow_casts(user)
-        nodes = [user, *casts]
+    """``Σ_k src[..., k] · w[:, k]`` (mul-sum, einsum, casts of src looked through) from ``user`` on,
+    then ``+ b``, silu and casts."""
+    node, nodes, weight = user, [], None
+    for _ in range(4):
+        nodes.append(node)
+        weight = _window_readout_at(node, src)
+        if weight is not None:
+            break
         node = _single_user(node)
-    pair = _operands(node, _MUL, "mul")
-    if pair is None:
+        if node is None:
+            return None
+    if weight is None:
         return None
-    read = nodes[-1] if nodes else src
-    if read not in pair:
-        return None
-    weight = _peel(pair[1] if pair[0] is read else pair[0])[0]
-    red = _single_user(node)
-    if (_tensor(weight) is None or _tensor(weight).dim() != 2 or red is None
-            or not (is_method(red, "sum") or is_call(red, torch.sum))
-            or (red.args[1:] or (red.kwargs.get("dim"),)) not in ((-1,), (2,))
-            or red.kwargs.get("keepdim", False) or set(red.kwargs) - {"dim", "keepdim"}):
-        return None
-    nodes += [node, red]
-    end, bias, activation = red, None, None
+    end, bias, activation = node, None, None
     nxt = _single_user(end)
     add = _operands(nxt, _ADD, "add") if nxt is not None else None
     if add is not None and end in add:
@@ -1048,13 +1115,90 @@ def _match_window_readout(user: torch.fx.Node, src: torch.fx.Node) -> dict[str, 
     return dict(weight=weight, bias=bias, activation=activation, last=end, nodes=nodes)
 
 
-def match_window_update(copy: torch.fx.Node) -> dict[str, Any] | None:
+def _is_window_input(node: Any) -> bool:
+    """A 3-D conv state from outside the graph that the graph never writes (a step that returns
+    its new window instead, as mamba.py's ``MambaBlock.step`` does)."""
+    return (isinstance(node, torch.fx.Node) and node.op in ("placeholder", "get_attr") and _tensor(node) is not None
+            and _tensor(node).dim() == 3 and not any(_writes(user) for user in node.users))
+
+
+def _match_full_window_conv(full: torch.fx.Node, cs: torch.fx.Node, x3: torch.fx.Node) -> dict[str, Any] | None:
+    """``F.conv1d(torch.cat([cs, x3], -1), w, b, padding=P, groups=dim)[:, :, t]`` at the t whose
+    taps are the last W inputs, then silu and casts: the op's output for the new input."""
+    if not is_call(full, torch.cat) or not full.args or not isinstance(full.args[0], (list, tuple)):
+        return None
+    pieces = full.args[0]
+    if (len(pieces) != 2 or full.kwargs.get("dim", full.args[1] if len(full.args) > 1 else 0) not in (-1, 2)
+            or _peel(pieces[0])[0] is not cs or _peel(pieces[1])[0] is not _peel(x3)[0]):
+        return None
+    window, casts = _follow_casts(full)
+    conv = _single_user(window)
+    if conv is None or not is_call(conv, torch.conv1d, F.conv1d):
+        return None
+    args = dict(zip(_CONV1D_PARAMS, conv.args))
+    args.update(conv.kwargs)
+    w3, dim = _tensor(args.get("weight")), _tensor(cs).shape[1]
+    padding = _single(args.get("padding", 0))
+    if (args.get("input") is not window or w3 is None or w3.dim() != 3 or not _same(w3.shape[0], dim)
+            or not _same(w3.shape[1], 1) or not _same(args.get("groups", 1), dim) or not isinstance(padding, int)
+            or _single(args.get("stride", 1)) != 1 or _single(args.get("dilation", 1)) != 1):
+        return None
+    W, length = w3.shape[2], _tensor(cs).shape[2] + 1
+    if not isinstance(W, int) or not isinstance(length, int):
+        return None
+    sel = _single_user(conv)
+    index = _as_tuple(sel.args[1]) if sel is not None and is_call(sel, operator.getitem) else ()
+    if not (len(index) == 2 and index[0] is Ellipsis or len(index) == 3 and index[:2] == (slice(None), slice(None))):
+        return None
+    t, out_len = index[-1], length + 2 * padding - W + 1
+    if not isinstance(t, int) or isinstance(t, bool) or not -out_len <= t < out_len:
+        return None
+    if t % out_len != length - W + padding:
+        raise Miss(f"the conv output is read at position {t % out_len}, not {length - W + padding}, the one whose "
+                   "taps are the last W inputs (the new one last)")
+    end, tail = _follow_casts(sel)
+    nodes = [full, *casts, conv, sel, *tail]
+    activation = None
+    nxt = _single_user(end)
+    if nxt is not None and is_call(nxt, *_SILU) and len(nxt.args) == 1 and not nxt.kwargs:
+        activation = "silu"
+        end, tail = _follow_casts(nxt)
+        nodes += [nxt, *tail]
+    return dict(weight=args["weight"], bias=args.get("bias"), activation=activation, last=end, nodes=nodes, W=W)
+
+
+def match_returned_window(cat: torch.fx.Node, order: dict[torch.fx.Node, int]) -> dict[str, Any] | None:
+    """A step that returns its new window ``cat([cs[..., 1:], x[..., None]], -1)`` and computes its
+    output from the window (``(window * w).sum(-1)``) or from ``conv1d(cat([cs, x]))``; None if
+    ``cat`` is no such window or nothing reads the output out, ``Miss`` if one nearly is."""
+    try:
+        m = _shifted_window(cat, _is_window_input)
+    except Miss:
+        return None  # a cat of some input's slice, with no sign of a decode step
+    if m is None:
+        return None
+    cs = m["cs"]
+    found = [(user, r) for user in cat.users for r in [_match_window_readout(user, cat)] if r is not None]
+    found = [(user, {**r, "W": m["S"]}) for user, r in found]
+    found += [(user, r) for user in cs.users if user is not m["reads"][0]
+              for r in [_match_full_window_conv(user, cs, m["x3"])] if r is not None]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise Miss(f"the new input is read out {len(found)} times ({[user.name for user, _ in found]})")
+    first, r = found[0]
+    early = [user.name for user in cat.users if user is not first and order[user] < order[r["last"]]]
+    if early:
+        raise Miss(f"the new window is used by {early} before the step's output is complete")
+    return {**m, **r, "first": first, "writes": [], "form": "returned"}
+
+
+def match_window_update(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) -> dict[str, Any] | None:
     """A window roll (``find_window_write``) and its one readout, or None / ``Miss``."""
-    m = find_window_write(copy)
+    m = find_window_write(copy, order)
     if m is None:
         return None
     cs, written = m["cs"], m["writes"][-1]
-    order = node_order(copy.graph)
     before = [n for n in cs.users if n not in m["reads"] + m["writes"] and order[n] < order[written]]
     if before:
         raise Miss(f"the conv state is also used by {[n.name for n in before]} before its update: moving the "
@@ -1068,20 +1212,24 @@ def match_window_update(copy: torch.fx.Node) -> dict[str, Any] | None:
         raise Miss(f"the new window is used by {[user.name for _, user in reads]}, not by exactly one "
                    "(window * weight).sum(-1) readout")
     src, first, r = found[0]
-    return {**m, **r, "first": first}
+    return {**m, **r, "first": first, "W": m["S"]}
 
 
 def check_window_update(m: dict[str, Any]) -> str | None:
-    """The weight covers the whole window (W = S), widths and dtypes the op takes; else why not."""
-    S, weight = m["S"], _tensor(m["weight"])
+    """The weight's taps line up with the window, widths and dtypes the op takes; else why not."""
+    S, W, weight = m["S"], m["W"], _tensor(m["weight"])
     dim = _tensor(m["cs"]).shape[1]
-    if not (_same(weight.shape[0], dim) and _same(weight.shape[1], S)):
-        return f"the weight has shape {tuple(weight.shape)}, expected (dim, S) = ({dim}, {S}): one tap per window slot"
-    if not isinstance(S, int) or not MIN_W <= S <= MAX_W:
-        return f"kernel width W={S} unsupported (the op takes {MIN_W} <= W <= {MAX_W})"
+    expect = (dim, W) if weight.dim() == 2 else (dim, 1, W)
+    if not _same_shape(m["weight"], expect):
+        return f"the weight has shape {tuple(weight.shape)}, expected {expect}: one tap per window slot"
+    if not isinstance(W, int) or not MIN_W <= W <= MAX_W:
+        return f"kernel width W={W} unsupported (the op takes {MIN_W} <= W <= {MAX_W})"
+    if not statically_known_true(S >= W - 1):
+        return f"the state holds S={S} inputs, fewer than W-1={W - 1}"
     for name in ("x", "cs", "weight", "bias"):
-        t = _tensor(m[name]) if m[name] is not None else None
-        if m[name] is not None and (t is None or t.dtype not in SUPPORTED_DTYPES):
+        node = m["x3"] if name == "x" and m["x"] is None else m[name]
+        t = _tensor(node) if node is not None else None
+        if node is not None and (t is None or t.dtype not in SUPPORTED_DTYPES):
             return f"{name} has dtype {None if t is None else t.dtype}, not one of fp32/bf16/fp16"
     if m["bias"] is not None and not _same_shape(m["bias"], (dim,)):
         return f"bias has shape {tuple(_tensor(m['bias']).shape)}, expected ({dim},)"
@@ -1090,22 +1238,35 @@ def check_window_update(m: dict[str, Any]) -> str | None:
 
 def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
-    for copy in list(graph.nodes):
-        if copy.graph is not graph or not (is_method(copy, "copy_") and len(copy.args) == 2 and not copy.kwargs):
-            continue
+    order = node_order(graph)
+    for node in list(graph.nodes):
+        if node not in order:
+            continue  # erased by an earlier rewrite
         try:
-            m = match_window_update(copy)
+            if is_method(node, "copy_") and len(node.args) == 2 and not node.kwargs:
+                m = match_window_update(node, order)
+            elif is_call(node, torch.cat):
+                m = match_returned_window(node, order)
+            else:
+                continue
         except Miss as miss:
-            ctx.miss(CONV_FAMILY, str(miss), [copy])
+            ctx.miss(CONV_FAMILY, str(miss), [node])
             continue
         if m is None:
             continue
         reason = check_window_update(m)
         if reason is not None:
-            ctx.miss(CONV_FAMILY, reason, [copy])
+            ctx.miss(CONV_FAMILY, reason, [node])
             continue
         last = m["last"]
         out_dtype = _tensor(last).dtype
+        cs = m["cs"]
+        if m["form"] == "returned":
+            # The step leaves its input window alone (nothing in the graph writes it): the op
+            # updates a copy, taken before the window's first read.
+            with graph.inserting_before(min(m["cs"].users, key=order.__getitem__)):
+                cs = graph.call_method("clone", (m["cs"],))
+                propagate_val(cs)
         with graph.inserting_before(last):
             x = m["x"]
             if x is None:
@@ -1113,20 +1274,25 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 x = graph.call_method("squeeze", (m["x3"], -1))
                 propagate_val(x)
             x = _widen_for(graph, x, out_dtype)
+            weight = m["weight"] if _tensor(m["weight"]).dim() == 2 else depthwise_weight(graph, m["weight"])
             op = graph.call_function(torch.ops.ssm.causal_conv1d_update.default,
-                                     (x, m["cs"], m["weight"], m["bias"], m["activation"]))
+                                     (x, cs, weight, m["bias"], m["activation"]))
             propagate_val(op)
             result = _cast_to(graph, op, out_dtype)
-        if "stack_trace" in copy.meta:
-            op.meta["stack_trace"] = copy.meta["stack_trace"]
+        if "stack_trace" in node.meta:
+            op.meta["stack_trace"] = node.meta["stack_trace"]
         last.replace_all_uses_with(result)
+        if m["form"] == "returned":
+            m["window"].replace_all_uses_with(cs)
         _erase_unused(graph, m["nodes"] + [m["first"], last] + m["writes"])
-        ctx.rewrite(CONV_FAMILY, ("roll; window[-1] = x" if m["window"] is None else "cat(window[1:], x)")
-                    + "; (window * w).sum(-1)" + ("+b" if m["bias"] is not None else "")
-                    + ("+silu" if m["activation"] else ""),
-                    [copy, last], "ssm.causal_conv1d_update",
-                    {"W": int(m["S"]), "S": int(m["S"]), "activation": m["activation"],
-                     "bias": m["bias"] is not None, "form": "window"})
+        order = node_order(graph)
+        ctx.rewrite(CONV_FAMILY, {"roll": "roll; window[-1] = x", "copy_": "copy_(cat(window[1:], x))",
+                                  "returned": "cat(window[1:], x) returned"}[m["form"]]
+                    + ("; conv1d(cat(window, x))[t]" if _tensor(m["weight"]).dim() == 3 else "; (window * w).sum(-1)")
+                    + ("+b" if m["bias"] is not None else "") + ("+silu" if m["activation"] else ""),
+                    [node, last], "ssm.causal_conv1d_update",
+                    {"W": int(m["W"]), "S": int(m["S"]), "activation": m["activation"],
+                     "bias": m["bias"] is not None, "form": m["form"]})
 
 
 def register(pm: PassManager) -> None:

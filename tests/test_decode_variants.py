@@ -1,0 +1,585 @@
+"""Decode steps (one token per call) the decode passes were not written against.
+
+The decode passes must match by what a step computes, not by HF's spelling: mamba_ssm's
+``selective_state_update_ref`` (the readout reads the state back after ``state.copy_``, ``out +=
+x * D``; with a heads axis too), hand-written steps (the new state returned instead of written,
+written with ``mul_``/``add_``, ``*=``/``+=`` or ``torch.addcmul``), the rolling conv window of
+mamba_simple's ``step`` (``torch.roll`` + ``conv_state[..., -1] = x``, or ``cat`` of a slice, read
+out by ``(conv_state * w).sum(-1)``) and mamba.py's ``step`` (the new window returned, the output
+a padded conv1d read at one position). Look-alikes that compute something else must be left
+alone, with a reason in the pass record (and in ``ssm_compile.explain``), and still give eager's
+result bit for bit.
+
+Step cases run only ``passes/decode.py`` (``PassCapture``); the generation cases run every pass
+without inductor (``backend(inductor=False)``): the rewrite is what is under test, and inductor's
+CPU compile would dominate the run time. ``test_step_through_inductor`` covers inductor for the
+forms that add nodes (a clone, flattening views).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch._dynamo.utils import counters
+from utils import TOL, PassCapture, rel_err
+
+from ssm_compile.compiler import backend
+from ssm_compile.kernels.decode import op as decode_op
+from ssm_compile.kernels.decode.reference import causal_conv1d_update_ref, selective_state_update_ref
+from ssm_compile.passes import decode
+from ssm_compile.passes.fx_utils import normalized_graph_str
+from ssm_compile.report import explain
+
+BATCH, DIM, N, W = 2, 6, 4, 4
+HEADS, HEADDIM, GROUPS = 4, 2, 2
+VOCAB = 64
+# HF's decode helpers call lru_cache'd feature probes; dynamo's warning about them is noise here.
+pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    decode_op.register()
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def state_inputs(dtype=torch.float32, heads=False):
+    """Random non-zero step inputs; ``heads`` gives mamba_ssm's (batch, heads, headdim, N) layout."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    chan = (HEADS, HEADDIM) if heads else (DIM,)
+    bc = (BATCH, GROUPS, N) if heads else (BATCH, N)
+    return dict(state=r(BATCH, *chan, N), x=r(BATCH, *chan).to(dtype), dt=r(BATCH, *chan).to(dtype),
+                A=-torch.rand(*chan, N, generator=g) - 0.1, B=r(*bc).to(dtype), C=r(*bc).to(dtype),
+                D=r(*chan), z=r(BATCH, *chan).to(dtype), dt_bias=r(*chan))
+
+
+def conv_inputs(S=W):
+    g = torch.Generator().manual_seed(0)
+    return dict(x=torch.randn(BATCH, DIM, generator=g), conv_state=torch.randn(BATCH, DIM, S, generator=g),
+                weight=torch.randn(DIM, W, generator=g), bias=torch.randn(DIM, generator=g))
+
+
+def run_step(fn, inputs, mutated):
+    """Eager and decode-passes-only compiled runs on separate copies of ``inputs``.
+
+    Returns (eager out, compiled out, eager inputs after, compiled inputs after, capture).
+    """
+    eager_in = {k: v.clone() for k, v in inputs.items()}
+    comp_in = {k: v.clone() for k, v in inputs.items()}
+    cap = PassCapture(decode)
+    out_e = fn(**eager_in)
+    out_c = torch.compile(fn, backend=cap, fullgraph=True)(**comp_in)
+    return out_e, out_c, eager_in, comp_in, cap
+
+
+def as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def misses(cap, family):
+    return [m.reason for m in cap.ctx.misses if m.family == family]
+
+
+def perturbed(model):
+    """Random weights everywhere (HF initialises D, conv bias and norms to constants)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+# --- mamba_ssm's selective_state_update_ref, without einops ---------------------------------
+
+def mamba_ssm_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """mamba_ssm ``ops/triton/selective_state_update.py``'s reference (Mamba-1 layout)."""
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    dt = F.softplus(dt) if dt_softplus else dt
+    dA = torch.exp(dt[:, :, None] * A)
+    dB = dt[..., None] * B[:, None]
+    state.copy_(state * dA + dB * x[..., None])
+    out = torch.einsum("bdn,bn->bd", state.to(C.dtype), C)
+    if D is not None:
+        out += x * D
+    return (out if z is None else out * F.silu(z)).to(x.dtype)
+
+
+REF_CASES = [
+    pytest.param(dict(dt_bias=True, dt_softplus=True, D=True, z=True), torch.float32, id="bias-softplus-D-z-fp32"),
+    pytest.param(dict(dt_bias=False, dt_softplus=False, D=False, z=False), torch.float32, id="plain-fp32"),
+    pytest.param(dict(dt_bias=True, dt_softplus=True, D=True, z=False), torch.bfloat16, id="bias-softplus-D-bf16"),
+]
+
+
+@pytest.mark.parametrize("opts, dtype", REF_CASES)
+def test_mamba_ssm_ref_step(opts, dtype):
+    inp = state_inputs(dtype)
+    for name in ("dt_bias", "D", "z"):
+        if not opts[name]:
+            inp.pop(name)
+
+    def step(**kw):
+        return mamba_ssm_ref(**kw, dt_softplus=opts["dt_softplus"])
+
+    y_e, y_c, e_in, c_in, cap = run_step(step, inp, "state")
+    assert dict(counters["ssm"]) == {"state_update": 1}, cap.ctx.misses
+    assert "copy_" not in normalized_graph_str(cap.gm)
+    ref = dict(inp)
+    y_ref, s_ref = selective_state_update_ref(ref.pop("state"), **ref, dt_softplus=opts["dt_softplus"])
+    assert y_c.dtype == y_e.dtype == dtype
+    # In bf16 eager rounds the state to bf16 for its readout; the op reads it in fp32, so it is held
+    # to the fp64 reference, and to eager only within bf16 accuracy.
+    assert rel_err(y_c, y_ref) <= TOL[dtype] and rel_err(c_in["state"], s_ref) <= TOL[torch.float32]
+    assert rel_err(y_c, y_e) <= 2 * TOL[dtype]
+    if opts["D"] and dtype == torch.float32:
+        # The readout reads the state back after the copy_ and ``out += x * D`` is in place: all
+        # of it is one op, which writes the state itself.
+        assert_expected_inline(normalized_graph_str(cap.gm), """\
+%arg_1 = placeholder[L_kw_dt_bias_]
+%arg_2 = placeholder[L_kw_dt_]
+%arg_3 = placeholder[L_kw_A_]
+%arg_4 = placeholder[L_kw_B_]
+%arg_5 = placeholder[L_kw_state_]
+%arg_6 = placeholder[L_kw_x_]
+%arg_7 = placeholder[L_kw_C_]
+%arg_8 = placeholder[L_kw_D_]
+%arg_9 = placeholder[L_kw_z_]
+%selective_state_update_1 = torch.ops.ssm.selective_state_update.default(%arg_5, %arg_6, %arg_2, %arg_3, %arg_4, %arg_7, %arg_8, %arg_9, %arg_1, True)
+return (%selective_state_update_1,)
+""")
+
+
+def mamba_ssm_ref_heads(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """mamba_ssm's current reference, einops spelled out: a heads axis, state (b, h, p, n), dt
+    (b, h, p), A (h, p, n), B/C (b, g, n); 3-D inputs are one head (``unsqueeze(1)``). Per (head,
+    channel) pair this is Mamba-1 with dim = h * p and g groups (head h reads group h // (H / g))."""
+    has_heads = state.dim() > 3
+    if not has_heads:
+        state, x, dt, A, B, C, z = (t.unsqueeze(1) if t is not None else None for t in (state, x, dt, A, B, C, z))
+        A = A.squeeze(1).unsqueeze(0)
+        D, dt_bias = (t.unsqueeze(0) if t is not None else None for t in (D, dt_bias))
+    nheads, ngroups = state.shape[1], B.shape[1]
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    dt = F.softplus(dt) if dt_softplus else dt
+    dA = torch.exp(dt[..., None] * A)
+    B = B.repeat_interleave(nheads // ngroups, dim=1)
+    C = C.repeat_interleave(nheads // ngroups, dim=1)
+    dB = dt[..., None] * B[:, :, None, :]
+    state.copy_(state * dA + dB * x[..., None])
+    out = torch.einsum("bhdn,bhn->bhd", state.to(C.dtype), C)
+    if D is not None:
+        out += (x * D).to(out.dtype)
+    out = (out if z is None else out * F.silu(z)).to(x.dtype)
+    return out if has_heads else out.squeeze(1)
+
+
+@pytest.mark.parametrize("heads", [True, False], ids=[f"H{HEADS}-P{HEADDIM}-G{GROUPS}", "3-D-inputs"])
+def test_mamba_ssm_ref_heads_step(heads):
+    inp = state_inputs(heads=heads)
+
+    def step(**kw):
+        return mamba_ssm_ref_heads(**kw, dt_softplus=True)
+
+    y_e, y_c, e_in, c_in, cap = run_step(step, inp, "state")
+    assert dict(counters["ssm"]) == {"state_update": 1}, cap.ctx.misses
+    graph = normalized_graph_str(cap.gm)
+    assert "copy_" not in graph and "repeat_interleave" not in graph
+    # The heads are flattened into channels through views: the op writes the caller's state.
+    flat = {k: (v.flatten(1, 2) if k in ("state", "x", "dt", "z") else v.flatten(0, 1) if k in ("A", "D", "dt_bias")
+                else v) for k, v in inp.items()} if heads else inp
+    y_ref, s_ref = selective_state_update_ref(flat.pop("state"), **flat, dt_softplus=True)
+    assert rel_err(y_c.reshape(y_ref.shape), y_ref) <= TOL[torch.float32]
+    assert rel_err(c_in["state"].reshape(s_ref.shape), s_ref) <= TOL[torch.float32]
+    assert rel_err(y_c, y_e) <= TOL[torch.float32] and rel_err(c_in["state"], e_in["state"]) <= TOL[torch.float32]
+
+
+# --- hand-written steps ----------------------------------------------------------------------
+
+def _disc(x, dt, A, B):
+    return torch.exp(dt.unsqueeze(-1) * A), dt.unsqueeze(-1) * B.unsqueeze(1) * x.unsqueeze(-1)
+
+
+def returned_state(state, x, dt, A, B, C, D, z, dt_bias):
+    """No in-place write: the new state is returned next to y."""
+    dA, dBu = _disc(x, dt, A, B)
+    state = state * dA + dBu
+    y = (state * C[:, None]).sum(-1) + D * x
+    return y * F.silu(z), state
+
+
+def inplace_mul_add(state, x, dt, A, B, C, D, z, dt_bias):
+    dt = F.softplus(dt + dt_bias)
+    dA, dBu = _disc(x, dt, A, B)
+    state.mul_(dA).add_(dBu)
+    return torch.einsum("bdn,bn->bd", state, C)
+
+
+def inplace_statements(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    state.mul_(dA)
+    state.add_(dBu)
+    return (state * C[:, None]).sum(-1) * F.silu(z)
+
+
+def inplace_operators(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    state *= dA
+    state += dBu
+    return torch.einsum("bdn,bn->bd", state, C)
+
+
+def addcmul_copy(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(torch.addcmul(dBu, state, dA))
+    return (state @ C.unsqueeze(-1)).squeeze(-1) + x * D
+
+
+def addcmul_returned(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    h = torch.addcmul(dBu, dA, state)
+    return torch.einsum("bdn,bn->bd", h, C), h
+
+
+@pytest.mark.parametrize("fn", [returned_state, inplace_mul_add, inplace_statements, inplace_operators, addcmul_copy,
+                                addcmul_returned],
+                         ids=["returned", "mul_-add_", "mul_;add_", "*=;+=", "addcmul-copy_", "addcmul-returned"])
+def test_hand_written_state_step(fn):
+    y_e, y_c, e_in, c_in, cap = run_step(fn, state_inputs(), "state")
+    assert dict(counters["ssm"]) == {"state_update": 1}, cap.ctx.misses
+    for o, r in zip(as_tuple(y_c), as_tuple(y_e), strict=True):
+        assert o.shape == r.shape and rel_err(o, r) <= TOL[torch.float32]
+    assert rel_err(c_in["state"], e_in["state"]) <= TOL[torch.float32]
+    # A step that returns its new state must leave the caller's state as it was.
+    if fn in (returned_state, addcmul_returned):
+        assert torch.equal(c_in["state"], state_inputs()["state"])
+
+
+def roll_setitem(x, conv_state, weight, bias):
+    """mamba_simple's ``step``: roll the window, write the new input, dot with the weight."""
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    y = torch.sum(conv_state * weight, dim=-1) + bias
+    return F.silu(y).to(x.dtype)
+
+
+def cat_slice_copy(x, conv_state, weight, bias):
+    conv_state.copy_(torch.cat([conv_state[..., 1:], x[..., None]], -1))
+    return F.silu((conv_state * weight).sum(-1) + bias)
+
+
+def cat_negative_slice(x, conv_state, weight, bias):
+    conv_state.copy_(torch.cat([conv_state[:, :, -(W - 1):], x.unsqueeze(-1)], dim=2))
+    return F.silu((conv_state * weight).sum(-1) + bias)
+
+
+def roll_einsum_conv_weight(x, conv_state, weight, bias):
+    """The window read out by einsum against the conv's own (dim, 1, W) weight, as ``weight[:, 0]``."""
+    conv_state.copy_(conv_state.roll(-1, -1))
+    conv_state[..., -1] = x
+    return torch.einsum("bdw,dw->bd", conv_state, weight.unsqueeze(1)[:, 0]) + bias
+
+
+def cat_slice_window(x, conv_state, weight, bias):
+    """The window itself read out (not the state after the write), no bias, no activation."""
+    window = torch.cat([conv_state[:, :, 1:], x.unsqueeze(-1)], dim=-1)
+    conv_state.copy_(window)
+    return (window * weight).sum(-1)
+
+
+def mambapy_conv_step(x, conv_state, weight, bias):
+    """mamba.py's ``MambaBlock.step``: conv1d (padding W - 1) over cat(inputs, x) read at W - 1; the
+    new window (S = W - 1 inputs) returned, not written."""
+    x_cache = x.unsqueeze(2)
+    y = F.conv1d(torch.cat([conv_state, x_cache], dim=2), weight.unsqueeze(1), bias, padding=W - 1,
+                 groups=DIM)[:, :, W - 1]
+    return F.silu(y), torch.cat([conv_state[:, :, 1:], x_cache], dim=2)
+
+
+def returned_window(x, conv_state, weight, bias):
+    window = torch.cat([conv_state[..., 1:], x[..., None]], -1)
+    return F.silu((window * weight).sum(-1) + bias), window
+
+
+@pytest.mark.parametrize("fn", [roll_setitem, roll_einsum_conv_weight, cat_slice_copy, cat_negative_slice,
+                                cat_slice_window, mambapy_conv_step, returned_window],
+                         ids=["roll-setitem", "roll-einsum", "cat-slice-copy_", "cat-negative-slice", "cat-slice-window",
+                              "mambapy-step", "returned-window"])
+def test_hand_written_conv_step(fn):
+    inp = conv_inputs(S=W - 1 if fn is mambapy_conv_step else W)
+    y_e, y_c, e_in, c_in, cap = run_step(fn, inp, "conv_state")
+    assert dict(counters["ssm"]) == {"conv_update": 1}, cap.ctx.misses
+    for o, r in zip(as_tuple(y_c), as_tuple(y_e), strict=True):
+        assert o.shape == r.shape and rel_err(o, r) <= TOL[torch.float32]
+    assert torch.equal(c_in["conv_state"], e_in["conv_state"])
+    if fn in (mambapy_conv_step, returned_window):
+        assert torch.equal(c_in["conv_state"], inp["conv_state"]) and torch.equal(y_c[1], y_e[1])
+        y_c = y_c[0]
+    if fn is roll_setitem:
+        assert_expected_inline(normalized_graph_str(cap.gm), """\
+%arg_1 = placeholder[L_conv_state_]
+%arg_2 = placeholder[L_x_]
+%arg_3 = placeholder[L_weight_]
+%arg_4 = placeholder[L_bias_]
+%causal_conv1d_update_1 = torch.ops.ssm.causal_conv1d_update.default(%arg_2, %arg_1, %arg_3, %arg_4, 'silu')
+return (%causal_conv1d_update_1,)
+""")
+    activation = None if fn in (cat_slice_window, roll_einsum_conv_weight) else "silu"
+    bias = None if fn is cat_slice_window else inp["bias"]
+    # The op's window is S = W - 1 past inputs; mamba_simple keeps W, the oldest never read.
+    y_ref, _ = causal_conv1d_update_ref(inp["x"], inp["conv_state"][..., -(W - 1):], inp["weight"], bias, activation)
+    assert rel_err(y_c, y_ref) <= TOL[torch.float32]
+
+
+def heads_ref_step(state, x, dt, A, B, C, D, z, dt_bias):
+    return mamba_ssm_ref_heads(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=True)
+
+
+@pytest.mark.parametrize("fn, heads", [(returned_state, False), (heads_ref_step, True)], ids=["returned", "heads"])
+def test_step_through_inductor(fn, heads):
+    """The forms that add graph nodes (a clone of the returned state; the flattening views of the
+    heads) through ``backend="ssm"`` end to end: functionalization and inductor keep the write."""
+    inp = state_inputs(heads=heads)
+    e_in, c_in = ({k: v.clone() for k, v in inp.items()} for _ in range(2))
+    y_e, y_c = fn(**e_in), torch.compile(fn, backend="ssm", fullgraph=True)(**c_in)
+    assert counters["ssm"]["state_update"] == 1
+    for o, r in zip(as_tuple(y_c), as_tuple(y_e), strict=True):
+        assert o.shape == r.shape and rel_err(o, r) <= TOL[torch.float32]
+    assert rel_err(c_in["state"], e_in["state"]) <= TOL[torch.float32]
+    if not heads:
+        assert torch.equal(c_in["state"], inp["state"])
+
+
+class MambaPyStep(torch.nn.Module):
+    """mamba.py's (alxndrTL) ``MambaBlock.step`` and ``ssm_step``, verbatim but for the config:
+    the cache (h, inputs) comes in and the new one is returned, nothing is written in place."""
+
+    def __init__(self, d_model=8, d_state=N, dt_rank=2, d_conv=W):
+        super().__init__()
+        ed = 2 * d_model
+        self.d_state, self.dt_rank, self.d_conv = d_state, dt_rank, d_conv
+        self.in_proj = torch.nn.Linear(d_model, 2 * ed, bias=False)
+        self.conv1d = torch.nn.Conv1d(ed, ed, kernel_size=d_conv, bias=True, groups=ed, padding=d_conv - 1)
+        self.x_proj = torch.nn.Linear(ed, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = torch.nn.Linear(dt_rank, ed, bias=True)
+        self.A_log = torch.nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32).repeat(ed, 1)))
+        self.D = torch.nn.Parameter(torch.randn(ed))
+        self.out_proj = torch.nn.Linear(ed, d_model, bias=False)
+
+    def forward(self, x, h, inputs):
+        xz = self.in_proj(x)
+        x, z = xz.chunk(2, dim=1)
+        x_cache = x.unsqueeze(2)
+        x = self.conv1d(torch.cat([inputs, x_cache], dim=2))[:, :, self.d_conv - 1]
+        x = F.silu(x)
+        y, h = self.ssm_step(x, h)
+        output = self.out_proj(y * F.silu(z))
+        inputs = torch.cat([inputs[:, :, 1:], x_cache], dim=2)
+        return output, h, inputs
+
+    def ssm_step(self, x, h):
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float()
+        delta, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = F.softplus(self.dt_proj(delta))
+        deltaA = torch.exp(delta.unsqueeze(-1) * A)
+        deltaB = delta.unsqueeze(-1) * B.unsqueeze(1)
+        BX = deltaB * (x.unsqueeze(-1))
+        h = deltaA * h + BX
+        y = (h @ C.unsqueeze(-1)).squeeze(2)
+        y = y + D * x
+        return y, h
+
+
+def test_mambapy_block_step():
+    model = perturbed(MambaPyStep())
+    g = torch.Generator().manual_seed(1)
+    x, h, inputs = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 16, N, generator=g), \
+        torch.randn(BATCH, 16, W - 1, generator=g)
+    with torch.no_grad():
+        ref = model(x, h, inputs)
+        out = torch.compile(model, backend=backend(inductor=False), fullgraph=True)(x, h, inputs)
+    assert dict(counters["ssm"]) == {"conv_update": 1, "state_update": 1}
+    for o, r in zip(out, ref, strict=True):
+        assert rel_err(o, r) <= TOL[torch.float32]
+
+
+# --- look-alikes -----------------------------------------------------------------------------
+
+def tanh_update(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(torch.tanh(state * dA + dBu))
+    return (state * C[:, None]).sum(-1)
+
+
+def readout_of_old_state(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    y = torch.einsum("bdn,bn->bd", state, C)
+    state.copy_(state * dA + dBu)
+    return y
+
+
+def readout_of_old_state_returned(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    return torch.einsum("bdn,bn->bd", state, C), state * dA + dBu
+
+
+def A_per_batch(state, x, dt, A, B, C, D, z, dt_bias):
+    """A (batch, N) broadcast over channels: one decay row per sequence, not per channel."""
+    dA = torch.exp(dt[..., None] * B[:, None, :])
+    state.copy_(state * dA + dt[..., None] * C[:, None, :] * x[..., None])
+    return (state * C[:, None]).sum(-1)
+
+
+def A_shared_row(state, x, dt, A, B, C, D, z, dt_bias):
+    """A (N,) shared by every channel."""
+    dA = torch.exp(dt[..., None] * A[0])
+    state.copy_(state * dA + dt[..., None] * B[:, None, :] * x[..., None])
+    return (state * C[:, None]).sum(-1)
+
+
+def tied_dt_per_head(state, x, dt, A, B, C, D, z, dt_bias):
+    """Mamba-2's tied dt: one dt per head, (batch, heads), broadcast over headdim."""
+    dt_head = F.softplus(dt.mean(-1))
+    dA = torch.exp(dt_head[:, :, None, None] * A)
+    state.copy_(state * dA + dt_head[:, :, None, None] * B.repeat_interleave(HEADS // GROUPS, 1)[:, :, None]
+                * x[..., None])
+    return torch.einsum("bhpn,bhn->bhp", state, C.repeat_interleave(HEADS // GROUPS, 1))
+
+
+STATE_LOOK_ALIKES = [
+    pytest.param(tanh_update, "not linear", id="tanh"),
+    pytest.param(readout_of_old_state, "also used", id="readout-before-update"),
+    pytest.param(readout_of_old_state_returned, "readout", id="readout-of-old-state-returned"),
+    pytest.param(A_per_batch, "A has shape", id="A-per-batch"),
+    pytest.param(A_shared_row, "A has shape", id="A-shared-row"),
+    pytest.param(tied_dt_per_head, "dt (axes batch, heads)", id="mamba2-tied-dt"),
+]
+
+
+@pytest.mark.parametrize("fn, reason", STATE_LOOK_ALIKES)
+def test_state_look_alike_left_alone(fn, reason):
+    inp = state_inputs(heads=fn is tied_dt_per_head)
+    y_e, y_c, e_in, c_in, cap = run_step(fn, inp, "state")
+    assert not counters["ssm"], cap.ctx.rewrites
+    assert any(reason in r for r in misses(cap, "state_update")), cap.ctx.misses
+    for o, r in zip(as_tuple(y_c), as_tuple(y_e), strict=True):
+        assert torch.equal(o, r)
+    assert torch.equal(c_in["state"], e_in["state"])
+    # The whole pipeline leaves it alone too, and ssm_compile.explain says why.
+    report = explain(fn, **{k: v.clone() for k, v in inp.items()})
+    assert not report.rewrites and any(reason in m.reason for m in report.misses), report.format(graphs=False)
+
+
+def test_heads_state_that_does_not_flatten_is_left_alone():
+    """(heads, headdim) axes whose strides do not merge: flattening them would copy the state,
+    and the op would update the copy."""
+    inp = state_inputs(heads=True)
+    inp["state"] = inp["state"].transpose(1, 2).contiguous().transpose(1, 2)
+
+    def step(**kw):
+        return mamba_ssm_ref_heads(**kw, dt_softplus=True)
+
+    y_e, y_c, e_in, c_in, cap = run_step(step, inp, "state")
+    assert not counters["ssm"], cap.ctx.rewrites
+    assert any("strides" in r for r in misses(cap, "state_update")), cap.ctx.misses
+    assert torch.equal(y_c, y_e) and torch.equal(c_in["state"], e_in["state"])
+
+
+def roll_two_append_one(x, conv_state, weight, bias):
+    conv_state.copy_(torch.roll(conv_state, shifts=-2, dims=-1))
+    conv_state[:, :, -1] = x
+    return F.silu(torch.sum(conv_state * weight, dim=-1) + bias)
+
+
+def cat_drops_two(x, conv_state, weight, bias):
+    conv_state.copy_(torch.cat([conv_state[..., 2:], x[..., None], x[..., None]], -1))
+    return (conv_state * weight).sum(-1)
+
+
+def readout_before_roll(x, conv_state, weight, bias):
+    y = torch.sum(conv_state * weight, dim=-1) + bias
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    return y
+
+
+def mambapy_step_one_behind(x, conv_state, weight, bias):
+    """mamba.py's step read at W - 2: the taps end one input before the new one."""
+    x_cache = x.unsqueeze(2)
+    y = F.conv1d(torch.cat([conv_state, x_cache], dim=2), weight.unsqueeze(1), bias, padding=W - 1,
+                 groups=DIM)[:, :, W - 2]
+    return F.silu(y), torch.cat([conv_state[:, :, 1:], x_cache], dim=2)
+
+
+CONV_LOOK_ALIKES = [
+    pytest.param(roll_two_append_one, "rolled by 2", id="roll-2-append-1"),
+    pytest.param(cat_drops_two, "cat of 3 pieces", id="cat-drops-2"),
+    pytest.param(readout_before_roll, "before its update", id="readout-before-roll"),
+    pytest.param(mambapy_step_one_behind, "read at position 2, not 3", id="mambapy-step-one-behind"),
+]
+
+
+@pytest.mark.parametrize("fn, reason", CONV_LOOK_ALIKES)
+def test_conv_look_alike_left_alone(fn, reason):
+    y_e, y_c, e_in, c_in, cap = run_step(fn, conv_inputs(S=W - 1 if fn is mambapy_step_one_behind else W), "conv_state")
+    assert not counters["ssm"], cap.ctx.rewrites
+    assert any(reason in r for r in misses(cap, "conv_update")), cap.ctx.misses
+    for o, r in zip(as_tuple(y_c), as_tuple(y_e), strict=True):
+        assert torch.equal(o, r)
+    assert torch.equal(c_in["conv_state"], e_in["conv_state"])
+
+
+# --- HF FalconMamba and Jamba generate() -------------------------------------------------------
+
+def falcon_mamba():
+    import transformers
+
+    cfg = transformers.FalconMambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                         time_step_rank=4, conv_kernel=4)
+    torch.manual_seed(0)
+    return perturbed(transformers.FalconMambaForCausalLM(cfg)), 2
+
+
+def jamba():
+    """Four layers: mamba, attention, mamba, attention; one expert (a dense MLP) everywhere."""
+    import transformers
+
+    cfg = transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        attn_layer_period=2, attn_layer_offset=1, num_experts=1, num_experts_per_tok=1,
+        expert_layer_period=1, expert_layer_offset=0)
+    torch.manual_seed(0)
+    return perturbed(transformers.JambaForCausalLM(cfg)), 2
+
+
+@pytest.mark.parametrize("make", [falcon_mamba, jamba], ids=["falcon-mamba", "jamba"])
+def test_hf_generate_tokens_equal_and_decode_rewritten(make):
+    model, mamba_layers = make()
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def generate(n):
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False)
+
+    eager_short, eager_long = generate(6), generate(10)
+    model.forward = torch.compile(model.forward, backend=backend(inductor=False))
+    short = generate(6)
+    graphs = counters["stats"]["unique_graphs"]
+    frames = counters["frames"]["total"]
+    ssm_after_short = dict(counters["ssm"])
+    long = generate(10)
+    assert torch.equal(short, eager_short) and torch.equal(long, eager_long)
+    # Per token nothing is recompiled: four more tokens add no graph and no frame.
+    assert counters["stats"]["unique_graphs"] == graphs and counters["frames"]["total"] == frames
+    assert dict(counters["ssm"]) == ssm_after_short
+    decode_graphs = ssm_after_short["state_update"] // mamba_layers
+    assert decode_graphs >= 1 and ssm_after_short["state_update"] == decode_graphs * mamba_layers
+    assert ssm_after_short["conv_update"] == ssm_after_short["state_update"]
