@@ -255,8 +255,10 @@ def main():
                 continue
             torch._dynamo.reset()
             model = build(True, dtype).train()
-            run = {"ssm": lambda m: torch.compile(m, backend="ssm"), "eager": lambda m: m}.get(
-                name, lambda m: torch.compile(m if torch_path == "assoc" else with_direct_assoc(m)))(model)
+            if name == assoc_name and torch_path != "assoc":
+                # The optimizer must step the parameters that the timed model trains: the twin's.
+                model = with_direct_assoc(model)
+            run = {"ssm": lambda m: torch.compile(m, backend="ssm"), "eager": lambda m: m}.get(name, torch.compile)(model)
             print(f"train step: {name} at L={L} ...", flush=True)
             try:
                 step = train_step_ms(model, run, ids)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import itertools
 import random
 import math
@@ -121,8 +122,9 @@ def main(quick: bool = False, time_budget_s: float = TIME_BUDGET_S):
             # GPU time (CUDA-graph replay) decides: it is what the register/occupancy trade-off
             # changes. The host-launched time, where Python launch cost can hide the kernels at
             # small shapes, is reported beside it.
-            times[level] = graph_ms(lambda: run_level(level, p), calls=5)
-            host[level] = median_ms(lambda: run_level(level, p), warmup_ms=5, rep_ms=20)
+            run = functools.partial(run_level, level, p)
+            times[level] = graph_ms(run, calls=5)
+            host[level] = median_ms(run, warmup_ms=5, rep_ms=20)
         problem = heuristic.Problem(
             batch=batch, dim=dim, L=L, N=N, groups=1, width=WIDTH, dt_rank=p["R"], act_dtype=dtype,
             delta_dtype=dtype, conv_has_other_users=True, legal=LEVELS, device="cuda")

@@ -548,7 +548,8 @@ def product_source(term: IndexTerm, group: list[Factor], role: dict[int, str]) -
         return None if roles is None else Source(group[0].node, roles)
     for node, terms in term.parts.items():
         for t in terms:
-            if t.summed or t.exp_of is not None or {id(f) for f in t.factors} != ids or len(t.factors) != len(ids):
+            if (t.summed or t.exp_of is not None or t.sign != 1 or {id(f) for f in t.factors} != ids
+                    or len(t.factors) != len(ids)):
                 continue
             labels = t.out_labels()
             if len(set(labels)) != len(labels) or any(lab not in role for lab in labels):

@@ -856,13 +856,16 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     from ..kernels.selective_scan import op as scan_op
 
     scan_op.register()
+    # ctx is shared with the other graphs of the same compile (checkpointed layers' subgraphs),
+    # whose node names can repeat this graph's: only this call's misses are about this graph.
+    first_miss = len(ctx.misses)
     tried: set[tuple[torch.fx.Node, torch.fx.Node]] = set()
     while _rewrite_one(gm, ctx, tried):
         pass
     # Recurrences the anchors never reached (an EMA, a gated RNN) still get a reason in explain.
     muls = [n for n in gm.graph.nodes
             if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
-    reported = {name for x in ctx.misses if x.family == FAMILY for name in x.nodes}
+    reported = {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
     for m, c, H in _unmatched_recurrences(muls, reported):
         ctx.miss(FAMILY, _recurrence_reason(c, H), [m])
 

@@ -117,7 +117,7 @@ def ssm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str |
 # Must run before dynamo traces the first frame for backend="ssm"; this import (through the
 # entry point, or ssm_compile.backend) is the only code of ours that runs that early. See
 # dynamo_compat for why, and for how the change stays limited to our own traces.
-from . import dynamo_compat  # noqa: E402  (needs SSMBackend and ssm_backend defined above)
+from . import dynamo_compat  # noqa: E402  (kept beside the install() call it is imported for)
 
 dynamo_compat.install()
 

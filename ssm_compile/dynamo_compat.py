@@ -74,7 +74,7 @@ def install() -> bool:
         # The original keeps its argument checks and marks the side effects as inconsistent
         # (the value differs between tracing and eager); only the value it folds is replaced.
         result = original(self, tx, *args, **kwargs)
-        if self.value is target and _is_ours(getattr(tx.output, "compiler_fn", None)):
+        if _is_ours(getattr(tx.output, "compiler_fn", None)):
             return ConstantVariable.create(bool(torch.compiler._is_exporting_flag))
         return result
 

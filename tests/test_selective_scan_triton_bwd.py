@@ -344,8 +344,9 @@ def test_choose_tiles_nblock_whole_waves(batch, dim, L, G, sms, monkeypatch):
     assert programs >= slots or tiles.num_splits >= max(1, dim_per_group // 8) // 2, tiles
 
 
-@pytest.mark.parametrize("tiles, match", [(dict(variant="rows"), "variant"), (dict(variant="nblock", nb=3), "nb")],
-                         ids=["variant", "nb"])
+@pytest.mark.parametrize("tiles, match", [(dict(variant="rows"), "variant"), (dict(variant="nblock", nb=3), "nb"),
+                                          (dict(variant="nblock", block_d=4), "block_d")],
+                         ids=["variant", "nb", "nblock-block_d"])
 def test_bad_tiles_name_field(tiles, match):
     from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles
 

@@ -730,6 +730,9 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         nb = overrides.get("nb") or min(4, triton.next_power_of_2(N))
         if nb & (nb - 1):
             raise ValueError(f"selective_scan_bwd: tiles nb must be a power of two, got {nb}")
+        if overrides.get("block_d") not in (None, 1):
+            raise ValueError("selective_scan_bwd: tiles block_d must be 1 for variant 'nblock' (one channel "
+                             f"per step), got {overrides['block_d']}")
         block_d = 1
         num_warps = overrides.get("num_warps") or _warps_for(nb * chunk, _NBLOCK_ELEMS_PER_THREAD)
         group_d = overrides.get("group_d") or _NBLOCK_GROUP_D
