@@ -297,6 +297,15 @@ def test_prefetch_two_chunks(shape, config):
     check(*run_both(make_inputs(batch, dim, L, N, G=G), config=config), torch.float32)
 
 
+def test_default_tile_prefetches_two_chunks_in_bf16():
+    """The launcher's default for the capped 4-warp, 16-step tile (prefetch 2), in bf16 with a
+    ragged tail, against the fp64 reference."""
+    config = scan_fwd_config(8, 32, 50, 16, 32, num_sms=1)
+    assert (config.chunk_t, config.num_warps, config.max_registers, config.prefetch) == (16, 4, 168, 2)
+    inputs = make_inputs(1, 32, 50, 16, dtype=torch.bfloat16)
+    check(*run_both(inputs, config=config._replace(n_segments=1)), torch.bfloat16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled-kernel check needs CUDA")
 def test_cuda_default_config_medium():
     """On a GPU the compiled kernel (not the interpreter) at a size with a real time split;
