@@ -4,7 +4,8 @@ Shared by the scan forms that produce every state before reading them out: HF's
 ``associative_scan`` (``scan_assoc``) and loops that stack the states and read them out after
 the loop (mamba.py's ``selective_scan_seq``: ``hs = torch.stack(hs, 1); y = (hs @ C[..., None])``,
 ``scan_loop``). ``match_readout`` proves the readout with ``discretize.index_term``;
-``last_state_index`` recognises ``states[..., -1, ...]``.
+``last_state_index`` recognises ``states[..., -1, ...]``; ``split_state_users`` sorts every user
+of the states into those two kinds.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.fx
 from .discretize import index_term, product_source
 from .fx_utils import follow_views, is_call, is_method, shape_of
 
-__all__ = ["Readout", "match_readout", "last_state_index"]
+__all__ = ["Readout", "match_readout", "last_state_index", "split_state_users"]
 
 
 @dataclasses.dataclass
@@ -102,3 +103,25 @@ def last_state_index(node: torch.fx.Node, states: torch.fx.Node, t_axis: int, le
         elif i != slice(None):
             return False
     return True
+
+
+def split_state_users(states: torch.fx.Node, roles: tuple[str, ...], t_axis: int, length: int
+                      ) -> tuple[Readout, list[torch.fx.Node]] | str:
+    """Every user of ``states`` must be the one readout Σ_n h·C or a view of the last state:
+    nothing else may see the (batch, dim, time, state) tensor the op never materialises.
+
+    Returns (the readout, the last-state views) or the reason the states cannot be replaced.
+    """
+    readouts, lasts = [], []
+    for user in states.users:
+        if last_state_index(user, states, t_axis, length):
+            lasts.append(user)
+            continue
+        readout = match_readout(user, states, roles)
+        if readout is None:
+            return f"the states are used by {user.name}, which is neither a readout Σ_n h·C nor the last state"
+        readouts.append(readout)
+    if len(readouts) != 1:
+        return f"expected one readout of the states, found {len(readouts)}"
+    return readouts[0], lasts
+

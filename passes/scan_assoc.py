@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from .discretize import Source, match_discretization
 from .fx_utils import dtype_of, hoist_before, is_call, is_method, node_order, shape_of, val
 from .manager import PassContext, PassManager
-from .readout import last_state_index, match_readout
+from .readout import split_state_users
 from .scan_loop import emit_selective_scan
 
 log = logging.getLogger("ssm_compile")
@@ -546,21 +546,11 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
                  "would accumulate in float32", [all_states])
         return
     roles = disc.b_roles
-    readouts, lasts = [], []
-    for user in all_states.users:
-        if last_state_index(user, all_states, t_axis, length):
-            lasts.append(user)
-            continue
-        readout = match_readout(user, all_states, roles)
-        if readout is None:
-            ctx.miss("readout", f"the states are used by {user.name}, which is neither a readout "
-                     "Σ_n h·C nor the last state", [user])
-            return
-        readouts.append(readout)
-    if len(readouts) != 1:
-        ctx.miss("readout", f"expected one readout of the states, found {len(readouts)}", [all_states])
+    users = split_state_users(all_states, roles, t_axis, length)
+    if isinstance(users, str):
+        ctx.miss("readout", users, [all_states])
         return
-    (readout,) = readouts
+    readout, lasts = users
     order = node_order(gm.graph)
     anchor = min([readout.end] + lasts, key=order.__getitem__)
     if not hoist_before(readout.C, anchor, all_states):

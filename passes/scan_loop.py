@@ -57,7 +57,7 @@ from .fx_utils import (
     val,
 )
 from .manager import PassContext
-from .readout import last_state_index, match_readout
+from .readout import split_state_users
 
 FAMILY = "scan_loop"
 ONE_STEP = "a one-step loop is left alone"
@@ -493,20 +493,10 @@ def _match_stacked_readout(stacked: torch.fx.Node, h: list[torch.fx.Node], state
     roles = list(state_roles)
     roles.insert(dim % (len(roles) + 1), "t")
     roles = tuple(roles)
-    t_axis = roles.index("t")
-    readouts, last_views = [], []
-    for user in stacked.users:
-        if last_state_index(user, stacked, t_axis, L):
-            last_views.append(user)
-            continue
-        readout = match_readout(user, stacked, roles)
-        if readout is None:
-            return (f"the stacked states are used by {user.name}, which is neither a readout Σ_n h·C "
-                    "nor the last state")
-        readouts.append(readout)
-    if len(readouts) != 1:
-        return f"expected one readout of the stacked states, found {len(readouts)}"
-    (readout,) = readouts
+    users = split_state_users(stacked, roles, roles.index("t"), L)
+    if isinstance(users, str):
+        return users
+    readout, last_views = users
     c_src = Source(readout.C, readout.C_roles)
     if not _same_size(val(readout.C).shape[readout.C_roles.index("t")], L):
         return "C_full's time axis does not have the loop's length"
