@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
-from utils import TOL, PassCapture, rel_err
+from utils import TOL, PassCapture, perturbed, rel_err, tiny_falcon_mamba, tiny_jamba
 
 from ssm_compile.compiler import backend
 from ssm_compile.kernels.decode import op as decode_op
@@ -82,15 +82,6 @@ def as_tuple(x):
 
 def misses(cap, family):
     return [m.reason for m in cap.ctx.misses if m.family == family]
-
-
-def perturbed(model):
-    """Random weights everywhere (HF initialises D, conv bias and norms to constants)."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
 
 
 # --- mamba_ssm's selective_state_update_ref, without einops ---------------------------------
@@ -538,25 +529,11 @@ def test_conv_look_alike_left_alone(fn, reason):
 # --- HF FalconMamba and Jamba generate() -------------------------------------------------------
 
 def falcon_mamba():
-    import transformers
-
-    cfg = transformers.FalconMambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2,
-                                         time_step_rank=4, conv_kernel=4)
-    torch.manual_seed(0)
-    return perturbed(transformers.FalconMambaForCausalLM(cfg)), 2
+    return tiny_falcon_mamba(VOCAB), 2
 
 
 def jamba():
-    """Four layers: mamba, attention, mamba, attention; one expert (a dense MLP) everywhere."""
-    import transformers
-
-    cfg = transformers.JambaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
-        attn_layer_period=2, attn_layer_offset=1, num_experts=1, num_experts_per_tok=1,
-        expert_layer_period=1, expert_layer_offset=0)
-    torch.manual_seed(0)
-    return perturbed(transformers.JambaForCausalLM(cfg)), 2
+    return tiny_jamba(VOCAB), 2
 
 
 @pytest.mark.parametrize("make", [falcon_mamba, jamba], ids=["falcon-mamba", "jamba"])

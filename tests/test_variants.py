@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
-from utils import TOL, compile_with_passes, rel_err
+from utils import TOL, compile_with_passes, perturbed, rel_err, tiny_falcon_mamba, tiny_jamba
 
 from ssm_compile.compiler import backend
 from ssm_compile.passes import scan_loop
@@ -30,15 +30,6 @@ BATCH, DIM, N, L = 2, 6, 4, 9
 MIXER = ("scan", "discretization", "readout", "delta", "skip", "gate")
 # HF's mamba_selective_scan calls lru_cache'd feature probes; dynamo's warning about them is noise here.
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-
-
-def perturbed(model):
-    """Random weights everywhere (HF and mamba.py initialise D, conv bias, norms to constants)."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
 
 
 def run(fn, *args, **kwargs):
@@ -87,23 +78,13 @@ def hf():
 
 
 def falcon_mamba(assoc):
-    transformers = hf()
-    cfg = transformers.FalconMambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2,
-                                         time_step_rank=4, conv_kernel=4, use_associative_scan=assoc)
-    torch.manual_seed(0)
-    return perturbed(transformers.FalconMambaForCausalLM(cfg))
+    hf()
+    return tiny_falcon_mamba(VOCAB, use_associative_scan=assoc)
 
 
 def jamba(assoc):
-    """Four layers: mamba, attention, mamba, attention; one expert (a dense MLP) everywhere."""
-    transformers = hf()
-    cfg = transformers.JambaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
-        attn_layer_period=2, attn_layer_offset=1, num_experts=1, num_experts_per_tok=1,
-        expert_layer_period=1, expert_layer_offset=0, use_associative_scan=assoc)
-    torch.manual_seed(0)
-    return perturbed(transformers.JambaForCausalLM(cfg))
+    hf()
+    return tiny_jamba(VOCAB, use_associative_scan=assoc)
 
 
 @pytest.mark.parametrize("make", [falcon_mamba, jamba], ids=["falcon-mamba", "jamba"])

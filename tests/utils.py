@@ -1,4 +1,5 @@
-"""Shared test helpers: the per-dtype tolerance table and the relative-error metric."""
+"""Shared test helpers: the per-dtype tolerance table, the relative-error metric, pass-capture
+backends and tiny HF Mamba-family models."""
 import torch
 
 # Relative-error tolerances (||out - ref|| / ||ref||) against an fp64 reference, per input dtype.
@@ -40,3 +41,39 @@ def compile_with_passes(fn, *args, passes):
     cap = PassCapture(*passes)
     out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
     return cap, out
+
+
+# --- tiny HF Mamba-family models for the variant tests --------------------------------------
+
+def perturbed(model):
+    """Random weights everywhere (HF and mamba.py initialise D, conv bias and norms to constants,
+    which would let a wrong term vanish)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def tiny_falcon_mamba(vocab_size, **config):
+    """Two FalconMamba layers (RMS norms on B, C and Δ before the scan), random weights."""
+    import transformers
+
+    cfg = transformers.FalconMambaConfig(vocab_size=vocab_size, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                         time_step_rank=4, conv_kernel=4, **config)
+    torch.manual_seed(0)
+    return perturbed(transformers.FalconMambaForCausalLM(cfg))
+
+
+def tiny_jamba(vocab_size, **config):
+    """Four Jamba layers: mamba, attention, mamba, attention; one expert (a dense MLP) everywhere."""
+    import transformers
+
+    cfg = transformers.JambaConfig(
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        attn_layer_period=2, attn_layer_offset=1, num_experts=1, num_experts_per_tok=1,
+        expert_layer_period=1, expert_layer_offset=0, **config)
+    torch.manual_seed(0)
+    return perturbed(transformers.JambaForCausalLM(cfg))
+
