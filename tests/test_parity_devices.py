@@ -7,46 +7,13 @@ fp64 reference. CPU always; CUDA where a GPU is present (visibly skipped otherwi
 """
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from utils import TOL, rel_err
+from utils import TOL, MinimalMambaBlock, perturbed, rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="needs a CUDA GPU"))]
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-
-
-class MinimalBlock(nn.Module):
-    """mamba-minimal's MambaBlock: (batch, L, dim), einsum discretisation, Python time loop."""
-
-    def __init__(self, d_model=16, d_inner=32, d_state=8, dt_rank=4, d_conv=4):
-        super().__init__()
-        self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=False)
-        self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
-        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
-        self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1).float().repeat(d_inner, 1)))
-        self.D = nn.Parameter(torch.randn(d_inner))
-        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
-        self.dt_rank, self.d_state = dt_rank, d_state
-
-    def forward(self, x):
-        L = x.shape[1]
-        x, res = self.in_proj(x).chunk(2, dim=-1)
-        x = F.silu(self.conv1d(x.transpose(1, 2))[:, :, :L].transpose(1, 2))
-        A = -torch.exp(self.A_log.float())
-        delta, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(self.dt_proj(delta))
-        deltaA = torch.exp(torch.einsum("bld,dn->bldn", delta, A))
-        deltaB_u = torch.einsum("bld,bln,bld->bldn", delta, B, x)
-        h = torch.zeros(x.shape[0], x.shape[2], self.d_state, device=x.device, dtype=deltaA.dtype)
-        ys = []
-        for i in range(L):
-            h = deltaA[:, i] * h + deltaB_u[:, i]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, i, :]))
-        y = torch.stack(ys, dim=1) + x * self.D
-        return self.out_proj(y * F.silu(res))
 
 
 def scan_ref_style(u, delta, A, B, C, D, z, delta_bias):
@@ -89,7 +56,7 @@ def test_hf_mamba(device, assoc):
 @pytest.mark.parametrize("device", DEVICES)
 def test_mamba_minimal_block(device):
     torch.manual_seed(0)
-    block = MinimalBlock().to(device)
+    block = perturbed(MinimalMambaBlock(d_model=16, d_state=8, dt_rank=4)).to(device)
     x = torch.randn(2, 12, 16, device=device)
     with torch.no_grad():
         ref = block(x)

@@ -6,42 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from utils import MinimalMambaBlock
 
 STEPS = 20
-
-
-class MinimalMambaBlock(nn.Module):
-    """A hand-written Mamba block in (batch, L, dim) layout, mamba-minimal style."""
-
-    def __init__(self, d_model=16, d_state=4, expand=2, d_conv=4, dt_rank=2):
-        super().__init__()
-        d_inner = expand * d_model
-        self.d_inner, self.dt_rank, self.d_state = d_inner, dt_rank, d_state
-        self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=False)
-        self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
-        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
-        self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1).float().repeat(d_inner, 1)))
-        self.D = nn.Parameter(torch.ones(d_inner))
-        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
-
-    def forward(self, x):
-        b, L, _ = x.shape
-        xz = self.in_proj(x)
-        x, z = xz.split(self.d_inner, dim=-1)
-        x = F.silu(self.conv1d(x.transpose(1, 2))[:, :, :L].transpose(1, 2))
-        A = -torch.exp(self.A_log.float())
-        delta, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(self.dt_proj(delta))
-        deltaA = torch.exp(torch.einsum("bld,dn->bldn", delta, A))
-        deltaB_u = torch.einsum("bld,bln,bld->bldn", delta, B, x)
-        h = torch.zeros(b, self.d_inner, self.d_state, device=x.device)
-        ys = []
-        for i in range(L):
-            h = deltaA[:, i] * h + deltaB_u[:, i]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, i, :]))
-        y = torch.stack(ys, dim=1) + x * self.D
-        return self.out_proj(y * F.silu(z))
 
 
 class TinyLM(nn.Module):
