@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -89,6 +89,27 @@ _SILU = (F.silu, torch.nn.functional.silu)
 
 class Miss(Exception):
     """A near-miss: the anchor looked like a decode step but a proof step failed."""
+
+
+def _proved(ctx: PassContext, family: str, anchor: torch.fx.Node, match: Callable[[], Any],
+            check: Callable[[Any], str | None]) -> Any:
+    """``match()``'s result once ``check`` accepts it; None when there is nothing to rewrite.
+
+    A ``Miss`` raised by the matcher and a reason returned by the check are both recorded as a
+    near-miss at ``anchor``; a matcher returning None (not a decode step at all) records nothing.
+    """
+    try:
+        m = match()
+    except Miss as miss:
+        ctx.miss(family, str(miss), [anchor])
+        return None
+    if m is None:
+        return None
+    reason = check(m)
+    if reason is not None:
+        ctx.miss(family, reason, [anchor])
+        return None
+    return m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -770,24 +791,23 @@ def _erase_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
             graph.erase_node(node)
 
 
+def _find_state_step(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> tuple[Update, dict] | None:
+    """The update anchored at ``node`` and its matched step, or None if ``node`` anchors none."""
+    u = find_update(node, order)
+    return None if u is None else (u, match_state_update(u, order))
+
+
 def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     order = node_order(graph)
     for node in list(graph.nodes):
         if node not in order:
             continue  # erased by an earlier rewrite
-        try:
-            u = find_update(node, order)
-            if u is None:
-                continue
-            m = match_state_update(u, order)
-        except Miss as miss:
-            ctx.miss(STATE_FAMILY, str(miss), [node])
+        found = _proved(ctx, STATE_FAMILY, node, lambda: _find_state_step(node, order),
+                        lambda found: check_state_update(found[1]))
+        if found is None:
             continue
-        reason = check_state_update(m)
-        if reason is not None:
-            ctx.miss(STATE_FAMILY, reason, [node])
-            continue
+        u, m = found
         last = m["last"]
         out_dtype = _tensor(last).dtype
         state = m["state"]
@@ -940,16 +960,8 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     for cat in list(graph.nodes):
         if not is_call(cat, torch.cat):
             continue
-        try:
-            m = match_conv_update(cat)
-        except Miss as miss:
-            ctx.miss(CONV_FAMILY, str(miss), [cat])
-            continue
+        m = _proved(ctx, CONV_FAMILY, cat, lambda: match_conv_update(cat), check_conv_update)
         if m is None:
-            continue
-        reason = check_conv_update(m)
-        if reason is not None:
-            ctx.miss(CONV_FAMILY, reason, [cat])
             continue
         last = m["last"]
         out_dtype = _tensor(last).dtype
@@ -1242,21 +1254,14 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     for node in list(graph.nodes):
         if node not in order:
             continue  # erased by an earlier rewrite
-        try:
-            if is_method(node, "copy_") and len(node.args) == 2 and not node.kwargs:
-                m = match_window_update(node, order)
-            elif is_call(node, torch.cat):
-                m = match_returned_window(node, order)
-            else:
-                continue
-        except Miss as miss:
-            ctx.miss(CONV_FAMILY, str(miss), [node])
+        if is_method(node, "copy_") and len(node.args) == 2 and not node.kwargs:
+            matcher = match_window_update
+        elif is_call(node, torch.cat):
+            matcher = match_returned_window
+        else:
             continue
+        m = _proved(ctx, CONV_FAMILY, node, lambda: matcher(node, order), check_window_update)
         if m is None:
-            continue
-        reason = check_window_update(m)
-        if reason is not None:
-            ctx.miss(CONV_FAMILY, reason, [node])
             continue
         last = m["last"]
         out_dtype = _tensor(last).dtype
