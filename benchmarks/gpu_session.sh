@@ -30,7 +30,8 @@ for s in "$@"; do
         env) step env bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"' ;;
         tests) step tests python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan_triton_fwd.py \
                    tests/test_selective_scan_triton_bwd.py tests/test_fused.py tests/test_causal_conv1d.py \
-                   tests/test_decode_ops.py tests/test_selective_scan_op.py -k "cuda or triton or Triton or gpu or fused" ;;
+                   tests/test_decode_ops.py tests/test_selective_scan_op.py tests/test_parity_devices.py \
+                   tests/test_generate_example.py -k "cuda or triton or Triton or gpu or fused" ;;
         probe) step probe python3 benchmarks/probe_scan_path.py ;;
         check) step check python3 benchmarks/check_scan_gpu.py ;;
         scan) step scan python3 benchmarks/bench_scan.py ;;
