@@ -14,6 +14,7 @@ fixed addresses, so the cache must exist before compilation: Hugging Face marks 
 static only when they are created outside a compiled region, which ``static_cache`` arranges.
 """
 import argparse
+import inspect
 import time
 
 import torch
@@ -26,6 +27,10 @@ SIZES = {
     "130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# How generate() takes a cache: transformers 5.24's Mamba takes the standard ``past_key_values``
+# (its forward calls it ``cache``); 5.17's takes only its forward's own name, ``cache_params``.
+CACHE_KW = ("past_key_values" if "cache" in inspect.signature(MambaForCausalLM.forward).parameters
+            else "cache_params")
 
 
 def build_model(size: str, device: str, dtype: torch.dtype) -> MambaForCausalLM:
@@ -57,7 +62,7 @@ def generate(model, prompt, new_tokens, cache=None):
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(prompt))
     if cache is not None:
         cache.reset()
-        kwargs["past_key_values"] = cache
+        kwargs[CACHE_KW] = cache
     return model.generate(prompt, **kwargs)
 
 

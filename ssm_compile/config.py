@@ -15,10 +15,11 @@ from typing import Any, Mapping
 # scan where the heuristic says it pays; decode handles the single-step graphs.
 PASS_NAMES = ("conv1d", "scan_loop", "scan_assoc", "delta", "tail", "xproj", "fuse", "decode")
 
-# "auto": the register-budget heuristic (ssm_compile/heuristic.py) decides per call site;
-# "split": keep each recognised piece its own op (also useful to bisect a numerical
-# difference); "fused": the deepest legal level; "level1" / "dt" / "level2": that level
-# wherever it is legal (kernels/fused/triton_fused.py describes what each level fuses).
+# "auto": the heuristic (ssm_compile/heuristic.py) decides per call site among the levels the
+# H200 sweep found worth keeping; "split": keep each recognised piece its own op (also useful
+# to bisect a numerical difference); "fused": the deepest legal level that fits the register
+# budget; "level1" / "dt" / "level2": that level wherever it is legal
+# (kernels/fused/triton_fused.py describes what each level fuses).
 FUSE_MODES = ("auto", "split", "fused", "level1", "dt", "level2")
 
 

@@ -11,10 +11,15 @@ and one that crosses an allocation step loses a program per SM. The decision:
 2. Turn registers into occupancy with the device's limits (``occupancy``). The yardstick
    "split" is the same kernel with no stage fused (the level-0 scan's algorithm and tiles),
    so every level is measured in one kernel family.
-3. Keep a fused level only if it saves HBM bytes at all (level 1 saves nothing when x_proj
+3. A fused level fits only if it saves HBM bytes at all (level 1 saves nothing when x_proj
    also reads the conv output: see ``kernels/fused/triton_fused.py``), does not spill, keeps
    occupancy at >= ``OCCUPANCY_RATIO`` of the split scan kernel's, and the split kernel does
-   not need its time split (the fused kernel has none); pick the deepest such level.
+   not need its time split (the fused kernel has none). ``fuse="fused"`` takes the deepest
+   level that fits. ``fuse="auto"`` takes the deepest that fits among ``AUTO_LEVELS``: the
+   levels that won at least one configuration of the H200 sweep (``benchmarks/bench_fusion.py``).
+   In run 10 none of the fused levels did (split was fastest in all 28 configurations measured:
+   level 1 took 1.1-4.6x its time, the dt/level-2 kernels 2.0-30x), so auto keeps split and
+   says so; the fused levels stay available as explicit overrides.
 4. On CUDA, first compile each legal level's kernel (a tiny launch: registers depend on the
    constexprs only), read ``n_regs``/``n_spills``, and use those numbers instead of the
    estimate; the ratio actual/estimate per level also corrects later estimates for
@@ -40,8 +45,12 @@ log = logging.getLogger("ssm_compile")
 LEVELS = ("split", "level1", "dt", "level2")
 FUSES_CONV = {"split": False, "level1": True, "dt": False, "level2": True}
 FUSES_DT = {"split": False, "level1": False, "dt": True, "level2": True}
-# User overrides (the backend's ``fuse`` option): "auto" decides; "fused" = deepest legal level.
+# User overrides (the backend's ``fuse`` option): "auto" decides among AUTO_LEVELS; "fused"
+# takes the deepest legal level that fits the register budget.
 OVERRIDES = ("auto", "split", "fused") + LEVELS[1:]
+# Levels "auto" may pick: those faster than split in at least one configuration of the H200
+# fusion sweep (benchmarks/RESULTS.md, run 10: none of the fused ones).
+AUTO_LEVELS = ("split",)
 
 # A fused level must keep at least this fraction of the split scan kernel's occupancy.
 OCCUPANCY_RATIO = 0.75
@@ -303,24 +312,27 @@ def _choose(problem: Problem, override: str, limits: DeviceLimits) -> DecisionRe
             return record(override, f"user override fuse={override!r}")
         return record("split", f"user override fuse={override!r} is not legal here "
                                f"(legal: {legal}); kept split")
-    if override == "fused":
-        return record(legal[-1], "user override fuse='fused': deepest legal level")
-
-    if problem.device != "cuda":
+    if override == "auto" and problem.device != "cuda":
         return record("split", f"on {problem.device} the fused op runs the split ops' own code: "
                                "fusing gains nothing there")
+    prefix = "fuse='fused': " if override == "fused" else ""
+    candidates = legal[1:] if override == "fused" else [lv for lv in legal[1:] if lv in AUTO_LEVELS]
+    if not candidates:
+        return record("split", f"no fused level is legal here (legal: {legal})" if len(legal) == 1 else
+                      f"auto keeps split: no fused level ({', '.join(legal[1:])}) beat it in any "
+                      "configuration of the H200 fusion sweep; fuse='fused' forces the deepest that fits")
     segments = _time_split(problem, limits)
     if segments > 1:
-        return record("split", f"the split scan splits L into {segments} segments to fill "
+        return record("split", f"{prefix}the split scan splits L into {segments} segments to fill "
                                f"{limits.sm_count} SMs; the fused kernel cannot")
     reasons = []
-    for level in reversed(legal[1:]):
+    for level in reversed(candidates):
         why = _rejection(ests[level], split, limits)
         if why is None:
-            return record(level, f"saves {ests[level].saved_bytes} B at occupancy "
+            return record(level, f"{prefix}saves {ests[level].saved_bytes} B at occupancy "
                                  f"{ests[level].occupancy:.3f} (split {split.occupancy:.3f})")
         reasons.append(f"{level}: {why}")
-    return record("split", "; ".join(reasons) or "no fused level is legal here")
+    return record("split", prefix + "; ".join(reasons))
 
 
 CompileFn = Callable[[Problem, str, KernelShape], Optional[tuple[int, int]]]
@@ -352,10 +364,13 @@ def decide(problem: Problem, override: str = "auto", *,
     if compile_fn is None and device is not None and device.type == "cuda":
         compile_fn = compile_and_measure
     if compile_fn is not None:
-        # Check the model against the compiler for every legal level (the estimate alone could
-        # reject a level that actually fits): each specialization compiles once per process,
-        # and registers depend on the constexprs only, so a tiny launch is enough.
-        for level in problem.legal:
+        # Check the model against the compiler for every level the decision can take (the
+        # estimate alone could reject a level that actually fits): each specialization
+        # compiles once per process, and registers depend on the constexprs only, so a tiny
+        # launch is enough. Under auto that is split and AUTO_LEVELS: compiling a probe of a
+        # level auto cannot pick would cost compile time for a number nobody uses.
+        probed = [lv for lv in problem.legal if override != "auto" or lv == "split" or lv in AUTO_LEVELS]
+        for level in probed:
             ks = kernel_shape(problem, level, limits)
             if (limits.name, ks) not in _COMPILED:
                 stats = compile_fn(problem, level, ks)

@@ -83,7 +83,7 @@ def test_occupancy_is_monotonic_in_registers():
 def test_falls_back_to_split_when_fused_levels_spill():
     fake = FakeCompiler({"split": 120, "level1": 180, "dt": 250, "level2": 255},
                         spills={"dt": 40, "level2": 96})
-    d = h.decide(problem(), compile_fn=fake)
+    d = h.decide(problem(), "fused", compile_fn=fake)
     assert d.level == "split"
     assert "spills" in d.reason
     assert d.candidates["level2"].actual_regs == 255 and d.candidates["level2"].spills == 96
@@ -92,27 +92,51 @@ def test_falls_back_to_split_when_fused_levels_spill():
 def test_falls_back_when_occupancy_collapses():
     # The seed's case: fusing takes ~40 -> ~90 registers and occupancy from 50% to 25%.
     fake = FakeCompiler({"split": 40, "level1": 60, "dt": 90, "level2": 90})
-    d = h.decide(problem(), compile_fn=fake)
+    d = h.decide(problem(), "fused", compile_fn=fake)
     assert d.level == "split" and "occupancy" in d.reason
     # 40 registers: 12 programs of 4 warps (75%); 90 -> 96: 5 programs (31%) < 0.75 x 75%.
     assert d.split_occupancy == 0.75 and d.candidates["dt"].occupancy == 0.3125
 
 
-def test_picks_the_deepest_level_that_pays_and_fits():
+def test_fused_picks_the_deepest_level_that_pays_and_fits():
     fake = FakeCompiler({"split": 120, "level1": 124, "dt": 126, "level2": 126})
-    d = h.decide(problem(), compile_fn=fake)
-    assert d.level == "level2"
+    d = h.decide(problem(), "fused", compile_fn=fake)
+    assert d.level == "level2" and "fuse='fused'" in d.reason
     assert d.actual_regs == 126 and d.saved_bytes > 0
     # Level 1 alone never pays while x_proj reads the conv output...
-    d1 = h.decide(problem(legal=("split", "level1")), compile_fn=fake)
+    d1 = h.decide(problem(legal=("split", "level1")), "fused", compile_fn=fake)
     assert d1.level == "split" and "saves no HBM traffic" in d1.reason
     # ...and does when nothing else does.
-    d2 = h.decide(problem(legal=("split", "level1"), conv_has_other_users=False), compile_fn=fake)
+    d2 = h.decide(problem(legal=("split", "level1"), conv_has_other_users=False), "fused", compile_fn=fake)
     assert d2.level == "level1"
 
 
+def test_auto_keeps_split_where_the_sweep_found_no_fused_level_faster():
+    # The same fits as above: "fused" would take level 2, but no fused level is in AUTO_LEVELS
+    # (none beat split on the H200), and auto says so instead of trusting saved bytes.
+    assert h.AUTO_LEVELS == ("split",)
+    fake = FakeCompiler({"split": 120, "level1": 124, "dt": 126, "level2": 126})
+    d = h.decide(problem(), compile_fn=fake)
+    assert d.level == "split" and "beat it" in d.reason and "level2" in d.reason
+    # Only split's kernel is compiled to read its registers; the others keep their estimates,
+    # which explain still shows.
+    assert fake.calls == ["split"] and d.actual_regs == 120
+    assert d.candidates["level2"].actual_regs is None and d.candidates["level2"].est_regs > 0
+
+
+def test_auto_takes_a_level_once_it_is_in_auto_levels(monkeypatch):
+    # The rule itself, for when a fused kernel does win: fits and pays -> picked; spills -> not.
+    monkeypatch.setattr(h, "AUTO_LEVELS", ("split", "dt"))
+    d = h.decide(problem(), compile_fn=FakeCompiler({"split": 120, "level1": 124, "dt": 126, "level2": 126}))
+    assert d.level == "dt" and "saves" in d.reason
+    h.clear_cache()
+    d = h.decide(problem(), compile_fn=FakeCompiler({"split": 120, "level1": 124, "dt": 250, "level2": 255},
+                                                    spills={"dt": 40}))
+    assert d.level == "split" and "dt: spills" in d.reason
+
+
 def test_keeps_split_when_the_split_kernel_needs_its_time_split():
-    d = h.decide(problem(batch=1, dim=256, L=8192), compile_fn=FakeCompiler(dict.fromkeys(ALL, 64)))
+    d = h.decide(problem(batch=1, dim=256, L=8192), "fused", compile_fn=FakeCompiler(dict.fromkeys(ALL, 64)))
     assert d.level == "split" and "segments" in d.reason
 
 
@@ -129,7 +153,7 @@ def test_compiled_registers_correct_the_estimate_for_other_shapes():
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("split", "split"), ("level1", "level1"), ("dt", "dt"), ("level2", "level2"), ("fused", "level2"),
+    ("split", "split"), ("level1", "level1"), ("dt", "dt"), ("level2", "level2"),
 ])
 def test_override_is_honoured(override, expected):
     d = h.decide(problem(), override)

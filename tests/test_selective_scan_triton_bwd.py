@@ -39,9 +39,10 @@ class Case:
     num_splits: Optional[int] = None
     block_d: Optional[int] = None
     num_warps: Optional[int] = None
-    # Chunk-kernel loop order ("column" by default; "nblock" sums dB/dC over channels in
-    # registers), its state columns per block and channels per pass.
-    variant: Optional[str] = None
+    # Chunk-kernel loop order ("column" here; the launcher's default, "nblock", sums dB/dC over
+    # channels in registers and has its own cases), its state columns per block and channels
+    # per pass. None leaves it to the launcher.
+    variant: Optional[str] = "column"
     nb: Optional[int] = None
     group_d: Optional[int] = None
     # Scale of the raw delta: large values test softplus past its threshold and decays that

@@ -20,10 +20,11 @@ transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the ch
    loops over many channels of ONE group, it sums their dB/dC into rows of a per-slice
    partial that it alone owns; dA, dD and ddelta_bias are written per (batch, chunk).
    The launcher reduces all partials with a fixed-order ``torch.sum``: no atomics, the same
-   bits on every run. ``_chunk_bwd_nblock_kernel`` (``Tiles.variant = "nblock"``, not the
-   default) is the same step with the loops swapped, blocks of state columns outside the
-   channel loop, so dB/dC are summed over channels in registers (benchmarks/NOTES_scan_bwd.md,
-   "H17").
+   bits on every run. ``_chunk_bwd_nblock_kernel`` (``Tiles.variant = "nblock"``, the
+   launcher's choice for large grids since H200 run 10: 2.65 / 2.39 ms against the column
+   kernel's 3.44 / 3.25 ms at batch 8, L=2048 in fp32 / bf16; slower at batch 1) is the same step with the loops swapped, blocks of state
+   columns outside the channel loop, so dB/dC are summed over channels in registers
+   (benchmarks/NOTES_scan_bwd.md, "H17").
 
 The chunk kernels work on [channels, chunk] tiles ([channels, chunk / 4, 4] in the second one)
 and loop over the N state columns, so sums
@@ -691,8 +692,9 @@ class Tiles(NamedTuple):
     num_splits: int  # slices of each group's channels, one chunk-kernel program each
     state_num_warps: int
     num_warps: int
-    # Chunk-kernel loop order. "column": channels outer, one state column at a time inner, dB/dC
-    # summed over channels by read-modify-write of partial rows (``_chunk_bwd_kernel``).
+    # Chunk-kernel loop order; the launcher picks "nblock" for large grids (choose_tiles).
+    # "column": channels outer, one state column at a time inner, dB/dC summed over channels
+    # by read-modify-write of partial rows (``_chunk_bwd_kernel``).
     # "nblock": blocks of ``nb`` columns outer, channels inner, dB/dC summed in registers
     # (``_chunk_bwd_nblock_kernel``; one channel per step, so ``block_d`` is 1).
     variant: str = "column"
@@ -712,6 +714,8 @@ _NBLOCK_GROUP_D = 8
 # the waves of them its grid aims for.
 _NBLOCK_WARPS_PER_SM = 8
 _NBLOCK_WAVES = 4
+# Fewest (chunk, batch, group) cells for which the launcher picks "nblock" (see choose_tiles).
+_NBLOCK_MIN_CELLS = 64
 
 
 def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.device, **overrides) -> Tiles:
@@ -723,7 +727,11 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     if chunk < _STEPS or chunk & (chunk - 1):
         raise ValueError(f"selective_scan_bwd: tiles chunk must be a power of two >= {_STEPS}, got {chunk}")
     state_bd = overrides.get("state_block_d") or max(1, min(_TILE // chunk, dpg))
-    variant = overrides.get("variant") or "column"
+    n_chunks = triton.cdiv(L, chunk)
+    # H200 run 10 at dim 1536, N 16: "nblock" wins with 128 and 512 (chunk, batch, group)
+    # cells (2.65 vs 3.44 ms at batch 8, L=2048 fp32), "column" with 16 (0.42 vs 0.56 ms at
+    # batch 1): with few cells, "nblock"'s one-warp programs over 8-channel groups leave SMs idle.
+    variant = overrides.get("variant") or ("nblock" if n_chunks * batch * G >= _NBLOCK_MIN_CELLS else "column")
     if variant not in _VARIANTS:
         raise ValueError(f"selective_scan_bwd: tiles variant must be one of {_VARIANTS}, got {variant!r}")
     if variant == "nblock":
@@ -740,7 +748,6 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         nb = group_d = 1
         block_d = overrides.get("block_d") or min(_BLOCK_D, dpg)
         num_warps = overrides.get("num_warps") or _warps_for(block_d * chunk, _STEPS)
-    n_chunks = triton.cdiv(L, chunk)
     # dB/dC are reduced through one (batch, G, N, L) partial per channel slice. Capping the
     # slices at an eighth of the channels keeps those partials far below a (batch, dim, L, N)
     # tensor even for narrow layers, where filling the SMs alone would give every channel one.
