@@ -26,6 +26,7 @@ import time
 
 import torch
 from common import dynamo_folds_is_exporting, markdown_table, write_out
+from torch._dynamo.utils import counters
 from transformers import DynamicCache, MambaConfig, MambaForCausalLM
 
 import ssm_compile
@@ -74,7 +75,7 @@ def sync_time(fn):
     return out, time.perf_counter() - t
 
 
-def run_config(model, name, batch, prompt, decode_tokens, timed_reps, eager_prefill=False):
+def run_config(model, name, batch, prompt, decode_tokens, timed_reps, eager_prefill=False, profile=False):
     forward = make_forward(model, name)
     cg = name == "ssm-cg"
     cache = static_cache(model, batch)
@@ -103,7 +104,21 @@ def run_config(model, name, batch, prompt, decode_tokens, timed_reps, eager_pref
     ttft = min(sync_time(prefill)[1] for _ in range(timed_reps))
     tok = prefill()
     tokens, t_dec = sync_time(lambda: decode(tok, decode_tokens))
-    return dict(ttft_ms=ttft * 1e3, decode_tps=batch * decode_tokens / t_dec, warm_s=warm_s, tokens=tokens.cpu())
+    r = dict(ttft_ms=ttft * 1e3, decode_tps=batch * decode_tokens / t_dec, warm_s=warm_s, tokens=tokens.cpu(),
+             graphs=counters["stats"]["unique_graphs"], breaks=sum(counters["graph_break"].values()))
+    if profile:
+        # Where a host-bound decode step spends its time: self CPU time per op over 8 steps.
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        # The step's own output as input: a slice of ``tokens`` has other strides (a recompile).
+        tok = prefill()
+        decode(tok, 2)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            decode(tok, 8)
+            torch.cuda.synchronize()
+        r["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    return r
 
 
 def main():
@@ -114,6 +129,9 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--time-budget", type=float, default=330.0, help="seconds; later runs are skipped")
+    parser.add_argument("--profile", default="",
+                        help="configs (comma-separated) whose batch-1 decode steps are also profiled "
+                             "(torch.profiler; tables written as profile_<config>.txt)")
     args = parser.parse_args()
     start = time.perf_counter()
 
@@ -138,17 +156,21 @@ def main():
                              f"skipped (time budget: {elapsed:.0f} s used, ~{expected:.0f} s needed)"])
                 continue
             torch._dynamo.reset()
+            counters.clear()
             t_config = time.perf_counter()
             try:
                 with torch.no_grad():
                     r = run_config(model, name, batch, prompt, args.decode_tokens, 1 if name == "eager" else 3,
-                                   eager_prefill=folded and name == "inductor")
+                                   eager_prefill=folded and name == "inductor",
+                                   profile=batch == 1 and name in args.profile.split(","))
             except Exception as e:  # noqa: BLE001 - one failing configuration must not hide the others
                 rows.append([name, batch, "-", "-", "-", "-", f"error: {type(e).__name__}: {str(e)[:120]}"])
                 continue
             finally:
                 torch.cuda.empty_cache()
                 took[name] = time.perf_counter() - t_config
+            if "profile" in r:
+                write_out(f"profile_{name}.txt", r["profile"])
             if name == "eager":
                 eager[batch] = r
             ref = eager.get(batch)
@@ -157,7 +179,8 @@ def main():
             if folded and name == "inductor":
                 same += "; prefill eager (HF loop path under this torch)"
             rows.append([name, batch, f"{r['ttft_ms']:.1f}", f"{r['decode_tps']:.1f}", speedup,
-                         f"{r['warm_s']:.1f}", f"greedy tokens = eager: {same}"])
+                         f"{r['warm_s']:.1f}", f"greedy tokens = eager: {same}; {r['graphs']} graphs, "
+                                               f"{r['breaks']} graph breaks"])
             print(" | ".join(map(str, rows[-1])), flush=True)  # kept if a later config hangs
 
     import transformers

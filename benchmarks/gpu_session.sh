@@ -46,7 +46,8 @@ for s in "$@"; do
         # FUSION_START continues the fixed shuffled grid where an earlier run stopped (run 10: 28).
         fusionsweep) step fusionsweep python3 benchmarks/bench_fusion.py --time-budget ${FUSION_BUDGET:-300} \
                          --start-at ${FUSION_START:-0} ;;
-        generate) step generate python3 benchmarks/bench_generate.py --time-budget ${GEN_BUDGET:-330} ;;
+        generate) step generate python3 benchmarks/bench_generate.py --time-budget ${GEN_BUDGET:-330} \
+                      --profile ${GEN_PROFILE:-ssm} ;;
         *) echo "unknown step $s" ;;
     esac
 done
