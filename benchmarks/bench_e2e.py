@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import ssm_compile
 
@@ -85,8 +86,6 @@ def scan_path(dtype, backend) -> str:
     "torch": any other backend, observed through one that runs the ssm passes on a copy of the
     graph): compile a 1-layer model at a small L and read which pass fired. The loop form unrolls
     L steps per layer, so its compile time grows with L x layers."""
-    from torch._dynamo.utils import counters
-
     from ssm_compile.compiler import SSMBackend
     from ssm_compile.config import SSMOptions
 
@@ -150,6 +149,8 @@ def main():
     p.add_argument("--train-len", type=int, default=2048, help="L of the training-step comparison (0: skip)")
     p.add_argument("--time-budget", type=float, default=300, help="seconds; later baselines are skipped")
     p.add_argument("--parts", default="forward,layer,train", help="which of forward,layer,train to run")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the ssm forward at each L (profile_e2e_ssm_L<L>.txt)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     start = time.perf_counter()
@@ -186,6 +187,7 @@ def main():
         with torch.no_grad():
             ref = model(ids).logits.float()
             res = {"eager": (0.0, median_ms(lambda: model(ids), warmup_ms=1, rep_ms=1))}
+            graphs0, breaks0 = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
             ssm = torch.compile(model, backend="ssm")
             c = timed_compile(ssm, ids)
             out = ssm(ids).logits.float()
@@ -193,6 +195,19 @@ def main():
                          "(bf16 eager is itself far from fp64 at 24 layers; see RESULTS.md)")
             print(notes[-1], flush=True)
             res["ssm"] = (c, median_ms(lambda: ssm(ids)))
+            if args.profile:
+                # Where the host time of the short-sequence forward goes (issue 5: host-bound at
+                # L=512): self CPU time per op over 3 calls, with the graph and break counts.
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        ssm(ids)
+                    torch.cuda.synchronize()
+                write_out(f"profile_e2e_ssm_L{L}.txt",
+                          f"graphs {counters['stats']['unique_graphs'] - graphs0}, graph breaks "
+                          f"{sum(counters['graph_break'].values()) - breaks0}\n"
+                          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             if not over_budget(f"ssm with CUDA graphs at L={L}"):
                 # mode="reduce-overhead": the same kernels replayed from a CUDA graph, without the
                 # per-op host cost that dominates the short sequence.

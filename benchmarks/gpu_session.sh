@@ -41,7 +41,7 @@ for s in "$@"; do
         bwdsweep) step bwdsweep python3 benchmarks/bench_scan_bwd.py --sweep --baselines ;;
         bwdnblock) step bwdnblock python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match nblock ;;
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
-        e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} ;;
+        e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} --profile ;;
         fusion) step fusion python3 benchmarks/bench_fusion.py --quick ;;
         # FUSION_START continues the fixed shuffled grid where an earlier run stopped (run 10: 28).
         fusionsweep) step fusionsweep python3 benchmarks/bench_fusion.py --time-budget ${FUSION_BUDGET:-300} \
