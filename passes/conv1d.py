@@ -8,7 +8,9 @@ What Mamba code writes, and what dynamo turns it into:
 - ``nn.Conv1d(dim, dim, W, groups=dim, padding=W-1)`` (HF 5.17's ``self.conv1d(h)[..., :L]``),
   inlined as ``torch.conv1d(x, weight, bias, (1,), (W-1,), (1,), dim)`` on parameter placeholders;
 - optionally followed by silu: ``F.silu``, ``nn.SiLU`` / HF's ``ACT2FN["silu"]`` (both inline to
-  ``F.silu``), or ``y * torch.sigmoid(y)``.
+  ``F.silu``), or ``y * torch.sigmoid(y)``;
+- ``F.conv1d(F.pad(x, (W-1, 0)), w, b, groups=dim)``: the input padded on the left only, an
+  unpadded conv, no slice (the usual hand-written causal conv); the op reads the unpadded x.
 
 A (batch, L, dim) caller transposes around the conv; the op takes any strides, so the transposed
 view goes in as is and the user's transpose after it stays.
@@ -18,7 +20,9 @@ sees inputs t-(W-1)..t, so the FIRST L outputs are the causal conv and the last 
 right-hand zero padding. Anything else (another padding, a slice not starting at 0, a slice of
 another length, another user of the unsliced output) is a different function and is refused,
 with the reason recorded. An unpadded conv (HF's decode step over ``cat([conv_state, x])``, which
-the decode pass rewrites) is not a candidate at all and is skipped without a record.
+the decode pass rewrites) is not a candidate at all and is skipped without a record, unless its
+input comes from ``F.pad``: a left zero-pad of exactly W-1 is the causal conv, any other pad
+(right, wider, non-zero, replicate) a near-miss.
 """
 from __future__ import annotations
 
@@ -88,12 +92,15 @@ def _time_slice(index: Any) -> slice | None:
 
 
 def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: dict[str, Any],
-                      sliced: torch.fx.Node | None) -> str | None:
+                      sliced: torch.fx.Node | None, left_padded: bool = False) -> str | None:
     """Prove ``sliced`` is a causal depthwise conv of ``x`` the op computes; else the reason it isn't.
 
     Conditions: x (batch, dim, L) in a supported dtype; weight (dim, 1, W) with groups == dim
     (depthwise, as many outputs as inputs); stride 1; dilation 1; padding exactly W-1;
     2 <= W <= 8; the unsliced output used only by one slice [..., :L] taking the first L steps.
+    With ``left_padded`` the conv reads ``x`` zero-padded by W-1 on the left only (proved by
+    ``left_pad_source``) and has no padding of its own: its whole output is the causal conv, so
+    there is no slice to check.
     """
     xv, wv = val(x), val(weight)
     if not isinstance(xv, torch.Tensor) or xv.dim() != 3:
@@ -117,6 +124,9 @@ def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: 
     if _single(args["dilation"]) != 1:
         return f"dilation {args['dilation']} is not 1"
     padding = _single(args["padding"])
+    if left_padded:
+        # is_unpadded() admitted the conv (padding 0 or "valid"); the pad node holds the W-1.
+        padding = width - 1
     if isinstance(padding, str) or not _same_size(padding, width - 1):
         return f"padding {args['padding']!r} is not kernel_size - 1 = {width - 1}: not a causal conv"
     if not (MIN_WIDTH <= width <= MAX_WIDTH):
@@ -124,6 +134,8 @@ def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: 
     bias = args["bias"]
     if bias is not None and not (isinstance(val(bias), torch.Tensor) and val(bias).dim() == 1):
         return "bias is not a (dim,) tensor"
+    if left_padded:
+        return None
     if sliced is None or len(conv.users) != 1:
         return "the unsliced conv output has other users (or no [..., :L] slice): not a causal conv"
     time = _time_slice(sliced.args[1])
@@ -150,6 +162,36 @@ def is_unpadded(args: dict[str, Any], weight: Any) -> bool:
     return unpadded and isinstance(width, int) and width > 1
 
 
+_PAD_TARGETS = (F.pad, torch._C._nn.pad)
+
+
+def left_pad_source(node: Any, weight: Any) -> torch.fx.Node | None:
+    """``x`` when ``node`` is ``F.pad(x, (W-1, 0))`` with zeros on the time axis, else None.
+
+    An unpadded conv over that is exactly the causal conv of x: output t sees x[t-(W-1)..t], the
+    W-1 positions before x being the op's zero initial window. Right padding, another width, a
+    non-zero fill or another mode (reflect, replicate) is a different function.
+    """
+    if not is_call(node, *_PAD_TARGETS):
+        return None
+    names = ("input", "pad", "mode", "value")
+    a = dict(zip(names, node.args))
+    a.update(node.kwargs)
+    if set(a) - set(names):
+        return None
+    pads = torch.fx.node.map_arg(a.get("pad"), val)
+    wv = val(weight)
+    if not (isinstance(pads, (tuple, list)) and len(pads) == 2 and isinstance(wv, torch.Tensor) and wv.dim() == 3):
+        return None
+    # F.pad's value None means 0 for the constant mode.
+    if a.get("mode", "constant") != "constant" or a.get("value") not in (None, 0, 0.0):
+        return None
+    if not (_same_size(pads[0], wv.shape[-1] - 1) and _same_size(pads[1], 0)):
+        return None
+    x = a["input"]
+    return x if isinstance(x, torch.fx.Node) else None
+
+
 def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
     """The silu applied to ``y`` (nodes to replace, last node first; pattern name), if it is y's only use."""
     users = list(y.users)
@@ -173,15 +215,24 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         x, weight = args["input"], args["weight"]
         users = list(conv.users)
         sliced = users[0] if len(users) == 1 and is_call(users[0], operator.getitem) else None
+        pad = None
         if is_unpadded(args, weight):
-            continue
-        reason = check_causal_conv(conv, x, weight, args, sliced)
+            source = left_pad_source(x, weight)
+            if source is None:
+                if is_call(x, *_PAD_TARGETS):
+                    ctx.miss(FAMILY, f"the input is padded by {x.args[1:]!r} {dict(x.kwargs)!r}, not zeros "
+                             "(W-1, 0) on the left only: not a causal conv", [conv])
+                continue
+            # The conv's whole output is the causal conv of the unpadded input: no slice.
+            pad, x, sliced = x, source, None
+        reason = check_causal_conv(conv, x, weight, args, sliced, left_padded=pad is not None)
         if reason is not None:
             ctx.miss(FAMILY, reason, [conv])
             continue
-        act = _match_silu(sliced)
+        out = conv if pad is not None else sliced
+        act = _match_silu(out)
         act_nodes, act_pattern = act if act is not None else ([], None)
-        last = act_nodes[0] if act_nodes else sliced
+        last = act_nodes[0] if act_nodes else out
         with graph.inserting_before(conv):
             kernel_weight = depthwise_weight(graph, weight)
             op = graph.call_function(torch.ops.ssm.causal_conv1d.default,
@@ -190,13 +241,16 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if "stack_trace" in conv.meta:
             op.meta["stack_trace"] = conv.meta["stack_trace"]
         last.replace_all_uses_with(op)
-        replaced = [conv, sliced, *reversed(act_nodes)]
-        ctx.rewrite(FAMILY, "conv1d[..., :L]" + (f"+{act_pattern}" if act_pattern else ""), replaced,
+        replaced = [conv, *([sliced] if pad is None else []), *reversed(act_nodes)]
+        pattern = "pad(W-1, 0)+conv1d" if pad is not None else "conv1d[..., :L]"
+        ctx.rewrite(FAMILY, pattern + (f"+{act_pattern}" if act_pattern else ""), replaced,
                     "ssm.causal_conv1d", {"W": int(val(weight).shape[2]),
                                           "activation": "silu" if act_nodes else None,
                                           "bias": args["bias"] is not None})
         for node in replaced[::-1]:
             graph.erase_node(node)
+        if pad is not None and not pad.users:
+            graph.erase_node(pad)
         if isinstance(weight, torch.fx.Node) and not weight.users and weight.op != "placeholder":
             graph.erase_node(weight)
 

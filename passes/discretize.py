@@ -238,6 +238,10 @@ class _Evaluator:
             return self._einsum(node)
         if is_call(node, torch.matmul, operator.matmul) or is_method(node, "matmul"):
             return self._matmul(node)
+        if (is_call(node, torch.bmm) or is_method(node, "bmm")) and len(node.args) == 2 and not node.kwargs:
+            # bmm is matmul restricted to two 3-D operands with the same batch size (it refuses
+            # anything else at run time), and _matmul checks the batch sizes match: same term.
+            return self._matmul(node)
         if self.allow_sum and (is_call(node, torch.sum) or is_method(node, "sum")):
             return self._sum(node)
         return self._view(node)
@@ -491,14 +495,55 @@ def view_source(node: torch.fx.Node, roles: Sequence[str]) -> Source:
     return Source(t.factors[0].node, tuple(role[lab] for lab in leaf))
 
 
+def _expand_reshape_group(node: torch.fx.Node, roles: Sequence[str]) -> Source | None:
+    """Undo einops' ``repeat(x, "b g n l -> b (g h) n l")``, which dynamo traces as
+    ``x.unsqueeze(k + 1).expand(..., H, ...).reshape(..., G * H, ...)`` (mamba_ssm's
+    ``selective_scan_ref`` spells grouped B/C this way).
+
+    Only the new axis right *after* the group axis k gives channel d = g·H + h, i.e. group d // H;
+    the op's rule. ``"(h g)"`` (the new axis before k) tiles the groups, channel d reading group
+    d % G: a different function, so it is refused here.
+    """
+    if not ((is_method(node, "reshape", "view") or is_call(node, torch.reshape)) and node.args):
+        return None
+    expand = node.args[0]
+    if not (is_method(expand, "expand") and isinstance(expand, torch.fx.Node)):
+        return None
+    unsq = expand.args[0]
+    if not ((is_call(unsq, torch.unsqueeze) or is_method(unsq, "unsqueeze")) and len(unsq.args) == 2):
+        return None
+    x, j = unsq.args
+    if not (isinstance(x, torch.fx.Node) and isinstance(j, int) and isinstance(val(x), torch.Tensor)):
+        return None
+    xs, es, out = val(x).shape, val(expand).shape, val(node).shape
+    if len(xs) != len(roles) or len(out) != len(roles) or len(es) != len(xs) + 1:
+        return None
+    j %= len(es)
+    k = j - 1
+    if k < 0 or roles[k] != "d":
+        return None
+    # Only the new axis is broadcast; the reshape keeps every other axis and merges (G, H) into
+    # one, which for a row-major reshape with the same leading and trailing sizes is exactly the
+    # merge of axes k and k + 1.
+    if not all(statically_known_true(es[i if i < j else i + 1] == xs[i]) for i in range(len(xs))):
+        return None
+    if not all(statically_known_true(out[i] == xs[i]) for i in range(len(xs)) if i != k):
+        return None
+    if not statically_known_true(out[k] == xs[k] * es[j]):
+        return None
+    g_roles = tuple(roles[:k]) + ("g",) + tuple(roles[k + 1:])
+    return view_source(x, g_roles)
+
+
 def grouped_source(node: torch.fx.Node, roles: Sequence[str]) -> Source | None:
     """Undo a group broadcast: ``x.repeat_interleave(H, dim=k)`` along the dim axis -> x, axis k = "g".
 
     Grouped B/C (batch, G, N, L) reach per-channel code repeated H = dim // G times along the
-    channel axis (channel d uses group d // H), which is exactly the op's grouped layout.
+    channel axis (channel d uses group d // H), which is exactly the op's grouped layout. The
+    einops spelling of the same broadcast (``_expand_reshape_group``) is undone too.
     """
     if not (is_call(node, torch.repeat_interleave) or is_method(node, "repeat_interleave")):
-        return None
+        return _expand_reshape_group(node, roles)
     x = node.args[0]
     reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
@@ -708,7 +753,8 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
     if sorted(B_src.roles) == ["b", "d", "n", "t"]:
         B_src = grouped_source(B_src.node, B_src.roles)
         if B_src is None:
-            return "B_full: a per-channel B is only accepted as a group broadcast (repeat_interleave over dim)"
+            return ("B_full: a per-channel B is only accepted as a group broadcast (repeat_interleave over dim, "
+                    "or its einops form 'b g ... -> b (g h) ...')")
     elif sorted(B_src.roles) not in (["b", "n", "t"], ["d", "n"]):
         return f"B_full: B must be indexed by (batch, state, time) or (dim, state), got {B_src.roles}"
     return Discretized(

@@ -66,6 +66,7 @@ _MUL = (operator.mul, torch.mul)
 _ZERO_FACTORIES = (torch.zeros, torch.zeros_like)
 _ZERO_METHODS = ("new_zeros",)
 _COLLECTORS = (torch.stack, torch.cat)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Python's in-place operators on tensors mutate the previous state, which a later readout may read.
 _INPLACE_OPERATORS = ("iadd", "isub", "imul", "itruediv")
 
@@ -442,6 +443,10 @@ def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torc
         return "C_full's time axis does not have the loop's length"
     leaf_roles = [role.get(lab) for lab in rt.factor_labels(fc)]
     c_roles = ["t" if o is None else leaf_roles[o] for o in parse_slice(fc.node)[3]]
+    if None in c_roles:
+        # A size-1 axis C_t broadcasts along (one C for the whole batch, or for every state): the
+        # op reads C with real (batch, state) axes, and sorting the roles would compare None.
+        return f"C_t broadcasts along a size-1 axis (axis roles {c_roles}); the op needs C as (batch, state, time)"
     if sorted(c_roles) == ["b", "d", "n", "t"]:
         c_src = grouped_source(c_base, c_roles)
         if c_src is None:
@@ -724,6 +729,13 @@ def emit_selective_scan(
         ``(y, last_state_or_None)``, nodes in the requested layouts and dtypes.
     """
     u = permute_view(graph, disc.u.node, disc.u.perm_to("bdt"))
+    if val(u).dtype in _HALF_DTYPES and y_dtype != val(u).dtype:
+        # The op returns y in u's dtype, and the sources are found through the user's casts: code
+        # that upcasts 16-bit inputs and keeps y in fp32 (selective_scan_ref before its final
+        # cast, a mixed-precision block) would otherwise get a y rounded to 16 bits, far less
+        # accurate than its own. An fp32 copy of u is exact, and the op accumulates in fp32 as
+        # before. (fp32 at most: the state is fp32 either way, and there is no fp64 GPU kernel.)
+        u = _cast(graph, u, torch.float32)
     delta = permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt"))
     A = permute_view(graph, disc.A.node, disc.A.perm_to("dn"))
     if disc.negate_A:

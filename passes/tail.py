@@ -32,7 +32,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .delta import ADD_TARGETS, MUL_TARGETS, match_bias
-from .fx_utils import (dtype_of, follow_views, hoist_before, inverse, is_call, is_method, layout_source,
+from .fx_utils import (cast_dtype, dtype_of, follow_views, hoist_before, inverse, is_call, is_method, layout_source,
                        output_getitem, permute_view, propagate_val, scan_args, scan_nodes, set_scan_args,
                        shape_of)
 from .manager import PassContext, PassManager
@@ -46,15 +46,39 @@ _OTHER_GATES = (F.gelu, torch._C._nn.gelu, torch.relu, F.relu, torch.tanh, F.sof
 
 class YChain(NamedTuple):
     """The scan's ``y`` followed forward through views and casts: ``top`` axis ``i`` holds op
-    axis ``perm[i]`` of ``y`` (batch, dim, L)."""
+    axis ``perm[i]`` of ``y`` (batch, dim, L); ``nodes`` are the views and casts passed."""
 
     top: torch.fx.Node
     perm: tuple[int, ...]
+    nodes: list[torch.fx.Node]
 
 
 def follow_y(y: torch.fx.Node) -> YChain:
-    top, perm, _ = follow_views(y)
-    return YChain(top, perm)
+    return YChain(*follow_views(y))
+
+
+def _widen_chain(chain: YChain, dtype: torch.dtype) -> YChain:
+    """Retarget the chain's casts to a less precise dtype than ``dtype`` (the tail's) to ``dtype``.
+
+    Folding moves the tail (skip, gate) in front of the chain: the casts that rounded y alone
+    would then round y + D·u or y·silu(z). Where the user's code computes the tail in a wider
+    dtype (type promotion against an fp32 D, an autocast region ending at the readout), eager
+    keeps the tail's result in that dtype, and so must the rewrite; the cast, now applied to the
+    op's output before the tail instead of after, only loses what the op did not round.
+    """
+    graph = chain.top.graph
+    nodes = []
+    for node in chain.nodes:
+        target = cast_dtype(node)
+        if target is not None and torch.finfo(target).eps > torch.finfo(dtype).eps:
+            with graph.inserting_after(node):
+                wide = graph.call_method("to", (node.args[0], dtype))
+            node.replace_all_uses_with(wide)
+            graph.erase_node(node)
+            node = wide
+        propagate_val(node)
+        nodes.append(node)
+    return YChain(nodes[-1] if nodes else chain.top, chain.perm, nodes)
 
 
 def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
@@ -169,6 +193,7 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
         return False
     args["D"] = skip.D
     set_scan_args(scan, args)
+    chain = _widen_chain(chain, dtype_of(skip.add))
     _replace_with(skip.add, chain.top)
     ctx.rewrite("skip", "y + u * D", skip.nodes, "ssm.selective_scan.default", {"perm": list(chain.perm)})
     return True
@@ -245,6 +270,7 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     with gm.graph.inserting_before(scan):
         args["z"] = permute_view(gm.graph, gate.z, inverse(chain.perm))
     set_scan_args(scan, args)
+    chain = _widen_chain(chain, dtype_of(gate.out))
     _replace_with(gate.out, chain.top)
     ctx.rewrite("gate", "y * silu(z)", gate.nodes, "ssm.selective_scan.default", {"perm": list(chain.perm)})
     return True

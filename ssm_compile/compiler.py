@@ -11,8 +11,12 @@ autograd formula) and hands the rewritten graph to inductor, which still fuses e
 """
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import logging
+import pathlib
+import traceback
 from typing import Any, Callable, Mapping
 
 import torch
@@ -43,6 +47,66 @@ def _code(gm: torch.fx.GraphModule) -> str:
     return "".join(parts)
 
 
+def _graph_modules(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``gm`` and its subgraphs (checkpoint bodies), which the pass manager rewrites too."""
+    return [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+
+
+def _failed_pass(error: BaseException) -> str:
+    """The pass module (e.g. ``scan_assoc``) in whose code ``error`` was raised, for the report."""
+    from ssm_compile import passes
+
+    package = pathlib.Path(passes.__file__).parent
+    names = [pathlib.Path(frame.filename).stem for frame in traceback.extract_tb(error.__traceback__)
+             if pathlib.Path(frame.filename).parent == package and pathlib.Path(frame.filename).stem != "manager"]
+    return names[0] if names else "passes"
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` that the passes' in-place rewrites of ``graph`` leave as it was.
+
+    Graph deepcopy copies the nodes and their meta dicts (sharing the fake values in them), but not
+    what dynamo keeps on the nodes themselves (a placeholder's ``_dynamo_source``, which
+    AOTAutograd reads), so those attributes are carried over; the copy keeps node order and names.
+    """
+    copied = copy.deepcopy(graph)
+    for old, new in zip(graph.nodes, copied.nodes, strict=True):
+        for attr, value in vars(old).items():
+            setattr(new, attr, value)
+    return copied
+
+
+def _run_passes(pm, gm: torch.fx.GraphModule):
+    """Run the passes on ``gm`` in place; if one raises, put every graph back as dynamo built it.
+
+    The backend must never break a program that runs eagerly: a pass that fails on a graph it did
+    not expect (a shape its check function forgot, say) leaves that graph unrewritten, with the
+    reason recorded as a near-miss for ``explain`` and logged, instead of failing the compile. The
+    rewrites it already counted are taken back, since none of them survives.
+    """
+    from torch._dynamo.utils import counters
+
+    from ssm_compile.passes.manager import PassContext
+
+    saved = [(m, _copy_graph(m.graph)) for m in _graph_modules(gm)]
+    saved_counts = collections.Counter(counters["ssm"])
+    try:
+        return pm(gm)
+    except Exception as e:  # noqa: BLE001  (any failure of ours must fall back, not crash the user)
+        for module, graph in saved:
+            module.graph = graph  # the setter re-owns the graph and recompiles the module
+        counters["ssm"].clear()
+        counters["ssm"].update(saved_counts)
+        family = _failed_pass(e)
+        reason = (f"pass {family} raised {type(e).__name__}: {e}; this graph is compiled without "
+                  "ssm rewrites")
+        log.warning("ssm backend: %s", reason)
+        log.debug("ssm backend: pass failure traceback", exc_info=True)
+        ctx = PassContext(options=pm.options)
+        ctx.miss(family, reason)
+        return ctx
+
+
 class SSMBackend:
     """A configured ``ssm`` backend: ``backend(gm, example_inputs) -> compiled callable``.
 
@@ -69,7 +133,7 @@ class SSMBackend:
         register_ops()
         pm = self.pass_manager()
         before = _code(gm) if self.on_graph is not None else ""
-        ctx = pm(gm)
+        ctx = _run_passes(pm, gm)
         log.info("ssm backend: %d rewrite(s), %d near-miss(es) in a graph of %d nodes",
                  len(ctx.rewrites), len(ctx.misses), len(gm.graph.nodes))
         if self.on_graph is not None:
