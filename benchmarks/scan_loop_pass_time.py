@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ssm_compile.compiler import _run_passes
 from ssm_compile.passes import scan_loop
 from ssm_compile.passes.manager import PassManager
 
@@ -43,8 +44,9 @@ def main():
     def backend(gm, example_inputs):
         pm = PassManager()
         scan_loop.register(pm)
+        # What the backend runs: the passes, behind the copy that lets a failing pass be undone.
         t0 = time.perf_counter()
-        ctx = pm(gm)
+        ctx = _run_passes(pm, gm)
         pass_time["s"] = time.perf_counter() - t0
         pass_time["rewrites"] = [r.family for r in ctx.rewrites]
         return gm.forward
@@ -59,7 +61,8 @@ def main():
     torch._dynamo.reset()
     torch.compile(hf_loop, backend=backend, fullgraph=True)(*inputs)
     print(f"L={L}: dynamo trace {trace:.2f} s, scan_loop pass {pass_time['s']:.3f} s "
-          f"({100 * pass_time['s'] / trace:.1f}% of trace), rewrites {pass_time['rewrites']}")
+          f"({100 * pass_time['s'] / trace:.1f}% of trace, incl. the graph copy for the fallback), "
+          f"rewrites {pass_time['rewrites']}")
 
 
 if __name__ == "__main__":

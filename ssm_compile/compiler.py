@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import gc
 import logging
 import pathlib
 import traceback
@@ -69,10 +70,23 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     what dynamo keeps on the nodes themselves (a placeholder's ``_dynamo_source``, which
     AOTAutograd reads), so those attributes are carried over; the copy keeps node order and names.
     """
-    copied = copy.deepcopy(graph)
+    # The copy allocates a few objects per node; on a long unrolled loop (tens of thousands of
+    # nodes, with dynamo's whole trace still alive) that triggers full cyclic-GC passes, which
+    # made the copy 5x slower than with collection paused (0.2 against 1.2 s at L=2048).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        copied = copy.deepcopy(graph)
+    finally:
+        if collecting:
+            gc.enable()
     for old, new in zip(graph.nodes, copied.nodes, strict=True):
+        present = vars(new)
         for attr, value in vars(old).items():
-            setattr(new, attr, value)
+            # Only what the copy lacks: where Node keeps its links (graph, _prev, args, users) in
+            # its __dict__ rather than in C slots, copying those would tie the copy to the original.
+            if attr not in present:
+                setattr(new, attr, value)
     return copied
 
 
