@@ -124,6 +124,54 @@ def test_jamba_generate_matches_eager_and_decode_is_rewritten():
     assert ssm["state_update"] >= 2 and ssm["state_update"] % 2 == 0 and ssm["conv_update"] == ssm["state_update"]
 
 
+# --- HF Zamba: Mamba-1 split into independent heads ------------------------------------------
+
+def tiny_zamba():
+    """Six Zamba layers (a shared attention block at layers 2 and 5, as its weight tying expects),
+    each with a Mamba mixer of two heads: per-head x_proj/dt_proj weights (batched matmuls, not
+    nn.Linear) and one ``mamba_selective_scan`` call per head."""
+    transformers = hf()
+    if not hasattr(transformers, "ZambaConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Zamba")
+    cfg = transformers.ZambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, attn_layer_period=3,
+        attn_layer_offset=2, num_attention_heads=2, num_key_value_heads=2, attention_hidden_size=64,
+        attention_head_dim=32, mamba_d_state=N, mamba_d_conv=4, mamba_expand=2, n_mamba_heads=2,
+        mamba_dt_rank=4, use_mamba_kernels=False)
+    torch.manual_seed(0)
+    model = perturbed(transformers.ZambaForCausalLM(cfg))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_zamba_every_head_scan_is_rewritten():
+    model = tiny_zamba()
+    ids = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(1))
+    out, ref = run(model, ids, use_cache=False)
+    fired = counters["ssm"]
+    # 6 mixers x 2 heads; the heads share each mixer's conv.
+    scans = fired["scan_assoc"] + fired["scan_loop"]
+    assert scans == 12 and fired["conv1d"] == 6, dict(fired)
+    assert all(fired[f] == 12 for f in ("discretization", "readout", "delta", "skip", "gate")), dict(fired)
+    assert rel_err(out.logits, ref.logits) <= TOL[torch.float32]
+
+
+def test_zamba_generate_matches_eager_and_decode_is_rewritten():
+    model = tiny_zamba()
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    eager = model.generate(prompt, **kwargs)
+    model.forward = torch.compile(model.forward, backend=backend(inductor=False))
+    out = model.generate(prompt, **kwargs)
+    assert torch.equal(out, eager)
+    fired = counters["ssm"]
+    # Every decode graph updates all 12 head states (two heads' rows of each mixer's cache
+    # tensor) and the 6 mixers' conv states.
+    assert fired["conv_update"] >= 6 and fired["conv_update"] % 6 == 0, dict(fired)
+    assert fired["state_update"] == 2 * fired["conv_update"], dict(fired)
+
+
 # --- mamba.py (alxndrTL) ---------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
