@@ -69,6 +69,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term
 from .fx_utils import depthwise_weight, is_call, is_cast, is_method, node_order, propagate_val, target_name, val
@@ -622,16 +623,84 @@ def _is_copy_chain(user: torch.fx.Node, copy: torch.fx.Node, src: torch.fx.Node)
     return False
 
 
-def _new_state_reads(u: Update, order: dict) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+def _shares_storage(node: Any, state: torch.fx.Node) -> bool:
+    t, st = _tensor(node), _tensor(state)
+    return t is not None and StorageWeakRef(t.untyped_storage()) == StorageWeakRef(st.untyped_storage())
+
+
+def _decode_op_state(node: torch.fx.Node) -> Any:
+    """The state a decode op node writes in place (its schema's ``Tensor(a!)``), or None."""
+    # By schema name: ``torch.ops.ssm.*`` exist only once registered, and this runs on graphs
+    # that may hold none.
+    name = node.target._schema.name if isinstance(node.target, torch._ops.OpOverload) else None
+    if name == "ssm::selective_state_update":
+        return node.args[0]
+    if name == "ssm::causal_conv1d_update":
+        return node.args[1]
+    return None
+
+
+def _state_writes(state: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that write ``state`` (a recurrent or a conv state) itself: in-place methods on
+    it, and the decode op a rewrite of an earlier step put in place of its writes."""
+    return [n for n in state.users
+            if (n.args and n.args[0] is state and _writes(n)) or _decode_op_state(n) is state]
+
+
+def _step_window(state: torch.fx.Node, own_writes: list[torch.fx.Node], start: int, end: int,
+                 order: dict) -> tuple[float, float]:
+    """The node-order window (lo, hi) between the write to ``state`` before a step (whose reads
+    start at ``start`` and whose writes ``own_writes`` end at ``end``) and the write after it,
+    when other steps write the same state in this graph (a decode loop compiled as a whole, each
+    step unrolled onto the one state node); (-inf, inf) otherwise.
+
+    Outside the window every use of the state is separated from this step by another write, so
+    it sees another step's value whatever this step's rewrite does. That holds only when each
+    use of the state is one the order can see: the state must have no aliases (views, casts to
+    its own dtype) besides its writes, and no other step's write may have a user but its own
+    ``add_`` (``state.mul_(dA).add_(dBx)``). Else the window is the whole graph, as for one step.
+    """
+    whole = (float("-inf"), float("inf"))
+    writes = _state_writes(state)
+    others = [w for w in writes if w not in own_writes]
+    if not others:
+        return whole
+    for n in state.users:
+        if n not in writes and n.op != "output" and _shares_storage(n, state):
+            return whole
+    for w in others:
+        if _decode_op_state(w) is state:
+            continue  # the decode ops return a fresh output, not the state
+        for user in w.users:
+            if not (_in_place(user, "add_", operator.iadd) and user.args[0] is w and not user.users):
+                return whole
+    if any(start <= order[w] <= end for w in others):
+        return whole
+    before = [w for w in others if order[w] < start]
+    lo = max((order[w] for w in before), default=float("-inf"))
+    if before:
+        prev = max(before, key=order.__getitem__)
+        # Two writes with nothing reading the state between them are one update written in two
+        # statements (``state.copy_(f(state)); state.copy_(g(state))``), not two decode steps:
+        # the window does not split it. A step ends where its result is read (or in the op).
+        if _decode_op_state(prev) is not state and not any(
+                lo < order[n] < start for n in state.users if n not in writes):
+            return whole
+    return lo, min((order[w] for w in others if order[w] > end), default=float("inf"))
+
+
+def _new_state_reads(u: Update, order: dict, hi: float) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """Every (value, user) through which the step's result can be read: the users of ``h`` (but
-    its write), and reads of the state (or of the in-place nodes, its aliases) after the write."""
+    its write), and reads of the state (or of the in-place nodes, its aliases) after the write
+    and before the next step's write (order ``hi``; later reads see that step's value)."""
     reads = []
     if u.h is not None:
         reads += [(u.h, user) for user in u.h.users if not (u.writes and _is_copy_chain(user, u.writes[-1], u.h))]
     if u.writes:
         after = order[u.writes[-1]]
         for alias in [u.state, *u.writes]:
-            reads += [(alias, user) for user in alias.users if user not in u.writes and order[user] > after]
+            reads += [(alias, user) for user in alias.users
+                      if user not in u.writes and after < order[user] < hi]
     return reads
 
 
@@ -640,13 +709,15 @@ def match_state_update(u: Update, order: dict[torch.fx.Node, int]) -> dict[str, 
     ``order`` is the graph's node order (``fx_utils.node_order``)."""
     m = _prove_discretization(u)
     dt_raw, dt_bias, dt_softplus, dt_casts = _peel_dt(m["dt"])
+    lo, hi = ((float("-inf"), float("inf")) if u.form == "returned"
+              else _step_window(u.state, u.writes, order[u.reader], order[u.writes[-1]], order))
     if u.writes:
         before = [n for n in u.state.users if n is not u.reader and n not in u.writes
-                  and order[n] < order[u.writes[-1]]]
+                  and lo < order[n] < order[u.writes[-1]]]
         if before:
             raise Miss(f"the state is also used by {[n.name for n in before]} before its update (a readout of "
                        "the old state?): moving the update into one op could change what they see")
-    reads = _new_state_reads(u, order)
+    reads = _new_state_reads(u, order, hi)
     readouts = [(src, user, r) for src, user in reads if user.op != "output"
                 for r in [_match_readout(user, src, _roles(u.state))] if r is not None]
     if len(readouts) != 1:
@@ -658,6 +729,12 @@ def match_state_update(u: Update, order: dict[torch.fx.Node, int]) -> dict[str, 
     src, first, (y, C, chain) = readouts[0]
     last, tail = _match_tail(y, m["x"])
     others = [user for s, user in reads if user is not first]
+    if order[last] > hi:
+        raise Miss("the step's output is complete only after the next step writes the state")
+    if hi < float("inf"):
+        # The next step's reads come after this step's output, where the op has written the
+        # state: they see the new state, as they do now.
+        others = [n for n in others if order[n] < order[last]]
     if u.form != "returned" and others:
         raise Miss(f"the state is also used by {[n.name for n in others]} after its update: moving the update "
                    "into one op could change what they see")
@@ -666,6 +743,7 @@ def match_state_update(u: Update, order: dict[torch.fx.Node, int]) -> dict[str, 
         raise Miss(f"the new state is also used by {early} before the step's output is complete")
     return dict(update=u, state=u.state, x=m["x"], dt=dt_raw, A=m["A"], B=m["B"], C=C, D=tail["D"], z=tail["z"],
                 dt_bias=dt_bias, dt_softplus=dt_softplus, readout_src=src, readout_first=first, last=last,
+                window=(lo, hi), order=order,
                 chain=chain + tail["nodes"], casts=m["casts"] + dt_casts)
 
 
@@ -759,7 +837,12 @@ def check_state_update(m: dict[str, Any]) -> str | None:
         # see the same value as before.
         return None
     allowed = {u.reader, *u.writes, m["readout_first"]}
-    others = [n for n in m["state"].users if n not in allowed]
+    lo, hi = m["window"]
+    order, last = m["order"], m["last"]
+    # With other steps' writes around this one (``_step_window``), uses outside the window see
+    # their values, and uses after this step's output (the next step's reads) see the op's.
+    others = [n for n in m["state"].users if n not in allowed and lo < order[n] < hi
+              and not (hi < float("inf") and order[n] > order[last])]
     # A cast to the state's own dtype returns the state itself, so a cast with other users is an
     # alias of the state that would see the update at a different point.
     others += [n for c in u.read_casts for n in c.users if len(c.users) > 1]
@@ -1211,15 +1294,23 @@ def match_window_update(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) ->
     if m is None:
         return None
     cs, written = m["cs"], m["writes"][-1]
-    before = [n for n in cs.users if n not in m["reads"] + m["writes"] and order[n] < order[written]]
+    lo, hi = _step_window(cs, m["writes"], min(order[n] for n in m["reads"]), order[written], order)
+    before = [n for n in cs.users if n not in m["reads"] + m["writes"] and lo < order[n] < order[written]]
     if before:
         raise Miss(f"the conv state is also used by {[n.name for n in before]} before its update: moving the "
                    "update into one op could change what they see")
-    reads = [(cs, n) for n in cs.users if order[n] > order[written]]
+    reads = [(cs, n) for n in cs.users if order[written] < order[n] < hi]
     reads += [(w, n) for w in m["writes"] for n in w.users]
     if m["window"] is not None:
         reads += [(m["window"], n) for n in m["window"].users if not _is_copy_chain(n, copy, m["window"])]
     found = [(src, user, r) for src, user in reads for r in [_match_window_readout(user, src)] if r is not None]
+    if len(found) == 1 and hi < float("inf"):
+        last = found[0][2]["last"]
+        if order[last] > hi:
+            raise Miss("the step's output is complete only after the next step writes the conv state")
+        # The next step's reads come after this step's output, where the op has written the
+        # window: they see the new window, as they do now.
+        reads = [(src, n) for src, n in reads if order[n] < order[last]]
     if len(found) != 1 or len(reads) != 1:
         raise Miss(f"the new window is used by {[user.name for _, user in reads]}, not by exactly one "
                    "(window * weight).sum(-1) readout")
