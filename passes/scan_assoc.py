@@ -56,7 +56,7 @@ from .discretize import Source, match_discretization
 from .fx_utils import dtype_of, hoist_before, is_call, is_method, node_order, shape_of, val
 from .manager import PassContext, PassManager
 from .readout import split_state_users
-from .scan_loop import emit_selective_scan
+from .scan_loop import emit_or_refusal, emit_selective_scan
 
 log = logging.getLogger("ssm_compile")
 
@@ -558,21 +558,15 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
         return
     graph = gm.graph
     size = dict(zip(roles, shape_of(all_states)))
-    before = set(graph.nodes)
-    try:
-        with graph.inserting_before(anchor):
-            y_user, last_user = emit_selective_scan(
-                graph, disc, Source(readout.C, readout.C_roles), length=length,
-                y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),
-                last_state_roles=tuple(r for r in roles if r != "t") if lasts else None,
-                last_state_dtype=dtype_of(lasts[0]) if lasts else None)
-    except (RuntimeError, ValueError, TypeError) as e:
-        # The op's fake impl validates its inputs (N <= 256, dtypes, ...): a refusal there is a
-        # miss that leaves the user's scan in place, not a failed compile.
-        for n in reversed([n for n in graph.nodes if n not in before]):
-            graph.erase_node(n)
-        ctx.miss(FAMILY, f"ssm.selective_scan refused the inputs: {e}", [all_states])
+    emitted = emit_or_refusal(graph, anchor, lambda: emit_selective_scan(
+        graph, disc, Source(readout.C, readout.C_roles), length=length,
+        y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),
+        last_state_roles=tuple(r for r in roles if r != "t") if lasts else None,
+        last_state_dtype=dtype_of(lasts[0]) if lasts else None))
+    if isinstance(emitted, str):
+        ctx.miss(FAMILY, emitted, [all_states])
         return
+    y_user, last_user = emitted
     readout.end.replace_all_uses_with(y_user)
     for node in lasts:
         node.replace_all_uses_with(last_user)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -795,6 +795,25 @@ def emit_selective_scan(
     return y, last
 
 
+def emit_or_refusal(graph: torch.fx.Graph, anchor: torch.fx.Node,
+                    emit: Callable[[], tuple[torch.fx.Node, torch.fx.Node | None]]
+                    ) -> tuple[torch.fx.Node, torch.fx.Node | None] | str:
+    """``emit()``'s nodes inserted before ``anchor``; or, if the op refuses the inputs, the graph
+    as it was and the reason.
+
+    The op's fake impl validates its inputs (N <= 256, dtypes, ...) while the nodes are emitted:
+    a refusal there is a miss that leaves the user's scan in place, not a failed compile.
+    """
+    before = set(graph.nodes)
+    try:
+        with graph.inserting_before(anchor):
+            return emit()
+    except (RuntimeError, ValueError, TypeError) as e:
+        for n in reversed([n for n in graph.nodes if n not in before]):
+            graph.erase_node(n)
+        return f"ssm.selective_scan refused the inputs: {e}"
+
+
 def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torch.fx.Node | None]:
     # A broadcast h_{-1} (e.g. a learned (dim, N) state shared by the batch) has the state's
     # trailing roles.
@@ -824,15 +843,10 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     anchor = last_input.next
     while anchor.op == "placeholder":
         anchor = anchor.next
-    before = set(graph.nodes)
-    try:
-        with graph.inserting_before(anchor):
-            y, last = _emit_scan(graph, m)
-    except (RuntimeError, ValueError, TypeError) as e:
-        # The op's fake impl validates its inputs; a refusal there is a miss, not a crash.
-        for n in reversed([n for n in graph.nodes if n not in before]):
-            graph.erase_node(n)
-        return f"ssm.selective_scan refused the inputs: {e}"
+    emitted = emit_or_refusal(graph, anchor, lambda: _emit_scan(graph, m))
+    if isinstance(emitted, str):
+        return emitted
+    y, last = emitted
     for user in m.out.out_users:
         user.replace_input_with(m.out.out_node, y)
     for user in m.last_users:
