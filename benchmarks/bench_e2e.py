@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 import ssm_compile
 
-from common import copy_bandwidth_gbs, dynamo_folds_is_exporting, markdown_table, matmul_tflops, median_ms, write_out
+from common import copy_bandwidth_gbs, dynamo_folds_is_exporting, event_median_ms, markdown_table, matmul_tflops, median_ms, write_out
 
 D_MODEL, N_LAYER, VOCAB, N_STATE, EXPAND, D_CONV = 768, 24, 50280, 16, 2, 4
 
@@ -56,19 +56,19 @@ def timed_compile(fn, *args):
     return time.perf_counter() - t0
 
 
-def mixer_assoc(mixer, hidden):
+def assoc_core(hidden, in_w, in_b, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, out_w, out_b, rank: int, n: int):
     """HF MambaMixer's forward with torch's associative_scan called directly (the baseline the
-    issue asks for where transformers leaves the unrolled loop in the compiled graph)."""
+    issue asks for where transformers leaves the unrolled loop in the compiled graph). Tensors
+    only, so one ``torch.compile`` of it serves every layer (the training baseline)."""
     from torch._higher_order_ops.associative_scan import associative_scan
 
     L = hidden.shape[1]
-    xz = mixer.in_proj(hidden).transpose(1, 2)
+    xz = F.linear(hidden, in_w, in_b).transpose(1, 2)
     x, z = xz.chunk(2, dim=1)
-    x = F.silu(mixer.conv1d(x)[..., :L])
-    dt, B, C = torch.split(mixer.x_proj(x.transpose(1, 2)), [mixer.time_step_rank, mixer.ssm_state_size,
-                                                           mixer.ssm_state_size], dim=-1)
-    dt = F.softplus(mixer.dt_proj(dt)).transpose(1, 2).float()
-    A = -torch.exp(mixer.A_log.float())
+    x = F.silu(F.conv1d(x, conv_w, conv_b, padding=conv_w.shape[-1] - 1, groups=x.shape[1])[..., :L])
+    dt, B, C = torch.split(F.linear(x.transpose(1, 2), xproj_w), [rank, n, n], dim=-1)
+    dt = F.softplus(F.linear(dt, dt_w, dt_b)).transpose(1, 2).float()
+    A = -torch.exp(A_log.float())
     dA = torch.exp(A[None, :, None, :] * dt[..., None])
     dBu = dt[..., None] * B[:, None].float() * x[..., None].float()
 
@@ -77,8 +77,14 @@ def mixer_assoc(mixer, hidden):
 
     _, h = associative_scan(combine, (dA, dBu), dim=2, combine_mode="pointwise")
     y = torch.matmul(h.transpose(1, 2), C.float().unsqueeze(-1)).squeeze(-1).transpose(1, 2)
-    y = (y + x * mixer.D[None, :, None]) * F.silu(z)
-    return mixer.out_proj(y.transpose(1, 2).to(hidden.dtype))
+    y = (y + x * D[None, :, None]) * F.silu(z)
+    return F.linear(y.transpose(1, 2).to(hidden.dtype), out_w, out_b)
+
+
+def mixer_assoc(mixer, hidden, core=assoc_core):
+    return core(hidden, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, mixer.conv1d.bias,
+                mixer.x_proj.weight, mixer.dt_proj.weight, mixer.dt_proj.bias, mixer.A_log, mixer.D,
+                mixer.out_proj.weight, mixer.out_proj.bias, mixer.time_step_rank, mixer.ssm_state_size)
 
 
 def scan_path(dtype, backend) -> str:
@@ -117,24 +123,29 @@ def _observe_only(ssm):
     return observe
 
 
-def with_direct_assoc(model):
+def with_direct_assoc(model, core=assoc_core):
     """A copy of ``model`` whose mixers call torch's associative_scan directly (``mixer_assoc``):
-    the inductor associative_scan baseline where torch's own backends see HF's loop."""
+    the inductor associative_scan baseline where torch's own backends see HF's loop. ``core``
+    may be a compiled ``assoc_core``, shared by all layers."""
     import copy
     import functools
 
     twin = copy.deepcopy(model)
     for layer in twin.backbone.layers:
-        layer.mixer.forward = functools.partial(lambda mixer, h, **_: mixer_assoc(mixer, h), layer.mixer)
+        layer.mixer.forward = functools.partial(lambda mixer, h, **_: mixer_assoc(mixer, h, core), layer.mixer)
     return twin
 
 
-def train_step_ms(model, fn, ids):
+def train_step_ms(model, fn, ids, micro: int = 1):
+    """One AdamW step on the whole batch. With ``micro`` > 1 the batch goes through in that many
+    equal micro-batches whose gradients accumulate (the same step: HF's loss is a token mean and
+    every micro-batch has the same token count), for a baseline whose activations do not fit."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        fn(ids, labels=ids).loss.backward()
+        for part in ids.chunk(micro):
+            (fn(part, labels=part).loss / micro).backward()
         opt.step()
 
     return step
@@ -146,7 +157,9 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--loop-len", type=int, default=128, help="L for the one-layer inductor loop-path baseline")
-    p.add_argument("--train-len", type=int, default=2048, help="L of the training-step comparison (0: skip)")
+    p.add_argument("--train-lens", type=int, nargs="+", default=[2048, 128],
+                   help="L of the training-step comparison; the short one is where associative_scan's "
+                        "O(L^2) backward still fits")
     p.add_argument("--time-budget", type=float, default=300, help="seconds; later baselines are skipped")
     p.add_argument("--parts", default="forward,layer,train", help="which of forward,layer,train to run")
     p.add_argument("--profile", action="store_true",
@@ -254,47 +267,70 @@ def main():
     print(markdown_table(["one layer", "L", "compile s", "fwd ms"], layer_rows), flush=True)
 
     train_rows = []
-    if args.train_len and "train" in parts:
-        L = args.train_len
+    model = assoc_model = None  # the forward part's copies: free their memory for training
+    torch.cuda.empty_cache()
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    # Each length's rows in turn; the associative_scan baseline at the long length goes last,
+    # since its backward (an (L, L) transition matrix per (batch, dim, N) element in torch's
+    # implementation) is the one most likely to fail there.
+    plan = [(L, name) for L in args.train_lens for name in ("ssm", "eager", assoc_name)]
+    plan.sort(key=lambda p: p[1] == assoc_name and p[0] == max(args.train_lens))
+    core = torch.compile(assoc_core)
+    for L, name in plan if "train" in parts else []:
+        if name != "ssm" and over_budget(f"training step {name} at L={L}"):
+            continue
         ids = torch.randint(0, VOCAB, (args.batch, L), device="cuda")
-        # HF's eager path keeps exp(Δ·A), Δ·B and Δ·B·u as fp32 (batch, dim, L, N) tensors for
-        # backward in every layer, plus one (batch, dim, N) state per step: past the GPU's memory
-        # it would grind for minutes before failing, so it is skipped up front.
-        eager_gb = N_LAYER * args.batch * EXPAND * D_MODEL * L * N_STATE * 4 * 4 / 2**30
-        for name in ["ssm", "eager", assoc_name]:
-            if name != "ssm" and over_budget(f"training step {name}"):
-                continue
-            if name == "eager" and eager_gb > 0.8 * torch.cuda.get_device_properties(0).total_memory / 2**30:
-                notes.append(f"train eager L={L}: skipped, its saved (batch, dim, L, N) tensors need ~{eager_gb:.0f} GiB")
-                print(notes[-1], flush=True)
-                continue
-            torch._dynamo.reset()
-            model = build(True, dtype).train()
-            if name == assoc_name and torch_path != "assoc":
-                # The optimizer must step the parameters that the timed model trains: the twin's.
-                model = with_direct_assoc(model)
-            run = {"ssm": lambda m: torch.compile(m, backend="ssm"), "eager": lambda m: m}.get(name, torch.compile)(model)
-            print(f"train step: {name} at L={L} ...", flush=True)
-            try:
-                step = train_step_ms(model, run, ids)
-                c = timed_compile(step)
-                ms = median_ms(step, warmup_ms=1, rep_ms=1) if name == "eager" else median_ms(step)
-                train_rows.append([name, L, c, ms, args.batch * L / ms * 1e3, torch.cuda.max_memory_allocated() / 2**30])
-                print(f"  first step {c:.1f} s, step {ms:.2f} ms", flush=True)
-            except Exception as e:  # noqa: BLE001 - e.g. eager running out of memory on the (B, D, L, N) tensors
-                notes.append(f"train {name} L={L}: {type(e).__name__}: {str(e)[:200]}")
-            del model, run
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        print(markdown_table(["train step", "L", "first step s", "step ms", "tokens/s", "peak GiB"], train_rows),
-              flush=True)
+        micro = 1
+        if name == "eager":
+            # HF's eager path keeps exp(Δ·A), Δ·B and Δ·B·u as fp32 (batch, dim, L, N) tensors for
+            # backward in every layer, plus one (batch, dim, N) state per step. Where that does
+            # not fit, the same step runs as accumulated micro-batches.
+            eager_gib = N_LAYER * args.batch * EXPAND * D_MODEL * L * N_STATE * 4 * 4 / 2**30
+            while eager_gib / micro > 0.6 * total_gib and micro < args.batch:
+                micro *= 2
+        label = name if micro == 1 else f"{name} ({micro} accumulated micro-batches)"
+        torch._dynamo.reset()
+        net = build(True, dtype).train()
+        if name == assoc_name and torch_path != "assoc":
+            # The optimizer must step the parameters that the timed model trains: the twin's.
+            net = with_direct_assoc(net, core)
+        if name == "ssm":
+            run = torch.compile(net, backend="ssm")
+        elif name == assoc_name and torch_path == "assoc":
+            run = torch.compile(net)
+        else:  # eager, or the twin whose mixers call the compiled associative_scan core
+            run = net
+        print(f"train step: {label} at L={L} ...", flush=True)
+        try:
+            step = train_step_ms(net, run, ids, micro)
+            c = timed_compile(step)
+            # The baselines take seconds per step: a few event-timed steps, not do_bench's dozens.
+            # (eager at L=2048 takes ~30 s a step, so there the first step is the only warm-up.)
+            slow = c > 5 and name == "eager"
+            ms = median_ms(step) if name == "ssm" else event_median_ms(step, warmup=0 if slow else 1,
+                                                                     iters=1 if slow else 3)
+            train_rows.append([label, L, c, ms, args.batch * L / ms * 1e3, torch.cuda.max_memory_allocated() / 2**30])
+            print(f"  first step {c:.1f} s, step {ms:.2f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001 - e.g. a baseline running out of memory
+            notes.append(f"train {label} L={L}: {type(e).__name__}: {str(e)[:300]}")
+            print(notes[-1], flush=True)
+        del net, run
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    by_len = {}
+    for row in train_rows:
+        by_len.setdefault(row[1], {})[row[0]] = row[3]
+    for row in train_rows:
+        row.append(row[3] / by_len[row[1]]["ssm"] if "ssm" in by_len[row[1]] else float("nan"))
+    train_header = ["train step", "L", "first step s", "step ms", "tokens/s", "peak GiB", "time/ssm"]
+    print(markdown_table(train_header, train_rows), flush=True)
 
     write_out("bench_e2e.md", "\n\n".join([
         f"130m-shaped HF Mamba (24 layers, d_model 768), batch {args.batch}, {args.dtype}; "
         f"copy {gbs:.0f} GB/s, matmul {tflops:.0f} TFLOP/s (measured in this run)",
         markdown_table(["variant", "L", "compile s", "fwd ms", "tokens/s", "floor/time", "time/ssm"], rows),
         markdown_table(["one layer", "L", "compile s", "fwd ms"], layer_rows),
-        markdown_table(["train step", "L", "first step s", "step ms", "tokens/s", "peak GiB"], train_rows),
+        markdown_table(train_header, train_rows),
         "\n".join(f"- {n}" for n in notes)]))
 
 

@@ -39,9 +39,13 @@ for s in "$@"; do
         sweep) step sweep python3 benchmarks/bench_scan.py --sweep-named ;;
         bwd) step bwd python3 benchmarks/bench_scan_bwd.py ;;
         bwdsweep) step bwdsweep python3 benchmarks/bench_scan_bwd.py --sweep --baselines ;;
+        # Op-level fwd+bwd baselines only (no tile sweep): eager, inductor loop, inductor assoc.
+        bwdbase) step bwdbase python3 benchmarks/bench_scan_bwd.py --baselines ;;
+        gentest) step gentest python3 -m pytest -q -p no:cacheprovider tests/test_generate_example.py -k cuda ;;
         bwdnblock) step bwdnblock python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match nblock ;;
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
         e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} --profile ;;
+        profiletrain) step profiletrain python3 benchmarks/profile_train.py --len ${TRAIN_PROFILE_LEN:-128} ;;
         fusion) step fusion python3 benchmarks/bench_fusion.py --quick ;;
         # FUSION_START continues the fixed shuffled grid where an earlier run stopped (run 10: 28).
         fusionsweep) step fusionsweep python3 benchmarks/bench_fusion.py --time-budget ${FUSION_BUDGET:-300} \
