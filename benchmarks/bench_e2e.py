@@ -187,6 +187,12 @@ def main():
 
     rows = []
     model = build(True, dtype).eval()
+
+    def model_fp32():
+        # The same weights in fp32 (an exact cast).
+        import copy
+
+        return copy.deepcopy(model).float()
     # Inductor on the associative_scan path: HF's own branch where torch's backends reach it,
     # otherwise the same weights with associative_scan called directly in every mixer.
     assoc_model = model if torch_path == "assoc" else with_direct_assoc(model)
@@ -204,8 +210,19 @@ def main():
             ssm = torch.compile(model, backend="ssm")
             c = timed_compile(ssm, ids)
             out = ssm(ids).logits.float()
-            notes.append(f"L={L}: ssm vs eager logits rel err {((out - ref).norm() / ref.norm()).item():.2e} "
-                         "(bf16 eager is itself far from fp64 at 24 layers; see RESULTS.md)")
+            # A random 24-layer bf16 model is far from its own fp32 twin (RESULTS.md, "CUDA
+            # parity"), so ssm-vs-eager in bf16 measures the model's sensitivity. The parity check
+            # is against the fp32 twin run eagerly: ssm's bf16 error should not exceed eager's.
+            twin = model_fp32()
+            ref32 = twin(ids).logits.float()
+            del twin
+
+            def err(x):
+                return ((x - ref32).norm() / ref32.norm()).item()
+
+            notes.append(f"L={L}: logits rel err against the eager fp32 model: eager {args.dtype} {err(ref):.2e}, "
+                         f"ssm {args.dtype} {err(out):.2e} (ssm vs eager {args.dtype}: "
+                         f"{((out - ref).norm() / ref.norm()).item():.2e})")
             print(notes[-1], flush=True)
             res["ssm"] = (c, median_ms(lambda: ssm(ids)))
             if args.profile:
