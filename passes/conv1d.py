@@ -8,7 +8,8 @@ What Mamba code writes, and what dynamo turns it into:
 - ``nn.Conv1d(dim, dim, W, groups=dim, padding=W-1)`` (HF 5.17's ``self.conv1d(h)[..., :L]``),
   inlined as ``torch.conv1d(x, weight, bias, (1,), (W-1,), (1,), dim)`` on parameter placeholders;
 - optionally followed by silu: ``F.silu``, ``nn.SiLU`` / HF's ``ACT2FN["silu"]`` (both inline to
-  ``F.silu``), or ``y * torch.sigmoid(y)``;
+  ``F.silu``), or ``y * torch.sigmoid(y)``, also after a transpose back to (batch, L, dim)
+  (mamba-minimal: ``rearrange(x, 'b d l -> b l d')`` then ``F.silu``);
 - ``F.conv1d(F.pad(x, (W-1, 0)), w, b, groups=dim)``: the input padded on the left only, an
   unpadded conv, no slice (the usual hand-written causal conv); the op reads the unpadded x.
 
@@ -34,7 +35,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import depthwise_weight, is_call, is_method, propagate_val, val
+from .fx_utils import depthwise_weight, is_call, is_method, propagate_val, val, view_perm, written_in_place
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -206,6 +207,15 @@ def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
     return None
 
 
+def _single_permutation_user(y: torch.fx.Node) -> torch.fx.Node | None:
+    """``y``'s only user if it is an axis permutation of ``y`` (``transpose``, ``permute``,
+    ``rearrange``'s permute), else None."""
+    users = list(y.users)
+    if len(users) == 1 and users[0].args and users[0].args[0] is y and view_perm(users[0]) is not None:
+        return users[0]
+    return None
+
+
 def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for conv in list(graph.nodes):
@@ -225,12 +235,26 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 continue
             # The conv's whole output is the causal conv of the unpadded input: no slice.
             pad, x, sliced = x, source, None
+            # The op reads the unpadded x where the conv runs, the user's pad read it earlier: a
+            # write to x in between (``xp = F.pad(x); x.relu_()``) must not reach the op.
+            writer = written_in_place(graph, [x])
+            if writer is not None:
+                ctx.miss(FAMILY, f"{writer.name} writes in place to the padded input's memory: the op would "
+                         "read it where the conv runs, not where the user's F.pad did", [conv])
+                continue
         reason = check_causal_conv(conv, x, weight, args, sliced, left_padded=pad is not None)
         if reason is not None:
             ctx.miss(FAMILY, reason, [conv])
             continue
         out = conv if pad is not None else sliced
-        act = _match_silu(out)
+        act, view = _match_silu(out), None
+        if act is None:
+            # mamba-minimal transposes back to (batch, L, dim) before its silu; silu is
+            # elementwise, so it commutes with the transpose and still folds into the op.
+            view = _single_permutation_user(out)
+            act = _match_silu(view) if view is not None else None
+            if act is None:
+                view = None
         act_nodes, act_pattern = act if act is not None else ([], None)
         last = act_nodes[0] if act_nodes else out
         with graph.inserting_before(conv):
@@ -238,11 +262,25 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             op = graph.call_function(torch.ops.ssm.causal_conv1d.default,
                                      (x, kernel_weight, args["bias"], "silu" if act_nodes else None))
             propagate_val(op)
+            result = op
+            out_dtype = val(last).dtype
+            if val(op).dtype != out_dtype:
+                # Under autocast eager's conv runs (and returns) in the autocast dtype while the op
+                # returns x's dtype; the user's code downstream must see the dtype it saw in eager.
+                result = graph.call_method("to", (op, out_dtype))
+                propagate_val(result)
         if "stack_trace" in conv.meta:
             op.meta["stack_trace"] = conv.meta["stack_trace"]
-        last.replace_all_uses_with(op)
+        if view is not None:
+            # The user's view now permutes the op's (already activated) output.
+            view.replace_input_with(out, result)
+            last.replace_all_uses_with(view)
+        else:
+            last.replace_all_uses_with(result)
         replaced = [conv, *([sliced] if pad is None else []), *reversed(act_nodes)]
         pattern = "pad(W-1, 0)+conv1d" if pad is not None else "conv1d[..., :L]"
+        if view is not None:
+            pattern += "+permute"
         ctx.rewrite(FAMILY, pattern + (f"+{act_pattern}" if act_pattern else ""), replaced,
                     "ssm.causal_conv1d", {"W": int(val(weight).shape[2]),
                                           "activation": "silu" if act_nodes else None,

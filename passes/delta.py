@@ -29,7 +29,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .fx_utils import (cast_dtype, is_call, is_method, layout_source, permute_view, propagate_val, scan_args,
-                       scan_nodes, set_scan_args, shape_of)
+                       scan_nodes, set_scan_args, shape_of, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -54,11 +54,17 @@ class DeltaFold(NamedTuple):
     nodes: list[torch.fx.Node]    # the matched nodes, for the record
 
 
-def _softplus_default(node: torch.fx.Node) -> Optional[str]:
-    """None if ``node`` is torch's default softplus, else why not."""
-    names = ("input", "beta", "threshold")
+def _named_args(node: torch.fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
+    """``node``'s arguments by parameter name, however the user passed them (``F.linear(x,
+    weight=W)``, ``F.softplus(input=x)`` put them in kwargs)."""
     args = dict(zip(names, node.args))
     args.update(node.kwargs)
+    return args
+
+
+def _softplus_default(node: torch.fx.Node) -> Optional[str]:
+    """None if ``node`` is torch's default softplus, else why not."""
+    args = _named_args(node, ("input", "beta", "threshold"))
     beta, threshold = args.get("beta", 1.0), args.get("threshold", 20.0)
     if beta != 1 or threshold != 20:
         return (f"softplus with beta={beta}, threshold={threshold} is not the op's softplus "
@@ -127,14 +133,14 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     why = _softplus_default(softplus)
     if why is not None:
         return why
-    inner = layout_source(softplus.args[0])
+    inner = layout_source(_named_args(softplus, ("input",))["input"])
     perm = tuple(inner.perm[p] for p in top.perm)
     pre = inner.base
     nodes = [softplus]
     dim_axis = perm[1]
     dim = shape_of(delta)[1]
     if is_call(pre, *LINEAR_TARGETS):
-        x, weight, bias = (list(pre.args) + [pre.kwargs.get("bias")])[:3]
+        bias = _named_args(pre, ("input", "weight", "bias")).get("bias")
         if bias is not None and dim_axis == len(shape_of(pre)) - 1 and shape_of(bias) == (dim,):
             return DeltaFold(pre, perm, bias, pre, nodes + [pre])
     if is_call(pre, *ADD_TARGETS) and len(pre.args) == 2 and not pre.kwargs:
@@ -157,11 +163,23 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     if not isinstance(fold, DeltaFold):
         return
     graph = gm.graph
+    # The op reads the pre-activation (and the bias, the linear's operands) where it runs, not
+    # where the user read them, and the folded linear is recomputed: a write in between
+    # (``s = x + b; x.mul_(2)``, ``x = dt_proj(dt); x.add_(c)``) would change what it reads.
+    reads = [fold.pre, fold.bias]
+    if fold.linear is not None:
+        linear_args = _named_args(fold.linear, ("input", "weight", "bias"))
+        reads += [linear_args["input"], linear_args["weight"]]
+    writer = written_in_place(graph, reads)
+    if writer is not None:
+        ctx.miss(FAMILY, f"{writer.name} writes in place to memory Δ's inputs live in: the op would read "
+                 "them at another point than the user's code did", [scan])
+        return
     pre = fold.pre
     with graph.inserting_before(scan):
         if fold.linear is not None:
-            x, weight = fold.linear.args[:2]
-            pre = graph.call_function(fold.linear.target, (x, weight))
+            linear_args = _named_args(fold.linear, ("input", "weight", "bias"))
+            pre = graph.call_function(fold.linear.target, (linear_args["input"], linear_args["weight"]))
             propagate_val(pre)
         new_delta = permute_view(graph, pre, fold.perm)
     args.update(delta=new_delta, delta_bias=fold.bias, delta_softplus=True)

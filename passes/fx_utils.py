@@ -7,12 +7,15 @@ generic; no pattern knowledge lives in this file.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -26,6 +29,10 @@ _CAST_METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": 
                        "bfloat16": torch.bfloat16}
 
 __all__ = [
+    "mutates",
+    "written_args",
+    "written_in_place",
+    "storage_of",
     "val",
     "set_val",
     "propagate_val",
@@ -605,3 +612,87 @@ def depthwise_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.N
     squeezed = graph.call_method("squeeze", (weight, 1))
     propagate_val(squeezed)
     return squeezed
+
+
+# ---------------------------------------------------------------------------------------------
+# In-place writes: a pass that makes an op read a value at another point in the graph than the
+# user's code did must first prove nothing writes that value's memory in between.
+# ---------------------------------------------------------------------------------------------
+
+def mutates(node: torch.fx.Node) -> bool:
+    """``node`` writes one of its inputs in place."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("_")
+    if node.op != "call_function":
+        return False
+    if node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv):
+        return True
+    # torch.relu_ / torch.sigmoid_, and F.relu(x, inplace=True) / F.silu(x, True) as dynamo records them.
+    name = getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.startswith("_"):
+        return True
+    if _inplace_flag(node):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _inplace_flag(node: torch.fx.Node) -> bool:
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        index = _inplace_position(node.target)
+    except TypeError:  # an unhashable callable: no cached signature, and none of torch's in-place ones
+        index = None
+    return index is not None and index < len(node.args) and node.args[index] is True
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(target: Any) -> int | None:
+    """Where ``target`` takes ``inplace`` positionally (``F.silu(x, True)``), or None. Cached: the
+    passes ask for every node of every graph."""
+    try:
+        params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+def written_in_place(graph: torch.fx.Graph, nodes: list[Any]) -> torch.fx.Node | None:
+    """The first node of ``graph`` that writes in place to memory one of ``nodes`` lives in (any
+    view of it), or None. A pass that makes an op read ``nodes`` at another place in the graph
+    than the user did may only do so when this is None. Unknown storages count as shared."""
+    storages = [storage_of(n) for n in nodes if isinstance(n, torch.fx.Node)]
+    if any(s is None for s in storages):
+        return next((n for n in graph.nodes if mutates(n)), None)
+    for node in graph.nodes:
+        if not mutates(node):
+            continue
+        written = [storage_of(a) for a in written_args(node) if isinstance(val(a), torch.Tensor)]
+        if any(w is None or w in storages for w in written):
+            return node
+    return None
+
+
+def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The inputs a ``mutates`` node writes: the receiver of ``x.mul_()`` / ``x[i] = v`` /
+    ``x += y``, the ``Tensor(a!)`` arguments of an op. ``state.copy_(x)`` writes state, not x."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is not None:
+        named = dict(zip((a.name for a in schema.arguments), node.args))
+        named.update(node.kwargs)
+        written = [named.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    else:
+        written = node.args[:1]
+    return [a for a in written if isinstance(a, torch.fx.Node)]
+
+
+def storage_of(node: torch.fx.Node) -> StorageWeakRef | None:
+    """The (fake) storage ``node``'s value lives in; views of one tensor share it. None if unknown."""
+    value = val(node)
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None

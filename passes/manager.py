@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.utils import counters
 
+from .fx_utils import mutates
+
 log = logging.getLogger("ssm_compile")
 
 PassFn = Callable[[torch.fx.GraphModule, "PassContext"], None]
@@ -83,7 +85,9 @@ def _removable_if_unused(node: torch.fx.Node) -> bool:
     """
     if node.op in ("placeholder", "output", "get_attr"):
         return node.op == "get_attr"
-    if node.is_impure() or "out" in node.kwargs:
+    # ``mutates`` also knows the in-place flags FX does not (``F.relu(x, inplace=True)``,
+    # ``F.silu(x, True)``): dropping such a call would leave later readers of x unwritten.
+    if node.is_impure() or "out" in node.kwargs or mutates(node):
         return False
     target = node.target
     if str(getattr(target, "__name__", target)).startswith(_RANDOM_PREFIXES):

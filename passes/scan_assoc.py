@@ -56,7 +56,7 @@ from .discretize import Source, match_discretization
 from .fx_utils import dtype_of, hoist_before, is_call, is_method, node_order, shape_of, val
 from .manager import PassContext, PassManager
 from .readout import split_state_users
-from .scan_loop import emit_or_refusal, emit_selective_scan
+from .scan_loop import emit_or_refusal, emit_selective_scan, mutated, read_through
 
 log = logging.getLogger("ssm_compile")
 
@@ -552,6 +552,16 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
         return
     readout, lasts = users
     order = node_order(gm.graph)
+    # The op reads the sources themselves, at the readout; the user's code read them through the
+    # copies and casts the discretization looks through (``A = A.clone(); A.mul_(2)``), earlier.
+    full = {a_seed.args[0], b_seed.args[0]}
+    sources = {disc.u.node, disc.delta.node, disc.A.node, disc.B.node, readout.C}
+    reads = read_through(list(full), sources, order) | full | sources
+    readout_nodes = [readout.end, *readout.chain, *readout.nodes]
+    reads |= read_through(readout_nodes, {readout.C, all_states}, order) | set(readout_nodes)
+    if any(mutated(n) for n in reads | {all_states}):
+        ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
+        return
     anchor = min([readout.end] + lasts, key=order.__getitem__)
     if not hoist_before(readout.C, anchor, all_states):
         ctx.miss("readout", "C is computed from the states", [readout.C])

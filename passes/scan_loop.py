@@ -17,7 +17,10 @@ into L copies of the same few nodes. This pass
    ``cat`` of unsqueezed outputs, or writes into a fresh buffer: ``out[:, :, t] = y``,
    ``out[:, t].copy_(y)``); or, when the states themselves are stacked (mamba.py's
    ``selective_scan_seq``), that the stack is read out once as ``Σ_n states · C_full``
-   (``readout.match_readout``) and otherwise only at its last step;
+   (``readout.match_readout``) and otherwise only at its last step; or, when the collected
+   value is user code on top of the contraction (a skip ``+ D*u_t``, a ``silu(z_t)`` gate or a
+   scale written inside the loop), that it reads h_t only through ``r_t = Σ_n h_t · C_full[t]``:
+   then each r_t becomes the op's output at time t and the user's code after it stays;
 5. proves ``A_full = exp(Δ·A)``, ``B_full = Δ·B·u`` (``discretize.match_discretization``), or
    the same for one step's values (``discretize.match_step_discretization``);
 6. replaces the loop by one ``ssm.selective_scan`` on permuted views of the sources.
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import sympy
 import torch
@@ -49,26 +52,29 @@ from .fx_utils import (
     is_call,
     is_cast,
     is_method,
+    mutates,
     parse_index,
     parse_slice,
     permute_view,
     propagate_val,
     time_slice,
     val,
+    written_args,
 )
 from .manager import PassContext
 from .readout import split_state_users
 
 FAMILY = "scan_loop"
 ONE_STEP = "a one-step loop is left alone"
+NOT_A_CONTRACTION = "the readout is not a contraction of h_t with C_t"
 
 _MUL = (operator.mul, torch.mul)
 _ZERO_FACTORIES = (torch.zeros, torch.zeros_like)
 _ZERO_METHODS = ("new_zeros",)
 _COLLECTORS = (torch.stack, torch.cat)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_Emitted = TypeVar("_Emitted")
 # Python's in-place operators on tensors mutate the previous state, which a later readout may read.
-_INPLACE_OPERATORS = ("iadd", "isub", "imul", "itruediv")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,25 +105,47 @@ def _between(src: torch.fx.Node, dst: torch.fx.Node, pos: dict[torch.fx.Node, in
     return sorted((n for n, r in reach.items() if r), key=pos.__getitem__)
 
 
+# Deterministic ops that read nothing but their arguments: a loop-invariant value that code
+# recomputes in every step with these (``A.unsqueeze(0)``, ``-torch.exp(A_log)``, ``A.float()``)
+# is the same value in every step, as long as nothing it reads is written in place.
+_PURE_METHODS = frozenset({
+    "unsqueeze", "squeeze", "view", "reshape", "transpose", "permute", "expand", "expand_as", "flatten",
+    "unflatten", "movedim", "t", "contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to",
+    "type_as", "neg", "exp", "log", "abs", "mul", "add", "sub", "div", "__getitem__",
+})
+_PURE_FUNCTIONS = frozenset({
+    operator.getitem, operator.neg, operator.mul, operator.add, operator.sub, operator.truediv, getattr,
+    torch.exp, torch.neg, torch.log, torch.abs, torch.mul, torch.add, torch.sub, torch.div, torch.unsqueeze,
+    torch.squeeze, torch.transpose, torch.permute, torch.reshape, torch.clone, torch.nn.functional.softplus,
+})
+
+
+def _is_pure(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _PURE_METHODS
+    return node.op == "call_function" and node.target in _PURE_FUNCTIONS
+
+
 def _leaf_key(node: torch.fx.Node, t: int, depth: int = 0) -> tuple:
     """How a leaf of step ``t`` is compared with step 0's.
 
     A time slice is keyed by (base, axis, index - t); a small computation on time slices (e.g.
-    ``C[:, i].unsqueeze(-1)``) by its op and its inputs' keys. Anything else must be the very
-    same node in every step — keying it structurally would equate two ``randn`` calls.
+    ``C[:, i].unsqueeze(-1)``) by its op and its inputs' keys; so is a loop-invariant value that
+    every step recomputes with deterministic ops from graph values nobody writes in place ("inv").
+    Anything else must be the very same node in every step — keying it structurally would equate
+    two ``randn`` calls.
     """
     ts = time_slice(node)
     if ts is not None:
         base, axis, idx = ts
         return ("slice", base, axis, idx - t)
     if depth < 6 and node.op in ("call_function", "call_method"):
-        has_slice = False
+        kinds: dict[torch.fx.Node, str] = {}
 
         def key(a):
-            nonlocal has_slice
             if isinstance(a, torch.fx.Node):
                 k = _leaf_key(a, t, depth + 1)
-                has_slice = has_slice or k[0] != "node"
+                kinds[a] = k[0]
                 return k
             if isinstance(a, (list, tuple)):
                 return (type(a).__name__,) + tuple(key(x) for x in a)
@@ -125,9 +153,12 @@ def _leaf_key(node: torch.fx.Node, t: int, depth: int = 0) -> tuple:
                 return ("dict",) + tuple((k, key(v)) for k, v in sorted(a.items()))
             return ("literal", type(a).__name__, repr(a))
 
-        k = ("op", node.op, node.target, key(node.args), key(node.kwargs))
-        if has_slice:
-            return k
+        k = (node.op, node.target, key(node.args), key(node.kwargs))
+        if {"slice", "op"} & set(kinds.values()):
+            return ("op",) + k
+        # An "inv" input was checked when it was keyed; any other input is one node in every step.
+        if _is_pure(node) and not mutated(node) and all(kind == "inv" or not mutated(a) for a, kind in kinds.items()):
+            return ("inv",) + k
     return ("node", node)
 
 
@@ -203,7 +234,7 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
 
     for n in region:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
-        if isinstance(name, str) and (name.endswith("_") and not name.endswith("__") or name in _INPLACE_OPERATORS):
+        if mutates(n):
             raise _NotElementwise(f"in-place {name}")
         a = n.args
         if is_cast(n):
@@ -311,6 +342,9 @@ class Collected:
     out_users: list[torch.fx.Node]          # its users after the loop, to be redirected
     writes: list[torch.fx.Node]             # the collecting nodes, erased with the loop
     roles: tuple[str, ...]                  # roles of out_node's axes
+    # kind "per-step": each step's readout r_t, replaced by a time slice of the op's output; the
+    # user's code after it (a skip, a gate, a scale) and the collection stay as they are.
+    step_readouts: list[torch.fx.Node] = dataclasses.field(default_factory=list)
 
 
 def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collected | str:
@@ -375,26 +409,65 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
 
 _VIEW_OPS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "narrow",
              "__getitem__", "getitem", "t", "unflatten", "flatten", "movedim", "as_strided", "chunk", "split", "unbind")
+# Ops whose result may share memory with their input: views, and conversions that return the input
+# itself when there is nothing to convert (``A.float()`` of a float A, ``x.contiguous()``).
+_ALIASING_OPS = frozenset(_VIEW_OPS + (
+    "view_as", "reshape_as", "expand_as", "swapaxes", "swapdims", "diagonal", "detach", "contiguous", "float",
+    "double", "half", "bfloat16", "to", "type", "type_as"))
+_ALIAS_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 
 
 def _is_inplace(user: torch.fx.Node, node: torch.fx.Node) -> bool:
-    if user.op == "call_method" and user.target.endswith("_") and not user.target.endswith("__"):
-        return bool(user.args) and user.args[0] is node
-    if is_call(user, operator.setitem):
-        return user.args[0] is node
-    name = getattr(user.target, "__name__", "")
-    return user.op == "call_function" and name in _INPLACE_OPERATORS and user.args[0] is node
+    """``user`` writes ``node``'s memory: an ``out=`` argument, or an in-place op on it (methods,
+    ``operator.i*``, ``setitem``, ``torch.relu_``, ``F.relu(x, inplace=True)``, ``Tensor(a!)``)."""
+    return user.kwargs.get("out") is node or (mutates(user) and node in written_args(user))
 
 
-def _mutated(node: torch.fx.Node, depth: int = 0) -> bool:
-    """``node`` or a view of it (two levels deep) is written in place somewhere in the graph."""
-    for user in node.users:
-        if _is_inplace(user, node):
-            return True
-        name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
-        if depth < 2 and name in _VIEW_OPS and user.args and user.args[0] is node and _mutated(user, depth + 1):
-            return True
+def _aliases(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """``user`` may share ``node``'s memory (a view, ``.T``, a no-op conversion)."""
+    if not user.args or user.args[0] is not node or user.op not in ("call_function", "call_method"):
+        return False
+    if user.target is getattr:
+        return user.args[1] in _ALIAS_ATTRS
+    name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+    return name in _ALIASING_OPS
+
+
+def mutated(node: torch.fx.Node) -> bool:
+    """``node``'s memory is written in place somewhere in the graph: through ``node``, its base
+    (what it is a view of) or any view of that base, however deep (``A.T.mul_()`` changes A)."""
+    root = node
+    while root.args and isinstance(root.args[0], torch.fx.Node) and _aliases(root, root.args[0]):
+        root = root.args[0]
+    seen = {root}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if _is_inplace(user, n):
+                return True
+            if user not in seen and _aliases(user, n):
+                seen.add(user)
+                stack.append(user)
     return False
+
+
+def read_through(loop_nodes: list[torch.fx.Node], sources: set[torch.fx.Node], pos) -> set[torch.fx.Node]:
+    """Every value the loop reads from its sources on: the loop's inputs and their ancestors back to
+    the sources (casts, clones and views the passes look through to find the sources). What is
+    above a source is not walked: the op reads the source itself."""
+    first = min(pos[s] for s in sources)
+    loop = set(loop_nodes)
+    seen: set[torch.fx.Node] = set()
+    stack = [a for n in loop_nodes for a in n.all_input_nodes if a not in loop]
+    while stack:
+        n = stack.pop()
+        if n in seen or n in loop or pos[n] < first:
+            continue
+        seen.add(n)
+        if n not in sources:
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _find_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx.Node | None:
@@ -422,9 +495,73 @@ def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torc
                         ) -> tuple[Source, torch.fx.Node, Collected, list[list[torch.fx.Node]]] | str:
     """Prove ``y0 = Σ_n h_0 · C_full[t=0]``, that every step repeats it and that the outputs are
     collected once, in order. Returns (C source, C_full, the collection, each step's readout nodes)."""
+    proved = _match_contraction(y0, h0, state_roles, L, disc)
+    if isinstance(proved, str):
+        return proved
+    c_src, c_base, y_roles = proved
+    readouts, ys = _repeat_readout(rregion, h0, y0, h, L)
+    if isinstance(readouts, str):
+        return readouts
+    out = _collect(ys, y_roles, pos)
+    if isinstance(out, str):
+        return out
+    return c_src, c_base, out, readouts
+
+
+def _repeat_readout(rregion: list[torch.fx.Node], h0: torch.fx.Node, y0: torch.fx.Node, h: list[torch.fx.Node],
+                    L: int) -> tuple[list[list[torch.fx.Node]], list[torch.fx.Node]] | tuple[str, None]:
+    """Every step's copy of step 0's readout region (shifted by t) and its output y_t."""
+    readouts = [rregion]
+    ys = [y0]
+    for t in range(1, L):
+        bind = {h0: h[t]}
+        missing = _walk(rregion, bind, t)
+        if missing is not None:
+            return f"step {t}'s readout does not repeat step 0's (no copy of {missing})", None
+        readouts.append([bind[n] for n in rregion])
+        ys.append(bind[y0])
+    return readouts, ys
+
+
+def _match_readout_with_tail(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torch.fx.Node],
+                             h: list[torch.fx.Node], state_roles: tuple[str, ...], L: int, disc: Discretized, pos
+                             ) -> tuple[Source, torch.fx.Node, Collected, list[list[torch.fx.Node]]] | None:
+    """The collected y_t is not the contraction itself but a function of it that reads the state
+    only through it (``y = C_t·h_t + D*u_t``, ``silu(z_t)`` gates, scales written inside the loop):
+    find ``r_0 = Σ_n h_0 · C_full[t=0]`` on the way to y_0. Only each r_t is replaced (by the op's
+    output at time t); the user's code after it stays, so nothing about it needs proving beyond
+    that h_t reaches it through r_t alone. None when no such r_0 exists."""
+    for r0 in rregion:
+        if r0 is y0:
+            continue
+        proved = _match_contraction(r0, h0, state_roles, L, disc)
+        if isinstance(proved, str):
+            continue
+        c_src, c_base, r_roles = proved
+        if None in r_roles:
+            continue
+        sub = _between(h0, r0, pos)
+        if sub is None:
+            continue
+        inner = set(sub) - {r0}
+        # Past r_0, nothing may read the state or a partial readout of it: h_0 reaches y_0 only
+        # through r_0, so replacing r_0 by the op's value is exact whatever follows.
+        if any(a in inner or a is h0 for n in rregion if n not in sub for a in n.all_input_nodes):
+            continue
+        readouts, rs = _repeat_readout(sub, h0, r0, h, L)
+        if isinstance(readouts, str):
+            return None
+        out = Collected("per-step", r0, [], [], tuple(r_roles) + ("t",), rs)
+        return c_src, c_base, out, readouts
+    return None
+
+
+def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[str, ...], L: int,
+                       disc: Discretized) -> tuple[Source, torch.fx.Node, list[str | None]] | str:
+    """Prove ``y0 = Σ_n h_0 · C_full[t=0]``. Returns (C source, C_full, roles of y0's axes)."""
     rt = index_term(y0, stop=[h0], allow_sum=True)
     if rt is None or len(rt.factors) != 2 or not any(f.node is h0 for f in rt.factors):
-        return "the readout is not a contraction of h_t with C_t"
+        return NOT_A_CONTRACTION
     fh = next(f for f in rt.factors if f.node is h0)
     fc = next(f for f in rt.factors if f is not fh)
     role = dict(zip(rt.factor_labels(fh), state_roles))
@@ -465,21 +602,7 @@ def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torc
         y_roles.append(r)
     if sorted(r for r in y_roles if r) != ["b", "d"]:
         return "the readout output is not indexed by (batch, dim)"
-
-    # Every step's readout repeats step 0's, and all of them are collected once, in order.
-    readouts = [rregion]
-    ys = [y0]
-    for t in range(1, L):
-        bind = {h0: h[t]}
-        missing = _walk(rregion, bind, t)
-        if missing is not None:
-            return f"step {t}'s readout does not repeat step 0's (no copy of {missing})"
-        readouts.append([bind[n] for n in rregion])
-        ys.append(bind[y0])
-    out = _collect(ys, y_roles, pos)
-    if isinstance(out, str):
-        return out
-    return c_src, c_base, out, readouts
+    return c_src, c_base, y_roles
 
 
 def _match_stacked_readout(stacked: torch.fx.Node, h: list[torch.fx.Node], state_roles: tuple[str, ...], L: int
@@ -625,6 +748,8 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         readouts = [[] for _ in range(L)]
     else:
         found = _match_step_readout(y0, h0, rregion, h, state_roles, L, disc, pos)
+        if found == NOT_A_CONTRACTION:
+            found = _match_readout_with_tail(y0, h0, rregion, h, state_roles, L, disc, pos) or found
         if isinstance(found, str):
             return found
         c_src, c_base, out, readouts = found
@@ -641,6 +766,8 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
                 what = f"intermediate state h_{t}" if n is h[t] else f"a value of step {t}"
                 return f"{what} is used outside the recurrence"
         for n in readouts[t]:
+            if out.step_readouts and n is out.step_readouts[t]:
+                continue
             if any(u not in readouts[t] and u not in out.writes for u in n.users):
                 return f"step {t}'s readout value is used outside the loop"
     loop_nodes = set().union(*steps, *readouts)
@@ -654,10 +781,14 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     if init is not None:
         sources["initial state"] = init
     for name, node in sources.items():
-        if _mutated(node):
+        if mutated(node):
             return f"{name} is mutated in place"
-    if any(_mutated(n) for n in disc.nodes):
+    if any(mutated(n) for n in disc.nodes):
         return "a value between the sources and A_full/B_full is mutated in place"
+    # The loop may read a source through a copy the passes look through (``A = A.clone()``) that
+    # is written in place between steps, while the op reads the source itself once.
+    if any(mutated(n) for n in read_through(sorted(loop_nodes, key=pos.__getitem__), set(sources.values()), pos)):
+        return "a value the loop reads its inputs through is written in place"
     if val(h[-1]).dtype == torch.float64 and val(disc.u.node).dtype != torch.float64:
         # The op accumulates in float32 unless u is float64: a state the user keeps in float64
         # (for accuracy) would silently lose precision.
@@ -795,9 +926,7 @@ def emit_selective_scan(
     return y, last
 
 
-def emit_or_refusal(graph: torch.fx.Graph, anchor: torch.fx.Node,
-                    emit: Callable[[], tuple[torch.fx.Node, torch.fx.Node | None]]
-                    ) -> tuple[torch.fx.Node, torch.fx.Node | None] | str:
+def emit_or_refusal(graph: torch.fx.Graph, anchor: torch.fx.Node, emit: Callable[[], _Emitted]) -> _Emitted | str:
     """``emit()``'s nodes inserted before ``anchor``; or, if the op refuses the inputs, the graph
     as it was and the reason.
 
@@ -838,15 +967,25 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     inputs = [d.u.node, d.delta.node, d.A.node, d.B.node, m.C.node] + ([m.init] if m.init is not None else [])
     last_input = max(inputs, key=pos.__getitem__)
     users = m.out.out_users + m.last_users + [u for v in m.last_views for u in v.users]
+    users += [u for r in m.out.step_readouts for u in r.users]
     if users and pos[last_input] >= min(pos[u] for u in users):
         return "an input of the scan is computed after the scan's outputs are used"
     anchor = last_input.next
     while anchor.op == "placeholder":
         anchor = anchor.next
-    emitted = emit_or_refusal(graph, anchor, lambda: _emit_scan(graph, m))
+
+    def emit():
+        y, last = _emit_scan(graph, m)
+        # Per-step readouts: r_t becomes y[..., t] (the op's y has its time axis last here).
+        steps = [_node(graph, "call_method", "select", y, -1, t) for t in range(len(m.out.step_readouts))]
+        return y, last, steps
+
+    emitted = emit_or_refusal(graph, anchor, emit)
     if isinstance(emitted, str):
         return emitted
-    y, last = emitted
+    y, last, steps = emitted
+    for r, step in zip(m.out.step_readouts, steps, strict=True):
+        r.replace_all_uses_with(step)
     for user in m.out.out_users:
         user.replace_input_with(m.out.out_node, y)
     for user in m.last_users:

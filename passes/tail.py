@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .delta import ADD_TARGETS, MUL_TARGETS, match_bias
 from .fx_utils import (cast_dtype, dtype_of, follow_views, hoist_before, inverse, is_call, is_method, layout_source,
                        output_getitem, permute_view, propagate_val, scan_args, scan_nodes, set_scan_args,
-                       shape_of)
+                       shape_of, written_in_place)
 from .manager import PassContext, PassManager
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
@@ -191,6 +191,12 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if not hoist_before(skip.D, scan, scan):
         ctx.miss("skip", "D is computed from the scan's output", [user])
         return False
+    # The op reads D (and u) where the scan is, the user's D·u reads them where it is written.
+    writer = written_in_place(gm.graph, [skip.D, args["u"]])
+    if writer is not None:
+        ctx.miss("skip", f"{writer.name} writes D or u in place, so the op would read them at another "
+                 "point than the user's D·u does", [user])
+        return False
     args["D"] = skip.D
     set_scan_args(scan, args)
     chain = _widen_chain(chain, dtype_of(skip.add))
@@ -266,6 +272,11 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
         return False
     if not hoist_before(gate.z, scan, scan):
         ctx.miss("gate", "z is computed from the scan's output", [user])
+        return False
+    writer = written_in_place(gm.graph, [gate.z])
+    if writer is not None:
+        ctx.miss("gate", f"{writer.name} writes z in place, so the op would read it at another point than "
+                 "the user's silu(z) does", [user])
         return False
     with gm.graph.inserting_before(scan):
         args["z"] = permute_view(gm.graph, gate.z, inverse(chain.perm))

@@ -8,8 +8,9 @@ this pass removes ``.contiguous()`` / ``.clone()`` on the way from a split outpu
 argument when the copy's value goes nowhere else.
 
 Soundness: a copy also protects its consumer from later in-place writes to the source, so a
-copy stays when anything along the way (the split's input, its outputs, the views) is mutated
-in place, and when the op argument is one the op itself writes (a decode op's state).
+copy stays when anything along the way (the split's input, its outputs, the views) or anything
+else sharing the split input's storage (another view of x_proj's output) is mutated in place,
+and when the op argument is one the op itself writes (a decode op's state).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .fx_utils import is_call, is_method
+from .fx_utils import is_call, is_method, mutates, written_in_place
 from .manager import PassContext, PassManager
 
 FAMILY = "x_proj_split"
@@ -56,18 +57,6 @@ def _is_step(node: Any) -> bool:
     return is_call(node, *_VIEW_FUNCTIONS) and not _is_split(node.args[0])
 
 
-def _mutates(node: torch.fx.Node) -> bool:
-    """``node`` writes one of its inputs in place."""
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("_")
-    if node.op != "call_function":
-        return False
-    if node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv):
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-
-
 def _schema(op: torch.fx.Node) -> torch.FunctionSchema:
     # Code that calls torch.ops.ssm.x(...) itself leaves the overload packet in the graph; the
     # passes emit the .default overload.
@@ -86,8 +75,14 @@ def check_copy_removable(path: list[torch.fx.Node], split: torch.fx.Node) -> str
         return "a copy (or a view of it) has other users besides the ssm op"
     aliases = [split.args[0], split, *split.users, *path]
     for node in aliases:
-        if isinstance(node, torch.fx.Node) and any(_mutates(u) for u in node.users):
+        if isinstance(node, torch.fx.Node) and any(mutates(u) for u in node.users):
             return f"{node.name} is written in place, so the copy protects the op's input"
+    # Another view of the same memory (``xdbl[..., r:].mul_(2)``) writes the copied elements
+    # without being a user of anything on the path: compare storages, not nodes.
+    writer = written_in_place(split.graph, [split.args[0]])
+    if writer is not None:
+        return (f"{writer.name} writes in place to memory the split's input shares, so the copy "
+                "protects the op's input")
     return None
 
 
