@@ -300,17 +300,25 @@ class _Evaluator:
         if any(t is None for t in terms):
             return None
         letter: dict[str, int] = {}
+        # Whether every axis a letter has labelled so far is of size 1: such a letter is either a
+        # real index of size 1 (batch 1: the same in every operand) or broadcast against a later
+        # operand's full axis, which then owns it.
+        only_ones: dict[str, bool] = {}
         for sub, t, o in zip(ins, terms, ops):
             if len(sub) != len(t.out):
                 return None
             for ch, lab, i in zip(sub, t.out, range(len(sub))):
-                if _is_one(_size(o, i)) and ch in letter:
-                    # A size-1 operand axis broadcasts in einsum; it carries no index.
+                one = _is_one(_size(o, i))
+                if ch not in letter:
+                    letter[ch], only_ones[ch] = lab, one
+                elif one and not only_ones[ch]:
+                    # A size-1 operand axis broadcasts against the letter's full axis: no index.
                     continue
-                if ch in letter:
-                    self.uf.union(lab, letter[ch])
+                elif only_ones[ch] and not one:
+                    # The earlier size-1 axes broadcast against this one, which owns the letter.
+                    letter[ch], only_ones[ch] = lab, False
                 else:
-                    letter[ch] = lab
+                    self.uf.union(lab, letter[ch])
         if any(ch not in letter for ch in outs):
             return None
         summed = {letter[ch] for ch in letter if ch not in outs}
@@ -603,6 +611,24 @@ def product_source(term: IndexTerm, group: list[Factor], role: dict[int, str]) -
     return None
 
 
+def _view_with_roles(term: IndexTerm, src: Source, role: dict[int, str], want: str) -> Source | None:
+    """A node the evaluator looked through that is ``src.node`` alone, only viewed (no sum, no exp,
+    no sign: the same values, with size-1 axes added or axes permuted), whose axes have exactly
+    the roles in ``want``; None if there is none."""
+    for node, terms in term.parts.items():
+        for t in terms:
+            if (t.summed or t.exp_of is not None or t.sign != 1 or len(t.factors) != 1
+                    or t.factors[0].node is not src.node):
+                continue
+            labels = t.out_labels()
+            if len(set(labels)) != len(labels) or any(lab not in role for lab in labels):
+                continue
+            roles = tuple(role[lab] for lab in labels)
+            if sorted(roles) == sorted(want):
+                return Source(node, roles)
+    return None
+
+
 def _split_input_factors(term: IndexTerm, factors: list[Factor], role: dict[int, str]
                          ) -> tuple[Source, Source] | str:
     """Split B_full's factors other than Δ into u (batch, dim, time) and B (with the state axis).
@@ -748,6 +774,12 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
     if isinstance(split, str):
         return f"B_full: {split}"
     u_src, B_src = split
+    # At batch 1, code that folds batch into time (mamba_simple's x_proj over "(b l) d") gives B
+    # as (L, N): the batch axis only appears in a view of it that inserts the size-1 axis.
+    if sorted(B_src.roles) == ["n", "t"]:
+        B_src = _view_with_roles(bt, B_src, brole, "bnt") or B_src
+    if sorted(u_src.roles) == ["d", "t"]:
+        u_src = _view_with_roles(bt, u_src, brole, "bdt") or u_src
     if sorted(u_src.roles) != ["b", "d", "t"]:
         return "B_full: u must have exactly the axes (batch, dim, time)"
     if sorted(B_src.roles) == ["b", "d", "n", "t"]:
