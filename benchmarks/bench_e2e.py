@@ -322,7 +322,7 @@ def main():
             step = train_step_ms(net, run, ids, micro)
             c = timed_compile(step)
             # The baselines take seconds per step: a few event-timed steps, not do_bench's dozens.
-            # (eager at L=2048 takes ~30 s a step, so there the first step is the only warm-up.)
+            # (eager at L=2048 took 161 s a step in run 11, so there the first step is the only warm-up.)
             slow = c > 5 and name == "eager"
             ms = median_ms(step) if name == "ssm" else event_median_ms(step, warmup=0 if slow else 1,
                                                                      iters=1 if slow else 3)
