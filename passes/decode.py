@@ -48,9 +48,12 @@ Other code spells the same steps differently, so both families match what a step
 Each rewrite emits one op at the place of the pattern's last node, so the op's single read and
 write of the state lands later than the original ones. That is sound only if nothing else
 touches the state: the check functions demand that the state's only users are the pattern's
-read, its writes and its one readout after them. Casts are looked through: the ops accumulate
-in fp32, which is at least as precise as any cast chain they replace (each rewrite records the
-casts it dropped).
+read, its writes and its one readout after them, and that nothing reads the state's memory
+through another alias between the step's write and the op. The op also reads x, dt, A, B, C,
+D, z and the weights later than the step did: nothing may write their memory (through any view
+or aliasing input, ``out=`` included) between the step's first read and the op. Casts are
+looked through: the ops accumulate in fp32, which is at least as precise as any cast chain they
+replace (each rewrite records the casts it dropped).
 
 The prefill step is not handled here: its ``mamba_selective_scan(..., return_last_state=True)``
 is the scan passes' pattern (they emit ``ssm.selective_scan(..., return_last_state=True)``), and
@@ -72,7 +75,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term
-from .fx_utils import depthwise_weight, is_call, is_cast, is_method, node_order, propagate_val, target_name, val
+from .fx_utils import (depthwise_weight, is_call, is_cast, is_method, node_order, propagate_val, storage_of,
+                       target_name, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -252,6 +256,93 @@ def _copy_into(node: torch.fx.Node) -> torch.fx.Node | None:
                 return found
         elif is_method(user, "copy_") and len(user.args) == 2 and user.args[1] is node:
             return user
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# In-place writes between the user's reads and the op's
+# ---------------------------------------------------------------------------------------------
+#
+# Each op is emitted at the end of the pattern it replaces, so it reads its inputs there, after
+# the user's code read them, and writes its state there, after the user's code wrote it. A write
+# in between to an input's memory (``dt.mul_(2)``, ``x[...] = v``, ``F.silu(z, True)``, a write
+# to the tensor an input is a view of, or to a second input aliasing it) would change what the op
+# sees; a read of the state's memory in between (through an alias the state's users do not show)
+# would see the state before the op's write. Either way the rewrite is refused.
+
+def _ancestors(*nodes: torch.fx.Node) -> set[torch.fx.Node]:
+    """``nodes`` (a step's output and its writes) and every node they are computed from: where the
+    step's own reads of its inputs are."""
+    seen, stack = set(), [n for n in nodes if n is not None]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _between(order: dict[torch.fx.Node, int], start: int, end: int) -> list[torch.fx.Node]:
+    """The nodes strictly after order ``start`` and strictly before order ``end``."""
+    return list(order)[start + 1:end]
+
+
+def _written_between(node: torch.fx.Node, order: dict[torch.fx.Node, int], start: int, end: int,
+                     own: tuple = ()) -> torch.fx.Node | None:
+    """The first node between orders ``start`` and ``end`` (not one of ``own``, the writes the op
+    replaces) that writes in place to memory ``node``'s value lives in; unknown storages count as
+    shared."""
+    storage = storage_of(node)
+    for n in _between(order, start, end):
+        if n in own:
+            continue
+        written = [storage_of(a) for a in written_args(n) if isinstance(val(a), torch.Tensor)]
+        if written and (storage is None or any(w is None or w == storage for w in written)):
+            return n
+    return None
+
+
+def _read_between(node: torch.fx.Node, order: dict[torch.fx.Node, int], start: int, end: int,
+                  allowed: set) -> torch.fx.Node | None:
+    """The first node between orders ``start`` and ``end``, not in ``allowed``, that takes a value
+    living in ``node``'s memory (a view or alias of it, whatever input it came in by)."""
+    storage = storage_of(node)
+    for n in _between(order, start, end):
+        if n in allowed or n.op == "output":
+            continue
+        shared = [storage_of(a) for a in n.all_input_nodes if isinstance(val(a), torch.Tensor)]
+        if any(s is None or storage is None or s == storage for s in shared):
+            return n
+    return None
+
+
+def _inputs_written(inputs: dict[str, Any], scope: set[torch.fx.Node], order: dict[torch.fx.Node, int],
+                    end: int) -> str | None:
+    """Why the op, reading ``inputs`` at order ``end``, would see other values than the step's
+    reads of them (the earliest of their users in ``scope``); None if it would not."""
+    for name, node in inputs.items():
+        if not isinstance(node, torch.fx.Node):
+            continue
+        start = min((order[u] for u in node.users if u in scope and u in order), default=end)
+        writer = _written_between(node, order, start, end)
+        if writer is not None:
+            return (f"{writer.name} writes {name} ({node.name}) in place after the step reads it and before the "
+                    "op would: the op would read the written value")
+    return None
+
+
+def _state_moved(state: torch.fx.Node, order: dict[torch.fx.Node, int], read: int, written: int, end: int,
+                 own: tuple, allowed: set, what: str) -> str | None:
+    """Why moving the state's read (order ``read``) and write (the ``own`` writes, the first at
+    order ``written``) to the op at order ``end`` would change an answer; None if it would not."""
+    writer = _written_between(state, order, read, end, own)
+    if writer is not None:
+        return (f"{writer.name} writes the {what}'s memory between the step's read of it and the op: the op "
+                "would read the written value")
+    reader = _read_between(state, order, written, end, allowed | set(own))
+    if reader is not None:
+        return (f"{reader.name} reads the {what}'s memory between the step's write and the op: it would see "
+                "the old value")
     return None
 
 
@@ -832,13 +923,17 @@ def check_state_update(m: dict[str, Any]) -> str | None:
         return f"B has {bc[1]} groups, which do not divide {chan[0]} {'heads' if len(chan) == 2 else 'channels'}"
     if x.dtype not in SUPPORTED_DTYPES:
         return f"x has dtype {x.dtype}"
+    order, last = m["order"], m["last"]
+    reason = _inputs_written({name: m[name] for name in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")},
+                             _ancestors(last, u.h, *u.writes), order, order[last])
+    if reason is not None:
+        return reason
     if u.form == "returned":
         # The state is only read (the op updates a clone made where it is read): other users
         # see the same value as before.
         return None
     allowed = {u.reader, *u.writes, m["readout_first"]}
     lo, hi = m["window"]
-    order, last = m["order"], m["last"]
     # With other steps' writes around this one (``_step_window``), uses outside the window see
     # their values, and uses after this step's output (the next step's reads) see the op's.
     others = [n for n in m["state"].users if n not in allowed and lo < order[n] < hi
@@ -852,7 +947,8 @@ def check_state_update(m: dict[str, Any]) -> str | None:
                 "could change what they see")
     if u.writes[-1].users and u.writes[-1] is not m["readout_src"]:
         return f"the value of {u.writes[-1].name} (the written state) is used"
-    return None
+    return _state_moved(m["state"], order, order[u.reader], order[u.writes[0]], order[last], tuple(u.writes),
+                        {u.reader, *u.read_casts, *m["chain"]}, "state")
 
 
 def _flatten(graph: torch.fx.Graph, node: torch.fx.Node, axis: int) -> torch.fx.Node:
@@ -1035,7 +1131,15 @@ def check_conv_update(m: dict[str, Any]) -> str | None:
                 "could change what they see")
     if m["copy"].users:
         return "the value of conv_state.copy_(...) is used"
-    return None
+    # The op goes where the conv1d is: it reads x there, and rolls the state there.
+    order = node_order(m["cat"].graph)
+    end = order[m["conv"]]
+    reason = _inputs_written({"x": m["x"], "weight": m["weight"], "bias": m["bias"]},
+                             _ancestors(m["last"], m["copy"]), order, end)
+    if reason is not None:
+        return reason
+    return _state_moved(m["conv_state"], order, order[m["cat"]], order[m["copy"]], end, (m["copy"],), {m["cat"]},
+                        "conv state")
 
 
 def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
@@ -1336,7 +1440,26 @@ def check_window_update(m: dict[str, Any]) -> str | None:
             return f"{name} has dtype {None if t is None else t.dtype}, not one of fp32/bf16/fp16"
     if m["bias"] is not None and not _same_shape(m["bias"], (dim,)):
         return f"bias has shape {tuple(_tensor(m['bias']).shape)}, expected ({dim},)"
-    return None
+    # The op goes right before the step's output: it reads x, the weight and the bias there, and
+    # rolls the window there.
+    order = node_order(m["last"].graph)
+    end = order[m["last"]]
+    scope = _ancestors(m["last"], *m["writes"], m["window"])
+    reason = _inputs_written({"x": m["x"] if m["x"] is not None else m["x3"], "weight": m["weight"], "bias": m["bias"]},
+                             scope, order, end)
+    if reason is not None:
+        return reason
+    if m["form"] == "returned":
+        # The op's copy of the window is taken before the window's first use (window_update_pass):
+        # the step's own reads of it must all see that value.
+        cs, reads = m["cs"], [order[n] for n in m["cs"].users if n in scope]
+        writer = _written_between(cs, order, min(order[n] for n in cs.users), max(reads, default=0))
+        if writer is not None:
+            return (f"{writer.name} writes the conv state's memory between its first use and the step's read of "
+                    "it: the op's copy of the window would miss the write")
+        return None
+    return _state_moved(m["cs"], order, min(order[n] for n in m["reads"]), order[m["writes"][0]], end,
+                        tuple(m["writes"]), {*m["reads"], *m["nodes"], m["first"]}, "conv state")
 
 
 def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:

@@ -620,7 +620,17 @@ def depthwise_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.N
 # ---------------------------------------------------------------------------------------------
 
 def mutates(node: torch.fx.Node) -> bool:
-    """``node`` writes one of its inputs in place."""
+    """``node`` writes one of its inputs in place, or into an ``out=`` tensor."""
+    return bool(_out_nodes(node)) or _writes_an_input(node)
+
+
+def _out_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``out=`` tensors of a call (``torch.mul(x, 3, out=x)``)."""
+    out = node.kwargs.get("out") if node.op == "call_function" else None
+    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.fx.Node)]
+
+
+def _writes_an_input(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.startswith("_")
     if node.op != "call_function":
@@ -675,16 +685,19 @@ def written_in_place(graph: torch.fx.Graph, nodes: list[Any]) -> torch.fx.Node |
 
 
 def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The inputs a ``mutates`` node writes: the receiver of ``x.mul_()`` / ``x[i] = v`` /
-    ``x += y``, the ``Tensor(a!)`` arguments of an op. ``state.copy_(x)`` writes state, not x."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is not None:
-        named = dict(zip((a.name for a in schema.arguments), node.args))
-        named.update(node.kwargs)
-        written = [named.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    else:
-        written = node.args[:1]
-    return [a for a in written if isinstance(a, torch.fx.Node)]
+    """What ``node`` writes in place: the receiver of ``x.mul_()`` / ``x[i] = v`` / ``x += y``, the
+    ``Tensor(a!)`` arguments of an op, and ``out=`` tensors. ``state.copy_(x)`` writes state, not x."""
+    written: list[Any] = []
+    if _writes_an_input(node):
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is not None:
+            named = dict(zip((a.name for a in schema.arguments), node.args))
+            named.update(node.kwargs)
+            written = [named.get(a.name) for a in schema.arguments
+                       if a.alias_info is not None and a.alias_info.is_write]
+        else:
+            written = list(node.args[:1])
+    return [a for a in written if isinstance(a, torch.fx.Node)] + _out_nodes(node)
 
 
 def storage_of(node: torch.fx.Node) -> StorageWeakRef | None:

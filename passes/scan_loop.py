@@ -420,7 +420,7 @@ _ALIAS_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 def _is_inplace(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     """``user`` writes ``node``'s memory: an ``out=`` argument, or an in-place op on it (methods,
     ``operator.i*``, ``setitem``, ``torch.relu_``, ``F.relu(x, inplace=True)``, ``Tensor(a!)``)."""
-    return user.kwargs.get("out") is node or (mutates(user) and node in written_args(user))
+    return node in written_args(user)
 
 
 def _aliases(user: torch.fx.Node, node: torch.fx.Node) -> bool:

@@ -17,13 +17,11 @@ Found here and fixed:
   AFTER it (``s = x + b; x.mul_(2); softplus(s)``, ``xp = F.pad(x); relu_(x); conv1d(xp)``, a
   copy of an x_proj slice then ``xdbl[..., r:].mul_(2)`` through another view) gave wrong answers;
   the Δ, conv and xproj passes now refuse when anything writes to that memory
-  (``xproj.written_in_place``, by fake-tensor storage);
-- mamba-minimal's silu after the transpose back to (batch, L, dim) is folded into the conv op.
-
-Left failing on purpose (in passes this file's owner does not own), at the time of writing:
-``test_copy_before_in_place_write_is_kept[relu_(xd)]`` (scan_loop's in-place check does not see
-``F.relu(x, inplace=True)``) and ``test_tail_reads_values_from_before_an_in_place_write`` (the skip
-/ gate folds make the op read D / z after the user wrote them in place).
+  (``fx_utils.written_in_place``, by fake-tensor storage);
+- mamba-minimal's silu after the transpose back to (batch, L, dim) is folded into the conv op;
+- the scan pass did not see ``F.relu(x, inplace=True)`` as a write, the skip / gate folds made the
+  op read D / z after the user wrote them in place, and the clean-up after a rewrite dropped an
+  in-place activation whose result nothing used (all fixed; tests below).
 """
 import copy
 
@@ -727,8 +725,22 @@ def skip_of_D_before_write(u, dt, A, B, C, D, z):
     return scan_loop(u, F.softplus(dt), A, B, C) + s
 
 
-@pytest.mark.parametrize("fn", [gate_of_z_before_write, skip_of_D_before_write], ids=["silu(z)-then-z.mul_",
-                                                                                    "u*D-then-D.mul_"])
+def gate_of_z_before_out_write(u, dt, A, B, C, D, z):
+    g = F.silu(z)
+    torch.mul(z, 2.0, out=z)  # an out= write is a write too
+    return (scan_loop(u, F.softplus(dt), A, B, C) + u * D) * g
+
+
+def skip_of_D_before_out_write(u, dt, A, B, C, D, z):
+    s = u * D
+    torch.add(D, 1.0, out=D)
+    return scan_loop(u, F.softplus(dt), A, B, C) + s
+
+
+@pytest.mark.parametrize("fn", [gate_of_z_before_write, skip_of_D_before_write, gate_of_z_before_out_write,
+                                skip_of_D_before_out_write],
+                         ids=["silu(z)-then-z.mul_", "u*D-then-D.mul_", "silu(z)-then-mul(out=z)",
+                              "u*D-then-add(out=D)"])
 def test_tail_reads_values_from_before_an_in_place_write(fn):
     """Folding the skip or gate makes the op read D or z where the scan runs, after the write."""
     g = torch.Generator().manual_seed(0)
