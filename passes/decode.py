@@ -66,13 +66,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term
 from .fx_utils import (depthwise_weight, is_call, is_cast, is_method, node_order, propagate_val, storage_of,
@@ -282,9 +281,10 @@ def _ancestors(*nodes: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
-def _between(order: dict[torch.fx.Node, int], start: int, end: int) -> list[torch.fx.Node]:
-    """The nodes strictly after order ``start`` and strictly before order ``end``."""
-    return list(order)[start + 1:end]
+def _between(order: dict[torch.fx.Node, int], start: int, end: int) -> Iterator[torch.fx.Node]:
+    """The nodes strictly after order ``start`` and strictly before order ``end`` (``order`` lists
+    the graph's nodes in order, so this walks only up to ``end``)."""
+    return itertools.islice(order, start + 1, max(start + 1, end))
 
 
 def _written_between(node: torch.fx.Node, order: dict[torch.fx.Node, int], start: int, end: int,
@@ -715,8 +715,11 @@ def _is_copy_chain(user: torch.fx.Node, copy: torch.fx.Node, src: torch.fx.Node)
 
 
 def _shares_storage(node: Any, state: torch.fx.Node) -> bool:
-    t, st = _tensor(node), _tensor(state)
-    return t is not None and StorageWeakRef(t.untyped_storage()) == StorageWeakRef(st.untyped_storage())
+    """``node``'s tensor value may live in ``state``'s memory (an unknown storage counts as shared)."""
+    if _tensor(node) is None:
+        return False
+    mine, theirs = storage_of(node), storage_of(state)
+    return mine is None or theirs is None or mine == theirs
 
 
 def _decode_op_state(node: torch.fx.Node) -> Any:

@@ -22,9 +22,9 @@ transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the ch
    The launcher reduces all partials with a fixed-order ``torch.sum``: no atomics, the same
    bits on every run. ``_chunk_bwd_nblock_kernel`` (``Tiles.variant = "nblock"``, the
    launcher's choice for large grids since H200 run 10: 2.65 / 2.39 ms against the column
-   kernel's 3.44 / 3.25 ms at batch 8, L=2048 in fp32 / bf16; slower at batch 1) is the same step with the loops swapped, blocks of state
-   columns outside the channel loop, so dB/dC are summed over channels in registers
-   (benchmarks/NOTES_scan_bwd.md, "H17").
+   kernel's 3.44 / 3.25 ms at batch 8, L=2048 in fp32 / bf16; slower at batch 1) is the same
+   step with the loops swapped, blocks of state columns outside the channel loop, so dB/dC are
+   summed over channels in registers (benchmarks/NOTES_scan_bwd.md, "H17").
 
 The chunk kernels work on [channels, chunk] tiles ([channels, chunk / 4, 4] in the second one)
 and loop over the N state columns, so sums
