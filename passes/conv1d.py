@@ -35,7 +35,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import depthwise_weight, is_call, is_method, propagate_val, val, view_perm, written_in_place
+from .fx_utils import depthwise_weight, is_call, is_method, named_args, propagate_val, val, view_perm, written_in_place
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -176,8 +176,7 @@ def left_pad_source(node: Any, weight: Any) -> torch.fx.Node | None:
     if not is_call(node, *_PAD_TARGETS):
         return None
     names = ("input", "pad", "mode", "value")
-    a = dict(zip(names, node.args))
-    a.update(node.kwargs)
+    a = named_args(node, names)
     if set(a) - set(names):
         return None
     pads = torch.fx.node.map_arg(a.get("pad"), val)

@@ -74,8 +74,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term
-from .fx_utils import (depthwise_weight, is_call, is_cast, is_method, node_order, propagate_val, storage_of,
-                       target_name, val, written_args)
+from .fx_utils import (depthwise_weight, is_call, is_cast, is_method, named_args, node_order, propagate_val,
+                       storage_of, target_name, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -1087,8 +1087,7 @@ def match_conv_update(cat: torch.fx.Node) -> dict[str, Any] | None:
     state_slice, copy, conv = roll[0], copies[0], convs[0]
     if not _is_suffix(state_slice.args[1], S + T, S):
         raise Miss(f"the state is rolled with {state_slice.args[1]!r}, not the last S={S} positions")
-    args = dict(zip(_CONV1D_PARAMS, conv.args))
-    args.update(conv.kwargs)
+    args = named_args(conv, _CONV1D_PARAMS)
     if args.get("input") is not hs:
         raise Miss("the window is not the conv1d's input")
     w3 = _tensor(args.get("weight"))
@@ -1188,8 +1187,7 @@ def _shift(node: torch.fx.Node) -> tuple[Any, Any] | None:
     """(shifts, dims) of ``torch.roll(t, shifts, dims)`` / ``t.roll(...)``, else None."""
     if not (is_call(node, torch.roll) or is_method(node, "roll")) or set(node.kwargs) - {"shifts", "dims"}:
         return None
-    args = dict(zip(("input", "shifts", "dims"), node.args))
-    args.update(node.kwargs)
+    args = named_args(node, ("input", "shifts", "dims"))
     return _single(args.get("shifts")), _single(args.get("dims"))
 
 
@@ -1337,8 +1335,7 @@ def _match_full_window_conv(full: torch.fx.Node, cs: torch.fx.Node, x3: torch.fx
     conv = _single_user(window)
     if conv is None or not is_call(conv, torch.conv1d, F.conv1d):
         return None
-    args = dict(zip(_CONV1D_PARAMS, conv.args))
-    args.update(conv.kwargs)
+    args = named_args(conv, _CONV1D_PARAMS)
     w3, dim = _tensor(args.get("weight")), _tensor(cs).shape[1]
     padding = _single(args.get("padding", 0))
     if (args.get("input") is not window or w3 is None or w3.dim() != 3 or not _same(w3.shape[0], dim)

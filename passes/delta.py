@@ -29,7 +29,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .fx_utils import (cast_dtype, is_call, is_method, layout_source, permute_view, propagate_val, scan_args,
-                       scan_nodes, set_scan_args, shape_of, written_in_place)
+                       named_args, scan_nodes, set_scan_args, shape_of, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -54,17 +54,9 @@ class DeltaFold(NamedTuple):
     nodes: list[torch.fx.Node]    # the matched nodes, for the record
 
 
-def _named_args(node: torch.fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
-    """``node``'s arguments by parameter name, however the user passed them (``F.linear(x,
-    weight=W)``, ``F.softplus(input=x)`` put them in kwargs)."""
-    args = dict(zip(names, node.args))
-    args.update(node.kwargs)
-    return args
-
-
 def _softplus_default(node: torch.fx.Node) -> Optional[str]:
     """None if ``node`` is torch's default softplus, else why not."""
-    args = _named_args(node, ("input", "beta", "threshold"))
+    args = named_args(node, ("input", "beta", "threshold"))
     beta, threshold = args.get("beta", 1.0), args.get("threshold", 20.0)
     if beta != 1 or threshold != 20:
         return (f"softplus with beta={beta}, threshold={threshold} is not the op's softplus "
@@ -133,14 +125,14 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     why = _softplus_default(softplus)
     if why is not None:
         return why
-    inner = layout_source(_named_args(softplus, ("input",))["input"])
+    inner = layout_source(named_args(softplus, ("input",))["input"])
     perm = tuple(inner.perm[p] for p in top.perm)
     pre = inner.base
     nodes = [softplus]
     dim_axis = perm[1]
     dim = shape_of(delta)[1]
     if is_call(pre, *LINEAR_TARGETS):
-        bias = _named_args(pre, ("input", "weight", "bias")).get("bias")
+        bias = named_args(pre, ("input", "weight", "bias")).get("bias")
         if bias is not None and dim_axis == len(shape_of(pre)) - 1 and shape_of(bias) == (dim,):
             return DeltaFold(pre, perm, bias, pre, nodes + [pre])
     if is_call(pre, *ADD_TARGETS) and len(pre.args) == 2 and not pre.kwargs:
@@ -168,7 +160,7 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     # (``s = x + b; x.mul_(2)``, ``x = dt_proj(dt); x.add_(c)``) would change what it reads.
     reads = [fold.pre, fold.bias]
     if fold.linear is not None:
-        linear_args = _named_args(fold.linear, ("input", "weight", "bias"))
+        linear_args = named_args(fold.linear, ("input", "weight", "bias"))
         reads += [linear_args["input"], linear_args["weight"]]
     writer = written_in_place(graph, reads)
     if writer is not None:
@@ -178,7 +170,7 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     pre = fold.pre
     with graph.inserting_before(scan):
         if fold.linear is not None:
-            linear_args = _named_args(fold.linear, ("input", "weight", "bias"))
+            linear_args = named_args(fold.linear, ("input", "weight", "bias"))
             pre = graph.call_function(fold.linear.target, (linear_args["input"], linear_args["weight"]))
             propagate_val(pre)
         new_delta = permute_view(graph, pre, fold.perm)

@@ -29,6 +29,7 @@ _CAST_METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": 
                        "bfloat16": torch.bfloat16}
 
 __all__ = [
+    "named_args",
     "mutates",
     "written_args",
     "written_in_place",
@@ -612,6 +613,14 @@ def depthwise_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.N
     squeezed = graph.call_method("squeeze", (weight, 1))
     propagate_val(squeezed)
     return squeezed
+
+
+def named_args(node: torch.fx.Node, names: Sequence[str]) -> dict[str, Any]:
+    """``node``'s arguments by parameter name, however the user passed them (``F.linear(x,
+    weight=W)``, ``F.softplus(input=x)`` put them in kwargs). No defaults are filled in."""
+    args = dict(zip(names, node.args))
+    args.update(node.kwargs)
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
