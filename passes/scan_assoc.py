@@ -559,7 +559,7 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
     reads = read_through(list(full), sources, order) | full | sources
     readout_nodes = [readout.end, *readout.chain, *readout.nodes]
     reads |= read_through(readout_nodes, {readout.C, all_states}, order) | set(readout_nodes)
-    if any(mutated(n) for n in reads | {all_states}):
+    if mutated(*reads, all_states):
         ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)

@@ -157,7 +157,7 @@ def _leaf_key(node: torch.fx.Node, t: int, depth: int = 0) -> tuple:
         if {"slice", "op"} & set(kinds.values()):
             return ("op",) + k
         # An "inv" input was checked when it was keyed; any other input is one node in every step.
-        if _is_pure(node) and not mutated(node) and all(kind == "inv" or not mutated(a) for a, kind in kinds.items()):
+        if _is_pure(node) and not mutated(node, *(a for a, kind in kinds.items() if kind != "inv")):
             return ("inv",) + k
     return ("node", node)
 
@@ -433,14 +433,18 @@ def _aliases(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     return name in _ALIASING_OPS
 
 
-def mutated(node: torch.fx.Node) -> bool:
-    """``node``'s memory is written in place somewhere in the graph: through ``node``, its base
-    (what it is a view of) or any view of that base, however deep (``A.T.mul_()`` changes A)."""
-    root = node
-    while root.args and isinstance(root.args[0], torch.fx.Node) and _aliases(root, root.args[0]):
-        root = root.args[0]
-    seen = {root}
-    stack = [root]
+def mutated(*nodes: torch.fx.Node) -> bool:
+    """The memory of one of ``nodes`` is written in place somewhere in the graph: through the node,
+    its base (what it is a view of) or any view of that base, however deep (``A.T.mul_()`` changes
+    A). Nodes with one base share one walk of its views: asking about every time slice of a
+    (batch, dim, L, N) tensor costs one walk, not L."""
+    roots = set()
+    for root in nodes:
+        while root.args and isinstance(root.args[0], torch.fx.Node) and _aliases(root, root.args[0]):
+            root = root.args[0]
+        roots.add(root)
+    seen = set(roots)
+    stack = list(roots)
     while stack:
         n = stack.pop()
         for user in n.users:
@@ -783,11 +787,11 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     for name, node in sources.items():
         if mutated(node):
             return f"{name} is mutated in place"
-    if any(mutated(n) for n in disc.nodes):
+    if mutated(*disc.nodes):
         return "a value between the sources and A_full/B_full is mutated in place"
     # The loop may read a source through a copy the passes look through (``A = A.clone()``) that
     # is written in place between steps, while the op reads the source itself once.
-    if any(mutated(n) for n in read_through(sorted(loop_nodes, key=pos.__getitem__), set(sources.values()), pos)):
+    if mutated(*read_through(sorted(loop_nodes, key=pos.__getitem__), set(sources.values()), pos)):
         return "a value the loop reads its inputs through is written in place"
     if val(h[-1]).dtype == torch.float64 and val(disc.u.node).dtype != torch.float64:
         # The op accumulates in float32 unless u is float64: a state the user keeps in float64
