@@ -70,6 +70,16 @@ def make_inputs(batch, L, dtype):
     )
 
 
+def hf_layout(x):
+    """The same inputs as nn.Linear-based Mamba code holds them (HF Mamba, mamba_simple): u and
+    delta channel-innermost ((batch, L, dim) in memory), z the second half of a (batch, L,
+    2 * dim) in_proj output; y then comes out channel-innermost too (kernels/layout.py)."""
+    batch, dim, L = x["u"].shape
+    xz = torch.cat([x["u"], x["z"]], dim=1).transpose(1, 2).contiguous().transpose(1, 2)
+    return dict(x, u=x["u"].transpose(1, 2).contiguous().transpose(1, 2),
+                delta=x["delta"].transpose(1, 2).contiguous().transpose(1, 2), z=xz[:, dim:])
+
+
 def ours(x, config=None):
     return selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
                               x["delta_bias"], True, None, False, config=config)[0]
@@ -149,6 +159,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
     ap.add_argument("--sweep-named", action="store_true",
                     help="time only the named candidate tiles of the sweep (a one-minute run)")
+    ap.add_argument("--layout", choices=("dense", "hf"), default="dense",
+                    help="hf: channel-innermost u/delta/z/y as nn.Linear-based Mamba code has them; "
+                         "the naive and associative_scan baselines are then skipped")
     args = ap.parse_args()
     start = time.time()
     props = torch.cuda.get_device_properties(0)
@@ -168,6 +181,8 @@ def main():
         elt = torch.finfo(dtype).bits // 8
         for batch, L in SHAPES:
             x = make_inputs(batch, L, dtype)
+            if args.layout == "hf":
+                x = hf_layout(x)
             cfg = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
             cfg_s = (f"d{cfg.block_d}/t{cfg.chunk_t}/ln{cfg.lanes_n}/w{cfg.num_warps}"
                      f"/s{cfg.n_segments}/r{cfg.max_registers or '-'}/p{cfg.prefetch}")
@@ -188,9 +203,12 @@ def main():
             except Exception:  # noqa: BLE001
                 peak_mb = "error"
             y_mb = batch * DIM * L * elt / 2**20
-            t_naive = try_time(naive, x, warmup_ms=1, rep_ms=1) if L <= NAIVE_MAX_L else "skip (long L)"
+            t_naive = (try_time(naive, x, warmup_ms=1, rep_ms=1) if L <= NAIVE_MAX_L and args.layout == "dense"
+                       else "skip (long L)" if args.layout == "dense" else "skip (layout)")
             assoc_bytes = 5 * batch * DIM * L * N * 4
-            if assoc_bytes > ASSOC_MAX_BYTES:
+            if args.layout != "dense":
+                t_assoc = "skip (layout)"
+            elif assoc_bytes > ASSOC_MAX_BYTES:
                 t_assoc = f"skip ({assoc_bytes / 1e9:.0f} GB)"
             elif assoc_spent > ASSOC_BUDGET_S:
                 t_assoc = "skip (compile budget)"
@@ -213,7 +231,7 @@ def main():
             torch.cuda.empty_cache()
     text = (f"GPU {props.name}, {n_sms} SMs, clock {clock:.2f} GHz, copy BW {bw:.0f} GB/s\n\n"
             + markdown_table(header, rows))
-    write_out("bench_scan.md", text)
+    write_out("bench_scan.md" if args.layout == "dense" else f"bench_scan_{args.layout}.md", text)
     if args.sweep or args.sweep_named:
         sweep(n_sms, bw, clock, named_only=args.sweep_named)
     print(f"total {time.time() - start:.0f}s")

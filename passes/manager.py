@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .fx_utils import mutates
+from .layout import output_strides, settle_layouts
 
 log = logging.getLogger("ssm_compile")
 
@@ -141,7 +142,11 @@ class PassManager:
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassContext:
         ctx = PassContext(options=self.options)
+        traced = output_strides(gm)
         self._run(gm, ctx, set())
+        if ctx.rewrites:
+            for change in settle_layouts(gm, traced):
+                log.info("ssm layout check: %s", change)
         return ctx
 
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int]) -> None:

@@ -126,7 +126,10 @@ def test_snapshot_hf517_module_bld():
 %squeeze_1 = .squeeze(%arg_2, 1)  # float32[6, 4]
 %causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%transpose_1, %squeeze_1, %arg_3, 'silu')  # float32[2, 6, 11]
 %transpose_2 = .transpose(%causal_conv1d_1, 1, 2)  # float32[2, 11, 6]
-return (%transpose_2,)
+%permute_1 = .permute(%transpose_2, 0, 2, 1)  # float32[2, 6, 11]
+%contiguous_1 = .contiguous(%permute_1)  # float32[2, 6, 11]
+%permute_2 = .permute(%contiguous_1, 0, 2, 1)  # float32[2, 11, 6]
+return (%permute_2,)
 """)
 
 

@@ -319,7 +319,10 @@ def test_hf_generic_snapshot():
 %selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_1, %arg_3, %arg_6, %arg_4, %arg_5, %arg_7, %arg_8, %to_1, True, None, True)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %getitem_2 = operator.getitem(%selective_scan_1, 1)
-return (%getitem_1, %getitem_2)
+%permute_1 = .permute(%getitem_1, 0, 2, 1)
+%contiguous_1 = .contiguous(%permute_1)
+%permute_2 = .permute(%contiguous_1, 0, 2, 1)
+return (%permute_2, %getitem_2)
 """)
 
 
@@ -347,7 +350,10 @@ def test_pointwise_snapshot_scan_only():
 %add_2 = operator.add(%getitem_2, %mul_1)
 %silu_1 = torch.nn.functional.silu(%arg_8)
 %mul_2 = operator.mul(%add_2, %silu_1)
-return (%mul_2, %getitem_3)
+%permute_1 = .permute(%mul_2, 0, 2, 1)
+%contiguous_1 = .contiguous(%permute_1)
+%permute_2 = .permute(%contiguous_1, 0, 2, 1)
+return (%permute_2, %getitem_3)
 """)
 
 

@@ -113,3 +113,12 @@ class MinimalMambaBlock(nn.Module):
             ys.append(torch.einsum("bdn,bn->bd", h, C[:, i, :]))
         y = torch.stack(ys, dim=1) + x * self.D
         return self.out_proj(y * F.silu(z))
+
+
+def in_layout_of(y: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether an op's activation output ``y`` has the layout the ops promise for input ``x``
+    (``kernels/layout.py``): a channel-innermost x (unit stride along dim, dim and L > 1) gives
+    a y that is contiguous as (batch, L, dim); any other x gives a contiguous (batch, dim, L) y."""
+    if x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) == 1:
+        return y.transpose(1, 2).is_contiguous() and not y.is_contiguous()
+    return y.is_contiguous()

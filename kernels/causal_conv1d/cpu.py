@@ -9,12 +9,15 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from ..layout import empty_activation
+
 
 class ConvGrads(NamedTuple):
     """Gradients of ``causal_conv1d``, named so that no caller counts positions.
 
-    Each has its input's shape and dtype, and a contiguous layout (the fake implementation
-    promises that layout, so the CPU path copies its strided slices once). ``dbias`` and
+    Each has its input's shape and dtype; dx has x's layout (``kernels/layout.py``), the others
+    are contiguous (the fake implementation promises these layouts, so the CPU path copies its
+    strided slices once). ``dbias`` and
     ``dinitial_state`` are empty fp32 tensors of shape (0,) when the matching input was None (a
     custom op cannot return None; this is the selective scan's convention for ``last_state``).
     """
@@ -54,12 +57,12 @@ def causal_conv1d_fwd(
     initial_state: Optional[torch.Tensor],
     silu: bool,
 ) -> torch.Tensor:
-    """Forward; inputs already validated. Returns y (batch, dim, L), contiguous, x's dtype."""
+    """Forward; inputs already validated. Returns y (batch, dim, L) in x's layout and dtype."""
     dtype = _compute_dtype(x, weight, bias, initial_state)
     y = _preactivation(_padded_input(x, weight, initial_state, dtype), weight, bias, dtype)
     if silu:
         y = F.silu(y)
-    return y.to(x.dtype).contiguous()
+    return empty_activation(x).copy_(y)
 
 
 def causal_conv1d_bwd(
@@ -101,7 +104,7 @@ def causal_conv1d_bwd(
     else:
         dinitial_state = dpadded[:, :, : width - 1].to(initial_state.dtype).contiguous()
     return ConvGrads(
-        dx=dpadded[:, :, width - 1 :].to(x.dtype).contiguous(),
+        dx=empty_activation(x).copy_(dpadded[:, :, width - 1 :]),
         dweight=dweight.to(weight.dtype).contiguous(),
         dbias=dbias,
         dinitial_state=dinitial_state,

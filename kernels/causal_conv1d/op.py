@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import _C
 
+from ..layout import empty_activation
 from . import cpu, triton_conv
 
 _FWD_SCHEMA = (
@@ -112,7 +113,7 @@ def _is_silu(activation: Optional[str]) -> bool:
 
 def _fwd_fake(x, weight, bias=None, activation=None, initial_state=None):
     check_causal_conv1d_args(x, weight, bias, activation, initial_state)
-    return x.new_empty(x.shape)
+    return empty_activation(x)
 
 
 def _fwd_cpu(x, weight, bias=None, activation=None, initial_state=None):
@@ -130,7 +131,7 @@ def _bwd_fake(dy, x, weight, bias, activation, initial_state):
     _check_grad(dy, x)
     absent = x.new_empty(0, dtype=torch.float32)
     return (
-        x.new_empty(x.shape),
+        empty_activation(x),
         weight.new_empty(weight.shape),
         absent if bias is None else bias.new_empty(bias.shape),
         absent.clone() if initial_state is None else initial_state.new_empty(initial_state.shape),
@@ -245,8 +246,10 @@ def register() -> torch.library.Library:
     Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
     """
     lib = torch.library.Library("ssm", "FRAGMENT")
-    lib.define(_FWD_SCHEMA)
-    lib.define(_BWD_SCHEMA)
+    # flexible_layout: the kernels read any strides, so inductor may pass its buffers as they
+    # are instead of copying them into eager's strides; it re-runs the fake impl on its choice.
+    lib.define(_FWD_SCHEMA, tags=(torch.Tag.flexible_layout,))
+    lib.define(_BWD_SCHEMA, tags=(torch.Tag.flexible_layout,))
     lib.impl("causal_conv1d", _fwd_cpu, "CPU")
     lib.impl("causal_conv1d", _fwd_cuda, "CUDA")
     lib.impl("causal_conv1d_backward", _bwd_cpu, "CPU")
@@ -279,7 +282,8 @@ def causal_conv1d_fn(
         activation: None, "silu" or "swish" (the same as "silu").
 
     Returns:
-        y: (batch, dim, seqlen), contiguous, in x's dtype.
+        y: (batch, dim, seqlen) in x's dtype and layout (channel-innermost x gives a
+            channel-innermost y; anything else a contiguous one).
 
     Example:
         >>> x = torch.randn(2, 64, 128)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import empty_activation
 from ..triton_common import silu as silu_fn
 from .cpu import ConvGrads
 
@@ -510,10 +511,10 @@ def causal_conv1d_fwd(
     initial_state: Optional[torch.Tensor],
     silu: bool,
 ) -> torch.Tensor:
-    """Forward; inputs already validated. Returns y (batch, dim, L), contiguous, x's dtype."""
+    """Forward; inputs already validated. Returns y (batch, dim, L) in x's layout and dtype."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
-    y = torch.empty((batch, dim, seqlen), dtype=x.dtype, device=x.device)
+    y = empty_activation(x)
     x_l_contig = _l_contig(x)
     block_d, nc, num_warps = _fwd_tile(x_l_contig, dim)
     # Short sequences: fewer, fully used chunks per tile.
@@ -553,7 +554,7 @@ def causal_conv1d_bwd(
     blocks_per_program = triton.cdiv(n_lblocks, n_split)
     n_split = triton.cdiv(n_lblocks, blocks_per_program)
 
-    dx = torch.empty((batch, dim, seqlen), dtype=x.dtype, device=x.device)
+    dx = empty_activation(x)
     dw_part = torch.empty((batch * n_split, dim, width), dtype=torch.float32, device=x.device)
     db_part = None
     if bias is not None:

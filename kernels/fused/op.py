@@ -22,6 +22,7 @@ import torch
 
 from ..causal_conv1d import cpu as conv_cpu
 from ..causal_conv1d.op import check_causal_conv1d_args
+from ..layout import empty_activation
 from ..selective_scan import cpu as scan_cpu
 from ..selective_scan.op import check_selective_scan_inputs
 
@@ -105,7 +106,7 @@ def _fake(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=Fal
           conv_weight=None, conv_bias=None, conv_activation=None, dt_weight=None):
     check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bias,
                        conv_activation, dt_weight)
-    return x.new_empty(x.shape)
+    return empty_activation(x)
 
 
 def _setup_context(ctx, inputs, output):

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from ..selective_scan.triton_fwd import ScanFwdConfig, _last_step, _next_pow2, scan_fwd_config
+from ..layout import empty_activation
 from ..triton_common import LOG2E, linear_combine, silu, softplus
 
 
@@ -273,7 +274,7 @@ def fused_scan_fwd(
             raise ValueError(
                 f"{name}: one batch row spans more than 2**31 elements (shape {tuple(t.shape)}, "
                 f"strides {t.stride()}); the fused Triton scan indexes rows in int32")
-    y = torch.empty((batch, dim, L), dtype=x.dtype, device=x.device)
+    y = empty_activation(x)
 
     def strides(t, n):
         return t.stride() if t is not None else (0,) * n

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..layout import empty_activation
 from .grads import ScanGrads
 
 # Chunk length: the (T, batch, dim, N) chunk buffers stay a few MB for a Mamba-130m layer,
@@ -109,11 +110,11 @@ def selective_scan_fwd(
     u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state,
     chunk_len: int = CHUNK_LEN,
 ):
-    """Forward selective scan. Returns ``(y, last_state or None)``; y is contiguous, u's dtype."""
+    """Forward selective scan. Returns ``(y, last_state or None)``; y in u's layout and dtype."""
     batch, dim, L = u.shape
     cdtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     A5, h = _prepare(u, A, B, initial_state, cdtype)
-    y = torch.empty(batch, dim, L, dtype=u.dtype, device=u.device)
+    y = empty_activation(u)
     for start in range(0, L, chunk_len):
         end = min(start + chunk_len, L)
         chunk = _Chunk(u, delta, A5, B, C, delta_bias, delta_softplus, start, end, cdtype)

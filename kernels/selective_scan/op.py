@@ -28,9 +28,17 @@ Dtype policy (checked by ``check_selective_scan_inputs``):
   fp64. The Triton kernels have no fp64 path, so fp64 on CUDA is an error.
 
 Output layouts, which the fake impls promise and so every backend must produce exactly
-(inductor trusts them): y, last_state and the gradients dA, dB, dC, dD, ddelta_bias,
-dinitial_state are contiguous; du, ddelta and dz are ``torch.empty_like`` their input (a
-transposed u gets a transposed du, which the transpose's own backward then needs no copy for).
+(inductor trusts them): y takes u's layout (``kernels/layout.py``: channel-innermost u, as
+``nn.Linear``-based Mamba code holds it, gives a channel-innermost y, which out_proj then reads
+without a copy; any other u gives a contiguous y); last_state and the gradients dA, dB, dC,
+dD, ddelta_bias, dinitial_state are contiguous; du, ddelta and dz are ``torch.empty_like``
+their input (a transposed u gets a transposed du, which the transpose's own backward then
+needs no copy for).
+
+The ops carry the ``flexible_layout`` tag: the kernels read any strides, so inductor may hand
+them its own buffers as they are (an ``nn.Linear`` output in its (batch, L, dim) layout, say)
+instead of copying each input into the strides eager had. Inductor re-runs the fake impl on
+the strides it chose, so the promised output layouts follow.
 """
 import functools
 from typing import Optional
@@ -38,6 +46,7 @@ from typing import Optional
 import torch
 from torch import _C
 
+from ..layout import empty_activation
 from . import cpu
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -232,7 +241,7 @@ def _selective_scan_fake(
     check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     state_dtype = cpu.compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, seqlen = u.shape
-    y = u.new_empty((batch, dim, seqlen))
+    y = empty_activation(u)
     shape = (batch, dim, A.shape[1]) if return_last_state else (0,)
     return y, u.new_empty(shape, dtype=state_dtype)
 
@@ -397,8 +406,9 @@ def register() -> torch.library.Library:
     Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
     """
     lib = torch.library.Library("ssm", "FRAGMENT")
-    lib.define(_SCHEMA)
-    lib.define(_BACKWARD_SCHEMA)
+    # flexible_layout: see the module docstring (the kernels read any strides).
+    lib.define(_SCHEMA, tags=(torch.Tag.flexible_layout,))
+    lib.define(_BACKWARD_SCHEMA, tags=(torch.Tag.flexible_layout,))
     for name, impl, fake, autograd in (
         ("selective_scan", _selective_scan_impl, _selective_scan_fake, _selective_scan_autograd),
         ("selective_scan_backward", _backward_impl, _backward_fake, _backward_autograd),

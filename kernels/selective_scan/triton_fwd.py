@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import empty_activation
 from ..triton_common import LOG2E, linear_combine, silu, softplus
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
@@ -474,7 +475,7 @@ def selective_scan_fwd(
                 f"strides {t.stride()}); the Triton selective scan indexes rows in int32")
     plan = _launch_plan(batch, dim, L, N, config)
 
-    y = torch.empty((batch, dim, L), dtype=u.dtype, device=u.device)
+    y = empty_activation(u)
     last_state = (torch.empty((batch, dim, N), dtype=torch.float32, device=u.device)
                   if return_last_state else None)
     seg_a = seg_b = None

@@ -1,0 +1,33 @@
+"""Memory layout of the (batch, dim, L) activations the ssm ops allocate.
+
+Mamba code keeps its activations in one of two layouts. Code that projects with ``nn.Linear``
+and transposes to (batch, dim, L) for the conv and the scan (HF Mamba, mamba_simple,
+mamba-minimal) holds them with the channel axis innermost: (batch, L, dim) in memory. Code
+written against mamba_ssm's kernels holds them with L innermost. An op output in the other
+layout costs a full copy on the way to the next ``nn.Linear`` (x_proj after the conv,
+out_proj after the scan), and a ``.view`` written against the caller's layout would fail. So an
+op's activation output takes its main input's layout: channel-innermost in, channel-innermost
+out; anything else gets the plain contiguous (batch, dim, L) layout.
+
+The fake implementations call the same function on the same (fake) input, so the strides they
+promise are the ones the kernels produce, whatever strides inductor hands the op.
+"""
+import torch
+
+
+def dim_innermost(t: torch.Tensor) -> bool:
+    """Whether a (batch, dim, L) tensor has unit stride along dim (and not along L).
+
+    A size-1 dim or L leaves the question without an answer that matters; such tensors take
+    the contiguous layout.
+    """
+    return t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) == 1
+
+
+def empty_activation(ref: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new dense tensor of ``ref``'s (batch, dim, L) shape, in ``ref``'s layout (see above)."""
+    batch, dim, seqlen = ref.shape
+    dtype = ref.dtype if dtype is None else dtype
+    if dim_innermost(ref):
+        return torch.empty((batch, seqlen, dim), dtype=dtype, device=ref.device).transpose(1, 2)
+    return torch.empty((batch, dim, seqlen), dtype=dtype, device=ref.device)

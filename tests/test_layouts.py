@@ -1,0 +1,161 @@
+"""Output layouts of the ssm ops, and the backend's layout check after its rewrites.
+
+The ops return their activations in their main input's layout (``kernels/layout.py``), so a
+channel-innermost activation (how nn.Linear-based Mamba code holds them) reaches the next
+nn.Linear without a copy. That can differ from the layout the replaced user code had; the
+layout check (``passes/layout.py``) mends the two places where user code sees strides, a
+``.view`` and the graph's outputs, or compiles the graph without rewrites when it cannot.
+"""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from utils import TOL, TRITON_DEVICE, in_layout_of, rel_err
+
+import ssm_compile
+from ssm_compile.kernels import register_ops
+from ssm_compile.kernels.causal_conv1d import triton_conv
+from ssm_compile.kernels.selective_scan import triton_fwd
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ops():
+    register_ops()
+
+
+def _channel_innermost(t):
+    """The same values as ``t`` (batch, dim, L), stored as (batch, L, dim)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def scan_inputs(batch=2, dim=6, L=21, N=4, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(batch, dim, L, generator=g).to(dtype)
+    delta = (torch.randn(batch, dim, L, generator=g) * 0.5 - 1).to(dtype)
+    A = -(torch.rand(dim, N, generator=g) + 0.1)
+    B = torch.randn(batch, N, L, generator=g).to(dtype)
+    C = torch.randn(batch, N, L, generator=g).to(dtype)
+    D = torch.randn(dim, generator=g)
+    z = torch.randn(batch, dim, L, generator=g).to(dtype)
+    bias = torch.randn(dim, generator=g) * 0.1
+    return u, delta, A, B, C, D, z, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["cpu-op", "triton"])
+def test_scan_output_follows_u(path, dtype):
+    u, delta, A, B, C, D, z, bias = scan_inputs(dtype=dtype)
+    if path == "triton":
+        dev = [t.to(TRITON_DEVICE) for t in (u, delta, A, B, C, D, z, bias)]
+
+        def run(u_):
+            return triton_fwd.selective_scan_fwd(u_, dev[1], dev[2], dev[3].unsqueeze(1), dev[4].unsqueeze(1),
+                                                 dev[5], dev[6], dev[7], True, None, False)[0]
+        u = dev[0]
+    else:
+        def run(u_):
+            return torch.ops.ssm.selective_scan(u_, delta, A, B, C, D, z, bias, True, None, False)[0]
+    y_dense = run(u)
+    y_ci = run(_channel_innermost(u))
+    assert in_layout_of(y_dense, u) and y_dense.is_contiguous()
+    assert in_layout_of(y_ci, _channel_innermost(u)) and not y_ci.is_contiguous()
+    torch.testing.assert_close(y_ci, y_dense, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", ["cpu-op", "triton"])
+def test_conv_output_and_dx_follow_x(path):
+    g = torch.Generator().manual_seed(1)
+    # An nn.Linear output split along channels, as HF Mamba's conv input: channel-innermost and
+    # not dense (the other half of the channels sits between rows).
+    xz = torch.randn(2, 13, 12, generator=g)
+    x = xz.transpose(1, 2)[:, :6]
+    w, b = torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
+    if path == "triton":
+        x, w, b = x.to(TRITON_DEVICE), w.to(TRITON_DEVICE), b.to(TRITON_DEVICE)
+        y = triton_conv.causal_conv1d_fwd(x, w, b, None, True)
+        dx = triton_conv.causal_conv1d_bwd(torch.randn_like(y), x, w, b, None, True).dx
+        y_dense = triton_conv.causal_conv1d_fwd(x.contiguous(), w, b, None, True)
+    else:
+        xr = x.clone().requires_grad_()
+        xr_view = xr  # the op sees xr's strides
+        y = torch.ops.ssm.causal_conv1d(xr_view, w, b, "silu")
+        (dx,) = torch.autograd.grad(y, xr, torch.randn_like(y))
+        y_dense = torch.ops.ssm.causal_conv1d(x.contiguous(), w, b, "silu")
+    assert not x.is_contiguous() and x.stride(1) == 1
+    assert y.transpose(1, 2).is_contiguous() and dx.transpose(1, 2).is_contiguous()
+    assert rel_err(y, y_dense) < TOL[torch.float32]
+
+
+def test_opcheck_channel_innermost():
+    """Fake and real kernels agree on strides for channel-innermost inputs (forward and backward)."""
+    u, delta, A, B, C, D, z, bias = scan_inputs(L=9)
+    ci = [_channel_innermost(t) for t in (u, delta, z)]
+    torch.library.opcheck(torch.ops.ssm.selective_scan.default,
+                          (ci[0].requires_grad_(), ci[1], A, B, C, D, ci[2], bias, True, None, True))
+    x = _channel_innermost(torch.randn(2, 6, 9)).requires_grad_()
+    torch.library.opcheck(torch.ops.ssm.causal_conv1d.default, (x, torch.randn(6, 4), torch.randn(6), "silu"))
+
+
+# -- the backend's layout check ------------------------------------------------------------
+
+def loop_scan(u, delta, A, B, C, view_out=True, write=False):
+    """A selective scan in (batch, dim, L) that stacks its outputs along dim 1, so eager's y is
+    (batch, L, dim)-contiguous while the op's is (batch, dim, L)-contiguous."""
+    b, d, l = u.shape
+    dA = torch.exp(torch.einsum("bdl,dn->bldn", delta, A))
+    dBu = torch.einsum("bdl,bnl,bdl->bldn", delta, B, u)
+    h = torch.zeros(b, d, A.shape[1])
+    ys = []
+    for i in range(l):
+        h = dA[:, i] * h + dBu[:, i]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
+    y = torch.stack(ys, dim=1)
+    if write:
+        # An in-place write anywhere in the graph, here into a tensor of its own: a copy could
+        # then be told from a view, so the check does not reason about which writes matter.
+        scratch = torch.ones(2)
+        scratch.mul_(3.0)
+    out = y.view(b * l, d) * 2 if view_out else y * 2
+    return out, y
+
+
+def _loop_args():
+    u, delta, A, B, C, *_ = scan_inputs(L=12)
+    return u, delta.sigmoid(), A, B, C
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_view_after_rewrite_is_mended(inductor):
+    args = _loop_args()
+    ref = loop_scan(*args)
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(loop_scan, backend=ssm_compile.backend(inductor=inductor))(*args)
+    assert counters["ssm"]["scan_loop"] == 1
+    for o, r in zip(out, ref):
+        assert rel_err(o, r.double()) < TOL[torch.float32]
+        # The caller sees eager's strides on every output (y included).
+        assert o.stride() == r.stride()
+
+
+def test_returned_y_keeps_eager_strides():
+    args = _loop_args()
+    ref = loop_scan(*args, view_out=False)
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(lambda *a: loop_scan(*a, view_out=False), backend=ssm_compile.backend(inductor=False))(*args)
+    assert counters["ssm"]["scan_loop"] == 1
+    assert out[1].stride() == ref[1].stride() == (12 * 6, 6, 1)
+    assert out[1].view(-1, 6).shape == (24, 6)  # what a caller relying on eager's layout does
+
+
+def test_view_with_in_place_write_falls_back():
+    args = _loop_args()
+    ref = loop_scan(*[a.clone() for a in args], write=True)
+    report = ssm_compile.explain(lambda *a: loop_scan(*a, write=True), *[a.clone() for a in args])
+    assert report.rewrites == [] or all(r.family != "scan_loop" for r in report.rewrites)
+    reasons = " ".join(m.reason for m in report.misses)
+    assert "writes in place" in reasons and "without ssm rewrites" in reasons
+    torch._dynamo.reset()
+    out = torch.compile(lambda *a: loop_scan(*a, write=True), backend="ssm")(*[a.clone() for a in args])
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
