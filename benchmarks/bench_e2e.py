@@ -162,6 +162,8 @@ def main():
                         "O(L^2) backward still fits")
     p.add_argument("--time-budget", type=float, default=300, help="seconds; later baselines are skipped")
     p.add_argument("--parts", default="forward,layer,train", help="which of forward,layer,train to run")
+    p.add_argument("--no-assoc", action="store_true",
+                   help="skip the forward's inductor associative_scan rows (a re-measure of our side only)")
     p.add_argument("--profile", action="store_true",
                    help="also profile the ssm forward at each L (profile_e2e_ssm_L<L>.txt)")
     args = p.parse_args()
@@ -250,7 +252,7 @@ def main():
 
                 c = timed_compile(lambda: (run_cg(), run_cg()))
                 res["ssm (CUDA graphs)"] = (c, median_ms(run_cg))
-            if not over_budget(f"{assoc_name} at L={L}"):
+            if not args.no_assoc and not over_budget(f"{assoc_name} at L={L}"):
                 try:
                     ind = torch.compile(assoc_model)
                     c = timed_compile(ind, ids)

@@ -39,6 +39,7 @@ SOFTPLUS_TARGETS = (F.softplus, torch._C._nn.softplus, torch.ops.aten.softplus)
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear)
 ADD_TARGETS = (operator.add, torch.add, torch.ops.aten.add)
 MUL_TARGETS = (operator.mul, torch.mul, torch.ops.aten.mul)
+MATMUL_TARGETS = (operator.matmul, torch.matmul)
 
 
 
@@ -145,6 +146,36 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     return DeltaFold(pre, perm, None, None, nodes)
 
 
+def _left_weight_product(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(W, T)`` when ``node`` is ``W @ T`` with a 2-D W and a T of 3 or more dims (HF's
+    ``dt_proj.weight @ time_step.transpose(1, 2)``), else None."""
+    if not is_call(node, *MATMUL_TARGETS) or len(node.args) != 2 or node.kwargs:
+        return None
+    W, T = node.args
+    if len(shape_of(W) or ()) != 2 or len(shape_of(T) or ()) < 3:
+        return None
+    return W, T
+
+
+def _as_linear(graph: torch.fx.Graph, W: torch.fx.Node, T: torch.fx.Node) -> torch.fx.Node:
+    """``linear(T.mT, W).mT``: the same products and sums as ``W @ T``, in the layout the rest
+    of the block wants.
+
+    Eager computes ``W @ T`` as a batched matmul with W broadcast over the batch, and returns it
+    (batch, D, L)-contiguous. Inductor runs it as one (batch * L, R) x (R, D) matmul instead,
+    whose output is (batch, L, D) in memory, and then copies that into the (batch, D, L) strides
+    eager promised: a read and a write of Δ per layer. Written as the linear the op reads through
+    a transpose, Δ stays where the matmul put it (the op reads any strides).
+    """
+    moved = graph.call_method("transpose", (T, -1, -2))
+    propagate_val(moved)
+    product = graph.call_function(F.linear, (moved, W))
+    propagate_val(product)
+    back = graph.call_method("transpose", (product, -1, -2))
+    propagate_val(back)
+    return back
+
+
 def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> None:
     args = scan_args(scan)
     if args["delta_softplus"] or args["delta_bias"] is not None:
@@ -162,6 +193,9 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     if fold.linear is not None:
         linear_args = named_args(fold.linear, ("input", "weight", "bias"))
         reads += [linear_args["input"], linear_args["weight"]]
+    product = _left_weight_product(fold.pre)
+    if product is not None:
+        reads += list(product)
     writer = written_in_place(graph, reads)
     if writer is not None:
         ctx.miss(FAMILY, f"{writer.name} writes in place to memory Δ's inputs live in: the op would read "
@@ -173,6 +207,8 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
             linear_args = named_args(fold.linear, ("input", "weight", "bias"))
             pre = graph.call_function(fold.linear.target, (linear_args["input"], linear_args["weight"]))
             propagate_val(pre)
+        elif product is not None:
+            pre = _as_linear(graph, *product)
         new_delta = permute_view(graph, pre, fold.perm)
     args.update(delta=new_delta, delta_bias=fold.bias, delta_softplus=True)
     set_scan_args(scan, args)

@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .fx_utils import mutates
+from .casts import fold_round_trip_casts
 from .layout import output_strides, settle_layouts
 
 log = logging.getLogger("ssm_compile")
@@ -145,8 +146,8 @@ class PassManager:
         traced = output_strides(gm)
         self._run(gm, ctx, set())
         if ctx.rewrites:
-            for change in settle_layouts(gm, traced):
-                log.info("ssm layout check: %s", change)
+            for change in fold_round_trip_casts(gm) + settle_layouts(gm, traced):
+                log.info("ssm after the rewrites: %s", change)
         return ctx
 
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int]) -> None:

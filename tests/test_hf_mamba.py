@@ -142,18 +142,20 @@ def test_snapshot_of_rewritten_mixer_loop():
 %getitem_4 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
 %getitem_5 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
 %transpose_3 = .transpose(%getitem_3, 1, 2)  # float32[2, 2, 8]
-%matmul_1 = operator.matmul(%arg_8, %transpose_3)  # float32[2, 32, 8]
 %float_2 = .float(%arg_9)  # float32[32]
 %float_3 = .float(%arg_10)  # float32[32]
 %to_3 = .to(%float_2, torch.float32)  # float32[32]
 %permute_1 = .permute(%getitem_5, (0, 2, 1))  # float32[2, 4, 8]
 %permute_2 = .permute(%getitem_4, (0, 2, 1))  # float32[2, 4, 8]
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %matmul_1, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
+%transpose_4 = .transpose(%transpose_3, -1, -2)  # float32[2, 8, 2]
+%linear_3 = torch._C._nn.linear(%transpose_4, %arg_8)  # float32[2, 8, 32]
+%transpose_5 = .transpose(%linear_3, -1, -2)  # float32[2, 32, 8]
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %transpose_5, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
 %getitem_6 = operator.getitem(%selective_scan_1, 0)  # float32[2, 32, 8]
-%transpose_4 = .transpose(%getitem_6, 1, 2)  # float32[2, 8, 32]
-%to_4 = .to(%transpose_4, torch.float32)  # float32[2, 8, 32]
-%linear_3 = torch._C._nn.linear(%to_4, %arg_11, %arg_12)  # float32[2, 8, 16]
-return (%linear_3,)
+%transpose_6 = .transpose(%getitem_6, 1, 2)  # float32[2, 8, 32]
+%to_4 = .to(%transpose_6, torch.float32)  # float32[2, 8, 32]
+%linear_4 = torch._C._nn.linear(%to_4, %arg_11, %arg_12)  # float32[2, 8, 16]
+return (%linear_4,)
 """)
 
 
@@ -190,18 +192,20 @@ def test_snapshot_of_rewritten_mixer_assoc():
 %getitem_4 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
 %getitem_5 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
 %transpose_3 = .transpose(%getitem_3, 1, 2)  # float32[2, 2, 8]
-%matmul_1 = operator.matmul(%arg_8, %transpose_3)  # float32[2, 32, 8]
 %float_2 = .float(%arg_9)  # float32[32]
 %float_3 = .float(%arg_10)  # float32[32]
 %to_3 = .to(%float_2, torch.float32)  # float32[32]
 %permute_1 = .permute(%getitem_5, (0, 2, 1))  # float32[2, 4, 8]
 %permute_2 = .permute(%getitem_4, (0, 2, 1))  # float32[2, 4, 8]
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %matmul_1, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
+%transpose_4 = .transpose(%transpose_3, -1, -2)  # float32[2, 8, 2]
+%linear_3 = torch._C._nn.linear(%transpose_4, %arg_8)  # float32[2, 8, 32]
+%transpose_5 = .transpose(%linear_3, -1, -2)  # float32[2, 32, 8]
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %transpose_5, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
 %getitem_6 = operator.getitem(%selective_scan_1, 0)  # float32[2, 32, 8]
-%transpose_4 = .transpose(%getitem_6, 1, 2)  # float32[2, 8, 32]
-%to_4 = .to(%transpose_4, torch.float32)  # float32[2, 8, 32]
-%linear_3 = torch._C._nn.linear(%to_4, %arg_11, %arg_12)  # float32[2, 8, 16]
-return (%linear_3,)
+%transpose_6 = .transpose(%getitem_6, 1, 2)  # float32[2, 8, 32]
+%to_4 = .to(%transpose_6, torch.float32)  # float32[2, 8, 32]
+%linear_4 = torch._C._nn.linear(%to_4, %arg_11, %arg_12)  # float32[2, 8, 16]
+return (%linear_4,)
 """)
 
 

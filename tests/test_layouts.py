@@ -159,3 +159,61 @@ def test_view_with_in_place_write_falls_back():
     out = torch.compile(lambda *a: loop_scan(*a, write=True), backend="ssm")(*[a.clone() for a in args])
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r)
+
+
+# -- HF's Δ product and the casts around the op's output -----------------------------------
+
+def op_block(u, ts, W, bias, A, B, C, D, z, write=False, return_down=False):
+    """The scan op between HF Mamba's neighbours, in bf16: Δ = dt_proj.weight @ time_step.mT
+    (+ bias, softplus), and an fp32 detour on y that the bf16 consumer undoes."""
+    dt = torch.nn.functional.softplus(W @ ts.transpose(1, 2) + bias.to(ts.dtype)[..., None])
+    y = torch.ops.ssm.selective_scan(u, dt, A, B, C, D, z, None, False, None, False)[0]
+    up = y.float()
+    if write:
+        scratch = torch.ones(2)
+        scratch.mul_(3.0)
+    down = up.transpose(1, 2).to(u.dtype)
+    return down if return_down else down * 2
+
+
+def _block_args(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(3)
+    b, d, l, n, r = 2, 8, 10, 4, 3
+    return (torch.randn(b, d, l, generator=g).to(dtype), torch.randn(b, l, r, generator=g).to(dtype),
+            (torch.randn(d, r, generator=g) * 0.5).to(dtype), torch.randn(d, generator=g).to(dtype),
+            -(torch.rand(d, n, generator=g) + 0.1), torch.randn(b, n, l, generator=g).to(dtype),
+            torch.randn(b, n, l, generator=g).to(dtype), torch.randn(d, generator=g),
+            torch.randn(b, d, l, generator=g).to(dtype))
+
+
+def _after(fn, args):
+    report = ssm_compile.explain(fn, *args)
+    return report, "\n".join(g.after for g in report.graphs)
+
+
+def test_delta_product_becomes_a_linear():
+    args = _block_args()
+    report, after = _after(op_block, args)
+    assert report.counts["delta"] == 1
+    assert "linear" in after and "matmul" not in after
+    eager = op_block(*args)
+    torch._dynamo.reset()
+    out = torch.compile(op_block, backend="ssm")(*args)
+    assert out.dtype == torch.bfloat16 and rel_err(out, eager.double()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("variant", ["plain", "write", "returned"])
+def test_round_trip_cast_is_folded_only_when_unobservable(variant):
+    args = _block_args()
+    fn = {"plain": op_block,
+          "write": lambda *a: op_block(*a, write=True),
+          "returned": lambda *a: op_block(*a, return_down=True)}[variant]
+    report, after = _after(fn, args)
+    assert report.counts["delta"] == 1
+    # "plain": y reaches the transpose and the bf16 consumer without the fp32 trip. With an
+    # in-place write in the graph, or the down-cast returned, the trip stays.
+    assert (".float()" in after) == (variant != "plain"), after
+    eager = fn(*args)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*args)
+    assert out.dtype == eager.dtype and rel_err(out, eager.double()) < TOL[torch.bfloat16]

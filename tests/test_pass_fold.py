@@ -173,11 +173,13 @@ def test_fold_hf524_snapshot():
 %arg_8 = placeholder[L_D_]
 %arg_9 = placeholder[L_z_]
 %transpose_1 = .transpose(%arg_1, 1, 2)
-%matmul_1 = operator.matmul(%arg_2, %transpose_1)
 %float_1 = .float(%arg_3)
 %to_1 = .to(%float_1, torch.float32)
+%transpose_2 = .transpose(%transpose_1, -1, -2)
+%linear_1 = torch._C._nn.linear(%transpose_2, %arg_2)
+%transpose_3 = .transpose(%linear_1, -1, -2)
 %float_2 = .float(%arg_8)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_4, %matmul_1, %arg_5, %arg_6, %arg_7, %float_2, %arg_9, %to_1, True, None, False)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_4, %transpose_3, %arg_5, %arg_6, %arg_7, %float_2, %arg_9, %to_1, True, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 return (%getitem_1,)
 """)

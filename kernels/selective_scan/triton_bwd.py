@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import dim_innermost
 from ..triton_common import LOG2E, linear_combine, silu, softplus
 from .grads import ScanGrads
 
@@ -795,6 +796,28 @@ def _column_sum_rows(several_blocks: bool, du, ddelta, dz):
     return row(du), row(ddelta), row(dz)
 
 
+def _l_major(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """An L-contiguous copy of a channel-innermost ``t``; any other ``t`` as it is (a stride-0
+    broadcast dy, say, stays a broadcast).
+
+    The backward kernels give each program a few channels (``group_d``, 8 by default) and walk
+    them along L, so a channel-innermost tensor (the layout nn.Linear-based Mamba code hands the
+    op, kernels/layout.py) would cost a 32-byte sector per time step for 16 useful bytes in
+    bf16, on every load of u, delta, z and dy. One copy each (a read and a write of the tensor)
+    is cheaper than that and keeps the kernels' measured tiles valid.
+    """
+    return t.contiguous() if t is not None and dim_innermost(t) else t
+
+
+def _in_layout_of(like: Optional[torch.Tensor], grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``grad`` in ``torch.empty_like(like)``'s layout (a copy only when the kernel wrote an
+    L-major stand-in for a channel-innermost input)."""
+    if grad is None or grad.stride() == like.stride():
+        return grad
+    out = torch.empty_like(like)
+    return grad if out.stride() == grad.stride() else out.copy_(grad)
+
+
 def selective_scan_bwd(
     dy: torch.Tensor,
     dlast_state: Optional[torch.Tensor],
@@ -827,6 +850,10 @@ def selective_scan_bwd(
         >>> grads = selective_scan_bwd(dy, None, u, delta, A, B, C, D, z, bias, True, None)
     """
     _check_inputs(dy, dlast_state, u, B, C, initial_state)
+    # The gradients keep the layouts the op promises (their inputs'); the kernels work on
+    # L-major copies where an input is not L-major (see _l_major).
+    promised = dict(du=u, ddelta=delta, dz=z)
+    dy, u, delta, z = _l_major(dy), _l_major(u), _l_major(delta), _l_major(z)
     batch, dim, L = u.shape
     G, N = B.shape[1], B.shape[2]
     dim_per_group = dim // G
@@ -891,6 +918,7 @@ def selective_scan_bwd(
             DELTA_SOFTPLUS=delta_softplus, NB=cfg.nb, CHUNK=cfg.chunk, STEPS=_STEPS,
             num_warps=cfg.num_warps,
         )
+    du, ddelta, dz = (_in_layout_of(promised[name], g) for name, g in (("du", du), ("ddelta", ddelta), ("dz", dz)))
     return ScanGrads(
         du=du,
         ddelta=ddelta,

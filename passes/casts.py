@@ -1,0 +1,59 @@
+"""After the rewrites: drop a widening cast that a narrowing cast undoes.
+
+A rewrite that replaces an fp32 value (HF's ``scan_output + hidden_states * D.float()``) with an
+op output in the activations' dtype (bf16) casts the output back up, so that the code after it
+sees the dtype it had. When that code casts straight back down (``out_proj(y.transpose(1,
+2).to(bf16))``), the pair is an identity: every bf16 value is exact in fp32. Inductor does not
+fold it, and runs it as a read and a write of the whole activation. ``fold_round_trip_casts``
+makes the down-cast read the op output directly, through the same views (which commute with
+an elementwise cast).
+
+The result is then a view of the op output where it was a new tensor. Only an in-place write,
+or a caller holding both, could tell; so nothing is folded in a graph that writes in place, or
+where the down-cast's result is returned.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from .fx_utils import cast_dtype, dtype_of, is_lossless_cast, mutates, propagate_val
+
+# Views that only relabel axes: they apply to any tensor, and commute with a dtype cast.
+_AXIS_VIEWS = ("transpose", "permute", "t", "unsqueeze", "squeeze")
+
+
+def fold_round_trip_casts(gm: torch.fx.GraphModule) -> list[str]:
+    """Fold ``x.to(wide) -> views -> .to(x.dtype)`` into ``x -> views``; a line per fold."""
+    graph = gm.graph
+    if any(mutates(n) for n in graph.nodes):
+        return []
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    returned = {a for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
+    folds = []
+    for down in list(graph.nodes):
+        narrow = cast_dtype(down) if down.op == "call_method" else None
+        if narrow is None or down in returned:
+            continue
+        views, node = [], down.args[0]
+        while isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _AXIS_VIEWS:
+            views.append(node)
+            node = node.args[0]
+        wide = cast_dtype(node) if isinstance(node, torch.fx.Node) and node.op == "call_method" else None
+        if wide is None:
+            continue
+        src = node.args[0]
+        if dtype_of(src) != narrow or not is_lossless_cast(narrow, wide) or narrow == wide:
+            continue
+        new = src
+        with graph.inserting_before(down):
+            for view in reversed(views):
+                new = graph.call_method(view.target, (new, *view.args[1:]), dict(view.kwargs))
+                propagate_val(new)
+        down.replace_all_uses_with(new)
+        graph.erase_node(down)
+        folds.append(f"{src.name}: .to({wide}) ... .to({narrow}) folded")
+    if folds:
+        graph.eliminate_dead_code()
+        gm.recompile()
+    return folds
