@@ -8,26 +8,29 @@ fold it, and runs it as a read and a write of the whole activation. ``fold_round
 makes the down-cast read the op output directly, through the same views (which commute with
 an elementwise cast).
 
-The result is then a view of the op output where it was a new tensor. Only an in-place write,
-or a caller holding both, could tell; so nothing is folded in a graph that writes in place, or
-where the down-cast's result is returned.
+The result is then a view of the op output where it was a new tensor. Only an in-place write
+to either, or a caller holding both, could tell; so a pair is left alone when anything in the
+graph writes to the memory of the op output, of the up-cast or the views after it, or of the
+down-cast's result, or when the down-cast's result is returned. (Writes elsewhere, a cache update say, do not matter.)
 """
 from __future__ import annotations
 
 import torch
 import torch.utils._pytree as pytree
 
-from .fx_utils import cast_dtype, dtype_of, is_lossless_cast, mutates, propagate_val
+from .fx_utils import cast_dtype, dtype_of, is_lossless_cast, propagate_val, written_in_place
 
 # Views that only relabel axes: they apply to any tensor, and commute with a dtype cast.
 _AXIS_VIEWS = ("transpose", "permute", "t", "unsqueeze", "squeeze")
 
 
 def fold_round_trip_casts(gm: torch.fx.GraphModule) -> list[str]:
-    """Fold ``x.to(wide) -> views -> .to(x.dtype)`` into ``x -> views``; a line per fold."""
+    """Fold ``x.to(wide) -> views -> .to(x.dtype)`` into ``x -> views``; a line per fold.
+
+    The orphaned up-casts stay in the graph: the caller's dead-code elimination (the pass
+    manager's, which knows which calls write in place) removes them.
+    """
     graph = gm.graph
-    if any(mutates(n) for n in graph.nodes):
-        return []
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = {a for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
     folds = []
@@ -45,6 +48,10 @@ def fold_round_trip_casts(gm: torch.fx.GraphModule) -> list[str]:
         src = node.args[0]
         if dtype_of(src) != narrow or not is_lossless_cast(narrow, wide) or narrow == wide:
             continue
+        # The up-cast and the views between count too: ``up.mul_(3)`` before the down-cast
+        # changes what it reads.
+        if written_in_place(graph, [src, node, *views, down]) is not None:
+            continue
         new = src
         with graph.inserting_before(down):
             for view in reversed(views):
@@ -53,7 +60,4 @@ def fold_round_trip_casts(gm: torch.fx.GraphModule) -> list[str]:
         down.replace_all_uses_with(new)
         graph.erase_node(down)
         folds.append(f"{src.name}: .to({wide}) ... .to({narrow}) folded")
-    if folds:
-        graph.eliminate_dead_code()
-        gm.recompile()
     return folds

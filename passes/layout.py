@@ -11,8 +11,9 @@ in user code see strides:
 
 ``settle_layouts`` re-runs the rewritten graph on fake tensors and mends both: a ``.view``
 that no longer applies becomes ``.reshape`` (the same values; a copy where no view exists) when
-no node in the graph writes in place and the view is not returned, since only a write or a
-caller holding both tensors could tell the copy from a view; and an output whose strides
+nothing in the graph writes in place to the memory of the view or of its base and the view is
+not returned, since only such a write or a caller holding both tensors could tell the copy from
+a view; and an output whose strides
 changed is given eager's strides back (permute, ``contiguous``, permute back: one copy, only
 there). A ``.view`` that cannot be mended so raises, and the backend then compiles the graph
 without ssm rewrites (``compiler._run_passes``) rather than fail or change what it computes.
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .fx_utils import inverse, mutates, set_val, val
+from .fx_utils import inverse, set_val, val, written_in_place
 
 log = logging.getLogger("ssm_compile")
 
@@ -66,9 +67,8 @@ def _fresh_input(value: Any) -> Any:
 class _Propagate(torch.fx.Interpreter):
     """Runs the graph on fake tensors, mending ``.view`` calls that the new layouts broke."""
 
-    def __init__(self, gm: torch.fx.GraphModule, writes: bool, returned: set[torch.fx.Node]):
+    def __init__(self, gm: torch.fx.GraphModule, returned: set[torch.fx.Node]):
         super().__init__(gm, garbage_collect_values=True)
-        self.writes = writes
         self.returned = returned
         self.mended: list[str] = []
 
@@ -78,8 +78,10 @@ class _Propagate(torch.fx.Interpreter):
         except Exception as e:  # noqa: BLE001  (fake kernels raise several types for a bad view)
             if not (n.op == "call_method" and n.target in _RESHAPE_OF and _is_stride_error(n, e)):
                 raise
-            if self.writes or n in self.returned:
-                why = ("the graph writes in place" if self.writes else "the view is returned")
+            writer = written_in_place(self.module.graph, [n, n.args[0]])
+            if writer is not None or n in self.returned:
+                why = (f"{writer.name} writes in place to its memory" if writer is not None
+                       else "the view is returned")
                 raise LayoutError(
                     f"{n.name} = {n.format_node()} cannot view the rewritten op's output layout, and "
                     f"{why}, so a copy could be told from a view") from e
@@ -109,8 +111,7 @@ def settle_layouts(gm: torch.fx.GraphModule, traced_strides: list[tuple[int, ...
         return []
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = {a for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
-    writes = any(mutates(n) for n in gm.graph.nodes)
-    interp = _Propagate(gm, writes, returned)
+    interp = _Propagate(gm, returned)
     with mode, torch.set_grad_enabled(torch.is_grad_enabled()):
         inputs = [_fresh_input(v) for v in values]
         try:

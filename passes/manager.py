@@ -118,6 +118,13 @@ def _removable_if_unused(node: torch.fx.Node) -> bool:
 _CHECKPOINT_HOPS = ("tag_activation_checkpoint", "wrap_activation_checkpoint")
 
 
+def _eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
+    """FX's dead-code elimination with ``_removable_if_unused``: never FX's own purity test, which
+    takes ``state.copy_(x)`` with an unused result for dead code."""
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: not _removable_if_unused(n))
+    gm.recompile()
+
+
 def _checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     bodies = []
     for node in gm.graph.nodes:
@@ -129,6 +136,17 @@ def _checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
             if isinstance(sub, torch.fx.GraphModule):
                 bodies.append(sub)
     return bodies
+
+
+def _with_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``gm`` and, recursively, the checkpointed subgraphs it calls, outermost first."""
+    modules, seen = [gm], {id(gm)}
+    for module in modules:
+        for body in _checkpoint_bodies(module):
+            if id(body) not in seen:
+                seen.add(id(body))
+                modules.append(body)
+    return modules
 
 
 class PassManager:
@@ -143,11 +161,18 @@ class PassManager:
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassContext:
         ctx = PassContext(options=self.options)
-        traced = output_strides(gm)
+        # The graph and its checkpointed subgraphs, each with its outputs' strides as traced.
+        modules = _with_bodies(gm)
+        traced = [output_strides(m) for m in modules]
         self._run(gm, ctx, set())
         if ctx.rewrites:
-            for change in fold_round_trip_casts(gm) + settle_layouts(gm, traced):
-                log.info("ssm after the rewrites: %s", change)
+            # Innermost first: a subgraph's outputs are what its caller's graph reads.
+            for module, strides in reversed(list(zip(modules, traced))):
+                folds = fold_round_trip_casts(module)
+                if folds:
+                    _eliminate_dead_code(module)
+                for change in folds + settle_layouts(module, strides):
+                    log.info("ssm after the rewrites: %s", change)
         return ctx
 
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int]) -> None:
@@ -159,7 +184,7 @@ class PassManager:
         if len(ctx.rewrites) > before:
             # Clean up what the rewrites orphaned; a graph no pass rewrote keeps every node dynamo
             # put in it.
-            gm.graph.eliminate_dead_code(is_impure_node=lambda n: not _removable_if_unused(n))
+            _eliminate_dead_code(gm)
         gm.recompile()
         for body in _checkpoint_bodies(gm):
             if id(body) not in seen:

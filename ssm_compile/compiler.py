@@ -90,7 +90,25 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     return copied
 
 
-def _run_passes(pm, gm: torch.fx.GraphModule):
+class _Undo:
+    """Puts every graph of a module back as dynamo built it, and takes back the rewrite counts."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        from torch._dynamo.utils import counters
+
+        self.saved = [(m, _copy_graph(m.graph)) for m in _graph_modules(gm)]
+        self.counts = collections.Counter(counters["ssm"])
+
+    def __call__(self) -> None:
+        from torch._dynamo.utils import counters
+
+        for module, graph in self.saved:
+            module.graph = graph  # the setter re-owns the graph and recompiles the module
+        counters["ssm"].clear()
+        counters["ssm"].update(self.counts)
+
+
+def _run_passes(pm, gm: torch.fx.GraphModule, undo: _Undo):
     """Run the passes on ``gm`` in place; if one raises, put every graph back as dynamo built it.
 
     The backend must never break a program that runs eagerly: a pass that fails on a graph it did
@@ -98,19 +116,12 @@ def _run_passes(pm, gm: torch.fx.GraphModule):
     reason recorded as a near-miss for ``explain`` and logged, instead of failing the compile. The
     rewrites it already counted are taken back, since none of them survives.
     """
-    from torch._dynamo.utils import counters
-
     from ssm_compile.passes.manager import PassContext
 
-    saved = [(m, _copy_graph(m.graph)) for m in _graph_modules(gm)]
-    saved_counts = collections.Counter(counters["ssm"])
     try:
         return pm(gm)
     except Exception as e:  # noqa: BLE001  (any failure of ours must fall back, not crash the user)
-        for module, graph in saved:
-            module.graph = graph  # the setter re-owns the graph and recompiles the module
-        counters["ssm"].clear()
-        counters["ssm"].update(saved_counts)
+        undo()
         family = _failed_pass(e)
         reason = (f"pass {family} raised {type(e).__name__}: {e}; this graph is compiled without "
                   "ssm rewrites")
@@ -147,7 +158,8 @@ class SSMBackend:
         register_ops()
         pm = self.pass_manager()
         before = _code(gm) if self.on_graph is not None else ""
-        ctx = _run_passes(pm, gm)
+        undo = _Undo(gm)
+        ctx = _run_passes(pm, gm, undo)
         log.info("ssm backend: %d rewrite(s), %d near-miss(es) in a graph of %d nodes",
                  len(ctx.rewrites), len(ctx.misses), len(gm.graph.nodes))
         if self.on_graph is not None:
@@ -157,7 +169,20 @@ class SSMBackend:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+        if not ctx.rewrites:
+            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+        try:
+            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+        except Exception as e:  # noqa: BLE001  (see _run_passes: never fail what runs eagerly)
+            # The rewritten graph failed to trace or compile (a stride the layout check could not
+            # see, inside a checkpointed layer, say). Dynamo's own graph is what eager runs, so
+            # compiling that instead keeps the program working; if it fails too, that error is
+            # the program's, and it propagates.
+            undo()
+            log.warning("ssm backend: compiling the rewritten graph raised %s: %s; this graph is "
+                        "compiled without ssm rewrites", type(e).__name__, e)
+            log.debug("ssm backend: compile failure traceback", exc_info=True)
+            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
 
     def config_patches(self, pm) -> dict[str, Any]:
         """Inductor config patches for one compile, with the pass manager's cache-key pass."""

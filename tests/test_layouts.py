@@ -6,6 +6,10 @@ nn.Linear without a copy. That can differ from the layout the replaced user code
 layout check (``passes/layout.py``) mends the two places where user code sees strides, a
 ``.view`` and the graph's outputs, or compiles the graph without rewrites when it cannot.
 """
+import functools
+import logging
+import operator
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -97,7 +101,7 @@ def test_opcheck_channel_innermost():
 
 # -- the backend's layout check ------------------------------------------------------------
 
-def loop_scan(u, delta, A, B, C, view_out=True, write=False):
+def loop_scan(u, delta, A, B, C, view_out=True, write=False, unrelated_write=False):
     """A selective scan in (batch, dim, L) that stacks its outputs along dim 1, so eager's y is
     (batch, L, dim)-contiguous while the op's is (batch, dim, L)-contiguous."""
     b, d, l = u.shape
@@ -110,8 +114,12 @@ def loop_scan(u, delta, A, B, C, view_out=True, write=False):
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
     y = torch.stack(ys, dim=1)
     if write:
-        # An in-place write anywhere in the graph, here into a tensor of its own: a copy could
-        # then be told from a view, so the check does not reason about which writes matter.
+        # A write through the view: eager's y changes with it, a copy's would not.
+        v = y.view(b * l, d)
+        v.mul_(3.0)
+        return v, y
+    if unrelated_write:
+        # A write to memory of its own: it cannot tell a copy from a view, so it changes nothing.
         scratch = torch.ones(2)
         scratch.mul_(3.0)
     out = y.view(b * l, d) * 2 if view_out else y * 2
@@ -123,13 +131,15 @@ def _loop_args():
     return u, delta.sigmoid(), A, B, C
 
 
+@pytest.mark.parametrize("unrelated_write", [False, True], ids=["pure", "unrelated-write"])
 @pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
-def test_view_after_rewrite_is_mended(inductor):
+def test_view_after_rewrite_is_mended(inductor, unrelated_write):
     args = _loop_args()
-    ref = loop_scan(*args)
+    ref = loop_scan(*args, unrelated_write=unrelated_write)
     torch._dynamo.reset()
     counters.clear()
-    out = torch.compile(loop_scan, backend=ssm_compile.backend(inductor=inductor))(*args)
+    fn = functools.partial(loop_scan, unrelated_write=unrelated_write)
+    out = torch.compile(fn, backend=ssm_compile.backend(inductor=inductor))(*args)
     assert counters["ssm"]["scan_loop"] == 1
     for o, r in zip(out, ref):
         assert rel_err(o, r.double()) < TOL[torch.float32]
@@ -170,8 +180,7 @@ def op_block(u, ts, W, bias, A, B, C, D, z, write=False, return_down=False):
     y = torch.ops.ssm.selective_scan(u, dt, A, B, C, D, z, None, False, None, False)[0]
     up = y.float()
     if write:
-        scratch = torch.ones(2)
-        scratch.mul_(3.0)
+        up.mul_(3.0)  # the down-cast reads the written value: folding would drop the write
     down = up.transpose(1, 2).to(u.dtype)
     return down if return_down else down * 2
 
@@ -217,3 +226,93 @@ def test_round_trip_cast_is_folded_only_when_unobservable(variant):
     torch._dynamo.reset()
     out = torch.compile(fn, backend="ssm")(*args)
     assert out.dtype == eager.dtype and rel_err(out, eager.double()) < TOL[torch.bfloat16]
+
+
+def _cache_states(cache) -> list[torch.Tensor]:
+    # transformers 5.2x: one layer object per block, states keyed by index; use whatever is there.
+    out = []
+    for layer in cache.layers:
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name)
+            out += list(states.values()) if isinstance(states, dict) else [states]
+    return out
+
+
+def test_hf_bf16_prefill_keeps_cache_writes():
+    """HF Mamba in bf16 with a cache: the cast fold runs in a graph that writes the conv and
+    recurrent states in place (``conv_state.copy_(x[..., -W+1:])``), and the clean-up after it
+    must keep those writes, whose results nothing in the graph reads."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MambaConfig(vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    model = MambaForCausalLM(cfg).eval().to(torch.bfloat16)
+    ids = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        eager = model(ids, use_cache=True)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="ssm")(ids, use_cache=True)
+    assert counters["ssm"]["selective_scan"] + counters["ssm"]["scan_assoc"] + counters["ssm"]["scan_loop"] >= 2
+    assert rel_err(compiled.logits, eager.logits.double()) < TOL[torch.bfloat16]
+    want, got = _cache_states(eager.cache_params), _cache_states(compiled.cache_params)
+    assert len(want) == len(got) == 4
+    for w, g in zip(want, got):
+        assert w.abs().sum() > 0 and rel_err(g, w.double()) < TOL[torch.bfloat16]
+
+
+def test_view_inside_checkpointed_layer_is_mended():
+    """The layout check runs in checkpointed subgraphs too, where a rewritten layer's ``.view``
+    would otherwise fail AOTAutograd's trace."""
+    args = [a.clone().requires_grad_(i < 2) for i, a in enumerate(_loop_args())]
+
+    def layer(*a):
+        return torch.utils.checkpoint.checkpoint(loop_scan, *a, use_reentrant=False)
+
+    ref = layer(*args)
+    ref_grads = torch.autograd.grad(ref[0].sum(), args[:2])
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(layer, backend="ssm")(*args)
+    assert counters["ssm"]["scan_loop"] == 1
+    grads = torch.autograd.grad(out[0].sum(), args[:2])
+    for o, r in zip(list(out) + list(grads), list(ref) + list(ref_grads)):
+        assert rel_err(o, r.double()) < TOL[torch.float32]
+
+
+def test_compile_failure_of_rewritten_graph_falls_back(caplog):
+    """Whatever the layout check misses: if the rewritten graph fails to compile, the backend
+    compiles dynamo's graph instead of failing a program that runs eagerly."""
+    from ssm_compile.compiler import SSMBackend
+    from ssm_compile.config import SSMOptions
+
+    class Broken(SSMBackend):
+        # A "rewrite" whose op call cannot trace (B has the wrong length): AOTAutograd raises.
+        def pass_manager(self):
+            pm = super().pass_manager()
+
+            def bad(gm, ctx):
+                node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.sin)
+                x = node.args[0]
+                with gm.graph.inserting_before(node):
+                    call = gm.graph.call_function(torch.ops.ssm.selective_scan.default, (x, x, x, x, x))
+                    first = gm.graph.call_function(operator.getitem, (call, 0))
+                node.replace_all_uses_with(first)
+                gm.graph.erase_node(node)
+                gm.recompile()
+                ctx.rewrite("scan_loop", "broken on purpose", [], "ssm.selective_scan", {})
+
+            pm.add("broken", bad)
+            return pm
+
+    def fn(x):
+        return torch.sin(x) * 2
+
+    x = torch.randn(2, 3, 5)
+    torch._dynamo.reset()
+    counters.clear()
+    with caplog.at_level(logging.WARNING, logger="ssm_compile"):
+        out = torch.compile(fn, backend=Broken(SSMOptions()))(x)
+    torch.testing.assert_close(out, fn(x))
+    assert counters["ssm"]["scan_loop"] == 0
+    assert "compiling the rewritten graph raised" in caplog.text
