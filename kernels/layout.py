@@ -16,7 +16,7 @@ import torch
 
 
 def dim_innermost(t: torch.Tensor) -> bool:
-    """Whether a (batch, dim, L) tensor has unit stride along dim (and not along L).
+    """Whether a (batch, dim, L) tensor has unit stride along dim.
 
     A size-1 dim or L leaves the question without an answer that matters; such tensors take
     the contiguous layout.
@@ -24,10 +24,9 @@ def dim_innermost(t: torch.Tensor) -> bool:
     return t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) == 1
 
 
-def empty_activation(ref: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new dense tensor of ``ref``'s (batch, dim, L) shape, in ``ref``'s layout (see above)."""
+def empty_activation(ref: torch.Tensor) -> torch.Tensor:
+    """A new dense tensor of ``ref``'s (batch, dim, L) shape and dtype, in ``ref``'s layout (see above)."""
     batch, dim, seqlen = ref.shape
-    dtype = ref.dtype if dtype is None else dtype
     if dim_innermost(ref):
-        return torch.empty((batch, seqlen, dim), dtype=dtype, device=ref.device).transpose(1, 2)
-    return torch.empty((batch, dim, seqlen), dtype=dtype, device=ref.device)
+        return torch.empty((batch, seqlen, dim), dtype=ref.dtype, device=ref.device).transpose(1, 2)
+    return torch.empty((batch, dim, seqlen), dtype=ref.dtype, device=ref.device)

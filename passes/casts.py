@@ -11,14 +11,14 @@ an elementwise cast).
 The result is then a view of the op output where it was a new tensor. Only an in-place write
 to either, or a caller holding both, could tell; so a pair is left alone when anything in the
 graph writes to the memory of the op output, of the up-cast or the views after it, or of the
-down-cast's result, or when the down-cast's result is returned. (Writes elsewhere, a cache update say, do not matter.)
+down-cast's result, or when the down-cast's result or a view of it is returned. (Writes elsewhere, a cache update say, do not matter.)
 """
 from __future__ import annotations
 
 import torch
 import torch.utils._pytree as pytree
 
-from .fx_utils import cast_dtype, dtype_of, is_lossless_cast, propagate_val, written_in_place
+from .fx_utils import cast_dtype, dtype_of, is_lossless_cast, propagate_val, storage_of, written_in_place
 
 # Views that only relabel axes: they apply to any tensor, and commute with a dtype cast.
 _AXIS_VIEWS = ("transpose", "permute", "t", "unsqueeze", "squeeze")
@@ -32,11 +32,13 @@ def fold_round_trip_casts(gm: torch.fx.GraphModule) -> list[str]:
     """
     graph = gm.graph
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
-    returned = {a for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
+    # Storages of what the graph returns: a returned view of the down-cast would, after the
+    # fold, be a view of the op output (or of a user's input), where eager returned new memory.
+    returned = {storage_of(a) for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
     folds = []
     for down in list(graph.nodes):
         narrow = cast_dtype(down) if down.op == "call_method" else None
-        if narrow is None or down in returned:
+        if narrow is None or storage_of(down) in returned or storage_of(down) is None:
             continue
         views, node = [], down.args[0]
         while isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _AXIS_VIEWS:

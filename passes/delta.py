@@ -193,7 +193,11 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     if fold.linear is not None:
         linear_args = named_args(fold.linear, ("input", "weight", "bias"))
         reads += [linear_args["input"], linear_args["weight"]]
+    # Only when the product has no other user: otherwise the matmul stays for it, and a second
+    # GEMM would cost more than the copy the linear saves.
     product = _left_weight_product(fold.pre)
+    if product is not None and not all(u in fold.nodes for u in fold.pre.users):
+        product = None
     if product is not None:
         reads += list(product)
     writer = written_in_place(graph, reads)

@@ -21,12 +21,21 @@ without ssm rewrites (``compiler._run_passes``) rather than fail or change what 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import operator
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from .fx_utils import inverse, set_val, val, written_in_place
+from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .fx_utils import inverse, mutates, set_val, storage_of, val, written_args
+
+try:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as _is_dense
+except ImportError:  # older torch spells it without the suffix
+    from torch._prims_common import is_non_overlapping_and_dense as _is_dense
 
 log = logging.getLogger("ssm_compile")
 
@@ -39,20 +48,32 @@ class LayoutError(RuntimeError):
     """A ``.view`` the rewrites made impossible and that cannot become ``.reshape``."""
 
 
-def output_strides(gm: torch.fx.GraphModule) -> list[tuple[int, ...] | None]:
-    """The strides of the graph's tensor outputs as dynamo traced them (None where unknown)."""
+class OutputLayout(NamedTuple):
+    order: list[int] | None  # dim order, outermost first, of a dense output; None otherwise
+    storage: Any             # the traced value's storage, to see which outputs alias each other
+    strides: tuple           # the traced strides (symbolic under dynamic shapes)
+
+
+def output_layouts(gm: torch.fx.GraphModule) -> list[OutputLayout | None]:
+    """The layouts of the graph's tensor outputs as dynamo traced them (None: not a tensor)."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return [_concrete_strides(val(a)) if isinstance(a, torch.fx.Node) else None
+    return [OutputLayout(_dim_order(val(a)), storage_of(a), tuple(val(a).stride()))
+            if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor) else None
             for a in pytree.tree_leaves(out.args)]
 
 
-def _concrete_strides(value: Any) -> tuple[int, ...] | None:
-    # Symbolic strides (dynamic shapes) are not compared: restoring them would need the
-    # symbols as graph values, and a layout decided per shape is what inductor guards anyway.
-    if not isinstance(value, torch.Tensor):
+def _dim_order(value: torch.Tensor) -> list[int] | None:
+    """The order (outermost first) in which a dense tensor's dims lie in memory, without its
+    size-1 dims (whose strides address nothing); None for a tensor that is not dense.
+
+    Orders rather than strides, so that shapes that are symbols (dynamic shapes) compare and
+    restore the same way as fixed ones: the restore needs only the order.
+    """
+    if not _is_dense(value):
         return None
-    strides = value.stride()
-    return tuple(strides) if all(type(s) is int for s in strides) else None
+    result = compute_elementwise_output_logical_to_physical_perm(value)
+    perm = result[0] if isinstance(result, tuple) else result  # a (perm, flag) pair on newer torch
+    return [d for d in perm if not statically_known_true(value.shape[d] == 1)]
 
 
 def _fresh_input(value: Any) -> Any:
@@ -64,30 +85,125 @@ def _fresh_input(value: Any) -> Any:
                                requires_grad=value.requires_grad)
 
 
-class _Propagate(torch.fx.Interpreter):
-    """Runs the graph on fake tensors, mending ``.view`` calls that the new layouts broke."""
+# Dynamo's graphs switch global state on and off with these calls (autocast regions, the vmap
+# levels of an inlined associative_scan). Running the graph runs them; a run that stops between
+# an enter and its exit must not leave the state switched on for the compile that follows.
+_ENTER_EXIT = {"_enter_autocast": "autocast", "_exit_autocast": "autocast",
+               "_vmap_increment_nesting": "vmap", "_vmap_decrement_nesting": "vmap"}
 
-    def __init__(self, gm: torch.fx.GraphModule, returned: set[torch.fx.Node]):
+
+class _Propagate(torch.fx.Interpreter):
+    """Runs the graph on fake tensors, mending ``.view`` calls that the new layouts broke, and
+    keeping every node's new fake value (``values``) for the aliasing checks after the run."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
         super().__init__(gm, garbage_collect_values=True)
-        self.returned = returned
+        self.values: dict[torch.fx.Node, Any] = {}
         self.mended: list[str] = []
+        self.open_autocast: list[Any] = []
+        self.open_vmap = 0
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
-            return super().run_node(n)
+            result = super().run_node(n)
         except Exception as e:  # noqa: BLE001  (fake kernels raise several types for a bad view)
             if not (n.op == "call_method" and n.target in _RESHAPE_OF and _is_stride_error(n, e)):
                 raise
-            writer = written_in_place(self.module.graph, [n, n.args[0]])
-            if writer is not None or n in self.returned:
-                why = (f"{writer.name} writes in place to its memory" if writer is not None
-                       else "the view is returned")
-                raise LayoutError(
-                    f"{n.name} = {n.format_node()} cannot view the rewritten op's output layout, and "
-                    f"{why}, so a copy could be told from a view") from e
+            # The same values, a copy where no view exists. Whether a copy is safe here (no
+            # write to, and no return of, the memory involved) is decided after the run, on
+            # the new values (``_check_aliasing``), since writes can come later in the graph.
             self.mended.append(f"{n.name}: .{n.target} -> .{_RESHAPE_OF[n.target]}")
             n.target = _RESHAPE_OF[n.target]
-            return super().run_node(n)
+            if "size" in n.kwargs:  # view(size=...) is reshape(shape=...)
+                kwargs = dict(n.kwargs)
+                kwargs["shape"] = kwargs.pop("size")
+                n.kwargs = kwargs
+            result = super().run_node(n)
+            set_val(n, result)
+        self.values[n] = result
+        self._track_state(n, result)
+        return result
+
+    def _track_state(self, n: torch.fx.Node, result: Any) -> None:
+        kind = _ENTER_EXIT.get(getattr(n.target, "__name__", None)) if n.op == "call_function" else None
+        name = n.target.__name__ if kind else ""
+        if name == "_enter_autocast":
+            self.open_autocast.append(result)
+        elif name == "_exit_autocast" and self.open_autocast:
+            self.open_autocast.pop()
+        elif name == "_vmap_increment_nesting":
+            self.open_vmap += 1
+        elif name == "_vmap_decrement_nesting":
+            self.open_vmap -= 1
+
+    def close_open_state(self) -> None:
+        while self.open_autocast:
+            torch.amp.autocast_mode._exit_autocast(self.open_autocast.pop())
+        for _ in range(self.open_vmap):
+            torch._C._functorch._vmap_decrement_nesting()
+        self.open_vmap = 0
+
+
+# Calls whose result is a view of their input or a copy depending on the input's strides. On an
+# ssm op's output, whose strides may differ from eager's, one of them may copy where eager's
+# viewed (or the reverse); ``as_strided`` reads memory by eager's strides outright.
+_STRIDE_DEPENDENT_METHODS = ("reshape", "reshape_as", "flatten", "contiguous")
+_STRIDE_DEPENDENT_FUNCTIONS = (torch.reshape, torch.flatten)
+
+
+def _stride_dependent(n: torch.fx.Node) -> bool:
+    return ((n.op == "call_method" and n.target in _STRIDE_DEPENDENT_METHODS)
+            or (n.op == "call_function" and n.target in _STRIDE_DEPENDENT_FUNCTIONS))
+
+
+def _as_strided(n: torch.fx.Node) -> bool:
+    return ((n.op == "call_method" and n.target == "as_strided")
+            or (n.op == "call_function" and n.target is torch.as_strided))
+
+
+def _storage(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _check_aliasing(gm: torch.fx.GraphModule, values: dict, out_node: torch.fx.Node) -> None:
+    """Raise ``LayoutError`` where the new layouts could change what the program computes.
+
+    A view-or-copy call (``reshape``, ``flatten``, ``contiguous``, a mended ``.view``) on the
+    memory of an ssm op's output may now copy where eager viewed. That is invisible unless
+    something writes in place to that memory or to the call's result, or the result is
+    returned (the caller could write); then the graph must not be rewritten. ``as_strided`` on
+    that memory would read it by eager's strides: the same. Decided on the new fake values,
+    whose storages are the rewritten graph's real aliasing.
+    """
+    ops = [n for n in values if n.op == "call_function" and getattr(n.target, "namespace", None) == "ssm"]
+    op_memory = {_storage(v) for n in values if n.op == "call_function" and n.target is operator.getitem
+                 and n.args[0] in ops for v in [values[n]]} - {None}
+    op_memory |= {_storage(values[n]) for n in ops} - {None}
+    if not op_memory:
+        return
+    risky = [n for n in values if (_stride_dependent(n) or _as_strided(n))
+             and isinstance(n.args[0], torch.fx.Node) and _storage(values.get(n.args[0])) in op_memory]
+    if not risky:
+        return
+    for n in risky:
+        if _as_strided(n):
+            raise LayoutError(f"{n.name} = {n.format_node()} reads an ssm op's output by explicit "
+                              "strides, and the op's layout need not be eager's")
+    memory = op_memory | {_storage(values[n]) for n in risky}
+    returned = {_storage(values.get(a)) for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
+    for n in risky:
+        if _storage(values[n]) in returned:
+            raise LayoutError(f"{n.name} = {n.format_node()} may copy where eager viewed an ssm op's "
+                              "output, and it is returned, so a caller could tell")
+    for m in values:
+        if mutates(m) and any(_storage(values.get(a)) in memory for a in written_args(m)):
+            raise LayoutError(f"{m.name} writes in place to memory that "
+                              f"{', '.join(n.name for n in risky)} may now copy instead of view")
 
 
 def _is_stride_error(n: torch.fx.Node, e: Exception) -> bool:
@@ -97,12 +213,12 @@ def _is_stride_error(n: torch.fx.Node, e: Exception) -> bool:
     return "view" in str(e) and "stride" in str(e)
 
 
-def settle_layouts(gm: torch.fx.GraphModule, traced_strides: list[tuple[int, ...] | None]) -> list[str]:
-    """Mend ``gm`` (rewritten) so that its views apply and its outputs keep ``traced_strides``.
+def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None]) -> list[str]:
+    """Mend ``gm`` (rewritten) so that its views apply and its outputs keep their ``traced`` layouts.
 
-    Returns a line per change, for the log. Raises ``LayoutError`` where a view cannot be mended.
-    A graph that cannot be run on fake tensors here (no fake inputs, or an op without a fake
-    kernel) is left as it is: AOTAutograd runs it the same way next and reports the failure.
+    Returns a line per change, for the log. Raises ``LayoutError`` where a view cannot be
+    mended, where the new layouts could change aliasing a program can observe, and where the
+    rewritten graph no longer runs on fake tensors. A graph without fake inputs is left as it is.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [val(n) for n in placeholders]
@@ -110,40 +226,54 @@ def settle_layouts(gm: torch.fx.GraphModule, traced_strides: list[tuple[int, ...
     if mode is None or any(v is None for v in values):
         return []
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    returned = {a for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
-    interp = _Propagate(gm, returned)
+    interp = _Propagate(gm)
     with mode, torch.set_grad_enabled(torch.is_grad_enabled()):
         inputs = [_fresh_input(v) for v in values]
         try:
             outputs = interp.run(*inputs)
         except LayoutError:
             raise
-        except Exception:  # noqa: BLE001  (see the docstring: not ours to report)
-            log.debug("ssm layout check: the rewritten graph did not run on fake tensors", exc_info=True)
-            outputs = None
+        except Exception as e:  # noqa: BLE001  (any failure here is the rewritten graph's)
+            # Dynamo built the graph by running every node on fake tensors, so a node that no
+            # longer runs is one the rewrites broke (a view inside a checkpointed function that
+            # receives an op output, say): compile without them.
+            raise LayoutError(f"the rewritten graph does not run on fake tensors: {type(e).__name__}: {e}") from e
+        finally:
+            interp.close_open_state()
         changes = list(interp.mended)
-        if outputs is not None:
-            changes += _restore_outputs(gm, out_node, pytree.tree_leaves(outputs), traced_strides)
+        _check_aliasing(gm, interp.values, out_node)
+        changes += _restore_outputs(gm, out_node, pytree.tree_leaves(outputs), traced)
     if changes:
         gm.recompile()
     return changes
 
 
-def _restore_outputs(gm, out_node, outputs, traced_strides) -> list[str]:
+def _restore_outputs(gm, out_node, outputs, traced) -> list[str]:
     changes = []
     leaves, spec = pytree.tree_flatten(out_node.args)
-    for i, (arg, value, want) in enumerate(zip(leaves, outputs, traced_strides)):
+    for i, (arg, value, want) in enumerate(zip(leaves, outputs, traced)):
         if not isinstance(arg, torch.fx.Node) or want is None or not isinstance(value, torch.Tensor):
             continue
-        have = _concrete_strides(value)
-        if have is None or _same_layout(value.shape, have, want):
-            continue
-        perm = _dense_order(value.shape, want)
-        if perm is None:
+        have = _dim_order(value)
+        if want.order is None:
             # Eager returned a non-dense tensor (a slice of something bigger): no copy has its
-            # strides, and none of our ops is the last step of one. Left, and said.
-            log.info("ssm layout check: output %d has strides %s, eager %s (not dense; left)", i, have, want)
+            # strides, so unless the strides came out the same, the graph must not be rewritten.
+            same = all(statically_known_true(a == b) for n, a, b in zip(value.shape, value.stride(), want.strides)
+                       if not statically_known_true(n == 1))
+            if not same:
+                raise LayoutError(f"output {i} ({arg.name}) is a non-dense view in eager, and its strides "
+                                  "changed; no copy can give them back")
             continue
+        if have == want.order:
+            continue
+        if any(j != i and other is not None and other.storage == want.storage and want.storage is not None
+               for j, other in enumerate(traced)):
+            # Outputs that were views of one another in eager: a copy for one of them would let
+            # the caller see that they no longer share memory.
+            raise LayoutError(f"output {i} ({arg.name}) needs eager's layout back, and shares its "
+                              "memory with another output")
+        # Size-1 dims go innermost: where they sit changes no address.
+        perm = want.order + [d for d in range(value.dim()) if d not in want.order]
         with gm.graph.inserting_before(out_node):
             moved = gm.graph.call_method("permute", (arg, *perm))
             dense = gm.graph.call_method("contiguous", (moved,))
@@ -153,23 +283,9 @@ def _restore_outputs(gm, out_node, outputs, traced_strides) -> list[str]:
         set_val(dense, val(moved).contiguous())
         set_val(back, val(dense).permute(inverse(perm)))
         leaves[i] = back
-        changes.append(f"output {i} ({arg.name}): strides {have} -> eager's {want}")
+        changes.append(f"output {i} ({arg.name}): dim order {have} -> eager's {want.order}")
     if changes:
         out_node.args = pytree.tree_unflatten(leaves, spec)
     return changes
 
 
-def _same_layout(shape, a, b) -> bool:
-    # A size-1 dim's stride is never used to address anything.
-    return all(x == y for n, x, y in zip(shape, a, b) if n != 1)
-
-
-def _dense_order(shape, strides) -> list[int] | None:
-    """The dim order (outermost first) in which ``strides`` are those of a dense tensor."""
-    order = sorted(range(len(shape)), key=lambda d: (-strides[d], d))
-    expected = 1
-    for d in reversed(order):
-        if shape[d] != 1 and strides[d] != expected:
-            return None
-        expected *= shape[d]
-    return order

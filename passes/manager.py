@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from .fx_utils import mutates
 from .casts import fold_round_trip_casts
-from .layout import output_strides, settle_layouts
+from .layout import output_layouts, settle_layouts
 
 log = logging.getLogger("ssm_compile")
 
@@ -161,17 +161,17 @@ class PassManager:
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassContext:
         ctx = PassContext(options=self.options)
-        # The graph and its checkpointed subgraphs, each with its outputs' strides as traced.
+        # The graph and its checkpointed subgraphs, each with its outputs' layouts as traced.
         modules = _with_bodies(gm)
-        traced = [output_strides(m) for m in modules]
+        traced = [output_layouts(m) for m in modules]
         self._run(gm, ctx, set())
         if ctx.rewrites:
             # Innermost first: a subgraph's outputs are what its caller's graph reads.
-            for module, strides in reversed(list(zip(modules, traced))):
+            for module, layouts in reversed(list(zip(modules, traced))):
                 folds = fold_round_trip_casts(module)
                 if folds:
                     _eliminate_dead_code(module)
-                for change in folds + settle_layouts(module, strides):
+                for change in folds + settle_layouts(module, layouts):
                     log.info("ssm after the rewrites: %s", change)
         return ctx
 

@@ -1027,6 +1027,46 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     reported = {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
     for m, c, H in _unmatched_recurrences(muls, reported):
         ctx.miss(FAMILY, _recurrence_reason(c, H), [m])
+    closed = _closed_form_scan(gm)
+    if closed is not None:
+        ctx.miss(FAMILY, "a closed-form scan (a running sum or product of the per-step decay over "
+                 "the time axis, then exp): only recurrences written as a time loop or with "
+                 "associative_scan are rewritten; this one runs as written", [closed])
+
+
+_RUNNING = ("cumsum", "cumprod")
+
+
+def _closed_form_scan(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """The first ``cumsum``/``cumprod`` over a (batch, L, dim, N)-like tensor that a scan in
+    closed form is built on (``exp(cumsum(Δ·A))``, ``cumprod(exp(Δ·A))``, Mamba-2's segsum), or
+    None. For explain only: nothing is rewritten from it."""
+    for node in gm.graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op not in ("call_function", "call_method") or name not in _RUNNING:
+            continue
+        value = val(node)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 4:
+            continue
+        source = node.args[0] if node.args else None
+        if name == "cumprod" and _feeds_from_exp(source):
+            return node
+        if name == "cumsum" and _reaches_exp(node, depth=3):
+            return node
+    return None
+
+
+def _feeds_from_exp(node: Any) -> bool:
+    while isinstance(node, torch.fx.Node) and is_cast(node):
+        node = node.args[0]
+    return isinstance(node, torch.fx.Node) and (is_call(node, torch.exp) or is_method(node, "exp"))
+
+
+def _reaches_exp(node: torch.fx.Node, depth: int) -> bool:
+    # exp(S), exp(-S), exp(S[:, :, None] - S[:, None, :]): a few elementwise or indexing steps.
+    if depth == 0:
+        return False
+    return any(is_call(u, torch.exp) or is_method(u, "exp") or _reaches_exp(u, depth - 1) for u in node.users)
 
 
 def _key_slices(key: Any) -> list[tuple]:

@@ -132,6 +132,19 @@ def _run_passes(pm, gm: torch.fx.GraphModule, undo: _Undo):
         return ctx
 
 
+def _backward_compiled_now():
+    """AOTAutograd compiles a graph's backward at its first ``.backward()`` unless told
+    otherwise, outside the compile fallback's reach; with rewrites, compile it with the forward,
+    so that a failure there also falls back (the flag is missing on older torch: a no-op)."""
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
 class SSMBackend:
     """A configured ``ssm`` backend: ``backend(gm, example_inputs) -> compiled callable``.
 
@@ -172,12 +185,15 @@ class SSMBackend:
         if not ctx.rewrites:
             return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
         try:
-            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+            with _backward_compiled_now():
+                return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+        except torch._dynamo.exc.RestartAnalysis:
+            raise  # dynamo's own control flow, not a failure
         except Exception as e:  # noqa: BLE001  (see _run_passes: never fail what runs eagerly)
-            # The rewritten graph failed to trace or compile (a stride the layout check could not
-            # see, inside a checkpointed layer, say). Dynamo's own graph is what eager runs, so
-            # compiling that instead keeps the program working; if it fails too, that error is
-            # the program's, and it propagates.
+            # The rewritten graph failed to trace or compile (something the layout check could
+            # not see, say). Dynamo's own graph is what eager runs, so compiling that instead
+            # keeps the program working; if it fails too, that error is the program's, and it
+            # propagates.
             undo()
             log.warning("ssm backend: compiling the rewritten graph raised %s: %s; this graph is "
                         "compiled without ssm rewrites", type(e).__name__, e)

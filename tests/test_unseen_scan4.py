@@ -30,7 +30,7 @@ Recorded behaviour, found by this file:
 - Left alone with a reason (missed, never wrong): A of shape (dim, 1) or (dim,) broadcast over N,
   N=1, reversed-range loops, per-chunk precomputed discretisation, in-place state updates,
   state resets at chunk boundaries (each chunk is not split into its own scan), the closed forms
-  (exp(cumsum), cumprod, segsum: no loop, no record).
+  (exp(cumsum), cumprod, segsum: no loop; explain names them as closed-form scans).
 """
 import pytest
 import torch
@@ -305,6 +305,10 @@ def test_closed_form_scan_matches_eager(fn):
     report = check(fn, args, rewritten=None)
     if scan_counts(report):
         assert rel_err(report.output, reference(*args)[0]) <= TOL[torch.float32], report.format(graphs=False)
+    else:
+        # Left alone, and explain says why.
+        assert any(m.family == "scan_loop" and "closed-form scan" in m.reason for m in report.misses), \
+            report.format(graphs=False)
 
 
 # --- 5. shape edges ----------------------------------------------------------------------------

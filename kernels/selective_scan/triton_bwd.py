@@ -814,8 +814,11 @@ def _in_layout_of(like: Optional[torch.Tensor], grad: Optional[torch.Tensor]) ->
     L-major stand-in for a channel-innermost input)."""
     if grad is None or grad.stride() == like.stride():
         return grad
-    out = torch.empty_like(like)
-    return grad if out.stride() == grad.stride() else out.copy_(grad)
+    # empty_like's strides for ``like``, read without allocating (a non-dense ``like``, a chunk
+    # of HF's in_proj output, gets contiguous ones, which may already be the kernel's).
+    if torch.empty_like(like, device="meta").stride() == grad.stride():
+        return grad
+    return torch.empty_like(like).copy_(grad)
 
 
 def selective_scan_bwd(
