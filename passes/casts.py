@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .fx_utils import cast_dtype, dtype_of, is_lossless_cast, propagate_val, storage_of, written_in_place
+from .fx_utils import (cast_dtype, dtype_of, is_lossless_cast, is_method, propagate_val, storage_of,
+                       written_in_place)
 
 # Views that only relabel axes: they apply to any tensor, and commute with a dtype cast.
 _AXIS_VIEWS = ("transpose", "permute", "t", "unsqueeze", "squeeze")
@@ -37,14 +38,14 @@ def fold_round_trip_casts(gm: torch.fx.GraphModule) -> list[str]:
     returned = {storage_of(a) for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
     folds = []
     for down in list(graph.nodes):
-        narrow = cast_dtype(down) if down.op == "call_method" else None
+        narrow = cast_dtype(down)
         if narrow is None or storage_of(down) in returned or storage_of(down) is None:
             continue
         views, node = [], down.args[0]
-        while isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _AXIS_VIEWS:
+        while is_method(node, *_AXIS_VIEWS):
             views.append(node)
             node = node.args[0]
-        wide = cast_dtype(node) if isinstance(node, torch.fx.Node) and node.op == "call_method" else None
+        wide = cast_dtype(node)
         if wide is None:
             continue
         src = node.args[0]

@@ -711,7 +711,11 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 def storage_of(node: torch.fx.Node) -> StorageWeakRef | None:
     """The (fake) storage ``node``'s value lives in; views of one tensor share it. None if unknown."""
-    value = val(node)
+    return storage_of_value(val(node))
+
+
+def storage_of_value(value: Any) -> StorageWeakRef | None:
+    """``storage_of`` for a value at hand (a fake value computed outside the node's meta)."""
     if not isinstance(value, torch.Tensor):
         return None
     try:

@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           UnsupportedOperatorException)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
-from .fx_utils import inverse, mutates, set_val, storage_of, val, written_args
+from .fx_utils import inverse, is_call, is_method, mutates, set_val, storage_of, storage_of_value, val, written_args
 
 try:
     from torch._prims_common import is_non_overlapping_and_dense_or_false as _is_dense
@@ -86,11 +86,9 @@ def _fresh_input(value: Any) -> Any:
                                requires_grad=value.requires_grad)
 
 
-# Dynamo's graphs switch global state on and off with these calls (autocast regions, the vmap
-# levels of an inlined associative_scan). Running the graph runs them; a run that stops between
-# an enter and its exit must not leave the state switched on for the compile that follows.
-_ENTER_EXIT = {"_enter_autocast": "autocast", "_exit_autocast": "autocast",
-               "_vmap_increment_nesting": "vmap", "_vmap_decrement_nesting": "vmap"}
+# Dynamo's graphs switch global state on and off with calls (autocast regions, the vmap levels
+# of an inlined associative_scan). Running the graph runs them; a run that stops between an
+# enter and its exit must not leave the state switched on for the compile that follows.
 
 
 class _Propagate(torch.fx.Interpreter):
@@ -126,8 +124,7 @@ class _Propagate(torch.fx.Interpreter):
         return result
 
     def _track_state(self, n: torch.fx.Node, result: Any) -> None:
-        kind = _ENTER_EXIT.get(getattr(n.target, "__name__", None)) if n.op == "call_function" else None
-        name = n.target.__name__ if kind else ""
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
         if name == "_enter_autocast":
             self.open_autocast.append(result)
         elif name == "_exit_autocast" and self.open_autocast:
@@ -153,22 +150,11 @@ _STRIDE_DEPENDENT_FUNCTIONS = (torch.reshape, torch.flatten)
 
 
 def _stride_dependent(n: torch.fx.Node) -> bool:
-    return ((n.op == "call_method" and n.target in _STRIDE_DEPENDENT_METHODS)
-            or (n.op == "call_function" and n.target in _STRIDE_DEPENDENT_FUNCTIONS))
+    return is_method(n, *_STRIDE_DEPENDENT_METHODS) or is_call(n, *_STRIDE_DEPENDENT_FUNCTIONS)
 
 
 def _as_strided(n: torch.fx.Node) -> bool:
-    return ((n.op == "call_method" and n.target == "as_strided")
-            or (n.op == "call_function" and n.target is torch.as_strided))
-
-
-def _storage(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return value.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):
-        return None
+    return is_method(n, "as_strided") or is_call(n, torch.as_strided)
 
 
 _FAKE_RUN_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
@@ -185,28 +171,27 @@ def _check_aliasing(gm: torch.fx.GraphModule, values: dict, out_node: torch.fx.N
     that memory would read it by eager's strides: the same. Decided on the new fake values,
     whose storages are the rewritten graph's real aliasing.
     """
-    ops = [n for n in values if n.op == "call_function" and getattr(n.target, "namespace", None) == "ssm"]
-    op_memory = {_storage(v) for n in values if n.op == "call_function" and n.target is operator.getitem
-                 and n.args[0] in ops for v in [values[n]]} - {None}
-    op_memory |= {_storage(values[n]) for n in ops} - {None}
+    ops = {n for n in values if n.op == "call_function" and getattr(n.target, "namespace", None) == "ssm"}
+    outputs = [n for n in values if n in ops or (is_call(n, operator.getitem) and n.args[0] in ops)]
+    op_memory = {storage_of_value(values[n]) for n in outputs} - {None}
     if not op_memory:
         return
     risky = [n for n in values if (_stride_dependent(n) or _as_strided(n))
-             and isinstance(n.args[0], torch.fx.Node) and _storage(values.get(n.args[0])) in op_memory]
+             and isinstance(n.args[0], torch.fx.Node) and storage_of_value(values.get(n.args[0])) in op_memory]
     if not risky:
         return
     for n in risky:
         if _as_strided(n):
             raise LayoutError(f"{n.name} = {n.format_node()} reads an ssm op's output by explicit "
                               "strides, and the op's layout need not be eager's")
-    memory = op_memory | {_storage(values[n]) for n in risky}
-    returned = {_storage(values.get(a)) for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
+    memory = op_memory | {storage_of_value(values[n]) for n in risky}
+    returned = {storage_of_value(values.get(a)) for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
     for n in risky:
-        if _storage(values[n]) in returned:
+        if storage_of_value(values[n]) in returned:
             raise LayoutError(f"{n.name} = {n.format_node()} may copy where eager viewed an ssm op's "
                               "output, and it is returned, so a caller could tell")
     for m in values:
-        if mutates(m) and any(_storage(values.get(a)) in memory for a in written_args(m)):
+        if mutates(m) and any(storage_of_value(values.get(a)) in memory for a in written_args(m)):
             raise LayoutError(f"{m.name} writes in place to memory that "
                               f"{', '.join(n.name for n in risky)} may now copy instead of view")
 

@@ -184,8 +184,9 @@ class PassManager:
         if len(ctx.rewrites) > before:
             # Clean up what the rewrites orphaned; a graph no pass rewrote keeps every node dynamo
             # put in it.
-            _eliminate_dead_code(gm)
-        gm.recompile()
+            _eliminate_dead_code(gm)  # recompiles
+        else:
+            gm.recompile()
         for body in _checkpoint_bodies(gm):
             if id(body) not in seen:
                 self._run(body, ctx, seen)
