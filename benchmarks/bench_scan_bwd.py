@@ -204,6 +204,14 @@ SWEEP = [
     dict(variant="nblock", nb=8, chunk=64, num_warps=1),  # 252 regs, 74/elt, 2 blocks
     dict(variant="nblock", nb=8, num_warps=2),  # 255 regs (24 B stack), 77/elt, cross-warp sums
     dict(variant="nblock", nb=16, num_warps=4),  # 255 regs, 168 B spilled, 93/elt, one block
+    # Variant "serial" (NOTES "Serial"): the forward kernel's tiles, time inside each thread, a
+    # forward walk to the sub-chunk entry states and a backward walk. sm_90 SASS, triton 3.6:
+    dict(variant="serial"),  # steps 4, chunk 64: 254 regs, ~98 instr/elt over both walks
+    dict(variant="serial", chunk=32),  # 244 regs, ~86/elt, twice the chunks
+    dict(variant="serial", chunk=16),  # 228 regs, ~80/elt, 4x the chunks (workspace = 1x fp32 u)
+    dict(variant="serial", num_warps=2),
+    dict(variant="serial", num_warps=8),
+    dict(variant="serial", steps=8, chunk=64),  # 255 regs and 192 B of spills; 62/elt
 ]
 # bf16 re-times this many of the fastest fp32 candidates.
 SWEEP_BF16_TOP = 4
@@ -260,6 +268,46 @@ def sweep_table(notes, start, match=None):
     table = markdown_table(["dtype", "tiles (chunk, state_block_d, block_d, num_splits, state_warps, warps, "
                             "variant, nb, group_d)", "bwd ms B8 L2048", "max rel diff vs default"], rows)
     return table, ranked
+
+
+def channel_innermost(t):
+    """The same values with channels innermost in memory ((batch, L, dim) storage), the layout
+    HF-style code (nn.Linear outputs transposed) hands the op."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+LAYOUT_CANDIDATES = [{}, dict(variant="column"), dict(variant="nblock"), dict(variant="serial", steps=8, chunk=64)]
+# Training shapes of the 130m model (batch 8; L=128 is the host-bound case) and batch 1.
+LAYOUT_SHAPES = ((8, 2048), (1, 2048), (8, 128), (1, 512))
+
+
+def layouts_table(notes):
+    """Backward time with L-major and channel-innermost activations, per chunk-kernel variant.
+
+    "nblock"/"column" stage L-major copies of channel-innermost u, delta, z and dy (and copy the
+    gradients back); "serial" loads [steps, channels] tiles, coalesced in either layout. This
+    table says whether that saving pays for its slower kernel at training shapes.
+    """
+    rows = []
+    for batch, L in LAYOUT_SHAPES:
+        for dname in ("bf16", "fp32"):
+            x, dy = make_inputs(batch, L, DTYPES[dname])
+            ref = bwd_call(x, dy)()
+            for layout in ("L-major", "channel-innermost"):
+                xs, dys = x, dy
+                if layout != "L-major":
+                    xs = dict(x, **{k: channel_innermost(x[k]) for k in ("u", "delta", "z")})
+                    dys = channel_innermost(dy)
+                for cfg in LAYOUT_CANDIDATES:
+                    try:
+                        diff = max_rel_diff(bwd_call(xs, dys, **cfg)(), ref)
+                        rows.append([f"B{batch} L{L}", dname, layout, str(cfg or "default"),
+                                     median_ms(bwd_call(xs, dys, **cfg)), f"{diff:.1e}"])
+                    except Exception as e:  # noqa: BLE001 - one failing candidate must not stop the table
+                        notes.append(f"layouts {batch} {L} {dname} {layout} {cfg}: {type(e).__name__}: {e}")
+            del x, dy, ref
+            torch.cuda.empty_cache()
+    return markdown_table(["shape", "dtype", "activation layout", "tiles", "bwd ms", "max rel diff"], rows)
 
 
 def fwd_bwd_table(notes, start, baselines):
@@ -329,6 +377,8 @@ def main():
                    help="only sweep candidates whose dict contains this text, e.g. nblock")
     p.add_argument("--baselines", action="store_true",
                    help="also time eager and inductor fwd+bwd (~3 min, mostly compiling)")
+    p.add_argument("--layouts", action="store_true",
+                   help="only the activation-layout table (L-major against channel-innermost, ~1 min)")
     args = p.parse_args()
     start = time.time()
     notes = []
@@ -345,6 +395,12 @@ def main():
     emit(f"# selective-scan backward ({props.name}, torch {torch.__version__}, "
          f"triton {__import__('triton').__version__})",
          f"dim {DIM}, N {N}, z + delta_bias + softplus + D. Device copy bandwidth: {copy_gbs:.0f} GB/s.")
+    if args.layouts:
+        emit("## Activation layouts", layouts_table(notes))
+        if notes:
+            emit("## Notes", "\n".join(f"- {n}" for n in notes))
+        write_out("bench_scan_bwd_layouts.md", "\n\n".join(parts))
+        return
     emit("## Backward only", backward_table(copy_gbs, notes))
     emit("## Per-kernel split", kernel_split(notes, "fp32"), kernel_split(notes, "bf16"))
     if args.sweep:
@@ -352,9 +408,10 @@ def main():
         emit("## Tile sweep", table)
         if ranked:
             emit("Per-kernel split of the fastest fp32 candidate:", kernel_split(notes, "fp32", ranked[0]))
-        nblock = [cfg for cfg in ranked if cfg.get("variant") == "nblock"]
-        if nblock and nblock[0] is not ranked[0]:
-            emit("Per-kernel split of the fastest nblock candidate:", kernel_split(notes, "fp32", nblock[0]))
+        for variant in ("nblock", "serial"):
+            best = [cfg for cfg in ranked if cfg.get("variant") == variant]
+            if best and best[0] is not ranked[0]:
+                emit(f"Per-kernel split of the fastest {variant} candidate:", kernel_split(notes, "fp32", best[0]))
     emit("## Forward + backward (op level)",
          f"inductor loop capped at L={LOOP_L}, inductor associative_scan at L in {ASSOC_LS}; eager at L <= 2048"
          + ("." if args.baselines else " (baselines not run: pass --baselines)."),

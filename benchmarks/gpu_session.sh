@@ -43,6 +43,9 @@ for s in "$@"; do
         bwdbase) step bwdbase python3 benchmarks/bench_scan_bwd.py --baselines ;;
         gentest) step gentest python3 -m pytest -q -p no:cacheprovider tests/test_generate_example.py -k cuda ;;
         bwdnblock) step bwdnblock python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match nblock ;;
+        bwdlayouts) step bwdlayouts python3 benchmarks/bench_scan_bwd.py --layouts ;;
+        bwdserial) step bwdserial python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match serial ;;
+        bwdtests) step bwdtests python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan_triton_bwd.py ;;
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
         e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} --profile ;;
         profiletrain) step profiletrain python3 benchmarks/profile_train.py --len ${TRAIN_PROFILE_LEN:-128} ;;

@@ -17,7 +17,7 @@ def linear_combine(a1, b1, a2, b2):
 
 
 @triton.jit
-def softplus(x):
+def softplus(x, FAST_DIV: tl.constexpr = False):
     # torch.nn.functional.softplus with beta=1, threshold=20 (identity above 20), to fp32
     # rounding. softplus(x) = max(x, 0) + log1p(e) with e = exp(-|x|) in (0, 1], and
     # log1p(e) = 2 * atanh(s) with s = e / (2 + e) in (0, 1/3]:
@@ -27,7 +27,10 @@ def softplus(x):
     # element (sm_90 SASS), has no accuracy loss for tiny e (s ~ e / 2 keeps full precision)
     # and cannot overflow: the exponent is never positive.
     e = tl.exp(-tl.abs(x))
-    s = e / (2.0 + e)
+    if FAST_DIV:
+        s = tl.fdiv(e, 2.0 + e)
+    else:
+        s = e / (2.0 + e)
     w = s * s
     p = 1.0 / 13.0
     p = p * w + 1.0 / 11.0
@@ -42,3 +45,11 @@ def softplus(x):
 @triton.jit
 def silu(x):
     return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def sigmoid_approx(x):
+    # 1 / (1 + e^-x) with the approximate (full-range, ~2 ulp) division: IEEE division costs ~10
+    # instructions and a slow-path branch per element, the approximate one a reciprocal and a
+    # multiply. For gradients, whose tolerances are far above 2 ulp.
+    return tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))

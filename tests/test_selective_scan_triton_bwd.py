@@ -45,6 +45,7 @@ class Case:
     variant: Optional[str] = "column"
     nb: Optional[int] = None
     group_d: Optional[int] = None
+    steps: Optional[int] = None  # "serial": consecutive steps per thread
     # Scale of the raw delta: large values test softplus past its threshold and decays that
     # underflow to exactly 0.
     delta_scale: float = 1.0
@@ -58,7 +59,8 @@ class Case:
         extra = "".join(
             f"-{k}{v}" for k, v in (("T", self.chunk_size), ("S", self.num_splits), ("BD", self.block_d),
                                     ("W", self.num_warps), ("", self.variant), ("NB", self.nb),
-                                    ("GD", self.group_d), ("x", self.delta_scale)) if v not in (None, 1.0)
+                                    ("GD", self.group_d), ("ST", self.steps), ("x", self.delta_scale))
+            if v not in (None, 1.0)
         )
         return f"B{self.batch}-D{self.dim}-L{self.L}-N{self.N}-G{self.G}-{dt}-{flags or 'bare'}{extra}"
 
@@ -105,7 +107,8 @@ def run_bwd(case: Case, inputs, dy, dlast):
         dy, dlast, inputs["u"], inputs["delta"], inputs["A"], inputs["B"], inputs["C"], inputs["D"],
         inputs["z"], inputs["delta_bias"], case.softplus, inputs["initial_state"],
         tiles=dict(chunk=case.chunk_size, num_splits=case.num_splits, block_d=case.block_d,
-                   num_warps=case.num_warps, variant=case.variant, nb=case.nb, group_d=case.group_d),
+                   num_warps=case.num_warps, variant=case.variant, nb=case.nb, group_d=case.group_d,
+                   steps=case.steps),
     )
 
 
@@ -157,7 +160,34 @@ NBLOCK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES + NBLOCK_CASES, ids=Case.id)
+def serial(**kw) -> Case:
+    kw.setdefault("dim", 8)
+    return Case(variant="serial", **kw)
+
+
+# The "serial" chunk kernel: time inside each thread, sub-chunks of `steps`, a forward walk to
+# their entry states, then a backward walk; one program per block of a group's channels.
+SERIAL_CASES = [
+    serial(),  # chunks of 16 = 4 sub-chunks of 4; two full chunks and a ragged one
+    serial(N=16, chunk_size=None),  # the default chunk (64): one chunk, a ragged last sub-chunk
+    serial(L=1),
+    # Grouped B/C (2 blocks of 4 channels per group), N that fills no power of two, prime L, a
+    # chunk of 2 sub-chunks.
+    serial(dim=32, G=2, N=5, L=37, chunk_size=8, block_d=8),
+    serial(dim=48, G=2, L=29),  # 24 channels per group: 3 programs of 8
+    serial(has_D=False, has_z=False, has_bias=False, softplus=False, has_init=False, has_dlast=False),
+    serial(has_z=False, has_init=False),
+    serial(softplus=False, has_D=False, has_bias=False, has_init=False, N=8),
+    serial(L=33, delta_scale=30.0),  # softplus past 20; decays underflow to 0
+    serial(dtype=torch.bfloat16),
+    serial(dim=12, G=3, dtype=torch.float16, has_z=False, L=37),  # 4 channels per group
+    serial(L=70, steps=8, chunk_size=64, N=16),  # 8 steps per thread
+    # Several warps per program (on a GPU: the sums over channels cross warps).
+    serial(dim=32, N=16, L=40, num_warps=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES + NBLOCK_CASES + SERIAL_CASES, ids=Case.id)
 def test_grads_match_fp64_reference(case):
     inputs, dy, dlast = make_inputs(case)
     ref = reference_grads(case, inputs, dy, dlast)
@@ -307,10 +337,10 @@ def test_nblock_matches_column_beyond_rounding():
         torch.testing.assert_close(getattr(blocks, field), getattr(column, field), rtol=1e-5, atol=1e-6, msg=field)
 
 
-def test_nblock_any_strides():
-    # fp32 outputs carry the running sums in place, so du/ddelta/dz's own (time-major) strides
-    # are the carry rows' strides.
-    case = nblock(L=19, nb=2)
+@pytest.mark.parametrize("case", [nblock(L=19, nb=2), serial(L=19)], ids=["nblock", "serial"])
+def test_any_strides(case):
+    # nblock: fp32 outputs carry the running sums in place, so du/ddelta/dz's own (time-major)
+    # strides are the carry rows' strides. serial: reads time-major activations without staging.
     inputs, dy, dlast = make_inputs(case)
 
     def time_major(t):
@@ -350,13 +380,29 @@ def test_choose_tiles_nblock_whole_waves(batch, dim, L, G, sms, monkeypatch):
 
 
 @pytest.mark.parametrize("tiles, match", [(dict(variant="rows"), "variant"), (dict(variant="nblock", nb=3), "nb"),
-                                          (dict(variant="nblock", block_d=4), "block_d")],
-                         ids=["variant", "nb", "nblock-block_d"])
+                                          (dict(variant="nblock", block_d=4), "block_d"),
+                                          # 4 partials for 8 channels: too close to (batch, dim, L, N).
+                                          (dict(variant="serial", block_d=2), "block_d=2"),
+                                          (dict(variant="serial", block_d=3), "block_d"),
+                                          (dict(variant="serial", steps=3), "steps"),
+                                          (dict(variant="serial", chunk=256), "chunk")],
+                         ids=["variant", "nb", "nblock-block_d", "serial-partials", "serial-block_d", "serial-steps",
+                              "serial-chunk"])
 def test_bad_tiles_name_field(tiles, match):
     from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles
 
     with pytest.raises(ValueError, match=match):
         choose_tiles(2, 8, 40, 4, 1, torch.device("cpu"), **tiles)
+
+
+def test_serial_names_its_limit_on_n():
+    from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles
+
+    with pytest.raises(ValueError, match="N <= 16, got N=17"):
+        choose_tiles(2, 8, 40, 17, 1, torch.device("cpu"), variant="serial")
+    # Left to the launcher, a small grid with N = 17 gets the "column" kernel instead.
+    assert choose_tiles(2, 8, 40, 17, 1, torch.device("cpu")).variant == "column"
+    assert choose_tiles(2, 8, 40, 16, 1, torch.device("cpu")).variant == "serial"
 
 
 def test_splitting_does_not_change_results_beyond_rounding():
@@ -369,7 +415,7 @@ def test_splitting_does_not_change_results_beyond_rounding():
         torch.testing.assert_close(getattr(four, field), getattr(one, field), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["column", "nblock"])
+@pytest.mark.parametrize("variant", ["column", "nblock", "serial"])
 def test_memory_stays_linear(variant):
     # Record every tensor the launcher allocates: none may be as large as (batch, dim, L, N).
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -389,7 +435,11 @@ def test_memory_stays_linear(variant):
             return out
 
     # bf16 for "nblock": its running sums over columns then get fp32 rows of their own.
-    case = Case(L=64, N=4, dim=16) if variant == "column" else nblock(L=48, N=4, dim=8, nb=2, dtype=torch.bfloat16)
+    case = {
+        "column": Case(L=64, N=4, dim=16),
+        "nblock": nblock(L=48, N=4, dim=8, nb=2, dtype=torch.bfloat16),
+        "serial": serial(L=64, N=4, dim=16, chunk_size=16),
+    }[variant]
     inputs, dy, dlast = make_inputs(case)
     with Allocations() as allocs:
         run_bwd(case, inputs, dy, dlast)
@@ -418,7 +468,7 @@ def test_bad_input_names_argument(bad, match):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the interpreter cases above cover CPU")
-@pytest.mark.parametrize("variant", ["column", "nblock"])
+@pytest.mark.parametrize("variant", ["column", "nblock", "serial"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_default_tiles(dtype, variant):
     # Compiled kernels with the launcher's own tile choices on a shape with many chunks.

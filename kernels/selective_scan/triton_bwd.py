@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost
-from ..triton_common import LOG2E, linear_combine, silu, softplus
+from ..restride import restride_into
+from ..triton_common import LOG2E, linear_combine, sigmoid_approx, silu, softplus
 from .grads import ScanGrads
 
 
@@ -662,6 +663,237 @@ def _chunk_bwd_nblock_kernel(
             tl.debug_barrier()
 
 
+@triton.jit
+def _row(x, i, T: tl.constexpr):
+    """x[i] of a [T, ...] 4-D tile whose axis 0 lives inside each thread.
+
+    A masked sum with -0.0 (the exact identity of +): for a compile-time ``i`` it folds to a
+    register read, for a run-time ``i`` it is T selects per element.
+    """
+    sel = (tl.arange(0, T) == i)[:, None, None, None]
+    return tl.sum(tl.where(sel, x, -0.0), axis=0)
+
+
+@triton.jit
+def _with_row(x, i, v, T: tl.constexpr):
+    """x with row i replaced by v (a register move for a compile-time ``i``)."""
+    sel = (tl.arange(0, T) == i)[:, None, None, None]
+    return tl.where(sel, v[None, :, :, :], x)
+
+
+@triton.jit
+def _load_steps(ptr, offs_t, offs_d, mask_td, stride_d, stride_l):
+    """A [T, BLOCK_D] tile of a (channel, time) activation, widened to fp32; 0 where masked."""
+    return tl.load(ptr + offs_t[:, None] * stride_l + offs_d[None, :] * stride_d,
+                   mask=mask_td, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _serial_steps(delta_ptr, u_ptr, B_ptr, bias, offs_t, offs_d, offs_bn, mask_t, mask_td, mask_tn,
+                  stride_delta_d, stride_delta_l, stride_u_d, stride_u_l, stride_B_n, stride_B_l,
+                  HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFTPLUS: tl.constexpr):
+    """delta (after bias and softplus), its pre-activation, u and B for T steps of a block:
+    [T, BLOCK_D], [T, BLOCK_D], [T, BLOCK_D], [T, N_PER_THREAD, LANES_N]."""
+    uf = _load_steps(u_ptr, offs_t, offs_d, mask_td, stride_u_d, stride_u_l)
+    x = _load_steps(delta_ptr, offs_t, offs_d, mask_td, stride_delta_d, stride_delta_l)
+    if HAS_DELTA_BIAS:
+        x += bias[None, :]
+    if DELTA_SOFTPLUS:
+        dt = softplus(x, FAST_DIV=True)
+    else:
+        dt = x
+    # Padded steps must be the identity (1, 0): dt = 0 there, read from u (exactly 0 where its
+    # load was masked) rather than a constant, which keeps Triton <= 3.6 from hoisting dt's layout
+    # conversion above the cast and redoing the (t, d) math on every lane (see the forward kernel).
+    dt = tl.where(mask_t[:, None], dt, uf)
+    Bf = tl.load(B_ptr + offs_t[:, None, None] * stride_B_l + offs_bn[None, :, :] * stride_B_n,
+                 mask=mask_tn, other=0.0).to(tl.float32)
+    return dt, x, uf, Bf
+
+
+@triton.jit
+def _chunk_bwd_serial_kernel(
+    # pointers
+    dy_ptr, u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, hs_ptr, rs_ptr,
+    du_ptr, ddelta_ptr, dz_ptr, dA_part_ptr, dB_part_ptr, dC_part_ptr, dD_part_ptr, ddb_part_ptr,
+    # sizes
+    batch, dim, L, N, G, n_chunks, dim_per_group, blocks_per_group,
+    # strides
+    stride_dy_b, stride_dy_d, stride_dy_l,
+    stride_u_b, stride_u_d, stride_u_l,
+    stride_delta_b, stride_delta_d, stride_delta_l,
+    stride_A_d, stride_A_n,
+    stride_B_b, stride_B_g, stride_B_n, stride_B_l,
+    stride_C_b, stride_C_g, stride_C_n, stride_C_l,
+    stride_z_b, stride_z_d, stride_z_l,
+    stride_du_b, stride_du_d, stride_du_l,
+    stride_ddelta_b, stride_ddelta_d, stride_ddelta_l,
+    stride_dz_b, stride_dz_d, stride_dz_l,
+    # meta-parameters
+    DELTA_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_DELTA_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr, T: tl.constexpr, N_PER_THREAD: tl.constexpr, LANES_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """A chunk's gradients with time inside each thread: both scans are serial chains.
+
+    Tiles are the forward kernel's [T, N_PER_THREAD, BLOCK_D, LANES_N]: a thread owns T
+    consecutive steps of N_PER_THREAD states of one channel, so the forward recompute
+    (``tl.associative_scan`` along axis 0) and the adjoint (written out step by step, each row a
+    register) need no shuffles. The chunk (CHUNK = T * SUB sub-chunks) is walked
+    twice: forward from hs to find the state entering each sub-chunk (kept as the rows of one
+    more tile), then backward sub-chunk by sub-chunk from rs, recomputing the states and forming
+    every gradient. Sums over N (dh . B, the ddelta term, the pre-gate y) are in-thread adds plus
+    log2(LANES_N) shuffle levels; dB/dC sum over the program's BLOCK_D channels (one group's) and
+    are stored once per (block, step, state) into a (blocks_per_group, batch, G, N, L) partial.
+    """
+    pid_c = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    pid_g = tl.program_id(2) // blocks_per_group
+    pid_s = tl.program_id(2) % blocks_per_group
+    offs_dl = pid_s * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = pid_g * dim_per_group + offs_dl
+    mask_d = offs_dl < dim_per_group
+    # State n = i * LANES_N + j of the [N_PER_THREAD, LANES_N] sub-tile.
+    offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
+    mask_bn = offs_bn < N
+    offs_n3 = offs_bn[:, None, :]
+    offs_d3 = offs_d[None, :, None]
+    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]  # [N_PER_THREAD, BLOCK_D, LANES_N]
+
+    A2 = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
+                 other=0.0).to(tl.float32) * LOG2E
+    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_DELTA_BIAS:
+        bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+
+    dy_ptr += pid_b * stride_dy_b
+    u_ptr += pid_b * stride_u_b
+    delta_ptr += pid_b * stride_delta_b
+    du_ptr += pid_b * stride_du_b
+    ddelta_ptr += pid_b * stride_ddelta_b
+    if HAS_Z:
+        z_ptr += pid_b * stride_z_b
+        dz_ptr += pid_b * stride_dz_b
+    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
+    C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
+    # Workspaces and partials are contiguous, allocated by the launcher.
+    ws = ((pid_b * n_chunks + pid_c) * dim + offs_d3) * N + offs_n3  # [N_PER_THREAD, BLOCK_D, LANES_N]
+    part_off = (pid_b * n_chunks + pid_c) * dim + offs_d
+    bc_part = ((pid_s * batch + pid_b) * G + pid_g) * N * L
+
+    SUB: tl.constexpr = CHUNK // T
+    rows = tl.arange(0, T)[:, None, None, None]
+    # Boundary states enter through a chunk-shaped tile so they take its layout (a plain load's
+    # layout would cost a shared-memory round trip per use; see the forward kernel).
+    h = tl.load(hs_ptr + ws, mask=mask_dn, other=0.0)
+    h = tl.sum(tl.where(rows == 0, tl.broadcast_to(h[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), -0.0), axis=0)
+    x = tl.load(rs_ptr + ws, mask=mask_dn, other=0.0)
+    x = tl.sum(tl.where(rows == 0, tl.broadcast_to(x[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), -0.0), axis=0)
+
+    t_chunk = pid_c * CHUNK
+    n_sub = tl.cdiv(tl.minimum(CHUNK, L - t_chunk), T)
+    # Forward walk: the state entering each sub-chunk, row k of h_in.
+    h_in = tl.zeros([SUB, N_PER_THREAD, BLOCK_D, LANES_N], dtype=tl.float32)
+    for k in range(0, n_sub):
+        h_in = _with_row(h_in, k, h, SUB)
+        offs_t = t_chunk + k * T + tl.arange(0, T)
+        mask_t = offs_t < L
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
+        dt, _, uf, Bf = _serial_steps(delta_ptr, u_ptr, B_ptr, bias, offs_t, offs_d, offs_bn, mask_t, mask_td,
+                                      mask_tn, stride_delta_d, stride_delta_l, stride_u_d, stride_u_l,
+                                      stride_B_n, stride_B_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+        a = tl.exp2(dt[:, None, :, None] * A2[None, :, :, :])
+        b = (dt * uf)[:, None, :, None] * Bf[:, :, None, :]
+        b = tl.where(rows == 0, a * h[None, :, :, :] + b, b)
+        _, hk = tl.associative_scan((a, b), 0, linear_combine)
+        h = tl.sum(tl.where(rows == T - 1, hk, -0.0), axis=0)
+
+    # Backward walk. x is the carry a_{t+1} * dL/dh_{t+1}: rs holds it for the chunk's last step
+    # (dL/dh at the chunk's end from later chunks, their decay included). Padded steps have
+    # delta = 0 and dy = 0: decay 1, no input, so x reaches the last real step unchanged.
+    dA = tl.zeros([N_PER_THREAD, BLOCK_D, LANES_N], dtype=tl.float32)
+    dD = tl.zeros([BLOCK_D], dtype=tl.float32)
+    ddb = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for kk in range(0, n_sub):
+        k = n_sub - 1 - kk
+        offs_t = t_chunk + k * T + tl.arange(0, T)
+        mask_t = offs_t < L
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
+        dt, xpre, uf, Bf = _serial_steps(delta_ptr, u_ptr, B_ptr, bias, offs_t, offs_d, offs_bn, mask_t,
+                                         mask_td, mask_tn, stride_delta_d, stride_delta_l, stride_u_d,
+                                         stride_u_l, stride_B_n, stride_B_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+        dy = _load_steps(dy_ptr, offs_t, offs_d, mask_td, stride_dy_d, stride_dy_l)
+        if HAS_Z:
+            z = _load_steps(z_ptr, offs_t, offs_d, mask_td, stride_z_d, stride_z_l)
+            sig_z = sigmoid_approx(z)
+            g = dy * z * sig_z
+        else:
+            g = dy
+        Cf = tl.load(C_ptr + offs_t[:, None, None] * stride_C_l + offs_bn[None, :, :] * stride_C_n,
+                     mask=mask_tn, other=0.0).to(tl.float32)
+        # B and C are 0 wherever masked, so each stands in for the other's zeros: the same guard
+        # against Triton <= 3.6 widening them on every lane as in the forward kernel.
+        Bf, Cf = tl.where(mask_tn, Bf, Cf), tl.where(mask_tn, Cf, Bf)
+        dtu = dt * uf
+        B4 = Bf[:, :, None, :]
+        a = tl.exp2(dt[:, None, :, None] * A2[None, :, :, :])
+        b = dtu[:, None, :, None] * B4
+        _, hk = tl.associative_scan((a, tl.where(rows == 0, a * _row(h_in, k, SUB)[None, :, :, :] + b, b)),
+                                   0, linear_combine)
+        # Everything that needs h but not dh first, so that h, C and the gate die before the
+        # adjoint (register pressure): h_t - b_t = a_t * h_{t-1} (the decay's input), the dC
+        # contribution h * g, and the pre-gate y for dz.
+        hp = hk - b
+        bc_ptrs = bc_part + offs_bn[None, :, :] * L + offs_t[:, None, None]  # [T, N_PER_THREAD, LANES_N]
+        tl.store(dC_part_ptr + bc_ptrs, tl.sum(hk * g[:, None, :, None], axis=2), mask=mask_tn)
+        if HAS_Z:
+            y = tl.sum(tl.sum(hk * Cf[:, :, None, :], axis=1), axis=2) + Dv[None, :] * uf
+            dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
+            tl.store(dz_ptr + offs_t[:, None] * stride_dz_l + offs_d[None, :] * stride_dz_d,
+                     dz.to(dz_ptr.dtype.element_ty), mask=mask_td)
+        # The adjoint, last step first: dh_t = x + C_t g_t, then x = a_t dh_t for step t - 1.
+        dh = g[:, None, :, None] * Cf[:, :, None, :]
+        for j in tl.static_range(T):
+            i = T - 1 - j
+            dh_i = x + _row(dh, i, T)
+            dh = _with_row(dh, i, dh_i, T)
+            x = _row(a, i, T) * dh_i
+        e = dh * hp
+        dA += tl.sum(e * dt[:, None, :, None], axis=0)
+        q = tl.sum(tl.sum(dh * B4, axis=1), axis=2)  # [T, BLOCK_D]
+        s = tl.sum(tl.sum(e * A2[None, :, :, :], axis=1), axis=2)
+        tl.store(dB_part_ptr + bc_ptrs, tl.sum(dh * dtu[:, None, :, None], axis=2), mask=mask_tn)
+
+        du = q * dt
+        if HAS_D:
+            du += Dv[None, :] * g
+            dD += tl.sum(g * uf, axis=0)
+        ddt = q * uf + s * (1.0 / LOG2E)
+        if DELTA_SOFTPLUS:
+            # softplus'(x) = sigmoid(x); it rounds to 1 above torch's threshold of 20, matching
+            # the identity branch there.
+            ddt *= sigmoid_approx(xpre)
+        ddt = tl.where(mask_td, ddt, 0.0)
+        if HAS_DELTA_BIAS:
+            ddb += tl.sum(ddt, axis=0)
+        tl.store(du_ptr + offs_t[:, None] * stride_du_l + offs_d[None, :] * stride_du_d,
+                 du.to(du_ptr.dtype.element_ty), mask=mask_td)
+        tl.store(ddelta_ptr + offs_t[:, None] * stride_ddelta_l + offs_d[None, :] * stride_ddelta_d,
+                 ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_td)
+
+    tl.store(dA_part_ptr + ws, dA, mask=mask_dn)
+    if HAS_D:
+        tl.store(dD_part_ptr + part_off, dD, mask=mask_d)
+    if HAS_DELTA_BIAS:
+        tl.store(ddb_part_ptr + part_off, ddb, mask=mask_d)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -698,12 +930,23 @@ class Tiles(NamedTuple):
     # by read-modify-write of partial rows (``_chunk_bwd_kernel``).
     # "nblock": blocks of ``nb`` columns outer, channels inner, dB/dC summed in registers
     # (``_chunk_bwd_nblock_kernel``; one channel per step, so ``block_d`` is 1).
+    # "serial": the forward kernel's tiles, time inside each thread (``_chunk_bwd_serial_kernel``;
+    # N <= 16, one program per ``block_d`` channels of a group, so ``num_splits`` follows).
     variant: str = "column"
     nb: int = 1  # state columns per block of the "nblock" variant
     group_d: int = 1  # "nblock": channels per pass over the column blocks
+    steps: int = 4  # "serial": consecutive steps per thread (a chunk is at most steps sub-chunks)
+    lanes_n: int = 1  # "serial": lanes spread over the state dim
 
 
-_VARIANTS = ("column", "nblock")
+_VARIANTS = ("column", "nblock", "serial")
+# "serial" holds a thread's N / lanes_n states of T steps in ~6 live tiles: T = 8 and 4 states
+# keep it under the 255-register cap; N above 16 would need a loop over state blocks.
+# H200, triton 3.6 (bench_scan_bwd.py --sweep, B8 L2048 fp32): steps 8 / chunk 64 2.90 ms, steps 4
+# with 2 warps 3.09, steps 4 / chunk 64 3.71. Steps 8 is over the register cap (136 B of spills).
+_SERIAL_STEPS = 8
+_SERIAL_SUB = 16
+_SERIAL_MAX_N = 16
 # "nblock" tiles are [nb, chunk / 4, 4]; a warp per 16 elements per thread keeps them at the
 # "column" kernel's ~4 elements per thread per [1, chunk] tile for nb = 4.
 _NBLOCK_ELEMS_PER_THREAD = 16
@@ -732,9 +975,19 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     # H200 run 10 at dim 1536, N 16: "nblock" wins with 128 and 512 (chunk, batch, group)
     # cells (2.65 vs 3.44 ms at batch 8, L=2048 fp32), "column" with 16 (0.42 vs 0.56 ms at
     # batch 1): with few cells, "nblock"'s one-warp programs over 8-channel groups leave SMs idle.
-    variant = overrides.get("variant") or ("nblock" if n_chunks * batch * G >= _NBLOCK_MIN_CELLS else "column")
+    # Run 13 (bench_scan_bwd.py --layouts): below that, "serial" beats both wherever it applies
+    # (batch 8 L=128: 0.32 vs 0.64 ms bf16; batch 1 L=512: 0.28 vs 0.63 ms fp32), and loses to
+    # "nblock" above it (batch 8 L=2048: 2.94 vs 2.63 ms fp32).
+    variant = overrides.get("variant")
+    if not variant:
+        if n_chunks * batch * G >= _NBLOCK_MIN_CELLS:
+            variant = "nblock"
+        else:
+            variant = "serial" if _serial_fits(dim_per_group, N) else "column"
     if variant not in _VARIANTS:
         raise ValueError(f"selective_scan_bwd: tiles variant must be one of {_VARIANTS}, got {variant!r}")
+    if variant == "serial":
+        return _serial_tiles(dim_per_group, L, N, overrides)
     if variant == "nblock":
         nb = overrides.get("nb") or min(4, triton.next_power_of_2(N))
         if nb & (nb - 1):
@@ -749,16 +1002,13 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         nb = group_d = 1
         block_d = overrides.get("block_d") or min(_BLOCK_D, dpg)
         num_warps = overrides.get("num_warps") or _warps_for(block_d * chunk, _STEPS)
-    # dB/dC are reduced through one (batch, G, N, L) partial per channel slice. Capping the
-    # slices at an eighth of the channels keeps those partials far below a (batch, dim, L, N)
-    # tensor even for narrow layers, where filling the SMs alone would give every channel one.
     if variant == "nblock":
         # ~250 registers: 8 one-warp programs per SM. Whole waves (rounded down, so no last wave
         # of a few programs doubles the time), several of them to even out the programs' ends.
         fill = max(1, _NBLOCK_WAVES * (_NBLOCK_WARPS_PER_SM * sms // num_warps) // (n_chunks * batch * G))
     else:
         fill = triton.cdiv(_WARPS_PER_SM * sms, num_warps * n_chunks * batch * G)
-    splits = overrides.get("num_splits") or min(fill, triton.cdiv(dim_per_group, block_d), max(1, dim_per_group // 8))
+    splits = overrides.get("num_splits") or min(fill, triton.cdiv(dim_per_group, block_d), _max_splits(dim_per_group))
     # Each slice is a whole number of channel blocks, so only a group's last block is ragged.
     per_split = triton.cdiv(triton.cdiv(dim_per_group, splits), block_d) * block_d
     return Tiles(
@@ -771,6 +1021,58 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         variant=variant,
         nb=nb,
         group_d=group_d,
+    )
+
+
+def _serial_fits(dim_per_group: int, N: int) -> bool:
+    """Whether "serial" takes this shape at its default tiles (see ``_serial_tiles``)."""
+    return N <= _SERIAL_MAX_N and dim_per_group // min(32, dim_per_group & -dim_per_group) <= _max_splits(dim_per_group)
+
+
+def _max_splits(dim_per_group: int) -> int:
+    # dB/dC are reduced through one (batch, G, N, L) partial per channel slice. Capping the
+    # slices at an eighth of the channels keeps those partials far below a (batch, dim, L, N)
+    # tensor even for narrow layers, where filling the SMs alone would give every channel one.
+    return max(1, dim_per_group // 8)
+
+
+def _serial_tiles(dim_per_group: int, L: int, N: int, overrides: dict) -> Tiles:
+    if N > _SERIAL_MAX_N:
+        raise ValueError(f"selective_scan_bwd: tiles variant 'serial' supports N <= {_SERIAL_MAX_N}, got N={N}")
+    steps = overrides.get("steps") or _SERIAL_STEPS
+    if steps & (steps - 1):
+        raise ValueError(f"selective_scan_bwd: tiles steps must be a power of two, got {steps}")
+    # The chunk's sub-chunk entry states are the rows of one register tile: at most _SERIAL_SUB.
+    chunk = overrides.get("chunk") or min(steps * _SERIAL_SUB, max(steps, triton.next_power_of_2(L)))
+    if chunk & (chunk - 1) or not steps <= chunk <= steps * _SERIAL_SUB:
+        raise ValueError(f"selective_scan_bwd: tiles chunk for variant 'serial' must be a power of two in "
+                         f"[steps, steps * {_SERIAL_SUB}] = [{steps}, {steps * _SERIAL_SUB}], got {chunk}")
+    block_n = triton.next_power_of_2(N)
+    lanes_n = min(block_n, 4)
+    num_warps = overrides.get("num_warps") or 4
+    # One program's channels stay inside one group (one B/C tile) and tile it exactly: the
+    # largest power of two dividing dim_per_group (x & -x), at most one channel per lane group.
+    block_d = overrides.get("block_d") or min((32 // lanes_n) * num_warps, dim_per_group & -dim_per_group)
+    if block_d & (block_d - 1) or dim_per_group % block_d:
+        raise ValueError(f"selective_scan_bwd: tiles block_d for variant 'serial' must be a power of two dividing "
+                         f"the channels per group ({dim_per_group}), got {block_d}")
+    if dim_per_group // block_d > _max_splits(dim_per_group):
+        raise ValueError(f"selective_scan_bwd: tiles block_d={block_d} for variant 'serial' would give "
+                         f"{dim_per_group // block_d} dB/dC partials for {dim_per_group} channels per group "
+                         f"(at most {_max_splits(dim_per_group)}: the partials must stay far below a "
+                         f"(batch, dim, L, N) tensor); use variant 'column' or 'nblock'")
+    num_warps = max(1, min(num_warps, block_d * lanes_n // 32))
+    return Tiles(
+        chunk=chunk,
+        state_block_d=overrides.get("state_block_d") or max(1, min(_TILE // chunk, triton.next_power_of_2(dim_per_group))),
+        block_d=block_d,
+        num_splits=dim_per_group // block_d,
+        state_num_warps=overrides.get("state_num_warps") or _warps_for(
+            max(1, min(_TILE // chunk, triton.next_power_of_2(dim_per_group))) * chunk, 8),
+        num_warps=num_warps,
+        variant="serial",
+        steps=steps,
+        lanes_n=lanes_n,
     )
 
 
@@ -803,10 +1105,13 @@ def _l_major(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     The backward kernels give each program a few channels (``group_d``, 8 by default) and walk
     them along L, so a channel-innermost tensor (the layout nn.Linear-based Mamba code hands the
     op, kernels/layout.py) would cost a 32-byte sector per time step for 16 useful bytes in
-    bf16, on every load of u, delta, z and dy. One copy each (a read and a write of the tensor)
-    is cheaper than that and keeps the kernels' measured tiles valid.
+    bf16, on every load of u, delta, z and dy. One copy each (a read and a write of the tensor,
+    through ``restride_into``: ``Tensor.contiguous`` was ~6x slower than its bytes) is cheaper
+    than that and keeps the kernels' measured tiles valid.
     """
-    return t.contiguous() if t is not None and dim_innermost(t) else t
+    if t is None or not dim_innermost(t):
+        return t
+    return restride_into(torch.empty(t.shape, dtype=t.dtype, device=t.device), t)
 
 
 def _in_layout_of(like: Optional[torch.Tensor], grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -818,7 +1123,7 @@ def _in_layout_of(like: Optional[torch.Tensor], grad: Optional[torch.Tensor]) ->
     # of HF's in_proj output, gets contiguous ones, which may already be the kernel's).
     if torch.empty_like(like, device="meta").stride() == grad.stride():
         return grad
-    return torch.empty_like(like).copy_(grad)
+    return restride_into(torch.empty_like(like), grad)
 
 
 def selective_scan_bwd(
@@ -856,11 +1161,13 @@ def selective_scan_bwd(
     # The gradients keep the layouts the op promises (their inputs'); the kernels work on
     # L-major copies where an input is not L-major (see _l_major).
     promised = dict(du=u, ddelta=delta, dz=z)
-    dy, u, delta, z = _l_major(dy), _l_major(u), _l_major(delta), _l_major(z)
     batch, dim, L = u.shape
     G, N = B.shape[1], B.shape[2]
     dim_per_group = dim // G
     cfg = choose_tiles(batch, dim, L, N, G, u.device, **(tiles or {}))
+    if cfg.variant != "serial":
+        # "serial" loads [steps, channels] tiles, coalesced in either layout.
+        dy, u, delta, z = _l_major(dy), _l_major(u), _l_major(delta), _l_major(z)
     n_chunks = triton.cdiv(L, cfg.chunk)
     num_splits = cfg.num_splits
     dim_per_split = triton.cdiv(triton.cdiv(dim_per_group, num_splits), cfg.block_d) * cfg.block_d
@@ -907,6 +1214,18 @@ def selective_scan_bwd(
             *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
             *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
             DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, STEPS=_STEPS,
+            num_warps=cfg.num_warps,
+        )
+    elif cfg.variant == "serial":
+        _chunk_bwd_serial_kernel[(n_chunks, batch, G * num_splits)](
+            dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
+            du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part,
+            batch, dim, L, N, G, n_chunks, dim_per_group, num_splits,
+            *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
+            *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
+            DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
+            HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, T=cfg.steps,
+            N_PER_THREAD=triton.next_power_of_2(N) // cfg.lanes_n, LANES_N=cfg.lanes_n, CHUNK=cfg.chunk,
             num_warps=cfg.num_warps,
         )
     else:
