@@ -2,7 +2,7 @@
 
 ``torch.Tensor.copy_`` between an L-contiguous and a channel-innermost tensor is a strided
 copy that coalesces on one side only: on the H200 the backward's seven such copies per scan
-call (benchmarks/RESULTS.md, "Serial backward and staging") took ~1.1 ms at batch 8, L=2048,
+call (benchmarks/RESULTS.md, run 13, "staging copies") took ~1.1 ms at batch 8, L=2048,
 bf16, about six times their bytes at copy bandwidth. Here a program moves a [64, 64] tile:
 loaded along whichever axis is contiguous in the source, stored along whichever is contiguous
 in the destination (Triton's layout conversion between the two goes through shared memory).

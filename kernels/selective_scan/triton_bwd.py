@@ -25,6 +25,10 @@ transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the ch
    kernel's 3.44 / 3.25 ms at batch 8, L=2048 in fp32 / bf16; slower at batch 1) is the same
    step with the loops swapped, blocks of state columns outside the channel loop, so dB/dC are
    summed over channels in registers (benchmarks/NOTES_scan_bwd.md, "H17").
+   ``_chunk_bwd_serial_kernel`` (``Tiles.variant = "serial"``, the launcher's choice for small
+   grids since run 13) uses the forward kernel's tiles instead: time inside each thread, so both
+   scans are serial chains, a forward walk to the sub-chunk entry states and a backward walk
+   (NOTES "Serial").
 
 The chunk kernels work on [channels, chunk] tiles ([channels, chunk / 4, 4] in the second one)
 and loop over the N state columns, so sums
@@ -943,8 +947,11 @@ _VARIANTS = ("column", "nblock", "serial")
 # "serial" holds a thread's N / lanes_n states of T steps in ~6 live tiles: T = 8 and 4 states
 # keep it under the 255-register cap; N above 16 would need a loop over state blocks.
 # H200, triton 3.6 (bench_scan_bwd.py --sweep, B8 L2048 fp32): steps 8 / chunk 64 2.90 ms, steps 4
-# with 2 warps 3.09, steps 4 / chunk 64 3.71. Steps 8 is over the register cap (136 B of spills).
+# with 2 warps 3.09, steps 4 / chunk 64 3.71, / chunk 32 4.00, / chunk 16 4.77 (more chunks: a
+# longer serial state pass, larger workspaces). Steps 8 is over the register cap (136 B of spills).
 _SERIAL_STEPS = 8
+_SERIAL_CHUNK = 64
+# Sub-chunks per chunk at most: their entry states are the rows of one register tile.
 _SERIAL_SUB = 16
 _SERIAL_MAX_N = 16
 # "nblock" tiles are [nb, chunk / 4, 4]; a warp per 16 elements per thread keeps them at the
@@ -1042,8 +1049,8 @@ def _serial_tiles(dim_per_group: int, L: int, N: int, overrides: dict) -> Tiles:
     steps = overrides.get("steps") or _SERIAL_STEPS
     if steps & (steps - 1):
         raise ValueError(f"selective_scan_bwd: tiles steps must be a power of two, got {steps}")
-    # The chunk's sub-chunk entry states are the rows of one register tile: at most _SERIAL_SUB.
-    chunk = overrides.get("chunk") or min(steps * _SERIAL_SUB, max(steps, triton.next_power_of_2(L)))
+    chunk = overrides.get("chunk") or min(max(_SERIAL_CHUNK, steps), steps * _SERIAL_SUB,
+                                          max(steps, triton.next_power_of_2(L)))
     if chunk & (chunk - 1) or not steps <= chunk <= steps * _SERIAL_SUB:
         raise ValueError(f"selective_scan_bwd: tiles chunk for variant 'serial' must be a power of two in "
                          f"[steps, steps * {_SERIAL_SUB}] = [{steps}, {steps * _SERIAL_SUB}], got {chunk}")
