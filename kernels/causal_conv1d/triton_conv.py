@@ -247,12 +247,6 @@ def _dw_lane(k: tl.constexpr, dp, xprev, xcur, W: tl.constexpr):
     return acc
 
 
-@triton.heuristics(
-    {
-        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
-        "HAS_INIT": lambda args: args["init_ptr"] is not None,
-    }
-)
 @triton.jit
 def _causal_conv1d_fwd_kernel(
     # pointers
@@ -316,12 +310,6 @@ def _causal_conv1d_fwd_kernel(
     )
 
 
-@triton.heuristics(
-    {
-        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
-        "HAS_INIT": lambda args: args["init_ptr"] is not None,
-    }
-)
 @triton.jit
 def _causal_conv1d_bwd_kernel(
     # pointers
@@ -524,6 +512,9 @@ def causal_conv1d_fwd(
         x, weight, bias, initial_state, y,
         dim, seqlen,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_state, 3), *y.stride(),
+        # Flags as arguments, not @triton.heuristics (which rebuilds a dict of every argument per
+        # flag on each launch; see triton_fwd.py).
+        HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
     )
     return y
@@ -570,6 +561,7 @@ def causal_conv1d_bwd(
         *dy.stride(), *x.stride(), *weight.stride(), *_strides(bias, 1),
         *_strides(initial_state, 3), *dx.stride(), *dw_part.stride(), *_strides(db_part, 2),
         *_strides(dinit if initial_state is not None else None, 3),
+        HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
     )
     dbias = x.new_empty(0, dtype=torch.float32)

@@ -11,11 +11,6 @@ from ..triton_common import LOG2E, silu, softplus
 
 
 
-@triton.heuristics({
-    "HAS_D": lambda args: args["D_ptr"] is not None,
-    "HAS_Z": lambda args: args["z_ptr"] is not None,
-    "HAS_DT_BIAS": lambda args: args["dt_bias_ptr"] is not None,
-})
 @triton.jit
 def _selective_state_update_kernel(
     # pointers
@@ -106,6 +101,11 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) ->
         0 if dt_bias is None else dt_bias.stride(0),
         y.stride(0), y.stride(1),
         DT_SOFTPLUS=dt_softplus,
+        # Flags as arguments, not @triton.heuristics, which rebuilds a dict of every argument per
+        # flag on each launch: decode is one launch per token, so host cost is its speed limit.
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_DT_BIAS=dt_bias is not None,
         BLOCK_D=BLOCK_D,
         BLOCK_N=BLOCK_N,
         num_warps=4 if BLOCK_N <= 64 else 8,
@@ -113,7 +113,6 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) ->
     return y
 
 
-@triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
 @triton.jit
 def _causal_conv1d_update_kernel(
     # pointers
@@ -198,6 +197,7 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation) -> torch.Tenso
         0 if bias is None else bias.stride(0),
         y.stride(0), y.stride(1), y.stride(2),
         SILU=activation == "silu",
+        HAS_BIAS=bias is not None,
         BLOCK_D=BLOCK_D,
         BLOCK_W=triton.next_power_of_2(W),
         BLOCK_S=min(triton.next_power_of_2(S), 32),

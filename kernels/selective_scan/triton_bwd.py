@@ -177,10 +177,9 @@ def _scan_rev_steps(a0, a1, a2, a3, c0, c1, c2, c3, ROWS: tl.constexpr):
     return _unsteps(x0 + p0 * x_in, x1 + p1 * x_in, x2 + p2 * x_in, c3 + a3 * x_in)
 
 
-@triton.heuristics({
-    "HAS_Z": lambda args: args["z_ptr"] is not None,
-    "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
-})
+# The HAS_* flags are passed by the launcher rather than through @triton.heuristics, as in the
+# forward kernel: the heuristics wrapper rebuilds a dict of every argument once per flag on each
+# launch (benchmarks/host_overhead_scan.py measured it for the forward).
 @triton.jit
 def _chunk_state_kernel(
     # pointers
@@ -250,10 +249,6 @@ def _chunk_state_kernel(
         tl.store(rs_ptr + ws_ptrs + n, dh_prev, mask=mask_d)
 
 
-@triton.heuristics({
-    "HAS_INIT": lambda args: args["init_ptr"] is not None,
-    "HAS_DLAST": lambda args: args["dlast_ptr"] is not None,
-})
 @triton.jit
 def _state_pass_kernel(
     # pointers
@@ -303,11 +298,6 @@ def _state_pass_kernel(
         tl.store(dinit_ptr + pid_b * dim * N + offs, r, mask=mask)
 
 
-@triton.heuristics({
-    "HAS_D": lambda args: args["D_ptr"] is not None,
-    "HAS_Z": lambda args: args["z_ptr"] is not None,
-    "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
-})
 @triton.jit
 def _chunk_bwd_kernel(
     # pointers
@@ -473,11 +463,6 @@ def _next_step(x, ROWS: tl.constexpr):
     return _unsteps(s1, s2, s3, tl.where(rows == ROWS - 1, 0.0, tl.gather(s0, nxt, 1)))
 
 
-@triton.heuristics({
-    "HAS_D": lambda args: args["D_ptr"] is not None,
-    "HAS_Z": lambda args: args["z_ptr"] is not None,
-    "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
-})
 @triton.jit
 def _chunk_bwd_nblock_kernel(
     # pointers
@@ -1204,13 +1189,14 @@ def selective_scan_bwd(
         dim, L, N, n_chunks, dim_per_group, state_blocks,
         *u.stride(), *delta.stride(), *dy.stride(), *strides(z, 3), *A.stride(), *B.stride(),
         *C.stride(),
-        DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.state_block_d, CHUNK=cfg.chunk,
-        num_warps=cfg.state_num_warps,
+        DELTA_SOFTPLUS=delta_softplus, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
+        BLOCK_D=cfg.state_block_d, CHUNK=cfg.chunk, num_warps=cfg.state_num_warps,
     )
     _state_pass_kernel[(batch, triton.cdiv(dim * N, _PASS_BLOCK))](
         A, total, initial_state, dlast_state, hs, rs, dinit,
         dim, N, n_chunks,
         *A.stride(), *strides(initial_state, 3), *strides(dlast_state, 3),
+        HAS_INIT=initial_state is not None, HAS_DLAST=dlast_state is not None,
         BLOCK=_PASS_BLOCK, num_warps=_PASS_BLOCK // 32,
     )
     if cfg.variant == "column":
@@ -1220,7 +1206,8 @@ def selective_scan_bwd(
             batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
             *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
             *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
-            DELTA_SOFTPLUS=delta_softplus, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, STEPS=_STEPS,
+            DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
+            HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, STEPS=_STEPS,
             num_warps=cfg.num_warps,
         )
     elif cfg.variant == "serial":
@@ -1244,7 +1231,8 @@ def selective_scan_bwd(
             *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
             *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
             *q_acc.stride(), *s_acc.stride(), *strides(y_acc, 3),
-            DELTA_SOFTPLUS=delta_softplus, NB=cfg.nb, CHUNK=cfg.chunk, STEPS=_STEPS,
+            DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
+            HAS_DELTA_BIAS=delta_bias is not None, NB=cfg.nb, CHUNK=cfg.chunk, STEPS=_STEPS,
             num_warps=cfg.num_warps,
         )
     du, ddelta, dz = (_in_layout_of(promised[name], g) for name, g in (("du", du), ("ddelta", ddelta), ("dz", dz)))
