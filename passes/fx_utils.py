@@ -14,7 +14,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 _CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type")
@@ -367,14 +367,16 @@ def parse_index(base: Any, index: Any) -> tuple[torch.fx.Node, int, int, list[in
             base_to_out.append(out_axis)
             out_axis += 1
     size = vb.shape[axis]
-    if not isinstance(size, int):
-        # Unrolling specialises the loop's length; a symbolic time axis cannot be this loop's.
+    if idx < 0:
+        # Only a concrete length says which step ``x[:, -1]`` is.
         if not is_concrete_int(size):
             return None
-        size = int(size)
-    if idx < 0:
-        idx += size
-    if not 0 <= idx < size:
+        idx += int(size)
+    # A symbolic time axis is accepted: unrolling specialises the length of the tensor the loop
+    # ranges over, while another tensor the loop indexes (dynamo's recompile at a new length)
+    # keeps a fresh symbol that is only known to be long enough. Callers compare that length
+    # with the loop's before relying on it.
+    if not (0 <= idx and statically_known_true(idx < size)):
         return None
     return base, axis, idx, base_to_out
 

@@ -15,7 +15,11 @@ nothing in the graph writes in place to the memory of the view or of its base an
 not returned, since only such a write or a caller holding both tensors could tell the copy from
 a view; and an output whose strides
 changed is given eager's strides back (permute, ``contiguous``, permute back: one copy, only
-there). A ``.view`` that cannot be mended so raises, and the backend then compiles the graph
+there). An output that is not dense (a slice) has no copy with eager's strides; where it is a
+slice of an op output, the op output is copied into eager's layout instead and the slice taken
+of the copy, when no write in place and no other returned alias could tell
+(``_restore_viewed_bases``).
+A ``.view`` that cannot be mended so raises, and the backend then compiles the graph
 without ssm rewrites (``compiler._run_passes``) rather than fail or change what it computes.
 """
 from __future__ import annotations
@@ -32,7 +36,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           UnsupportedOperatorException)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
-from .fx_utils import inverse, is_call, is_method, mutates, set_val, storage_of, storage_of_value, val, written_args
+from .fx_utils import (inverse, is_call, is_method, mutates, node_order, set_val, storage_of, storage_of_value, val,
+                       written_args)
 
 try:
     from torch._prims_common import is_non_overlapping_and_dense_or_false as _is_dense
@@ -50,17 +55,66 @@ class LayoutError(RuntimeError):
     """A ``.view`` the rewrites made impossible and that cannot become ``.reshape``."""
 
 
+class ViewedBase(NamedTuple):
+    """What a non-dense output views, as traced: the output's strides follow from the base's."""
+    views: tuple[torch.fx.Node, ...]  # the view calls from the output back to the base, output first
+    order: list[int] | None           # the base's dim order (None: not dense)
+    storage: Any
+    shape: tuple
+
+
 class OutputLayout(NamedTuple):
     order: list[int] | None  # dim order, outermost first, of a dense output; None otherwise
     storage: Any             # the traced value's storage, to see which outputs alias each other
+    base: ViewedBase | None = None  # for a non-dense output that views another node's value
 
 
 def output_layouts(gm: torch.fx.GraphModule) -> list[OutputLayout | None]:
-    """The layouts of the graph's tensor outputs as dynamo traced them (None: not a tensor)."""
+    """The layouts of the graph's tensor outputs as dynamo traced them (None: not a tensor).
+
+    Read before the rewrites: the node a non-dense output views (the loop's ``torch.stack``) is
+    replaced by an op output and erased, so its eager layout is only known from here.
+    """
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return [OutputLayout(_dim_order(val(a)), storage_of(a))
-            if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor) else None
+    return [_output_layout(a) if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor) else None
             for a in pytree.tree_leaves(out.args)]
+
+
+def _output_layout(node: torch.fx.Node) -> OutputLayout:
+    order = _dim_order(val(node))
+    if order is not None:
+        return OutputLayout(order, storage_of(node))
+    views, base = [], node
+    while _is_plain_view(base):
+        views.append(base)
+        base = base.args[0]
+    if not views:
+        return OutputLayout(None, storage_of(node))
+    return OutputLayout(None, storage_of(node),
+                        ViewedBase(tuple(views), _dim_order(val(base)), storage_of(base), tuple(val(base).shape)))
+
+
+# Views whose strides follow from their input's strides alone, so that a base with eager's
+# strides gives them eager's strides too. Not ``reshape``/``flatten``/``contiguous`` (a view or
+# a copy depending on the strides) and not ``as_strided`` (strides given outright).
+_PLAIN_VIEW_METHODS = ("view", "view_as", "transpose", "permute", "t", "select", "narrow", "unsqueeze",
+                       "squeeze", "expand", "expand_as", "movedim", "moveaxis", "swapaxes", "swapdims",
+                       "diagonal", "unfold")
+_PLAIN_VIEW_FUNCTIONS = (operator.getitem, torch.transpose, torch.permute, torch.select, torch.narrow,
+                         torch.unsqueeze, torch.squeeze, torch.movedim, torch.swapaxes, torch.diagonal, torch.t)
+
+
+def _is_plain_view(n: torch.fx.Node) -> bool:
+    """``n`` views its first argument (basic indexing included, advanced indexing copies: told
+    apart by the traced storages) through one of the plain views above."""
+    if not (is_method(n, *_PLAIN_VIEW_METHODS) or is_call(n, *_PLAIN_VIEW_FUNCTIONS)):
+        return False
+    source = n.args[0] if n.args else None
+    if not (isinstance(source, torch.fx.Node) and isinstance(val(source), torch.Tensor)
+            and isinstance(val(n), torch.Tensor)):
+        return False
+    storage = storage_of(n)
+    return storage is not None and storage == storage_of(source)
 
 
 def _dim_order(value: torch.Tensor) -> list[int] | None:
@@ -240,7 +294,9 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None]) 
         changes = list(interp.mended)
         if outputs is not None:
             _check_aliasing(gm, interp.values, out_node)
-            changes += _restore_outputs(gm, out_node, pytree.tree_leaves(outputs), traced)
+            outputs = pytree.tree_leaves(outputs)
+            changes += _restore_viewed_bases(gm, interp.values, out_node, outputs, traced)
+            changes += _restore_outputs(gm, out_node, outputs, traced)
     if changes:
         gm.recompile()
     return changes
@@ -257,7 +313,8 @@ def _restore_outputs(gm, out_node, outputs, traced) -> list[str]:
             # Eager returned a non-dense tensor: a slice of something bigger, like HF's
             # ``all_states[:, :, -1]`` that the op's dense last_state replaces. No copy has its
             # strides, and refusing would drop every such rewrite, so it is left (and logged):
-            # a caller's ``.view`` of a non-dense tensor is as fragile in eager as here.
+            # a caller's ``.view`` of a non-dense tensor is as fragile in eager as here. Slices
+            # of an op output got eager's strides already where they could (``_restore_viewed_bases``).
             log.info("ssm layout check: output %d is not dense in eager; its layout is left", i)
             continue
         if have == want.order:
@@ -268,20 +325,135 @@ def _restore_outputs(gm, out_node, outputs, traced) -> list[str]:
             # the caller see that they no longer share memory.
             raise LayoutError(f"output {i} ({arg.name}) needs eager's layout back, and shares its "
                               "memory with another output")
-        # Size-1 dims go innermost: where they sit changes no address.
-        perm = want.order + [d for d in range(value.dim()) if d not in want.order]
         with gm.graph.inserting_before(out_node):
-            moved = gm.graph.call_method("permute", (arg, *perm))
-            dense = gm.graph.call_method("contiguous", (moved,))
-            back = gm.graph.call_method("permute", (dense, *inverse(perm)))
-        # Runs under the caller's fake mode: the new nodes get fake values like every other.
-        set_val(moved, value.permute(perm))
-        set_val(dense, val(moved).contiguous())
-        set_val(back, val(dense).permute(inverse(perm)))
-        leaves[i] = back
+            leaves[i] = _copy_in_order(gm, arg, value, want.order)
         changes.append(f"output {i} ({arg.name}): dim order {have} -> eager's {want.order}")
     if changes:
         out_node.args = pytree.tree_unflatten(leaves, spec)
     return changes
 
 
+def _copy_in_order(gm: torch.fx.GraphModule, arg: torch.fx.Node, value: torch.Tensor,
+                   order: list[int]) -> torch.fx.Node:
+    """Insert (at the graph's insertion point) a copy of ``arg`` laid out in dim ``order``:
+    permute, ``contiguous``, permute back. Runs under the caller's fake mode, so the new nodes
+    get fake values like every other."""
+    # Size-1 dims go innermost: where they sit changes no address.
+    perm = order + [d for d in range(value.dim()) if d not in order]
+    moved = gm.graph.call_method("permute", (arg, *perm))
+    dense = gm.graph.call_method("contiguous", (moved,))
+    back = gm.graph.call_method("permute", (dense, *inverse(perm)))
+    set_val(moved, value.permute(perm))
+    set_val(dense, val(moved).contiguous())
+    set_val(back, val(dense).permute(inverse(perm)))
+    return back
+
+
+def _op_output(n: Any) -> bool:
+    """``n`` is a tensor an ssm op returned (its own fresh memory: the ops are functional)."""
+    if not isinstance(n, torch.fx.Node):
+        return False
+    if is_call(n, operator.getitem) and isinstance(n.args[0], torch.fx.Node):
+        n = n.args[0]
+    return n.op == "call_function" and getattr(n.target, "namespace", None) == "ssm"
+
+
+def _rewritten_base(leaf: Any, viewed: ViewedBase) -> torch.fx.Node | None:
+    """The op output that the traced view calls of ``viewed`` now view, if they all survived the
+    rewrites unchanged and the base they viewed became an op output; else None."""
+    views = viewed.views
+    if leaf is not views[0] or any(n.args[0] is not m for n, m in zip(views, views[1:])):
+        return None
+    base = views[-1].args[0]
+    return base if _op_output(base) else None
+
+
+def _restore_viewed_bases(gm, values, out_node, outputs, traced) -> list[str]:
+    """Give a non-dense output eager's strides by giving the op output it views eager's layout.
+
+    A returned slice of the loop's stacked output (``y[:, :3]``) views the op's output after the
+    rewrite and takes its strides, channel-innermost where eager's were L-innermost; no copy of
+    the slice itself has eager's strides. A copy of the op output in eager's layout, inserted
+    right after the op and viewed by the same calls, does. Only those view calls are moved onto
+    the copy; the op's other users keep its own layout. That is sound only where nothing can
+    tell the copy from the memory it replaces: nothing in the graph writes in place to the op
+    output's memory (a write before or after the view would miss the copy, or the copy miss
+    it), and every returned tensor sharing that memory moves onto the copy with the others (the
+    caller sees them alias as in eager). Elsewhere the output is left in the op's layout, as a
+    non-dense output always was (``_restore_outputs``); its values are right either way.
+    """
+    leaves, spec = pytree.tree_flatten(out_node.args)
+    groups: dict[torch.fx.Node, list[int]] = {}
+    for i, (leaf, want) in enumerate(zip(leaves, traced)):
+        if want is not None and want.base is not None and want.base.order is not None:
+            base = _rewritten_base(leaf, want.base)
+            if base is not None:
+                groups.setdefault(base, []).append(i)
+    changes = []
+    for base, viewing in groups.items():
+        eager = traced[viewing[0]].base
+        value = values.get(base)
+        have = _dim_order(value) if isinstance(value, torch.Tensor) else None
+        if have is None or have == eager.order:
+            continue
+        direct, why = _why_base_stays(base, viewing, values, leaves, traced)
+        if why is not None:
+            log.info("ssm layout check: %s keeps the op's strides (a view of %s, whose layout is "
+                     "not eager's): %s", ", ".join(f"output {i}" for i in viewing), base.name, why)
+            continue
+        # A real copy: ``have`` differs from eager's order in a dim longer than 1, so the
+        # permuted op output is never contiguous already.
+        with gm.graph.inserting_before(base.next):
+            copy = _copy_in_order(gm, base, value, eager.order)
+        values[copy] = val(copy)
+        moved = {traced[i].base.views[-1] for i in viewing}
+        for n in moved:
+            n.replace_input_with(base, copy)
+        order = node_order(gm.graph)
+        for n in sorted({v for i in viewing for v in traced[i].base.views}, key=order.__getitem__):
+            values[n] = _run_again(n, values)
+            set_val(n, values[n])
+        for i in direct:
+            leaves[i] = copy
+        for i in viewing + direct:
+            outputs[i] = values[leaves[i]]
+        changes.append(f"{', '.join(f'output {i} ({leaves[i].name})' for i in viewing)}: views of "
+                       f"{base.name}, whose copy in eager's dim order {eager.order} (the op's is {have}) "
+                       "they now view")
+    if changes:
+        out_node.args = pytree.tree_unflatten(leaves, spec)
+    return changes
+
+
+def _why_base_stays(base, viewing, values, leaves, traced) -> tuple[list[int], str | None]:
+    """The outputs that are ``base`` itself, and why ``base`` may not be copied (None: it may)."""
+    eager = traced[viewing[0]].base
+    if any(traced[i].base.storage != eager.storage or traced[i].base.order != eager.order for i in viewing[1:]):
+        return [], "the outputs viewed different tensors in eager"
+    value = values[base]
+    if len(value.shape) != len(eager.shape) or not all(
+            statically_known_true(a == b) for a, b in zip(value.shape, eager.shape)):
+        return [], f"its shape {tuple(value.shape)} is not the traced base's {eager.shape}"
+    memory = storage_of_value(value)
+    if memory is None:
+        return [], "its memory is unknown, so its aliases cannot be told"
+    for m in values:
+        if mutates(m) and any(storage_of_value(values.get(a)) == memory for a in written_args(m)):
+            return [], f"{m.name} writes in place to its memory, which a copy would split"
+    direct = []
+    for j, leaf in enumerate(leaves):
+        if j in viewing or not isinstance(leaf, torch.fx.Node) or storage_of_value(values.get(leaf)) != memory:
+            continue
+        want = traced[j]
+        if leaf is not base or want is None or want.order != eager.order or want.storage != eager.storage:
+            return [], f"output {j} ({leaf.name}) shares its memory and would not move onto the copy"
+        direct.append(j)
+    return direct, None
+
+
+def _run_again(n: torch.fx.Node, values: dict) -> Any:
+    """``n``'s value from its arguments' (fake) ``values``: for view calls moved onto a copy."""
+    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+    if n.op == "call_method":
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    return n.target(*args, **kwargs)

@@ -182,6 +182,16 @@ def _args_match(tmpl: Any, cand: Any, bind: dict[torch.fx.Node, torch.fx.Node], 
     return type(tmpl) is type(cand) and tmpl == cand
 
 
+def _count_steps(template: list[torch.fx.Node], H: torch.fx.Node, h0: torch.fx.Node) -> int:
+    """How many steps repeat step 0's ``template`` (H -> h0) with time indices shifted, from 0."""
+    h, t = h0, 1
+    while True:
+        bind = {H: h}
+        if _walk(template, bind, t) is not None:
+            return t
+        h, t = bind[h0], t + 1
+
+
 def _walk(template: list[torch.fx.Node], bind: dict[torch.fx.Node, torch.fx.Node], t: int) -> str | None:
     """Find step ``t``'s copy of each template node; ``bind`` maps step 0's nodes to step t's.
 
@@ -302,6 +312,42 @@ def _size_repr(s) -> int | str:
     return int(s) if is_concrete_int(s) else str(s)
 
 
+def _negative_index(node: torch.fx.Node) -> bool:
+    """``node`` selects with a negative integer index (``x[:, :, -1]``, ``x.select(2, -1)``)."""
+    if is_call(node, torch.select) or is_method(node, "select"):
+        index = node.args[2:3]
+    elif is_call(node, operator.getitem):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    else:
+        return False
+    return any(isinstance(x, int) and not isinstance(x, bool) and x < 0 for x in index)
+
+
+def _too_short(name: str, size, L: int) -> str | None:
+    """Why the loop's L steps may not all lie on ``name``'s time axis of length ``size``, or None.
+
+    The axis need not be exactly L long: when dynamo recompiles at a new length, the tensor the
+    loop ranges over has its length specialised, but a tensor the loop only indexes (C, or u in
+    code that discretises per step) keeps a fresh symbol that is only known to be at least L.
+    The loop reads its first L steps, and so does the op, through ``_first_steps``. Decided
+    without adding guards: a length not provably long enough is refused.
+    """
+    if statically_known_true(size >= L):
+        return None
+    return f"{name}'s time axis ({_size_repr(size)}) is not provably at least the loop's length {L}"
+
+
+def _first_steps(graph: torch.fx.Graph, src: Source, L: int) -> Source:
+    """``src`` as the loop reads it, through its first L steps: itself when its time axis is
+    provably L long, else a narrowed view (no copy)."""
+    if "t" not in src.roles:
+        return src
+    axis = src.roles.index("t")
+    if _same_size(val(src.node).shape[axis], L):
+        return src
+    return Source(_node(graph, "call_method", "narrow", src.node, axis, 0, L), src.roles)
+
+
 def _is_exp(node: Any) -> bool:
     return is_call(node, torch.exp) or is_method(node, "exp")
 
@@ -394,7 +440,8 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
     if not (is_call(buf, *_BUFFER_FACTORIES) or is_method(buf, *_BUFFER_METHODS)):
         return "the output buffer is not a freshly allocated tensor"
     if not _same_size(val(buf).shape[axis], len(ys)):
-        return "the output buffer's time axis is longer than the loop"
+        return (f"the output buffer's time axis ({_size_repr(val(buf).shape[axis])}) is not provably the "
+                f"loop's length {len(ys)}")
     roles = ["t" if o is None else y_roles[o] for o in axis_map]
     if None in roles or len([o for o in axis_map if o is not None]) != len(y_roles):
         return "the output buffer's axes do not match the per-step output's"
@@ -506,6 +553,9 @@ def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torc
     readouts, ys = _repeat_readout(rregion, h0, y0, h, L)
     if isinstance(readouts, str):
         return readouts
+    short = _c_too_short(c_src, L)
+    if short is not None:
+        return short
     out = _collect(ys, y_roles, pos)
     if isinstance(out, str):
         return out
@@ -529,12 +579,13 @@ def _repeat_readout(rregion: list[torch.fx.Node], h0: torch.fx.Node, y0: torch.f
 
 def _match_readout_with_tail(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torch.fx.Node],
                              h: list[torch.fx.Node], state_roles: tuple[str, ...], L: int, disc: Discretized, pos
-                             ) -> tuple[Source, torch.fx.Node, Collected, list[list[torch.fx.Node]]] | None:
+                             ) -> tuple[Source, torch.fx.Node, Collected, list[list[torch.fx.Node]]] | str | None:
     """The collected y_t is not the contraction itself but a function of it that reads the state
     only through it (``y = C_t·h_t + D*u_t``, ``silu(z_t)`` gates, scales written inside the loop):
     find ``r_0 = Σ_n h_0 · C_full[t=0]`` on the way to y_0. Only each r_t is replaced (by the op's
     output at time t); the user's code after it stays, so nothing about it needs proving beyond
-    that h_t reaches it through r_t alone. None when no such r_0 exists."""
+    that h_t reaches it through r_t alone. None when no such r_0 exists, a reason when C_full
+    is not provably long enough."""
     for r0 in rregion:
         if r0 is y0:
             continue
@@ -555,9 +606,28 @@ def _match_readout_with_tail(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list
         readouts, rs = _repeat_readout(sub, h0, r0, h, L)
         if isinstance(readouts, str):
             return None
+        short = _c_too_short(c_src, L)
+        if short is not None:
+            return short
         out = Collected("per-step", r0, [], [], tuple(r_roles) + ("t",), rs)
         return c_src, c_base, out, readouts
     return None
+
+
+def _sources_too_short(disc: Discretized, L: int) -> str | None:
+    """Why u, Δ or B (the op's sources, read through their first L steps) may be too short."""
+    for name, src in (("u", disc.u), ("delta", disc.delta), ("B", disc.B)):
+        if "t" in src.roles:
+            short = _too_short(name, val(src.node).shape[src.roles.index("t")], L)
+            if short is not None:
+                return short
+    return None
+
+
+def _c_too_short(c_src: Source, L: int) -> str | None:
+    # Checked once every step's readout is known to repeat step 0's: a C read at a fixed time is
+    # reported as that, not as a length it could not be proven to have.
+    return _too_short("C_full", val(c_src.node).shape[c_src.roles.index("t")], L)
 
 
 def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[str, ...], L: int,
@@ -576,12 +646,14 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
         return "the readout does not sum over exactly the state axis"
     c_slice = time_slice(fc.node)
     if c_slice is None:
+        if _negative_index(fc.node):
+            # time_slice normalises a negative index only against a concrete length.
+            return ("the readout's C_t at step 0 counts from the end of a time axis of symbolic length "
+                    "(C[..., t-k]?): which step it reads is not known")
         return "the readout's C_t is not a time slice of one tensor"
-    c_base, c_axis, c_idx = c_slice
+    c_base, _, c_idx = c_slice
     if c_idx != 0:
         return f"the readout of h_t uses C at time t{c_idx:+d} (lagged readout)"
-    if not _same_size(val(c_base).shape[c_axis], L):
-        return "C_full's time axis does not have the loop's length"
     leaf_roles = [role.get(lab) for lab in rt.factor_labels(fc)]
     c_roles = ["t" if o is None else leaf_roles[o] for o in parse_slice(fc.node)[3]]
     if None in c_roles:
@@ -647,8 +719,13 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     key0 = _leaf_key(a0, 0)
     per_step = key0[0] == "op"
     base, axis = _key_slices(key0)[0][1:3]
-    L = int(val(base).shape[axis])
-    if L < 2:
+    # The loop has as many steps as the sliced tensor's time axis is long; when that length is a
+    # symbol (a tensor the loop indexes but does not range over, after dynamo's recompile at a
+    # new length), the steps are counted below instead, and every source is checked to be long
+    # enough for them.
+    length = val(base).shape[axis]
+    L = int(length) if is_concrete_int(length) else None
+    if L is not None and L < 2:
         return ONE_STEP
     # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies.
     h0 = None
@@ -668,6 +745,11 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
                     "(a value recomputed in every step that is not a time slice?)")
         return "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
     region = _between(H, h0, pos)
+    if L is None:
+        L = _count_steps(region, H, h0)
+        short = _too_short("the first step's sliced tensor", length, L)
+        if short is not None:
+            return short
     Hs = sympy.Symbol("H")
     try:
         env, leaves = _sym_eval(region, H, Hs)
@@ -695,9 +777,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         disc, t0 = disc
         if t0 != 0:
             return f"the state update at step 0 reads its inputs at time index {t0}, not 0"
-        for name, src in (("u", disc.u), ("delta", disc.delta), ("B", disc.B)):
-            if "t" in src.roles and not _same_size(val(src.node).shape[src.roles.index("t")], L):
-                return f"{name}'s time axis does not have the loop's length"
+        short = _sources_too_short(disc, L)
+        if short is not None:
+            return short
         a_base = b_base = None
     else:
         b_slice = time_slice(b_leaf)
@@ -707,8 +789,11 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         b_base, b_axis, b_idx = b_slice
         if b_idx != 0:
             return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
-        if val(b_base).dim() != 4 or not _same_size(val(b_base).shape[b_axis], L):
-            return "B_full is not a 4-D tensor with the loop's length along its time axis"
+        if val(b_base).dim() != 4:
+            return "B_full is not a 4-D tensor"
+        short = _too_short("B_full", val(b_base).shape[b_axis], L)
+        if short is not None:
+            return short
     init = None
     if not _is_zeros(H):
         if not isinstance(val(H), torch.Tensor) or not _broadcasts_to(val(H).shape, shape):
@@ -742,6 +827,10 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         disc = match_discretization(a_base, b_base, (a_axis, b_axis))
         if isinstance(disc, str):
             return f"discretization: {disc}"
+        # Equal to A_full's length wherever it is concrete; checked for the op's narrowed reads.
+        short = _sources_too_short(disc, L)
+        if short is not None:
+            return short
     state_roles = tuple(r for r in disc.a_roles if r != "t")
     if stacked is not None:
         found = _match_stacked_readout(stacked, h, state_roles, L)
@@ -951,10 +1040,13 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     # A broadcast h_{-1} (e.g. a learned (dim, N) state shared by the batch) has the state's
     # trailing roles.
     init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
+    d = m.disc
+    disc = dataclasses.replace(d, u=_first_steps(graph, d.u, m.L), delta=_first_steps(graph, d.delta, m.L),
+                               B=_first_steps(graph, d.B, m.L))
     return emit_selective_scan(
         graph,
-        m.disc,
-        m.C,
+        disc,
+        _first_steps(graph, m.C, m.L),
         length=m.L,
         y_roles=m.out.roles,
         y_dtype=val(m.out.out_node).dtype,

@@ -185,12 +185,6 @@ def test_returned_output_and_its_view_stay_aliased(second):
     torch.testing.assert_close(out[1], seen + 1.0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "KNOWN (values right, strides not): a returned slice of the scan output (y[:, :3], not dense "
-    "in eager) keeps the op's channel-innermost strides. _restore_outputs leaves non-dense "
-    "outputs alone (refusing them would drop every HF rewrite, whose last state replaces the "
-    "non-dense all_states[:, :, -1]); restoring the op output itself before the slice would "
-    "give eager's strides"))
 def test_returned_slice_of_scan_output_keeps_eager_strides():
     def fn(u, delta, A, B, C):
         return scan_y(u, delta, A, B, C)[:, :3]
@@ -415,10 +409,6 @@ def test_automatic_dynamic_batch_keeps_eager_strides():
     assert counters["ssm"]["scan_loop"] == 2  # batch 2, then one dynamic-batch graph
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (rewrite lost): dynamic=True, second length: the recompiled graph keeps L specialised "
-    "(the Python loop) but C's length is a fresh symbol, and scan_loop refuses with \"the "
-    "readout's C_t is not a time slice of one tensor\": the second length runs unrewritten"))
 def test_dynamic_second_length_is_rewritten():
     def fn(u, delta, A, B, C):
         return scan_y(u, delta, A, B, C)
