@@ -45,6 +45,7 @@ from ..layout import dim_innermost
 from ..restride import restride_into
 from ..triton_common import LOG2E, linear_combine, sigmoid_approx, silu, softplus
 from .grads import ScanGrads
+from .triton_fwd import _last_step
 
 
 # Kernels work on [BLOCK_D, CHUNK] tiles, one state column at a time.
@@ -779,9 +780,9 @@ def _chunk_bwd_serial_kernel(
     # Boundary states enter through a chunk-shaped tile so they take its layout (a plain load's
     # layout would cost a shared-memory round trip per use; see the forward kernel).
     h = tl.load(hs_ptr + ws, mask=mask_dn, other=0.0)
-    h = tl.sum(tl.where(rows == 0, tl.broadcast_to(h[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), -0.0), axis=0)
+    h = _last_step(tl.broadcast_to(h[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), T)
     x = tl.load(rs_ptr + ws, mask=mask_dn, other=0.0)
-    x = tl.sum(tl.where(rows == 0, tl.broadcast_to(x[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), -0.0), axis=0)
+    x = _last_step(tl.broadcast_to(x[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), T)
 
     t_chunk = pid_c * CHUNK
     n_sub = tl.cdiv(tl.minimum(CHUNK, L - t_chunk), T)
@@ -800,7 +801,7 @@ def _chunk_bwd_serial_kernel(
         b = (dt * uf)[:, None, :, None] * Bf[:, :, None, :]
         b = tl.where(rows == 0, a * h[None, :, :, :] + b, b)
         _, hk = tl.associative_scan((a, b), 0, linear_combine)
-        h = tl.sum(tl.where(rows == T - 1, hk, -0.0), axis=0)
+        h = _last_step(hk, T)
 
     # Backward walk. x is the carry a_{t+1} * dL/dh_{t+1}: rs holds it for the chunk's last step
     # (dL/dh at the chunk's end from later chunks, their decay included). Padded steps have
@@ -1018,7 +1019,18 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
 
 def _serial_fits(dim_per_group: int, N: int) -> bool:
     """Whether "serial" takes this shape at its default tiles (see ``_serial_tiles``)."""
-    return N <= _SERIAL_MAX_N and dim_per_group // min(32, dim_per_group & -dim_per_group) <= _max_splits(dim_per_group)
+    return (N <= _SERIAL_MAX_N
+            and dim_per_group // _serial_block_d(dim_per_group, _serial_lanes_n(N), 4) <= _max_splits(dim_per_group))
+
+
+def _serial_lanes_n(N: int) -> int:
+    return min(triton.next_power_of_2(N), 4)
+
+
+def _serial_block_d(dim_per_group: int, lanes_n: int, num_warps: int) -> int:
+    # One program's channels stay inside one group (one B/C tile) and tile it exactly: the
+    # largest power of two dividing dim_per_group (x & -x), at most one channel per lane group.
+    return min((32 // lanes_n) * num_warps, dim_per_group & -dim_per_group)
 
 
 def _max_splits(dim_per_group: int) -> int:
@@ -1039,12 +1051,9 @@ def _serial_tiles(dim_per_group: int, L: int, N: int, overrides: dict) -> Tiles:
     if chunk & (chunk - 1) or not steps <= chunk <= steps * _SERIAL_SUB:
         raise ValueError(f"selective_scan_bwd: tiles chunk for variant 'serial' must be a power of two in "
                          f"[steps, steps * {_SERIAL_SUB}] = [{steps}, {steps * _SERIAL_SUB}], got {chunk}")
-    block_n = triton.next_power_of_2(N)
-    lanes_n = min(block_n, 4)
+    lanes_n = _serial_lanes_n(N)
     num_warps = overrides.get("num_warps") or 4
-    # One program's channels stay inside one group (one B/C tile) and tile it exactly: the
-    # largest power of two dividing dim_per_group (x & -x), at most one channel per lane group.
-    block_d = overrides.get("block_d") or min((32 // lanes_n) * num_warps, dim_per_group & -dim_per_group)
+    block_d = overrides.get("block_d") or _serial_block_d(dim_per_group, lanes_n, num_warps)
     if block_d & (block_d - 1) or dim_per_group % block_d:
         raise ValueError(f"selective_scan_bwd: tiles block_d for variant 'serial' must be a power of two dividing "
                          f"the channels per group ({dim_per_group}), got {block_d}")
@@ -1054,13 +1063,13 @@ def _serial_tiles(dim_per_group: int, L: int, N: int, overrides: dict) -> Tiles:
                          f"(at most {_max_splits(dim_per_group)}: the partials must stay far below a "
                          f"(batch, dim, L, N) tensor); use variant 'column' or 'nblock'")
     num_warps = max(1, min(num_warps, block_d * lanes_n // 32))
+    state_bd = max(1, min(_TILE // chunk, triton.next_power_of_2(dim_per_group)))
     return Tiles(
         chunk=chunk,
-        state_block_d=overrides.get("state_block_d") or max(1, min(_TILE // chunk, triton.next_power_of_2(dim_per_group))),
+        state_block_d=overrides.get("state_block_d") or state_bd,
         block_d=block_d,
         num_splits=dim_per_group // block_d,
-        state_num_warps=overrides.get("state_num_warps") or _warps_for(
-            max(1, min(_TILE // chunk, triton.next_power_of_2(dim_per_group))) * chunk, 8),
+        state_num_warps=overrides.get("state_num_warps") or _warps_for(state_bd * chunk, 8),
         num_warps=num_warps,
         variant="serial",
         steps=steps,
