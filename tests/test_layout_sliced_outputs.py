@@ -16,13 +16,13 @@ import logging
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from utils import TOL, rel_err
+from utils import SCAN_SHAPE, TOL, channel_innermost, rel_err, scan_inputs, scan_y
 
 import ssm_compile
 from ssm_compile.compiler import SSMBackend, SSMOptions
 from ssm_compile.kernels import register_ops
 
-BATCH, DIM, N, L = 2, 6, 4, 8
+BATCH, DIM, N, L = SCAN_SHAPE
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 
 
@@ -38,35 +38,6 @@ def _quiet():
     logger.setLevel(logging.ERROR)
     yield
     logger.setLevel(level)
-
-
-def channel_innermost(t):
-    """The same (batch, dim, L) values, stored (batch, L, dim)."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def scan_inputs(dtype=torch.float32, layout="ci", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randn(BATCH, DIM, L, generator=g)
-    delta = torch.rand(BATCH, DIM, L, generator=g) * 0.5 + 0.05
-    A = -torch.rand(DIM, N, generator=g) - 0.5
-    B = torch.randn(BATCH, N, L, generator=g)
-    C = torch.randn(BATCH, N, L, generator=g)
-    if layout == "ci":
-        u, delta = channel_innermost(u), channel_innermost(delta)
-    return u.to(dtype), delta.to(dtype), A, B.to(dtype), C.to(dtype)
-
-
-def scan_y(u, delta, A, B, C):
-    """mamba_ssm ``selective_scan_ref``'s loop, stacked along L: (batch, dim, L)-contiguous in eager."""
-    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
-    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=dA.dtype)
-    ys = []
-    for i in range(u.shape[2]):
-        h = dA[:, :, i] * h + dBu[:, :, i]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
-    return torch.stack(ys, dim=2)
 
 
 def clones(args):

@@ -122,3 +122,41 @@ def in_layout_of(y: torch.Tensor, x: torch.Tensor) -> bool:
     if x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) == 1:
         return y.transpose(1, 2).is_contiguous() and not y.is_contiguous()
     return y.is_contiguous()
+
+
+# The small scan problem of the layout tests (test_unseen_layouts.py, test_layout_sliced_outputs.py):
+# batch, dim, N, L.
+SCAN_SHAPE = (2, 6, 4, 8)
+
+
+def channel_innermost(t: torch.Tensor) -> torch.Tensor:
+    """The same (batch, dim, L) values, stored (batch, L, dim): an nn.Linear output transposed."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def scan_inputs(length=SCAN_SHAPE[3], dtype=torch.float32, layout="ci", seed=0):
+    """Random u, delta, A, B, C of ``SCAN_SHAPE`` (``length`` steps); u and delta
+    channel-innermost unless ``layout`` is "dense"."""
+    batch, dim, n, _ = SCAN_SHAPE
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(batch, dim, length, generator=g)
+    delta = torch.rand(batch, dim, length, generator=g) * 0.5 + 0.05
+    A = -torch.rand(dim, n, generator=g) - 0.5
+    B = torch.randn(batch, n, length, generator=g)
+    C = torch.randn(batch, n, length, generator=g)
+    if layout == "ci":
+        u, delta = channel_innermost(u), channel_innermost(delta)
+    return u.to(dtype), delta.to(dtype), A, B.to(dtype), C.to(dtype)
+
+
+def scan_y(u, delta, A, B, C):
+    """mamba_ssm ``selective_scan_ref``'s loop in (batch, dim, L), stacked along L: eager's y is
+    (batch, dim, L)-contiguous whatever u's layout."""
+    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=dA.dtype)
+    ys = []
+    for i in range(u.shape[2]):
+        h = dA[:, :, i] * h + dBu[:, :, i]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
+    return torch.stack(ys, dim=2)
