@@ -33,6 +33,8 @@ for s in "$@"; do
                    tests/test_selective_scan_triton_bwd.py tests/test_fused.py tests/test_causal_conv1d.py \
                    tests/test_decode_ops.py tests/test_selective_scan_op.py tests/test_parity_devices.py \
                    tests/test_generate_example.py -k "cuda or triton or Triton or gpu or fused" ;;
+        # Host time per op call with real launches, and cProfile's split of it by function.
+        host) step host bash -c 'python3 benchmarks/host_overhead_ops.py --cuda --profile && python3 benchmarks/host_overhead_scan.py --cuda' ;;
         probe) step probe python3 benchmarks/probe_scan_path.py ;;
         check) step check python3 benchmarks/check_scan_gpu.py ;;
         scan) step scan python3 benchmarks/bench_scan.py ;;

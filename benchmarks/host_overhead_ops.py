@@ -21,7 +21,10 @@ back-to-back calls, clock stopped before the synchronize (what the CPU spends to
 """
 import argparse
 import contextlib
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -183,6 +186,8 @@ def cases(device: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cuda", action="store_true", help="run on the GPU, also timing real launches")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write cProfile's top functions (by own time) of the real calls of each case")
     args = parser.parse_args()
     device = "cuda" if args.cuda else "cpu"
     sync = torch.cuda.synchronize if args.cuda else (lambda: None)
@@ -203,6 +208,27 @@ def main():
     title = (f"Host µs per call, batch {BATCH}, dim {DIM}, L {L}, N {N}, W {W}, fp32, {device}, "
              f"torch {torch.__version__}\n\n")
     write_out(f"host_overhead_ops_{device}.md", title + markdown_table(header, rows))
+    if args.profile:
+        write_out(f"host_profile_ops_{device}.txt", profile_cases(all_cases, sync))
+
+
+def profile_cases(all_cases, sync, calls=300, top=30):
+    """cProfile of ``calls`` real calls per case: where the host time goes, by function."""
+    out = []
+    for op_name, mode, fn in all_cases:
+        for _ in range(20):
+            fn()
+        sync()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        sync()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        out.append(f"### {op_name} {mode}: {calls} calls\n{text.getvalue()}")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..layout import empty_activation
+from ..partials import sum_partials
 from ..triton_common import silu as silu_fn
 from .cpu import ConvGrads
 
@@ -564,8 +565,9 @@ def causal_conv1d_bwd(
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
     )
-    dbias = x.new_empty(0, dtype=torch.float32)
+    jobs = [(dw_part, 1, weight.shape, weight.dtype)]
     if db_part is not None:
-        dbias = db_part.sum(dim=0).to(bias.dtype)
-    dweight = dw_part.sum(dim=0).to(weight.dtype)
+        jobs.append((db_part, 1, bias.shape, bias.dtype))
+    dweight, *rest = sum_partials(jobs)
+    dbias = rest[0] if rest else x.new_empty(0, dtype=torch.float32)
     return ConvGrads(dx=dx, dweight=dweight, dbias=dbias, dinitial_state=dinit)

@@ -19,8 +19,8 @@ transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the ch
    composites (``_scan_fwd``, ``_scan_rev``). Because a program
    loops over many channels of ONE group, it sums their dB/dC into rows of a per-slice
    partial that it alone owns; dA, dD and ddelta_bias are written per (batch, chunk).
-   The launcher reduces all partials with a fixed-order ``torch.sum``: no atomics, the same
-   bits on every run. ``_chunk_bwd_nblock_kernel`` (``Tiles.variant = "nblock"``, the
+   The launcher reduces all partials in one fixed-order launch (``partials.sum_partials``):
+   no atomics, the same bits on every run. ``_chunk_bwd_nblock_kernel`` (``Tiles.variant = "nblock"``, the
    launcher's choice for large grids since H200 run 10: 2.65 / 2.39 ms against the column
    kernel's 3.44 / 3.25 ms at batch 8, L=2048 in fp32 / bf16; slower at batch 1) is the same
    step with the loops swapped, blocks of state columns outside the channel loop, so dB/dC are
@@ -35,6 +35,7 @@ and loop over the N state columns, so sums
 over N are running sums in registers rather than cross-thread reductions, and a tile's size
 does not depend on N (N <= 256 costs loop trips, not registers).
 """
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost
+from ..partials import sum_partials
 from ..restride import restride_into
 from ..triton_common import LOG2E, linear_combine, sigmoid_approx, silu, softplus
 from .grads import ScanGrads
@@ -1017,6 +1019,11 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     )
 
 
+# The launcher's default tiles depend only on sizes and the device: cached, because at batch 1 or
+# short L the backward is host-bound and this choice costs ~15 µs of Python per call.
+_default_tiles = functools.lru_cache(maxsize=1024)(choose_tiles)
+
+
 def _serial_fits(dim_per_group: int, N: int) -> bool:
     """Whether "serial" takes this shape at its default tiles (see ``_serial_tiles``)."""
     return (N <= _SERIAL_MAX_N
@@ -1165,7 +1172,10 @@ def selective_scan_bwd(
     batch, dim, L = u.shape
     G, N = B.shape[1], B.shape[2]
     dim_per_group = dim // G
-    cfg = choose_tiles(batch, dim, L, N, G, u.device, **(tiles or {}))
+    if tiles:
+        cfg = choose_tiles(batch, dim, L, N, G, u.device, **tiles)
+    else:
+        cfg = _default_tiles(batch, dim, L, N, G, u.device)
     if cfg.variant != "serial":
         # "serial" loads [steps, channels] tiles, coalesced in either layout.
         dy, u, delta, z = _l_major(dy), _l_major(u), _l_major(delta), _l_major(z)
@@ -1245,14 +1255,21 @@ def selective_scan_bwd(
             num_warps=cfg.num_warps,
         )
     du, ddelta, dz = (_in_layout_of(promised[name], g) for name, g in (("du", du), ("ddelta", ddelta), ("dz", dz)))
+    jobs = [(dA_part, 2, A.shape, A.dtype), (dB_part, 1, dB_part.shape[1:], B.dtype),
+            (dC_part, 1, dC_part.shape[1:], C.dtype)]
+    if D is not None:
+        jobs.append((dD_part, 2, D.shape, D.dtype))
+    if delta_bias is not None:
+        jobs.append((ddb_part, 2, delta_bias.shape, delta_bias.dtype))
+    dA, dB, dC, *rest = sum_partials(jobs)
     return ScanGrads(
         du=du,
         ddelta=ddelta,
-        dA=dA_part.sum((0, 1)).to(A.dtype),
-        dB=dB_part.sum(0).to(B.dtype),
-        dC=dC_part.sum(0).to(C.dtype),
-        dD=dD_part.sum((0, 1)).to(D.dtype) if D is not None else None,
+        dA=dA,
+        dB=dB,
+        dC=dC,
+        dD=rest.pop(0) if D is not None else None,
         dz=dz,
-        ddelta_bias=ddb_part.sum((0, 1)).to(delta_bias.dtype) if delta_bias is not None else None,
+        ddelta_bias=rest.pop(0) if delta_bias is not None else None,
         dinitial_state=dinit,
     )
