@@ -288,7 +288,8 @@ def channel_innermost(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-LAYOUT_CANDIDATES = [{}, dict(variant="column"), dict(variant="nblock"), dict(variant="serial", steps=8, chunk=64)]
+LAYOUT_CANDIDATES = [{}, dict(variant="column"), dict(variant="nblock"), dict(variant="serial", steps=8, chunk=64),
+                     dict(variant="serial", steps=8, chunk=64, num_warps=2)]
 # Training shapes of the 130m model (batch 8; L=128 is the host-bound case) and batch 1.
 LAYOUT_SHAPES = ((8, 2048), (1, 2048), (8, 128), (1, 512))
 
@@ -314,12 +315,13 @@ def layouts_table(notes):
                     try:
                         diff = max_rel_diff(bwd_call(xs, dys, **cfg)(), ref)
                         rows.append([f"B{batch} L{L}", dname, layout, str(cfg or "default"),
-                                     median_ms(bwd_call(xs, dys, **cfg)), f"{diff:.1e}"])
+                                     median_ms(bwd_call(xs, dys, **cfg)), graph_ms(bwd_call(xs, dys, **cfg)),
+                                     f"{diff:.1e}"])
                     except Exception as e:  # noqa: BLE001 - one failing candidate must not stop the table
                         notes.append(f"layouts {batch} {L} {dname} {layout} {cfg}: {type(e).__name__}: {e}")
             del x, dy, ref
             torch.cuda.empty_cache()
-    return markdown_table(["shape", "dtype", "activation layout", "tiles", "bwd ms", "max rel diff"], rows)
+    return markdown_table(["shape", "dtype", "activation layout", "tiles", "bwd ms", "graph ms", "max rel diff"], rows)
 
 
 def fwd_bwd_table(notes, start, baselines):
