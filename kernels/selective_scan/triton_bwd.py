@@ -954,7 +954,7 @@ _NBLOCK_GROUP_D = 8
 _NBLOCK_WARPS_PER_SM = 8
 _NBLOCK_WAVES = 4
 # Fewest (chunk, batch, group) cells for which the launcher picks "nblock" (see choose_tiles).
-_NBLOCK_MIN_CELLS = 64
+_NBLOCK_MIN_CELLS = 16
 
 
 def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.device, **overrides) -> Tiles:
@@ -973,6 +973,12 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     # Run 13 (bench_scan_bwd.py --layouts): below that, "serial" beats both wherever it applies
     # (batch 8 L=128: 0.32 vs 0.64 ms bf16; batch 1 L=512: 0.28 vs 0.63 ms fp32), and loses to
     # "nblock" above it (batch 8 L=2048: 2.94 vs 2.63 ms fp32).
+    # Run 14, after the partial sums became one launch (partials.py), with CUDA-graph times:
+    # at 16 cells (batch 1, L=2048) "nblock" beats "serial" in both layouts and dtypes, host-
+    # launched too (fp32 L-major 0.357 vs 0.388 ms, bf16 0.324 vs 0.375; channel-innermost
+    # 0.419 vs 0.499 and 0.482 vs 0.569). At 4 and 8 cells (batch 1 L=512, batch 8 L=128) the
+    # two are within 5 % of GPU time on L-major input, and "serial", which needs no staging
+    # copies, is 1.5-2x faster host-launched on channel-innermost input: the threshold is 16.
     variant = overrides.get("variant")
     if not variant:
         if n_chunks * batch * G >= _NBLOCK_MIN_CELLS:
