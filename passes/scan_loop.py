@@ -614,11 +614,16 @@ def _match_readout_with_tail(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list
     return None
 
 
+def _time_len(src: Source):
+    """The length of ``src``'s time axis (an int or a SymInt)."""
+    return val(src.node).shape[src.roles.index("t")]
+
+
 def _sources_too_short(disc: Discretized, L: int) -> str | None:
     """Why u, Δ or B (the op's sources, read through their first L steps) may be too short."""
     for name, src in (("u", disc.u), ("delta", disc.delta), ("B", disc.B)):
         if "t" in src.roles:
-            short = _too_short(name, val(src.node).shape[src.roles.index("t")], L)
+            short = _too_short(name, _time_len(src), L)
             if short is not None:
                 return short
     return None
@@ -627,7 +632,7 @@ def _sources_too_short(disc: Discretized, L: int) -> str | None:
 def _c_too_short(c_src: Source, L: int) -> str | None:
     # Checked once every step's readout is known to repeat step 0's: a C read at a fixed time is
     # reported as that, not as a length it could not be proven to have.
-    return _too_short("C_full", val(c_src.node).shape[c_src.roles.index("t")], L)
+    return _too_short("C_full", _time_len(c_src), L)
 
 
 def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[str, ...], L: int,
@@ -702,7 +707,7 @@ def _match_stacked_readout(stacked: torch.fx.Node, h: list[torch.fx.Node], state
         return users
     readout, last_views = users
     c_src = Source(readout.C, readout.C_roles)
-    if not _same_size(val(readout.C).shape[readout.C_roles.index("t")], L):
+    if not _same_size(_time_len(c_src), L):
         return "C_full's time axis does not have the loop's length"
     writes = [stacked, *last_views, *readout.chain, *readout.nodes, readout.end]
     out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(writes)), readout.out_roles)

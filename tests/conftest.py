@@ -1,3 +1,4 @@
+import logging
 import os
 
 import torch
@@ -19,3 +20,15 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def quiet_ssm_log():
+    """Only errors from the ``ssm_compile`` logger: a refused rewrite or a fallback logs its
+    reason (with the whole failing node); tests that use this read the reasons from ``explain``
+    or the records instead."""
+    logger = logging.getLogger("ssm_compile")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)

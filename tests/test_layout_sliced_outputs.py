@@ -11,7 +11,6 @@ move onto it, the output keeps the op's strides (right values, as before).
 Each case checks values against eager within ``TOL``, the outputs' strides against eager's,
 and that the scan was rewritten (``counters["ssm"]["scan_loop"]``).
 """
-import logging
 
 import pytest
 import torch
@@ -23,21 +22,13 @@ from ssm_compile.compiler import SSMBackend, SSMOptions
 from ssm_compile.kernels import register_ops
 
 BATCH, DIM, N, L = SCAN_SHAPE
-pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+pytestmark = [pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`"),
+              pytest.mark.usefixtures("quiet_ssm_log")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _ops():
     register_ops()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    logger = logging.getLogger("ssm_compile")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
 
 
 def clones(args):

@@ -7,7 +7,6 @@ the indices read. Dynamo then reuses the graph for any longer such tensor, of wh
 the first L steps: the op must read the same steps (through a narrowed view), and near-misses must
 still be refused with an accurate reason.
 """
-import logging
 
 import pytest
 import torch
@@ -21,7 +20,8 @@ from ssm_compile.config import SSMOptions
 from ssm_compile.passes.scan_loop import _too_short
 
 BATCH, DIM, N, L = 2, 6, 4, 8
-pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+pytestmark = [pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`"),
+              pytest.mark.usefixtures("quiet_ssm_log")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,16 +29,6 @@ def _ops():
     from ssm_compile.kernels.selective_scan import op
 
     op.register()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    # A refused loop logs its reason; the tests read the reasons from the records instead.
-    logger = logging.getLogger("ssm_compile")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
 
 
 def inputs(length=L, extra=(0, 0, 0, 0), seed=0):

@@ -14,7 +14,6 @@ Each case checks: values against eager (or fp64) within ``TOL``, graph outputs' 
 eager's, and either a rewrite (``counters["ssm"]``) or a reason in ``ssm_compile.explain``.
 Bugs found are kept as ``xfail(strict=True, reason="BUG: ...")``.
 """
-import logging
 
 import pytest
 import torch
@@ -27,22 +26,13 @@ import ssm_compile
 from ssm_compile.kernels import register_ops
 
 BATCH, DIM, N, L = SCAN_SHAPE
-pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+pytestmark = [pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`"),
+              pytest.mark.usefixtures("quiet_ssm_log")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _ops():
     register_ops()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    # A fallback logs a warning with the whole failing node; the tests check the reasons instead.
-    logger = logging.getLogger("ssm_compile")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
 
 
 def as_tuple(x):

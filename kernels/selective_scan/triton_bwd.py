@@ -23,8 +23,9 @@ transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the ch
    no atomics, the same bits on every run. ``_chunk_bwd_nblock_kernel``
    (``Tiles.variant = "nblock"``, the launcher's choice from 16 (chunk, batch, group) cells:
    2.65 / 2.39 ms against the column kernel's 3.44 / 3.25 ms at batch 8, L=2048 in fp32 / bf16,
-   H200 run 10; 0.350 ms fp32 at batch 1, run 14) is the same step with the loops swapped, blocks of state columns outside the channel loop, so dB/dC are
-   summed over channels in registers (benchmarks/NOTES_scan_bwd.md, "H17").
+   H200 run 10; 0.350 ms fp32 at batch 1, run 14) is the same step with the loops swapped,
+   blocks of state columns outside the channel loop, so dB/dC are summed over channels in
+   registers (benchmarks/NOTES_scan_bwd.md, "H17").
    ``_chunk_bwd_serial_kernel`` (``Tiles.variant = "serial"``, the launcher's choice below 16
    cells since run 13) uses the forward kernel's tiles instead: time inside each thread, so both
    scans are serial chains, a forward walk to the sub-chunk entry states and a backward walk
