@@ -40,11 +40,13 @@ def floor_ms(batch: int, seqlen: int, dtype_bytes: int, tflops: float, gbs: floa
     flops = 2 * tok * (N_LAYER * (D_MODEL * 2 * di + di * (r + 2 * N_STATE) + r * di + di * D_MODEL) + D_MODEL * VOCAB)
     # Per layer, every matmul output must reach HBM once and be read once: in_proj (2*di),
     # conv output feeding x_proj (di), x_proj output (r + 2N), scan output (di), out_proj (d_model),
-    # plus the residual stream read once. Weights are read once; logits written once.
+    # plus the residual stream read once. Weights are read once; logits written once, in fp32:
+    # HF's MambaForCausalLM returns ``lm_head(...).float()`` whatever the model's dtype (until run
+    # 15 this counted them at the model's dtype, 0.39 ms less at batch 8, L=2048).
     per_layer = tok * (2 * D_MODEL + 2 * (2 * di + di + (r + 2 * N_STATE) + di)) * dtype_bytes
     weights = (N_LAYER * (D_MODEL * 2 * di + di * (r + 2 * N_STATE) + r * di + di * D_MODEL + di * (D_CONV + N_STATE + 3))
                + VOCAB * D_MODEL) * dtype_bytes
-    nbytes = N_LAYER * per_layer + weights + tok * VOCAB * dtype_bytes
+    nbytes = N_LAYER * per_layer + weights + tok * VOCAB * 4
     return flops / (tflops * 1e12) * 1e3 + nbytes / (gbs * 1e9) * 1e3
 
 
@@ -151,17 +153,81 @@ def train_step_ms(model, fn, ids, micro: int = 1):
     return step
 
 
+LOOP_HEADER = ["loop-form model", "L", "compile s", "graphs", "loop rewrites", "fwd ms", "tokens/s", "time/ssm",
+               "logits rel err"]
+
+
+def loop_model_rows(args, dtype, notes, over_budget):
+    """The whole model on HF's unrolled-loop path (``use_associative_scan=False``), every
+    backend compiling the repeated block once (regional compilation: ``block.compile()`` on
+    each of the 24 MambaBlocks; dynamo reuses the first block's code for the rest, so the
+    compile time is one block's, not 24 x L steps of tracing). This is how the loop path can be
+    measured at model scale at all: compiling the whole model at once unrolls 24 x L steps.
+    ``use_cache=False`` because HF's cache object is guarded per layer index, which would make
+    every block compile anew. Rows: eager, then ssm and inductor, each regional (the forward
+    part has ssm on the whole associative_scan-form model); the error is against eager's
+    logits."""
+    import copy
+
+    L = args.loop_model_len
+    net = build(False, dtype).eval()
+    ids = torch.randint(0, VOCAB, (args.batch, L), device="cuda")
+    tok = args.batch * L
+    rows = []
+    with torch.no_grad():
+        ref = net(ids, use_cache=False).logits.float()
+
+        def add(name, fn, slow=False):
+            torch._dynamo.reset()
+            counters.clear()
+            print(f"loop-form model: {name} at L={L} ...", flush=True)
+            try:
+                c = timed_compile(lambda: fn(ids, use_cache=False)) if fn is not net else 0.0
+                out = fn(ids, use_cache=False).logits.float()
+                call = lambda: fn(ids, use_cache=False)  # noqa: E731
+                # Eager and inductor's loop take ~1 s per call: a few event-timed calls.
+                ms = event_median_ms(call, warmup=1, iters=3) if slow else median_ms(call)
+                err = ((out - ref).norm() / ref.norm()).item()
+                if counters["graph_break"]:
+                    notes.append(f"loop-form model {name}: graph breaks {dict(counters['graph_break'])}")
+                rows.append([name, L, c, counters["stats"]["unique_graphs"], counters["ssm"].get("scan_loop", 0), ms,
+                             tok / ms * 1e3, None, err])
+                print(f"  compile {c:.1f} s, {ms:.2f} ms", flush=True)
+            except Exception as e:  # noqa: BLE001 - a failing baseline must not end the run
+                notes.append(f"loop-form model {name} L={L}: {type(e).__name__}: {str(e)[:300]}")
+                print(notes[-1], flush=True)
+
+        def regional(backend=None):
+            twin = copy.deepcopy(net)
+            for block in twin.backbone.layers:
+                block.compile(**({} if backend is None else {"backend": backend}))
+            return twin
+
+        add("eager", net, slow=True)
+        add("ssm (regional)", regional(ssm_compile.backend()))
+        if not over_budget(f"inductor regional loop path at L={L}"):
+            add("inductor loop path (regional)", regional(), slow=True)
+    ssm_ms = next((r[5] for r in rows if r[0] == "ssm (regional)"), float("nan"))
+    for r in rows:
+        r[7] = r[5] / ssm_ms
+    print(markdown_table(LOOP_HEADER, rows), flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lens", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--loop-len", type=int, default=128, help="L for the one-layer inductor loop-path baseline")
+    p.add_argument("--loop-model-len", type=int, default=512,
+                   help="L for the whole-model loop-path comparison (part loopmodel, regional compilation)")
     p.add_argument("--train-lens", type=int, nargs="+", default=[2048, 128],
                    help="L of the training-step comparison; the short one is where associative_scan's "
                         "O(L^2) backward still fits")
     p.add_argument("--time-budget", type=float, default=300, help="seconds; later baselines are skipped")
-    p.add_argument("--parts", default="forward,layer,train", help="which of forward,layer,train to run")
+    p.add_argument("--parts", default="forward,layer,train",
+                   help="which of forward,layer,loopmodel,train to run")
     p.add_argument("--no-assoc", action="store_true",
                    help="skip the forward's inductor associative_scan rows (a re-measure of our side only)")
     p.add_argument("--profile", action="store_true",
@@ -285,6 +351,8 @@ def main():
                 notes.append(f"layer {name} failed: {type(e).__name__}: {str(e)[:300]}")
     print(markdown_table(["one layer", "L", "compile s", "fwd ms"], layer_rows), flush=True)
 
+    loop_rows = loop_model_rows(args, dtype, notes, over_budget) if "loopmodel" in parts else []
+
     train_rows = []
     model = assoc_model = None  # the forward part's copies: free their memory for training
     torch.cuda.empty_cache()
@@ -349,6 +417,7 @@ def main():
         f"copy {gbs:.0f} GB/s, matmul {tflops:.0f} TFLOP/s (measured in this run)",
         markdown_table(["variant", "L", "compile s", "fwd ms", "tokens/s", "floor/time", "time/ssm"], rows),
         markdown_table(["one layer", "L", "compile s", "fwd ms"], layer_rows),
+        markdown_table(LOOP_HEADER, loop_rows),
         markdown_table(train_header, train_rows),
         "\n".join(f"- {n}" for n in notes)]))
 

@@ -202,6 +202,10 @@ SWEEP = [
     dict(variant="nblock", nb=4, group_d=64),  # ~the whole slice per pass: L2 working set 3x larger
     dict(variant="nblock", nb=4, num_splits=8),  # 1024 programs, one wave
     dict(variant="nblock", nb=4, num_splits=64),
+    # Run 15: the default prefetches the next channel's rows into L1 (prefetch=1); Nsight
+    # Compute had 23 % of the kernel's stall samples on the first uses of those loads.
+    dict(variant="nblock", nb=4, prefetch=0),
+    dict(variant="nblock", nb=4, prefetch=2),  # into L2 only
     dict(variant="nblock", nb=2),  # 191 regs (10 warps/SM), 79/elt, 8 blocks
     dict(variant="nblock", nb=8, chunk=64, num_warps=1),  # 252 regs, 74/elt, 2 blocks
     dict(variant="nblock", nb=8, num_warps=2),  # 255 regs (24 B stack), 77/elt, cross-warp sums

@@ -35,6 +35,12 @@ for s in "$@"; do
                    tests/test_generate_example.py -k "cuda or triton or Triton or gpu or fused" ;;
         # Host time per op call with real launches, and cProfile's split of it by function.
         host) step host bash -c 'python3 benchmarks/host_overhead_ops.py --cuda --profile && python3 benchmarks/host_overhead_scan.py --cuda' ;;
+        # Nsight Compute on the scan kernels at the headline shape: per kernel the details page
+        # (stall reasons, occupancy, pipes) and the SASS with per-instruction stall samples.
+        ncu) step ncu bash benchmarks/ncu_session.sh ;;
+        # The whole model on HF's loop path, every backend compiling the block once (regional).
+        loopmodel) STEP_TIMEOUT=${LOOP_TIMEOUT:-540} step loopmodel python3 benchmarks/bench_e2e.py --parts loopmodel \
+                       --loop-model-len ${LOOP_MODEL_LEN:-512} --time-budget 500 ;;
         probe) step probe python3 benchmarks/probe_scan_path.py ;;
         check) step check python3 benchmarks/check_scan_gpu.py ;;
         scan) step scan python3 benchmarks/bench_scan.py ;;
@@ -44,6 +50,7 @@ for s in "$@"; do
         # Op-level fwd+bwd baselines only (no tile sweep): eager, inductor loop, inductor assoc.
         bwdbase) step bwdbase python3 benchmarks/bench_scan_bwd.py --baselines ;;
         gentest) step gentest python3 -m pytest -q -p no:cacheprovider tests/test_generate_example.py -k cuda ;;
+        bwdmatch) step bwdmatch python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match "${SWEEP_MATCH:-prefetch}" ;;
         bwdnblock) step bwdnblock python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match nblock ;;
         bwdlayouts) step bwdlayouts python3 benchmarks/bench_scan_bwd.py --layouts ;;
         bwdserial) step bwdserial python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match serial ;;

@@ -53,3 +53,19 @@ def sigmoid_approx(x):
     # instructions and a slow-path branch per element, the approximate one a reciprocal and a
     # multiply. For gradients, whose tolerances are far above 2 ulp.
     return tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))
+
+
+@triton.jit
+def prefetch(ptrs, LEVEL: tl.constexpr):
+    # Pull the lines holding ``ptrs`` into L1 (LEVEL 1) or L2 (LEVEL 2) ahead of the loads that
+    # need them: a hint with no value and no register kept live (a software-pipelined load would
+    # hold its tile in registers across the loop body, which kernels at the 255-register cap
+    # cannot afford). The addresses must be valid (PTX leaves prefetches of invalid addresses
+    # undefined): callers clamp them. GPU only: the interpreter has no inline assembly, so
+    # callers guard this with a constexpr.
+    if LEVEL == 1:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L1 [$1];", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)

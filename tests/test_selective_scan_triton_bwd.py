@@ -46,6 +46,7 @@ class Case:
     nb: Optional[int] = None
     group_d: Optional[int] = None
     steps: Optional[int] = None  # "serial": consecutive steps per thread
+    prefetch: Optional[int] = None  # "nblock": next channel's rows into 0 none, 1 L1, 2 L2 (GPU only)
     # Scale of the raw delta: large values test softplus past its threshold and decays that
     # underflow to exactly 0.
     delta_scale: float = 1.0
@@ -59,7 +60,8 @@ class Case:
         extra = "".join(
             f"-{k}{v}" for k, v in (("T", self.chunk_size), ("S", self.num_splits), ("BD", self.block_d),
                                     ("W", self.num_warps), ("", self.variant), ("NB", self.nb),
-                                    ("GD", self.group_d), ("ST", self.steps), ("x", self.delta_scale))
+                                    ("GD", self.group_d), ("ST", self.steps), ("PF", self.prefetch),
+                                    ("x", self.delta_scale))
             if v not in (None, 1.0)
         )
         return f"B{self.batch}-D{self.dim}-L{self.L}-N{self.N}-G{self.G}-{dt}-{flags or 'bare'}{extra}"
@@ -108,7 +110,7 @@ def run_bwd(case: Case, inputs, dy, dlast):
         inputs["z"], inputs["delta_bias"], case.softplus, inputs["initial_state"],
         tiles=dict(chunk=case.chunk_size, num_splits=case.num_splits, block_d=case.block_d,
                    num_warps=case.num_warps, variant=case.variant, nb=case.nb, group_d=case.group_d,
-                   steps=case.steps),
+                   steps=case.steps, prefetch=case.prefetch),
     )
 
 
@@ -157,6 +159,11 @@ NBLOCK_CASES = [
     nblock(dim=3, L=200, chunk_size=None, num_splits=3),
     # Several warps per program (on a GPU: the column block spans warps, sums over it cross them).
     nblock(N=8, nb=8, num_warps=2),
+    # The prefetch levels (the default is 1, L1), with groups, column blocks and a ragged tail, so
+    # that the clamped prefetch addresses wrap to the group's first channel and the next group's
+    # (on a GPU; the interpreter never prefetches).
+    nblock(dim=8, G=2, N=5, L=37, nb=2, num_splits=1, group_d=2, prefetch=2),
+    nblock(dim=8, G=2, N=5, L=37, nb=2, num_splits=1, group_d=2, prefetch=0),
 ]
 
 
@@ -237,6 +244,12 @@ def test_choose_tiles_fills_the_gpu_and_covers_every_channel(batch, dim, L, G, s
 def test_bad_chunk_names_argument():
     with pytest.raises(ValueError, match="chunk"):
         run_bwd(Case(chunk_size=24), *make_inputs(Case(chunk_size=24)))
+
+
+def test_bad_prefetch_names_argument():
+    case = nblock(prefetch=3)
+    with pytest.raises(ValueError, match="prefetch"):
+        run_bwd(case, *make_inputs(case))
 
 
 def test_dlast_state_seeds_the_last_step():
