@@ -159,7 +159,8 @@ NBLOCK_CASES = [
     nblock(dim=3, L=200, chunk_size=None, num_splits=3),
     # Several warps per program (on a GPU: the column block spans warps, sums over it cross them).
     nblock(N=8, nb=8, num_warps=2),
-    # The prefetch levels (the default is 1, L1), with groups, column blocks and a ragged tail, so
+    # The prefetch levels (by default 1, L1, for fp32 and 0 otherwise; every other nblock case
+    # here runs the default), with groups, column blocks and a ragged tail, so
     # that the clamped prefetch addresses wrap to the group's first channel and the next group's
     # (on a GPU; the interpreter never prefetches).
     nblock(dim=8, G=2, N=5, L=37, nb=2, num_splits=1, group_d=2, prefetch=2),

@@ -521,6 +521,9 @@ def _chunk_bwd_nblock_kernel(
     t3 = (pid_c * CHUNK + offs_t)[None, :, :]  # [1, ROWS, STEPS]
     mask_t3 = t3 < L
     rows3 = tl.arange(0, ROWS)[None, :, None]
+    # One step per thread and row for the prefetches (see the channel loop), clamped to L - 1 so
+    # that a tail chunk's addresses stay valid.
+    t_pf = tl.minimum(pid_c * CHUNK + tl.arange(0, ROWS) * STEPS, L - 1)[None, :, None]
 
     B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
     C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
@@ -563,13 +566,11 @@ def _chunk_bwd_nblock_kernel(
                 if PREFETCH > 0:
                     # The loads below are used at once, and with 2 warps per scheduler (254
                     # registers) nothing hides their latency: Nsight Compute put 23 % of this
-                    # kernel's stall samples on the first uses of delta and u (run 15). Ask for
-                    # the next channel's rows now, one prefetch per thread and row, so that they
-                    # are cache hits a whole channel's work later. After the group's last channel
-                    # comes its first (next column block) or the next group's first; a tail
-                    # chunk prefetches its last step for the steps past L.
+                    # kernel's stall samples on the first uses of delta (+ bias) and z (run 15).
+                    # Ask for the next channel's rows now, so that they are cache hits a whole
+                    # channel's work later. After the group's last channel comes its first (next
+                    # column block) or the next group's first.
                     dn = tl.where(d + 1 < d1, d + 1, tl.where(n0 + NB < N, d0, tl.minimum(d1, d_stop - 1)))
-                    t_pf = tl.minimum(pid_c * CHUNK + tl.arange(0, ROWS) * STEPS, L - 1)[None, :, None]
                     prefetch(delta_ptr + dn * stride_delta_d + t_pf * stride_delta_l, PREFETCH)
                     prefetch(u_ptr + dn * stride_u_d + t_pf * stride_u_l, PREFETCH)
                     prefetch(dy_ptr + dn * stride_dy_d + t_pf * stride_dy_l, PREFETCH)
