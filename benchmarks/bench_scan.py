@@ -1,7 +1,7 @@
 """Issue 2 benchmark: the fused selective-scan forward vs baselines and the roofline floor.
 
 Run on a CUDA machine from the repo root:  python benchmarks/bench_scan.py [--sweep]
-Writes bench_scan.md (and bench_scan_sweep.md with --sweep) to $OUT when it is set.
+Writes bench_scan.md (and bench_scan_sweep_<layout>.md with --sweep) to $OUT when it is set.
 
 Setup: batch 8, dim 1536, N 16, L in {1024 .. 16384}, plus batch 1 at L in {128, 2048, 16384};
 fp32 and bf16; with z, D, delta_bias and softplus. Columns:
@@ -73,11 +73,16 @@ def make_inputs(batch, L, dtype):
 def hf_layout(x):
     """The same inputs as nn.Linear-based Mamba code holds them (HF Mamba, mamba_simple): u and
     delta channel-innermost ((batch, L, dim) in memory), z the second half of a (batch, L,
-    2 * dim) in_proj output; y then comes out channel-innermost too (kernels/layout.py)."""
+    2 * dim) in_proj output, B and C views of x_proj's (batch, L, dt_rank + 2N) output; y then
+    comes out channel-innermost too (kernels/layout.py)."""
     batch, dim, L = x["u"].shape
+    n, rank = x["B"].shape[2], -(-dim // 32)  # dt_rank = ceil(d_model / 16), d_model = dim / 2
     xz = torch.cat([x["u"], x["z"]], dim=1).transpose(1, 2).contiguous().transpose(1, 2)
+    x_dbl = torch.cat([x["B"].new_zeros(batch, 1, rank, L), x["B"], x["C"]], dim=2)[:, 0].transpose(1, 2).contiguous()
     return dict(x, u=x["u"].transpose(1, 2).contiguous().transpose(1, 2),
-                delta=x["delta"].transpose(1, 2).contiguous().transpose(1, 2), z=xz[:, dim:])
+                delta=x["delta"].transpose(1, 2).contiguous().transpose(1, 2), z=xz[:, dim:],
+                B=x_dbl[..., rank:rank + n].transpose(1, 2)[:, None],
+                C=x_dbl[..., rank + n:].transpose(1, 2)[:, None])
 
 
 def ours(x, config=None):
@@ -159,6 +164,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
     ap.add_argument("--sweep-named", action="store_true",
                     help="time only the named candidate tiles of the sweep (a one-minute run)")
+    ap.add_argument("--sweep-case", default=None,
+                    help="only this sweep case, as dtype:batch:L (e.g. bf16:8:2048)")
+    ap.add_argument("--no-table", action="store_true", help="skip the main table (sweep only)")
     ap.add_argument("--layout", choices=("dense", "hf"), default="dense",
                     help="hf: channel-innermost u/delta/z/y as nn.Linear-based Mamba code has them; "
                          "the naive and associative_scan baselines are then skipped")
@@ -177,13 +185,13 @@ def main():
               "mamba_ssm ms", "vs mamba"]
     rows = []
     assoc_spent = 0.0
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in () if args.no_table else (torch.float32, torch.bfloat16):
         elt = torch.finfo(dtype).bits // 8
         for batch, L in SHAPES:
             x = make_inputs(batch, L, dtype)
             if args.layout == "hf":
                 x = hf_layout(x)
-            cfg = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
+            cfg = scan_fwd_config(batch, DIM, L, N, DIM, n_sms, args.layout == "hf")
             cfg_s = (f"d{cfg.block_d}/t{cfg.chunk_t}/ln{cfg.lanes_n}/w{cfg.num_warps}"
                      f"/s{cfg.n_segments}/r{cfg.max_registers or '-'}/p{cfg.prefetch}")
             t_ours = try_time(ours, x)
@@ -231,9 +239,10 @@ def main():
             torch.cuda.empty_cache()
     text = (f"GPU {props.name}, {n_sms} SMs, clock {clock:.2f} GHz, copy BW {bw:.0f} GB/s\n\n"
             + markdown_table(header, rows))
-    write_out("bench_scan.md" if args.layout == "dense" else f"bench_scan_{args.layout}.md", text)
+    if rows:
+        write_out("bench_scan.md" if args.layout == "dense" else f"bench_scan_{args.layout}.md", text)
     if args.sweep or args.sweep_named:
-        sweep(n_sms, bw, clock, named_only=args.sweep_named)
+        sweep(n_sms, bw, clock, named_only=args.sweep_named, layout=args.layout, only=args.sweep_case)
     print(f"total {time.time() - start:.0f}s")
 
 
@@ -245,7 +254,13 @@ def named_candidates(default, segs):
                       (ScanFwdConfig(32, 8, 4, 4, segs, None, 1), "t8 (model 1)"),
                       (ScanFwdConfig(32, 16, 4, 4, segs, 128, 1), "t16 cap 128 (model 2)"),
                       (ScanFwdConfig(32, 16, 4, 4, segs, 168, 1), "t16 cap 168, prefetch 1 (run 4 default)"),
-                      (ScanFwdConfig(32, 16, 4, 4, segs, 168, 2), "t16 cap 168, prefetch 2")]:
+                      (ScanFwdConfig(32, 16, 4, 4, segs, 168, 2), "t16 cap 168, prefetch 2"),
+                      # Two channels per thread: one B/C tile (read from shared memory by every
+                      # thread) serves both, 24 instead of 40 shared loads per 64 elements.
+                      (ScanFwdConfig(64, 8, 4, 4, segs, 168, 1), "d64 t8 cap 168"),
+                      (ScanFwdConfig(64, 8, 4, 4, segs, 168, 2), "d64 t8 cap 168, prefetch 2"),
+                      (ScanFwdConfig(64, 8, 4, 4, segs, None, 1), "d64 t8 uncapped"),
+                      (ScanFwdConfig(64, 8, 4, 4, segs, 128, 1), "d64 t8 cap 128")]:
         named.setdefault(cfg, name)
     return named
 
@@ -268,7 +283,7 @@ def grid(batch, seg_options):
                                             prefetch)
 
 
-def sweep(n_sms, bw, clock, named_only=False):
+def sweep(n_sms, bw, clock, named_only=False, layout="dense", only=None):
     """Time a grid of tile configs on the headline shapes; the best per shape is the data the
     heuristic in scan_fwd_config should reproduce. ~150 kernel compiles: a few minutes.
 
@@ -285,12 +300,18 @@ def sweep(n_sms, bw, clock, named_only=False):
     cases = [(torch.float32, 8, 2048, (1,)), (torch.bfloat16, 8, 2048, (1,)),
              (torch.float32, 1, 2048, (8,)), (torch.bfloat16, 1, 2048, (1, 8)),
              (torch.float32, 1, 128, (1,))]
+    if only:
+        name, b_, l_ = only.split(":")
+        cases = [c for c in cases if (c[0] == (torch.float32 if name == "fp32" else torch.bfloat16)
+                                      and c[1] == int(b_) and c[2] == int(l_))]
     start, skipped = time.time(), 0
     for dtype, batch, L, seg_options in cases:
         elt = torch.finfo(dtype).bits // 8
         x = make_inputs(batch, L, dtype)
+        if layout == "hf":
+            x = hf_layout(x)
         results = []
-        default = scan_fwd_config(batch, DIM, L, N, DIM, n_sms)
+        default = scan_fwd_config(batch, DIM, L, N, DIM, n_sms, layout == "hf")
         named = named_candidates(default, default.n_segments)
         for cfg in (named if named_only else grid(batch, seg_options)):
             if time.time() - start > SWEEP_BUDGET_S:
@@ -315,7 +336,7 @@ def sweep(n_sms, bw, clock, named_only=False):
     note = ""
     if skipped:
         note = f"{skipped} configs not timed (sweep budget {SWEEP_BUDGET_S} s spent)\n\n"
-    write_out("bench_scan_sweep.md", note + markdown_table(
+    write_out(f"bench_scan_sweep_{layout}.md", note + markdown_table(
         ["dtype", "batch", "L",
          "config (block_d, chunk_t, lanes_n, warps, segs, max regs, prefetch)", "graph ms",
          "%floor", ""], rows))

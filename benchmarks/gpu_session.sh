@@ -32,7 +32,7 @@ for s in "$@"; do
         tests) STEP_TIMEOUT=${TESTS_TIMEOUT:-420} step tests python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan_triton_fwd.py \
                    tests/test_selective_scan_triton_bwd.py tests/test_fused.py tests/test_causal_conv1d.py \
                    tests/test_decode_ops.py tests/test_selective_scan_op.py tests/test_parity_devices.py \
-                   tests/test_generate_example.py -k "cuda or triton or Triton or gpu or fused" ;;
+                   tests/test_generate_example.py tests/test_pass_logits.py -k "cuda or triton or Triton or gpu or fused" ;;
         # Host time per op call with real launches, and cProfile's split of it by function.
         host) step host bash -c 'python3 benchmarks/host_overhead_ops.py --cuda --profile && python3 benchmarks/host_overhead_scan.py --cuda' ;;
         # Nsight Compute on the scan kernels at the headline shape: per kernel the details page
@@ -56,6 +56,12 @@ for s in "$@"; do
         bwdserial) step bwdserial python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match serial ;;
         bwdtests) step bwdtests python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan_triton_bwd.py ;;
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
+        # The conv's row-streaming forward: tile sweep on HF's in_proj view, bf16 then fp32.
+        convrows) step convrows bash -c 'python3 benchmarks/sweep_conv_rows.py && python3 benchmarks/sweep_conv_rows.py --dtype fp32' ;;
+        # The LM head: bf16 matmul + .float() against one fp32-output matmul (passes/logits.py).
+        logits) step logits python3 benchmarks/probe_logits.py ;;
+        # The forward scan's tiles on HF's channel-innermost activations.
+        scanhf) step scanhf python3 benchmarks/bench_scan.py --sweep-named --layout hf ;;
         e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} --profile ;;
         profiletrain) step profiletrain python3 benchmarks/profile_train.py --len ${TRAIN_PROFILE_LEN:-128} ;;
         fusion) step fusion python3 benchmarks/bench_fusion.py --quick ;;

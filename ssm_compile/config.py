@@ -12,8 +12,10 @@ from typing import Any, Mapping
 # The pass modules in the order the pass manager runs them. conv1d goes first so the scan
 # passes see the conv as one op; delta and tail fold into the scan op the scan passes emit;
 # xproj then strips copies on the way into those ops; fuse merges conv / dt_proj into the
-# scan where the heuristic says it pays; decode handles the single-step graphs.
-PASS_NAMES = ("conv1d", "scan_loop", "scan_assoc", "delta", "tail", "xproj", "fuse", "decode")
+# scan where the heuristic says it pays; decode handles the single-step graphs; logits has the
+# LM head's matmul write its float32 logits itself (passes/logits.py; it changes rounding, so
+# it is the one pass a user may want off: disable=("logits",)).
+PASS_NAMES = ("conv1d", "scan_loop", "scan_assoc", "delta", "tail", "xproj", "fuse", "decode", "logits")
 
 # "auto": the heuristic (ssm_compile/heuristic.py) decides per call site among the levels the
 # H200 sweep found worth keeping; "split": keep each recognised piece its own op (also useful

@@ -311,10 +311,12 @@ def test_torch_compile_fullgraph():
 
 # The kernels shape their tiles by x's unit-stride axis, and Triton lays each load out along
 # its tensor's: x as HF Mamba passes it (the x half of the (batch, L, 2*dim) in_proj output,
-# transposed: unit stride along dim; 64-channel tiles, so D72 has two, one partial), dy with unit
-# stride along dim, and L-contiguous x long enough for two 256-step tiles, split over two
-# backward programs (D8) or looped over by one (D40: more channel blocks than the interpreter's
-# one "SM" wants).
+# transposed: unit stride along dim; the forward streams rows over time segments, which L130 and
+# L70 split into 3 and 2 segments, so the halo and initial_state cross segment starts, with W=8
+# at L70; the backward uses 64-channel tiles, so D72 has two, one partial), dy with unit stride
+# along dim, and L-contiguous x long enough for two 256-step tiles, split over two backward
+# programs (D8) or looped over by one (D40: more channel blocks than the interpreter's one "SM"
+# wants).
 LAYOUT_CASES = [
     # (batch, dim, seqlen, width, dtype, x layout, dy layout)
     (2, 20, 37, 4, "fp32", "in_proj", "contig"),
@@ -343,6 +345,10 @@ def test_triton_layouts(case):
         xz = torch.randn(batch, seqlen, 2 * dim, generator=g).to(TRITON_DEVICE, DTYPES[dtype])
         inputs["x"] = xz.transpose(1, 2)[:, :dim]
         assert inputs["x"].stride() == (2 * dim * seqlen, 1, 2 * dim)
+        if TRITON_DEVICE == "cpu" and seqlen > 64:
+            # The time segments the comment above counts (one interpreter "SM").
+            _, _, seg_len = triton_conv._fwd_rows_tile(inputs["x"], batch, dim, seqlen)
+            assert -(-seqlen // seg_len) >= 2
     if dy_layout == "T":
         dy = torch.randn(batch, seqlen, dim, generator=g).transpose(1, 2)
     else:

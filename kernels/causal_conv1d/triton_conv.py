@@ -16,7 +16,9 @@ tensor's unit-stride axis, with 16-byte vectors: along L for a plain (batch, dim
 where splitting into planes is register-only; along dim for HF Mamba's x (the x half of the
 (batch, L, 2*dim) in_proj output, transposed), where the split transposes the tile once through
 shared memory rather than reading HBM with uncoalesced accesses. The launcher only picks the
-tile's shape from x's strides: long along the unit-stride axis.
+tile's shape from x's strides: long along the unit-stride axis. The forward on such dim-major
+x has its own kernel (``_causal_conv1d_fwd_rows_kernel``): it streams rows of channels
+through time, with the halo carried in registers, and reads each row once.
 
 The backward kernel is not autotuned: its dweight/dbias partials are summed in a fixed order so
 the result is bitwise reproducible, and the split of L over programs is part of that order.
@@ -312,6 +314,115 @@ def _causal_conv1d_fwd_kernel(
 
 
 @triton.jit
+def _load_row(x_ptr, init_ptr, offs_d, mask_d, pos, seqlen, t_end,
+              stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+              W: tl.constexpr, HAS_INIT: tl.constexpr):
+    # The input row at time pos ([BLOCK_D] fp32; initial_state before 0, zero past t_end).
+    # pos is broadcast to the row first: Triton's interpreter rejects a mask made by and-ing a
+    # scalar condition into a vector one (the compiled kernel folds the broadcast away).
+    pos = pos + tl.zeros_like(offs_d)
+    return _load_padded(x_ptr, init_ptr, offs_d, mask_d & (pos < t_end), pos, seqlen,
+                        stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT)
+
+
+@triton.jit
+def _row_or_zero(i: tl.constexpr, FIRST: tl.constexpr, x_ptr, init_ptr, offs_d, mask_d, t, seqlen,
+                 t_end, stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+                 W: tl.constexpr, HAS_INIT: tl.constexpr):
+    if i < FIRST:
+        v = tl.zeros_like(offs_d).to(tl.float32)
+    else:
+        v = _load_row(x_ptr, init_ptr, offs_d, mask_d, t + i, seqlen, t_end,
+                      stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT)
+    return v
+
+
+@triton.jit
+def _load_rows8(x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                stride_x_d, stride_x_l, stride_init_d, stride_init_k,
+                W: tl.constexpr, HAS_INIT: tl.constexpr, FIRST: tl.constexpr):
+    # Rows t .. t+7 as 8 planes; the first FIRST of them zero, not loaded.
+    return (
+        _row_or_zero(0, FIRST, x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                     stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT),
+        _row_or_zero(1, FIRST, x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                     stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT),
+        _row_or_zero(2, FIRST, x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                     stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT),
+        _row_or_zero(3, FIRST, x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                     stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT),
+        _row_or_zero(4, FIRST, x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                     stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT),
+        _row_or_zero(5, FIRST, x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                     stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT),
+        _row_or_zero(6, FIRST, x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                     stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT),
+        _row_or_zero(7, FIRST, x_ptr, init_ptr, offs_d, mask_d, t, seqlen, t_end,
+                     stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT),
+    )
+
+
+@triton.jit
+def _causal_conv1d_fwd_rows_kernel(
+    # pointers
+    x_ptr, w_ptr, bias_ptr, init_ptr, y_ptr,
+    # sizes
+    dim, seqlen, seg_len,
+    # strides
+    stride_x_b, stride_x_d, stride_x_l,
+    stride_w_d, stride_w_k,
+    stride_bias,
+    stride_init_b, stride_init_d, stride_init_k,
+    stride_y_b, stride_y_d, stride_y_l,
+    # meta-parameters
+    W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Forward for x with unit stride along dim (HF Mamba's in_proj view): each program walks a
+    # segment of time over BLOCK_D channels, 8 rows per step, and carries the last 8 rows in
+    # registers as the next step's halo. Every x row is then read once (the chunk-tile kernel
+    # reads each chunk twice, once as a halo, and transposes tiles through shared memory), and
+    # a row is BLOCK_D contiguous elements: coalesced, no transpose. The planes are the
+    # chunk-tile kernel's with a [BLOCK_D] shape, so the tap arithmetic (_fwd_out) is shared.
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    mask_d = offs_d < dim
+    x_ptr += pid_b * stride_x_b
+    y_ptr += pid_b * stride_y_b
+    if HAS_INIT:
+        init_ptr += pid_b * stride_init_b
+    w = _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W)
+    w = (tl.reshape(w[0], [BLOCK_D]), tl.reshape(w[1], [BLOCK_D]), tl.reshape(w[2], [BLOCK_D]),
+         tl.reshape(w[3], [BLOCK_D]), tl.reshape(w[4], [BLOCK_D]), tl.reshape(w[5], [BLOCK_D]),
+         tl.reshape(w[6], [BLOCK_D]), tl.reshape(w[7], [BLOCK_D]))
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d * stride_bias, mask=mask_d, other=0.0).to(tl.float32)
+    t_start = (pid_s * seg_len).to(tl.int64)
+    t_end = tl.minimum(t_start + seg_len, seqlen)
+    # The halo before the segment: only its last W-1 rows are ever tapped (j >= -(W-1) in
+    # _tap), so the others stay zero and cost no load.
+    p0, p1, p2, p3, p4, p5, p6, p7 = _load_rows8(
+        x_ptr, init_ptr, offs_d, mask_d, t_start - 8, seqlen, t_end,
+        stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT, 8 - (W - 1))
+    for t0 in range(t_start, t_end, 8):
+        # Rows t0 .. t0+7 (all at times >= 0: no initial_state).
+        c0, c1, c2, c3, c4, c5, c6, c7 = _load_rows8(
+            x_ptr, init_ptr, offs_d, mask_d, t0, seqlen, t_end,
+            stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, False, 0)
+        prev = (p0, p1, p2, p3, p4, p5, p6, p7)
+        cur = (c0, c1, c2, c3, c4, c5, c6, c7)
+        for i in tl.static_range(8):
+            y = _fwd_out(i, prev, cur, w, bias, W, SILU, HAS_BIAS)
+            pos = t0 + i + tl.zeros_like(offs_d)  # a vector, as in _load_row
+            tl.store(y_ptr + offs_d * stride_y_d + pos * stride_y_l, y.to(y_ptr.dtype.element_ty),
+                     mask=mask_d & (pos < t_end))
+        p0, p1, p2, p3, p4, p5, p6, p7 = c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _causal_conv1d_bwd_kernel(
     # pointers
     dy_ptr, x_ptr, w_ptr, bias_ptr, init_ptr,
@@ -476,13 +587,35 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _fwd_tile(x_l_contig: bool, dim: int) -> tuple:
-    """(BLOCK_D, NC, num_warps) of the forward tile; see benchmarks/NOTES_conv1d.md."""
+def _fwd_tile(dim: int) -> tuple:
+    """(BLOCK_D, NC, num_warps) of the chunk-tile forward (L-contiguous x; dim-major x takes the
+    row-streaming kernel, see ``_rows_plan``); see benchmarks/NOTES_conv1d.md."""
     # 2048 elements over 4 warps (16 per thread: 2 chunks of x plus their halo in flight, 40
-    # registers on sm_90). L-contiguous: [8 channels, 32 chunks], 512 contiguous bytes of bf16
-    # per channel. dim-contiguous: [64 channels, 4 chunks], 128 contiguous bytes per time step.
-    block_d, nc = (8, 32) if x_l_contig else (64, 4)
-    return min(block_d, triton.next_power_of_2(dim)), nc, 4
+    # registers on sm_90): [8 channels, 32 chunks], 512 contiguous bytes of bf16 per channel.
+    return min(8, triton.next_power_of_2(dim)), 32, 4
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_plan(batch: int, dim: int, seqlen: int, sms: int) -> tuple:
+    # Measured on the H200 (benchmarks/sweep_conv_rows.py, B8 L2048 dim 1536 bf16, RESULTS.md
+    # run 16): rows of 256 channels over 4 warps (2 bf16 per thread) and 32-64-step segments
+    # ran 32.4-32.8 us (73 % of copy bandwidth); 512-channel rows over 2 warps with 64 steps,
+    # 38.3 us; segments of 128 or more steps 38-150 us. Many short segments keep many rows in
+    # flight; a segment re-reads W-1 halo rows, < 5 % of its bytes at 64 steps. Fewer than
+    # 4 programs per SM (short L, batch 1) get shorter segments.
+    block_d = min(256, triton.next_power_of_2(dim))
+    num_warps = max(1, min(4, block_d // 64))
+    blocks = batch * triton.cdiv(dim, block_d)
+    seg_len = 64
+    while seg_len > CHUNK and blocks * triton.cdiv(seqlen, seg_len) < 4 * sms:
+        seg_len //= 2
+    return block_d, num_warps, seg_len
+
+
+def _fwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
+    """(BLOCK_D, num_warps, seg_len) of the row-streaming forward (x with unit stride on dim)."""
+    sms = _num_sms(x.device.index) if x.is_cuda else 1
+    return _rows_plan(batch, dim, seqlen, sms)
 
 
 def _bwd_tile(x_l_contig: bool, dim: int) -> tuple:
@@ -504,8 +637,18 @@ def causal_conv1d_fwd(
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
     y = empty_activation(x)
-    x_l_contig = _l_contig(x)
-    block_d, nc, num_warps = _fwd_tile(x_l_contig, dim)
+    if not _l_contig(x):
+        block_d, num_warps, seg_len = _fwd_rows_tile(x, batch, dim, seqlen)
+        grid = (batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, seg_len))
+        _causal_conv1d_fwd_rows_kernel[grid](
+            x, weight, bias, initial_state, y,
+            dim, seqlen, seg_len,
+            *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_state, 3), *y.stride(),
+            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
+            W=width, SILU=silu, BLOCK_D=block_d, num_warps=num_warps,
+        )
+        return y
+    block_d, nc, num_warps = _fwd_tile(dim)
     # Short sequences: fewer, fully used chunks per tile.
     nc = max(1, min(nc, triton.next_power_of_2(triton.cdiv(seqlen, CHUNK))))
     grid = (batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, nc * CHUNK))

@@ -67,9 +67,13 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=1024)  # a pure function of its arguments, called on every launch
 def scan_fwd_config(
-    batch: int, dim: int, L: int, N: int, dims_per_group: int, num_sms: int
+    batch: int, dim: int, L: int, N: int, dims_per_group: int, num_sms: int,
+    channel_innermost: bool = False,
 ) -> ScanFwdConfig:
     """Choose tiles for ``(batch, dim, L, N)`` on a GPU with ``num_sms`` SMs.
+
+    ``channel_innermost``: u, delta and z have unit stride along dim (nn.Linear-based Mamba
+    code, e.g. HF's, holds them as (batch, L, dim) in memory); it only changes ``prefetch``.
 
     The register tile of a chunk is [chunk_t, N / lanes_n, block_d, lanes_n]; a thread owns
     ``chunk_t`` consecutive timesteps of ``N / lanes_n`` states of one channel. Reasoning
@@ -104,10 +108,15 @@ def scan_fwd_config(
       instructions, no local memory); the fp32 split pass reloads 16 B per chunk from L1.
       Narrower programs (1-2 warps) are only chosen when programs < SMs, where occupancy
       does not matter and a cap would only add spills (1 warp: 236 regs uncapped).
-    * prefetch: the capped 4-warp tile keeps two chunks of loads in flight (measured 6 % faster
-      in fp32, 1.5 % in bf16, equal at batch 1; ~3 % more instructions, no extra registers).
-      By Little's law one chunk should already cover HBM latency at 3 programs per SM, so the
-      gain is latency hiding of the dependent chunk loop, not bandwidth. Other tiles keep 1.
+    * prefetch: on (batch, dim, L) activations the capped 4-warp tile keeps two chunks of loads
+      in flight (measured 6 % faster in fp32, 1.5 % in bf16, equal at batch 1; ~3 % more
+      instructions, no extra registers). By Little's law one chunk should already cover HBM
+      latency at 3 programs per SM, so the gain is latency hiding of the dependent chunk loop,
+      not bandwidth. On channel-innermost activations the same second chunk costs time instead
+      (H200, run 16, batch 8, L=2048: bf16 0.275 against 0.257 ms, fp32 0.281 against 0.269;
+      batch 1 equal or 2 µs slower; not profiled: a chunk is then 16 rows of 32 channels
+      instead of 32 rows of 16 steps). That is the layout of HF's model, so its end-to-end
+      forward takes prefetch 1. Other tiles keep 1.
 
     A register-budget / occupancy model can replace these constants: the kernel accepts any
     power-of-two block_d, chunk_t, lanes_n.
@@ -138,10 +147,11 @@ def scan_fwd_config(
         block_d //= 2
     max_registers, prefetch = None, 1
     if lanes_n == 4 and chunk_t == 16 and num_warps == 4:
-        # Measured on the H200 (bench_scan.py --sweep-named, RESULTS.md): with two chunks of
-        # loads in flight this tile runs 0.251 instead of 0.266 ms (fp32) and 0.259 instead of
-        # 0.263 ms (bf16) at batch 8, L=2048, and the same at batch 1; it stays at 168 registers.
-        max_registers, prefetch = _OCCUPANCY_REGS_3X4, 2
+        # Measured on the H200 (bench_scan.py --sweep-named [--layout hf], RESULTS.md): on
+        # (batch, dim, L) activations two chunks of loads in flight run 0.251 instead of 0.266 ms
+        # (fp32) and 0.259 instead of 0.263 ms (bf16) at batch 8, L=2048; on channel-innermost
+        # ones one chunk is faster (see the docstring). 168 registers either way.
+        max_registers, prefetch = _OCCUPANCY_REGS_3X4, 1 if channel_innermost else 2
     return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments, max_registers, prefetch)
 
 
@@ -460,7 +470,8 @@ def selective_scan_fwd(
     dims_per_group = dim // G
     if config is None:
         n_sms = _num_sms(u.device.index) if u.is_cuda else 132
-        config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms)
+        config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms,
+                                 u.stride(1) == 1 and u.stride(2) != 1)
     if config.prefetch not in (1, 2):
         raise ValueError(f"config.prefetch: expected 1 or 2 chunks ahead, got {config.prefetch}")
     if G > 1 and dims_per_group % config.block_d:

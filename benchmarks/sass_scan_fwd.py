@@ -1,0 +1,121 @@
+"""Compile the forward scan kernel for sm_90 without a GPU and count what its SASS does.
+
+    python benchmarks/sass_scan_fwd.py [--dtype bf16|fp32] [--config 32,16,4,4,1,168,2]
+        [--layout dense|hf] [--dump out.sass]
+
+Prints registers, spill bytes (``cuobjdump -res-usage``), and the opcode mix of the chunk loop's
+body (the largest basic block between the loop's label and its back-branch). The offline numbers
+in benchmarks/NOTES_scan_fwd.md come from this kind of compile: it is how a kernel change is
+checked for registers and instruction count before device time is spent on it.
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ssm_compile.kernels.selective_scan.triton_fwd import ScanFwdConfig, _selective_scan_fwd_kernel
+
+_PTR_ARGS = ("u_ptr", "delta_ptr", "A_ptr", "B_ptr", "C_ptr", "D_ptr", "z_ptr", "delta_bias_ptr",
+             "h0_ptr", "y_ptr", "last_ptr", "seg_a_ptr", "seg_b_ptr")
+_ACT_PTRS = ("u_ptr", "delta_ptr", "B_ptr", "C_ptr", "z_ptr", "y_ptr")
+
+
+def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dense"):
+    kern = _selective_scan_fwd_kernel
+    sig, constexprs = {}, {}
+    elt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
+    lanes_n = cfg.lanes_n
+    consts = dict(BLOCK_D=cfg.block_d, CHUNK_T=cfg.chunk_t, N_PER_THREAD=max(1, n // lanes_n),
+                  LANES_N=lanes_n, SEGMENT_TOTALS=False, DELTA_SOFTPLUS=True, HAS_D=True, HAS_Z=True,
+                  HAS_DELTA_BIAS=True, HAS_INIT=False, STORE_LAST=False, TIME_SPLIT=False,
+                  PREFETCH=cfg.prefetch)
+    for name in kern.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+            constexprs[name] = consts[name]
+        elif name in _PTR_ARGS:
+            sig[name] = f"*{elt}" if name in _ACT_PTRS else "*fp32"
+        else:
+            sig[name] = "i32"
+    # Unit strides, as Triton's specialisation sees them: along L for dense (batch, dim, L)
+    # activations; along dim for channel-innermost ones (nn.Linear-based Mamba code, the HF model),
+    # whose B/C are x_proj's (batch, L, dt_rank + 2N) output, unit stride along N.
+    unit = (("stride_u_l", "stride_delta_l", "stride_z_l", "stride_y_l", "stride_B_l", "stride_C_l")
+            if layout == "dense" else
+            ("stride_u_d", "stride_delta_d", "stride_z_d", "stride_y_d", "stride_B_n", "stride_C_n"))
+    for name in unit + ("stride_A_n", "stride_D", "stride_delta_bias", "stride_h0_n"):
+        sig[name] = "constexpr"
+        constexprs[name] = 1
+    attrs = {(kern.arg_names.index(p),): [["tt.divisibility", 16]] for p in _PTR_ARGS}
+    opts = {"num_warps": cfg.num_warps}
+    if cfg.max_registers:
+        opts["maxnreg"] = cfg.max_registers
+    src = ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def sass_of(cubin: bytes) -> tuple[str, str]:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+        res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    return sass, res
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Opcode counts of the longest loop body: from a backward branch's target to the branch."""
+    inst = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            inst.append((int(m.group(1), 16), m.group(2)))
+    best = (0, -1)
+    for i, (addr, text) in enumerate(inst):
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            j = next(k for k, (a, _) in enumerate(inst) if a >= int(m.group(1), 16))
+            if i - j > best[1] - best[0]:
+                best = (j, i)
+    mix = collections.Counter()
+    for _, text in inst[best[0]:best[1] + 1]:
+        op = re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0].split(".")[0]
+        mix[op] += 1
+    return best[1] - best[0] + 1, mix
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--config", default="32,16,4,4,1,168,2",
+                   help="block_d,chunk_t,lanes_n,warps,segments,max_registers(0=none),prefetch")
+    p.add_argument("--layout", default="dense", choices=("dense", "hf"))
+    p.add_argument("--dump", default=None)
+    args = p.parse_args()
+    v = [int(x) for x in args.config.split(",")]
+    cfg = ScanFwdConfig(v[0], v[1], v[2], v[3], v[4], v[5] or None, v[6])
+    k = compile_fwd(args.dtype, cfg, layout=args.layout)
+    sass, res = sass_of(k.asm["cubin"])
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(sass)
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    local = re.search(r"LOCAL:(\d+)", res)
+    n, mix = loop_mix(sass)
+    print(f"{args.dtype} {args.layout} {tuple(cfg)}: regs {regs and regs.group(1)}, stack "
+          f"{stack and stack.group(1)}, local {local and local.group(1)}; loop {n} instructions")
+    print("  " + ", ".join(f"{op} {c}" for op, c in mix.most_common(18)))
+
+
+if __name__ == "__main__":
+    main()

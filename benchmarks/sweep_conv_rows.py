@@ -1,0 +1,59 @@
+"""Tile sweep of the causal conv's row-streaming forward (x with unit stride along dim, HF
+Mamba's in_proj view): (BLOCK_D, num_warps, seg_len) against the launcher's choice.
+
+    python benchmarks/sweep_conv_rows.py [--batch 8] [--len 2048] [--dtype bf16]
+
+GPU time per call from a CUDA graph (``common.graph_ms``), as a fraction of the copy bandwidth
+on the minimal bytes (read x, write y), measured in the same run.
+"""
+import argparse
+import itertools
+
+import torch
+
+from common import copy_bandwidth_gbs, graph_ms, markdown_table, write_out
+from ssm_compile.kernels.causal_conv1d import reference, triton_conv
+
+DIM, WIDTH = 1536, 4
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--len", type=int, default=2048)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    args = p.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    bw = copy_bandwidth_gbs()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xz = torch.randn(args.batch, args.len, 2 * DIM, device="cuda", dtype=dtype, generator=g)
+    x = xz.transpose(1, 2)[:, :DIM]
+    w = torch.randn(DIM, WIDTH, device="cuda", generator=g) / WIDTH**0.5
+    b = torch.randn(DIM, device="cuda", generator=g)
+    ref = reference.causal_conv1d_ref(x.double(), w.double(), b.double(), "silu", None)
+    nbytes = 2 * x.numel() * x.element_size()
+    default = triton_conv._fwd_rows_tile(x, args.batch, DIM, args.len)
+    original = triton_conv._fwd_rows_tile
+    rows = []
+    for block_d, warps, seg in itertools.chain(
+            [default], itertools.product((256, 512, 1024), (1, 2, 4, 8), (32, 64, 128, 256))):
+        if block_d * (2 if dtype == torch.bfloat16 else 4) < warps * 32 * 4:
+            continue  # fewer than 4 bytes per thread
+        triton_conv._fwd_rows_tile = lambda *a, t=(block_d, warps, seg): t
+        try:
+            y = triton_conv.causal_conv1d_fwd(x, w, b, None, True)
+            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            ms = graph_ms(lambda: triton_conv.causal_conv1d_fwd(x, w, b, None, True))
+        finally:
+            triton_conv._fwd_rows_tile = original
+        rows.append([block_d, warps, seg, "default" if (block_d, warps, seg) == default else "",
+                     ms * 1e3, f"{100 * nbytes / (ms * 1e-3) / (bw * 1e9):.0f}%", f"{err:.1e}"])
+        print(rows[-1], flush=True)
+    rows.sort(key=lambda r: r[4])
+    write_out(f"sweep_conv_rows_{args.dtype}.md",
+              f"B{args.batch} L{args.len} dim {DIM} W{WIDTH} {args.dtype}, copy {bw:.0f} GB/s\n\n"
+              + markdown_table(["BLOCK_D", "warps", "seg_len", "", "graph us", "% copy BW", "max err"], rows))
+
+
+if __name__ == "__main__":
+    main()
