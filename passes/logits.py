@@ -19,8 +19,8 @@ Matched: ``linear(x, W)`` with no bias, x and W both bf16 or both fp16, whose on
 cast to float32, on CUDA (``aten.mm.dtype`` has no CPU kernel). Left alone, with the reason
 recorded for ``explain``: a bias (inductor has no fp32-output addmm, and adding it afterwards
 would cost the pass over the logits this saves), a graph that needs gradients of the matmul
-(``aten.mm.dtype`` has no derivative), and anything that writes in place to the linear's output
-or its cast.
+(``aten.mm.dtype`` has no derivative), a linear that autocast runs in another dtype than its
+inputs', and anything that writes in place to the linear's output or its cast.
 """
 from __future__ import annotations
 
@@ -52,8 +52,11 @@ def _reason_to_keep(linear: torch.fx.Node, cast: torch.fx.Node, graph: torch.fx.
                 "derivative; kept as a half-precision matmul and a cast")
     if written_in_place(graph, [linear, cast]) is not None:
         return "the linear's output or its float32 cast is written in place"
-    if dtype_of(x) != dtype_of(w):
-        return f"input and weight dtypes differ ({dtype_of(x)} and {dtype_of(w)})"
+    if not dtype_of(x) == dtype_of(w) == out.dtype:
+        # Autocast: the linear ran in another dtype than its inputs have, and the matmul that
+        # would replace it is not on autocast's lists.
+        return (f"the linear computes in {out.dtype} from {dtype_of(x)} input and {dtype_of(w)} weight "
+                "(autocast); kept as it is")
     return ""
 
 

@@ -23,15 +23,18 @@ def fake(mode, shape, dtype=torch.bfloat16, device=CUDA):
     return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), device)
 
 
-def run_pass(fn, *inputs, grad=False):
+def run_pass(fn, *inputs, grad=False, autocast_to=None):
     """Trace ``fn``, record fake values as dynamo would, run the logits pass; (gm, ctx).
 
     ``grad``: mark every value as requiring grad, as dynamo records a graph traced with grad
     enabled and a weight that requires it (set after propagation: autograd on fake CUDA
-    tensors needs a CUDA build)."""
+    tensors needs a CUDA build). ``autocast_to``: give the linear that output dtype, as dynamo
+    records a linear under autocast (autocast itself needs a CUDA build)."""
     gm = torch.fx.symbolic_trace(fn)
     FakeTensorProp(gm, inputs[0].fake_mode).propagate(*inputs)
     for node in gm.graph.nodes:  # dynamo's graphs carry example_value; FakeTensorProp writes val
+        if autocast_to is not None and node.target is torch._C._nn.linear:
+            node.meta["val"] = fake(inputs[0].fake_mode, node.meta["val"].shape, autocast_to)
         if "val" in node.meta:
             if grad and node.op != "placeholder" and isinstance(node.meta["val"], torch.Tensor):
                 node.meta["val"].requires_grad_(True)
@@ -92,6 +95,15 @@ def test_gradients_are_a_recorded_miss():
     mode = FakeTensorMode()
     gm, ctx = run_pass(head, fake(mode, (3, 8)), fake(mode, (5, 8)), grad=True)
     assert not ctx.rewrites and "derivative" in ctx.misses[0].reason
+    assert torch.mm not in targets(gm)
+
+
+def test_autocast_is_a_recorded_miss():
+    # fp32 input and weight, a bf16 linear: the graph of a linear under autocast.
+    mode = FakeTensorMode()
+    gm, ctx = run_pass(head, fake(mode, (3, 8), torch.float32), fake(mode, (5, 8), torch.float32),
+                       autocast_to=torch.bfloat16)
+    assert not ctx.rewrites and "autocast" in ctx.misses[0].reason
     assert torch.mm not in targets(gm)
 
 
