@@ -193,6 +193,25 @@ def test_cuda_logits_match_fp64(dynamic):
 
 
 @needs_cuda
+def test_cuda_autocast_linear_is_left_alone():
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, device="cuda")
+    w = torch.randn(40, 32, device="cuda")
+
+    def fn(x, w):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = F.linear(x, w)
+        return y.float()
+
+    counters["ssm"].clear()
+    with torch.no_grad():
+        out = torch.compile(fn, backend="ssm")(x, w)
+        eager = fn(x, w)
+    assert counters["ssm"]["logits"] == 0
+    torch.testing.assert_close(out, eager)
+
+
+@needs_cuda
 def test_cuda_training_keeps_the_cast_and_its_gradients():
     torch.manual_seed(0)
     x = torch.randn(3, 5, 32, device="cuda", dtype=torch.bfloat16)
