@@ -38,12 +38,9 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def _reason_to_keep(linear: torch.fx.Node, cast: torch.fx.Node, graph: torch.fx.Graph) -> str | None:
-    """None: the rewrite does not apply here and there is nothing to report (no fp32-output
-    matmul on this device); "": rewrite; otherwise why this near-miss is kept."""
+    """Why this CUDA linear + cast is kept as it is, or None to rewrite it."""
     x, w = linear.args[0], linear.args[1]
     out = val(linear)
-    if out.device.type != "cuda":
-        return None
     bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
     if bias is not None:
         return "the linear has a bias: there is no fp32-output matmul with a bias epilogue to fold it into"
@@ -57,7 +54,7 @@ def _reason_to_keep(linear: torch.fx.Node, cast: torch.fx.Node, graph: torch.fx.
         # would replace it is not on autocast's lists.
         return (f"the linear computes in {out.dtype} from {dtype_of(x)} input and {dtype_of(w)} weight "
                 "(autocast); kept as it is")
-    return ""
+    return None
 
 
 def logits_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
@@ -68,11 +65,11 @@ def logits_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         linear = cast.args[0]
         if not is_call(linear, *LINEAR_TARGETS) or len(linear.args) < 2 or len(linear.users) != 1:
             continue
-        if dtype_of(linear) not in _HALF or val(linear.args[0]).dim() < 2:
+        # Not near-misses, nothing to report: no fp32-output matmul off CUDA, or not half precision.
+        product = val(linear)
+        if product.device.type != "cuda" or product.dtype not in _HALF or val(linear.args[0]).dim() < 2:
             continue
         reason = _reason_to_keep(linear, cast, graph)
-        if reason is None:
-            continue
         if reason:
             ctx.miss(FAMILY, reason, [linear, cast])
             continue

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import empty_activation
+from ..layout import dim_innermost, empty_activation
 from ..triton_common import LOG2E, linear_combine, silu, softplus
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
@@ -470,8 +470,7 @@ def selective_scan_fwd(
     dims_per_group = dim // G
     if config is None:
         n_sms = _num_sms(u.device.index) if u.is_cuda else 132
-        config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms,
-                                 u.stride(1) == 1 and u.stride(2) != 1)
+        config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms, dim_innermost(u))
     if config.prefetch not in (1, 2):
         raise ValueError(f"config.prefetch: expected 1 or 2 chunks ahead, got {config.prefetch}")
     if G > 1 and dims_per_group % config.block_d:
