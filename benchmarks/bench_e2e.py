@@ -298,14 +298,20 @@ def main():
                 # L=512): self CPU time per op over 3 calls, with the graph and break counts.
                 from torch.profiler import ProfilerActivity, profile
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                             record_shapes=True) as prof:
                     for _ in range(3):
                         ssm(ids)
                     torch.cuda.synchronize()
+                # The second table splits the matmuls by shape (in_proj, x_proj, dt_proj,
+                # out_proj, the LM head), to set each against its own FLOP and byte floor.
                 write_out(f"profile_e2e_ssm_L{L}.txt",
                           f"graphs {counters['stats']['unique_graphs'] - graphs0}, graph breaks "
                           f"{sum(counters['graph_break'].values()) - breaks0}\n"
-                          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+                          + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                          + "\n\nBy input shape, by GPU time:\n"
+                          + prof.key_averages(group_by_input_shape=True).table(
+                              sort_by="self_cuda_time_total", row_limit=25))
             if not over_budget(f"ssm with CUDA graphs at L={L}"):
                 # mode="reduce-overhead": the same kernels replayed from a CUDA graph, without the
                 # per-op host cost that dominates the short sequence.

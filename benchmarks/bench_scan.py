@@ -191,7 +191,7 @@ def main():
             x = make_inputs(batch, L, dtype)
             if args.layout == "hf":
                 x = hf_layout(x)
-            cfg = scan_fwd_config(batch, DIM, L, N, DIM, n_sms, args.layout == "hf")
+            cfg = scan_fwd_config(batch, DIM, L, N, DIM, n_sms, args.layout == "hf", elt == 2)
             cfg_s = (f"d{cfg.block_d}/t{cfg.chunk_t}/ln{cfg.lanes_n}/w{cfg.num_warps}"
                      f"/s{cfg.n_segments}/r{cfg.max_registers or '-'}/p{cfg.prefetch}")
             t_ours = try_time(ours, x)
@@ -311,7 +311,7 @@ def sweep(n_sms, bw, clock, named_only=False, layout="dense", only=None):
         if layout == "hf":
             x = hf_layout(x)
         results = []
-        default = scan_fwd_config(batch, DIM, L, N, DIM, n_sms, layout == "hf")
+        default = scan_fwd_config(batch, DIM, L, N, DIM, n_sms, layout == "hf", elt == 2)
         named = named_candidates(default, default.n_segments)
         for cfg in (named if named_only else grid(batch, seg_options)):
             if time.time() - start > SWEEP_BUDGET_S:

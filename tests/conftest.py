@@ -11,6 +11,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402  (after the TRITON_INTERPRET switch above, on purpose)
 from torch._dynamo.utils import counters  # noqa: E402
 
+# Under pytest-xdist (`-n 2`, what CI runs on its 2 cores) each worker process gets its share of
+# the cores for torch's intra-op threads, instead of every worker starting one thread per core
+# and the processes oversubscribing the machine.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -261,33 +261,37 @@ def test_heuristic_register_cap(problem, cap):
         assert 3 * c.num_warps * 32 * cap <= 65536 and cap % 8 == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["dense", "channel-innermost"])
-def test_heuristic_prefetch_follows_the_layout(layout, monkeypatch):
-    """The capped 4-warp tile loads two chunks ahead on (batch, dim, L) activations and one on
-    channel-innermost ones (H200 sweep, RESULTS.md run 16); the launcher tells the heuristic
-    which layout it has."""
+def test_heuristic_prefetch_follows_layout_and_dtype(layout, dtype, monkeypatch):
+    """The capped 4-warp tile loads one chunk ahead on 16-bit channel-innermost activations and
+    two otherwise (H200 sweeps, RESULTS.md runs 16 and 17); the launcher tells the heuristic
+    which layout and width it has."""
     from ssm_compile.kernels.selective_scan import triton_fwd
 
     ci = layout == "channel-innermost"
-    assert scan_fwd_config(8, 1536, 2048, 16, 1536, 132, ci).prefetch == (1 if ci else 2)
-    # Through the launcher: the same inputs in either memory layout.
+    half = dtype == torch.bfloat16
+    want = 1 if ci and half else 2
+    assert scan_fwd_config(8, 1536, 2048, 16, 1536, 132, ci, half).prefetch == want
+    # Through the launcher: the same inputs in either memory layout and dtype.
     seen = []
 
     def spy(*args):
-        seen.append(args[-1])
+        seen.append(args[-2:])
         return scan_fwd_config(*args)
 
     monkeypatch.setattr(triton_fwd, "scan_fwd_config", spy)
     torch.manual_seed(0)
-    u = torch.randn(1, 8, 21, device=DEVICE)
+    u = torch.randn(1, 8, 21, device=DEVICE).to(dtype)
     if ci:
         u = u.transpose(1, 2).contiguous().transpose(1, 2)
     A = -torch.rand(8, 4, device=DEVICE) - 0.5
-    B, C = torch.randn(1, 1, 4, 21, device=DEVICE), torch.randn(1, 1, 4, 21, device=DEVICE)
+    B, C = (torch.randn(1, 1, 4, 21, device=DEVICE).to(dtype) for _ in range(2))
     y, _ = triton_fwd.selective_scan_fwd(u, u.abs(), A, B, C, None, None, None, False, None, False)
-    assert seen == [ci]
+    assert seen == [(ci, half)]
     ref = selective_scan_ref(*(t.double().cpu() for t in (u, u.abs(), A, B, C)))
-    torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("cap", [None, 168], ids=lambda c: f"maxnreg{c}")

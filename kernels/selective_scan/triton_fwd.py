@@ -68,12 +68,13 @@ def _cdiv(a: int, b: int) -> int:
 @functools.lru_cache(maxsize=1024)  # a pure function of its arguments, called on every launch
 def scan_fwd_config(
     batch: int, dim: int, L: int, N: int, dims_per_group: int, num_sms: int,
-    channel_innermost: bool = False,
+    channel_innermost: bool = False, half_precision: bool = False,
 ) -> ScanFwdConfig:
     """Choose tiles for ``(batch, dim, L, N)`` on a GPU with ``num_sms`` SMs.
 
     ``channel_innermost``: u, delta and z have unit stride along dim (nn.Linear-based Mamba
-    code, e.g. HF's, holds them as (batch, L, dim) in memory); it only changes ``prefetch``.
+    code, e.g. HF's, holds them as (batch, L, dim) in memory); ``half_precision``: they are
+    16-bit. The two only change ``prefetch``.
 
     The register tile of a chunk is [chunk_t, N / lanes_n, block_d, lanes_n]; a thread owns
     ``chunk_t`` consecutive timesteps of ``N / lanes_n`` states of one channel. Reasoning
@@ -86,8 +87,8 @@ def scan_fwd_config(
       N >= 4) keeps that at <= 0.5 shuffles per element while giving batch * dim * lanes_n
       threads of parallelism.
     * Registers: for N = 16 (Mamba's default; lanes_n = 4) chunk_t = 16, a 64-element tile
-      per thread: ~170 registers, no spills on sm_90 (checked with ptxas), 3 programs of 4
-      warps per SM. 16 timesteps make each channel row a 64 B (fp32) / 32 B (bf16) vector
+      per thread: 145-165 registers since run 17's joined layout conversions (~170 before),
+      no spills on sm_90 (checked with ptxas), 3 programs of 4 warps per SM. 16 timesteps make each channel row a 64 B (fp32) / 32 B (bf16) vector
       load, and one chunk in flight per program is ~6 KB, which occupancy multiplies towards
       the ~25 KB per SM that HBM latency needs. Other N get a 32-element tile (chunk_t <= 8):
       the 64-element tile reaches 210-250 registers there (larger B/C tiles for lanes_n >= 16,
@@ -106,6 +107,8 @@ def scan_fwd_config(
       and above 168 only 2 programs fit per SM: the fp32 forward at batch 8 ran 1.5x slower
       (0.259 -> 0.389 ms) from nothing but that. At 168 the unsplit loop is unchanged (691
       instructions, no local memory); the fp32 split pass reloads 16 B per chunk from L1.
+      The cap stays a ceiling now that ptxas needs less: 128 (4 programs per SM) fits
+      without spills but ran slower at batch 8 (384 programs fill 3 per SM anyway).
       Narrower programs (1-2 warps) are only chosen when programs < SMs, where occupancy
       does not matter and a cap would only add spills (1 warp: 236 regs uncapped).
     * prefetch: on (batch, dim, L) activations the capped 4-warp tile keeps two chunks of loads
@@ -116,7 +119,9 @@ def scan_fwd_config(
       (H200, run 16, batch 8, L=2048: bf16 0.275 against 0.257 ms, fp32 0.281 against 0.269;
       batch 1 equal or 2 µs slower; not profiled: a chunk is then 16 rows of 32 channels
       instead of 32 rows of 16 steps). That is the layout of HF's model, so its end-to-end
-      forward takes prefetch 1. Other tiles keep 1.
+      forward takes prefetch 1. Since run 17's joined layout conversions (fewer registers,
+      fewer barriers) that holds for 16-bit activations only: fp32 ones run 0.248 ms with two
+      chunks against 0.263 with one (bf16: 0.249 against 0.244). Other tiles keep 1.
 
     A register-budget / occupancy model can replace these constants: the kernel accepts any
     power-of-two block_d, chunk_t, lanes_n.
@@ -150,8 +155,8 @@ def scan_fwd_config(
         # Measured on the H200 (bench_scan.py --sweep-named [--layout hf], RESULTS.md): on
         # (batch, dim, L) activations two chunks of loads in flight run 0.251 instead of 0.266 ms
         # (fp32) and 0.259 instead of 0.263 ms (bf16) at batch 8, L=2048; on channel-innermost
-        # ones one chunk is faster (see the docstring). 168 registers either way.
-        max_registers, prefetch = _OCCUPANCY_REGS_3X4, 1 if channel_innermost else 2
+        # 16-bit ones one chunk is faster (see the docstring).
+        max_registers, prefetch = _OCCUPANCY_REGS_3X4, 1 if channel_innermost and half_precision else 2
     return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments, max_registers, prefetch)
 
 
@@ -342,25 +347,24 @@ def _selective_scan_fwd_kernel(
             dt = softplus(dt)
         # Padded timesteps (ragged tail) must be the identity step (1, 0): dt = 0 gives
         # a = exp2(0) = 1 and b = 0 whatever softplus(bias) would have been, so nothing leaks
-        # into the carry or the last state. The 0 is read from u, which the masked load made
-        # exactly 0 there: with u in its history, Triton <= 3.6 no longer hoists dt's layout
-        # conversion above the bf16 -> fp32 cast, which would redo this (t, d) math on every
-        # one of the LANES_N lanes (bf16 loop: 1504 instead of ~790 instructions, ptxas sm_90).
-        dt = tl.where(mask_t[:, None], dt, uf)
+        # into the carry or the last state. (B and C load as 0 there.)
+        dt = tl.where(mask_t[:, None], dt, 0.0)
         dtu = dt * uf
 
-        # B and C are 0 wherever their loads were masked, so each may stand in for the
-        # other's zeros: the same layout-conversion guard as for dt above (without it
-        # Triton <= 3.6 converts bf16 B/C to the chunk layout first and then widens every
-        # element on every lane).
-        Bf = Bt.to(tl.float32)
-        Cf = Ct.to(tl.float32)
-        mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
-        Bf, Cf = tl.where(mask_tn, Bf, Cf), tl.where(mask_tn, Cf, Bf)
-
-        # [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N]
-        a = tl.exp2(dt[:, None, :, None] * A[None, :, :, :])
-        b = dtu[:, None, :, None] * Bf[:, :, None, :]
+        # The (t, d) values and the B/C tiles reach the chunk layout [CHUNK_T, N_PER_THREAD,
+        # BLOCK_D, LANES_N] through shared memory. Joining the pairs that travel together makes
+        # that two layout conversions instead of four, i.e. two round trips and barrier pairs
+        # fewer per chunk (H200, run 17: bf16 0.258 -> 0.245 ms at batch 8, L=2048, HF's
+        # layout). The join also pins each conversion after the widening casts, where the
+        # earlier code needed where()-guards to stop Triton from converting the 16-bit loads and
+        # then redoing the (t, d) math and the widening on every lane.
+        dt4, dtu4 = tl.split(tl.join(dt, dtu)[:, None, :, None, :])
+        if SEGMENT_TOTALS:  # no readout, no C
+            B4 = Bt.to(tl.float32)[:, :, None, :]
+        else:
+            B4, C4 = tl.split(tl.join(Bt.to(tl.float32), Ct.to(tl.float32))[:, :, None, :, :])
+        a = tl.exp2(dt4 * A[None, :, :, :])
+        b = dtu4 * B4
 
         # Put the carry into the first step (b_0 <- a_0 * h + b_0) instead of applying it to
         # every prefix afterwards: the scanned b is then the state itself, and only the b half
@@ -373,7 +377,7 @@ def _selective_scan_fwd_kernel(
             dt_sum += tl.sum(dt, axis=0)
         else:
             # Sum the per-thread states first (register adds), then across lanes.
-            y = tl.sum(tl.sum(hs * Cf[:, :, None, :], axis=1), axis=2)
+            y = tl.sum(tl.sum(hs * C4, axis=1), axis=2)
             if HAS_D:
                 y += Dv[None, :] * uf
             if HAS_Z:
@@ -470,7 +474,8 @@ def selective_scan_fwd(
     dims_per_group = dim // G
     if config is None:
         n_sms = _num_sms(u.device.index) if u.is_cuda else 132
-        config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms, dim_innermost(u))
+        config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms, dim_innermost(u),
+                                 u.element_size() == 2)
     if config.prefetch not in (1, 2):
         raise ValueError(f"config.prefetch: expected 1 or 2 chunks ahead, got {config.prefetch}")
     if G > 1 and dims_per_group % config.block_d:
