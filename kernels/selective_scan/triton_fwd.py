@@ -88,9 +88,10 @@ def scan_fwd_config(
       threads of parallelism.
     * Registers: for N = 16 (Mamba's default; lanes_n = 4) chunk_t = 16, a 64-element tile
       per thread: 145-165 registers since run 17's joined layout conversions (~170 before),
-      no spills on sm_90 (checked with ptxas), 3 programs of 4 warps per SM. 16 timesteps make each channel row a 64 B (fp32) / 32 B (bf16) vector
-      load, and one chunk in flight per program is ~6 KB, which occupancy multiplies towards
-      the ~25 KB per SM that HBM latency needs. Other N get a 32-element tile (chunk_t <= 8):
+      no spills on sm_90 (checked with ptxas), 3 programs of 4 warps per SM. 16 timesteps
+      make each channel row a 64 B (fp32) / 32 B (bf16) vector load, and one chunk in
+      flight per program is ~6 KB, which occupancy multiplies towards the ~25 KB per SM that
+      HBM latency needs. Other N get a 32-element tile (chunk_t <= 8):
       the 64-element tile reaches 210-250 registers there (larger B/C tiles for lanes_n >= 16,
       [chunk_t, block_d] tiles shared by fewer lanes for N <= 2).
     * block_d = (32 / lanes_n) * num_warps: one channel per lane group, no replication. It must
@@ -156,7 +157,8 @@ def scan_fwd_config(
         # (batch, dim, L) activations two chunks of loads in flight run 0.251 instead of 0.266 ms
         # (fp32) and 0.259 instead of 0.263 ms (bf16) at batch 8, L=2048; on channel-innermost
         # 16-bit ones one chunk is faster (see the docstring).
-        max_registers, prefetch = _OCCUPANCY_REGS_3X4, 1 if channel_innermost and half_precision else 2
+        prefetch = 1 if channel_innermost and half_precision else 2
+        max_registers = _OCCUPANCY_REGS_3X4
     return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments, max_registers, prefetch)
 
 
@@ -354,10 +356,11 @@ def _selective_scan_fwd_kernel(
         # The (t, d) values and the B/C tiles reach the chunk layout [CHUNK_T, N_PER_THREAD,
         # BLOCK_D, LANES_N] through shared memory. Joining the pairs that travel together makes
         # that two layout conversions instead of four, i.e. two round trips and barrier pairs
-        # fewer per chunk (H200, run 17: bf16 0.258 -> 0.245 ms at batch 8, L=2048, HF's
-        # layout). The join also pins each conversion after the widening casts, where the
-        # earlier code needed where()-guards to stop Triton from converting the 16-bit loads and
-        # then redoing the (t, d) math and the widening on every lane.
+        # fewer per chunk (H200, run 17, batch 8, L=2048, HF's layout: bf16 0.2575 -> 0.2431
+        # ms, fp32 0.2689 -> 0.2479 with scan_fwd_config's prefetch 2 for it). The join also
+        # pins each conversion after the widening casts, where the earlier code needed
+        # where()-guards to stop Triton from converting the 16-bit loads and then redoing the
+        # (t, d) math and the widening on every lane.
         dt4, dtu4 = tl.split(tl.join(dt, dtu)[:, None, :, None, :])
         if SEGMENT_TOTALS:  # no readout, no C
             B4 = Bt.to(tl.float32)[:, :, None, :]
