@@ -83,7 +83,7 @@ def _delta_tile(delta_ptrs, bias, mask, HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFT
     if HAS_DELTA_BIAS:
         x += bias
     if DELTA_SOFTPLUS:
-        dt = softplus(x)
+        dt = softplus(x, FAST_MATH=True)
     else:
         dt = x
     return tl.where(mask, dt, 0.0), x
@@ -232,7 +232,7 @@ def _chunk_state_kernel(
     if HAS_Z:
         z = tl.load(z_ptr + pid_b * stride_z_b + offs_d[:, None] * stride_z_d + t[None, :] * stride_z_l,
                     mask=mask_dt, other=0.0).to(tl.float32)
-        g *= silu(z)
+        g *= silu(z, FAST_MATH=True)
     dtu = dt * u
     # The exclusive suffix sum is taken as (inclusive suffix - delta), not total - prefix:
     # the latter cancels and costs |A| * eps * total in the exponent.
@@ -386,7 +386,7 @@ def _chunk_bwd_kernel(
         dy = tl.load(dy_ptr + d3 * stride_dy_d + t3 * stride_dy_l, mask=mask_dt, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_ptr + d3 * stride_z_d + t3 * stride_z_l, mask=mask_dt, other=0.0).to(tl.float32)
-            g = dy * silu(z)
+            g = dy * silu(z, FAST_MATH=True)
         else:
             g = dy
         dtu = dt * u
@@ -592,7 +592,7 @@ def _chunk_bwd_nblock_kernel(
                 g = tl.load(dy_ptrs, mask=mask_t3, other=0.0).to(tl.float32)
                 if HAS_Z:
                     z_ptrs = z_ptr + d * stride_z_d + t3 * stride_z_l
-                    g *= silu(tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32))
+                    g *= silu(tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32), FAST_MATH=True)
                 A2 = (tl.load(A_ptr + d * stride_A_d + offs_n * stride_A_n, mask=mask_n, other=0.0).to(tl.float32)
                       * LOG2E)[:, None, None]  # [NB, 1, 1]
                 h0 = tl.load(hs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]  # [NB, 1]
@@ -714,7 +714,7 @@ def _serial_steps(delta_ptr, u_ptr, B_ptr, bias, offs_t, offs_d, offs_bn, mask_t
     if HAS_DELTA_BIAS:
         x += bias[None, :]
     if DELTA_SOFTPLUS:
-        dt = softplus(x, FAST_DIV=True)
+        dt = softplus(x, FAST_MATH=True)
     else:
         dt = x
     # Padded steps must be the identity (1, 0): dt = 0 there, read from u (exactly 0 where its

@@ -1,0 +1,92 @@
+"""The 130m-shaped HF Mamba forward under backend="ssm" with CUDA graphs, once per set of backend
+options, to decide whether an option is worth making a default.
+
+    python benchmarks/probe_e2e_options.py [--len 2048] [--batch 8] [--repeats 3]
+
+Per variant: the forward's median time from CUDA-graph replay, the GPU kernels (and memsets) one
+forward launches with their summed GPU time (a profile of the same options without CUDA graphs),
+and the largest logit difference against the first variant (the default). That difference only
+clears an option when it is 0: the random bf16 model amplifies any change of rounding (eager
+bf16 against its own fp32 twin: relative error ~0.95, bench_e2e.py), so a large one is a reason
+to look, not a verdict. Variants run interleaved, ``--repeats`` rounds, so that drift
+of the machine does not favour one. Appends a table to $OUT/probe_e2e_options.md when OUT is set.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import VOCAB, build  # noqa: E402
+from common import markdown_table, median_ms  # noqa: E402
+
+import ssm_compile  # noqa: E402
+
+# name -> backend options. combo_kernels: inductor launches independent small kernels (each
+# layer's -exp(A_log.float()), D.float(), ...) as one kernel, fewer launches per forward.
+VARIANTS = {
+    "default": {},
+    "combo_kernels": {"inductor_config": {"combo_kernels": True}},
+    "combo_kernels, mixed sizes": {"inductor_config": {"combo_kernels": True, "combo_kernel_allow_mixed_sizes": 2}},
+}
+
+
+def kernels_per_forward(model, ids, options) -> tuple[int, float]:
+    """(GPU kernels + memsets, their summed GPU ms) of one forward, profiled without CUDA graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend=ssm_compile.backend(**options))
+    fn(ids)
+    fn(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(ids)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(events), sum(e.device_time for e in events) / 1e3
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    model = build(True, torch.bfloat16).eval()
+    ids = torch.randint(0, VOCAB, (args.batch, args.len), device="cuda")
+    compiled, outputs, times, counts = {}, {}, {name: [] for name in VARIANTS}, {}
+    with torch.no_grad():
+        for name, options in VARIANTS.items():
+            counts[name] = kernels_per_forward(model, ids, options)
+            torch._dynamo.reset()
+            fn = torch.compile(model, backend=ssm_compile.backend(mode="reduce-overhead", **options))
+
+            def run(fn=fn):
+                torch.compiler.cudagraph_mark_step_begin()
+                return fn(ids)
+
+            run()
+            outputs[name] = run().logits.float().clone()
+            compiled[name] = run
+            print(f"{name}: {counts[name][0]} GPU kernels and memsets, {counts[name][1]:.3f} ms summed",
+                  flush=True)
+        for _ in range(args.repeats):
+            for name, run in compiled.items():
+                times[name].append(median_ms(run))
+    first = next(iter(VARIANTS))
+    rows = [[name, f"{statistics.median(times[name]):.3f}", " ".join(f"{t:.3f}" for t in times[name]),
+             counts[name][0], f"{counts[name][1]:.3f}",
+             f"{(outputs[name] - outputs[first]).abs().max().item():.2e}"] for name in VARIANTS]
+    table = markdown_table(["variant", "CUDA-graph ms (median)", "rounds", "kernels + memsets",
+                            "their GPU ms", f"max |logits - {first}|"], rows)
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "probe_e2e_options.md"), "a") as f:
+            f.write(f"batch {args.batch}, L {args.len}, bf16, 130m-shaped HF Mamba\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
