@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ssm_compile.compiler import _run_passes
+from ssm_compile.compiler import _run_passes, _Undo
 from ssm_compile.passes import scan_loop
 from ssm_compile.passes.manager import PassManager
 
@@ -46,7 +46,7 @@ def main():
         scan_loop.register(pm)
         # What the backend runs: the passes, behind the copy that lets a failing pass be undone.
         t0 = time.perf_counter()
-        ctx = _run_passes(pm, gm)
+        ctx = _run_passes(pm, gm, _Undo(gm))
         pass_time["s"] = time.perf_counter() - t0
         pass_time["rewrites"] = [r.family for r in ctx.rewrites]
         return gm.forward

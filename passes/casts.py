@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .fx_utils import (cast_dtype, dtype_of, is_lossless_cast, is_method, propagate_val, storage_of,
+from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_lossless_cast, is_method, propagate_val, storage_of,
                        written_in_place)
 
 # Views that only relabel axes: they apply to any tensor, and commute with a dtype cast.
@@ -54,6 +54,10 @@ def fold_round_trip_casts(gm: torch.fx.GraphModule) -> list[str]:
         # The up-cast and the views between count too: ``up.mul_(3)`` before the down-cast
         # changes what it reads.
         if written_in_place(graph, [src, node, *views, down]) is not None:
+            continue
+        # A round trip that starts under no_grad and ends with grad on (or the reverse) cuts a
+        # gradient that reading src itself would not.
+        if context_refusal(graph, [node, *views, down]) is not None:
             continue
         new = src
         with graph.inserting_before(down):

@@ -35,7 +35,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import depthwise_weight, is_call, is_method, named_args, propagate_val, val, view_perm, written_in_place
+from .fx_utils import (context_refusal, depthwise_weight, is_call, is_method, named_args, propagate_val, val,
+                       view_perm, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -256,6 +257,13 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 view = None
         act_nodes, act_pattern = act if act is not None else ([], None)
         last = act_nodes[0] if act_nodes else out
+        # The op runs where the conv did: the pad, the slice and the activation it absorbs must
+        # have run under the same grad mode / autocast / functorch state.
+        absorbed = [conv, pad, sliced, view, *act_nodes]
+        refusal = context_refusal(graph, absorbed, conv)
+        if refusal is not None:
+            ctx.miss(FAMILY, refusal, [conv])
+            continue
         with graph.inserting_before(conv):
             kernel_weight = depthwise_weight(graph, weight)
             op = graph.call_function(torch.ops.ssm.causal_conv1d.default,

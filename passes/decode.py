@@ -74,8 +74,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term
-from .fx_utils import (depthwise_weight, is_call, is_cast, is_method, named_args, node_order, propagate_val,
-                       storage_of, target_name, val, written_args)
+from .fx_utils import (context_refusal, depthwise_weight, is_call, is_cast, is_method, named_args, node_order,
+                       propagate_val, storage_of, target_name, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -991,6 +991,12 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         u, m = found
         last = m["last"]
+        # The op runs at the readout, under the grad mode / autocast the step ran under.
+        refusal = context_refusal(graph, [node, u.reader, *m["chain"], m["readout_first"], last, *u.writes],
+                                  last)
+        if refusal is not None:
+            ctx.miss(STATE_FAMILY, refusal, [node])
+            continue
         out_dtype = _tensor(last).dtype
         state = m["state"]
         if u.form == "returned":
@@ -1153,6 +1159,10 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if m is None:
             continue
         last = m["last"]
+        refusal = context_refusal(graph, [cat, m["copy"], m["conv"], last], m["conv"])
+        if refusal is not None:
+            ctx.miss(CONV_FAMILY, refusal, [cat])
+            continue
         out_dtype = _tensor(last).dtype
         with graph.inserting_before(m["conv"]):
             x = _widen_for(graph, m["x"], out_dtype)
@@ -1478,6 +1488,11 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if m is None:
             continue
         last = m["last"]
+        refusal = context_refusal(graph, [node, m["first"], last, *m["nodes"], *m["writes"],
+                                          min(m["cs"].users, key=order.__getitem__)], last)
+        if refusal is not None:
+            ctx.miss(CONV_FAMILY, refusal, [node])
+            continue
         out_dtype = _tensor(last).dtype
         cs = m["cs"]
         if m["form"] == "returned":

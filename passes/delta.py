@@ -28,8 +28,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .fx_utils import (cast_dtype, is_call, is_method, layout_source, permute_view, propagate_val, scan_args,
-                       named_args, scan_nodes, set_scan_args, shape_of, written_in_place)
+from .fx_utils import (cast_dtype, context_refusal, is_call, is_method, layout_source, permute_view, propagate_val,
+                       scan_args, named_args, scan_nodes, set_scan_args, shape_of, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -200,6 +200,13 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
         product = None
     if product is not None:
         reads += list(product)
+    # The softplus (and the linear or matmul recomputed at the scan) must have run under the
+    # scan's grad mode / autocast / functorch state.
+    recomputed = [fold.linear] if fold.linear is not None else [fold.pre] if product is not None else []
+    refusal = context_refusal(graph, [scan, *fold.nodes, *recomputed], scan if recomputed else None)
+    if refusal is not None:
+        ctx.miss(FAMILY, refusal, [scan])
+        return
     writer = written_in_place(graph, reads)
     if writer is not None:
         ctx.miss(FAMILY, f"{writer.name} writes in place to memory Δ's inputs live in: the op would read "

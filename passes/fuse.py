@@ -26,7 +26,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.fx
 
-from .fx_utils import is_call, is_method, output_getitem, propagate_val, scan_args, scan_nodes, shape_of, val
+from .fx_utils import (context_refusal, grad_enabled_at, is_call, is_method, output_getitem, propagate_val, scan_args,
+                       scan_nodes, shape_of, val)
 from .manager import PassContext, PassManager
 
 FAMILY = "fuse"
@@ -139,7 +140,13 @@ def check_fusable(scan: torch.fx.Node) -> FuseSite | str | None:
     if conv is None and dt is None:
         return None  # nothing to fuse: not a near-miss, just another scan
 
-    if torch.is_grad_enabled():
+    # A fused level recomputes the conv and the dt projection inside one op at the scan.
+    refusal = context_refusal(scan.graph, [scan, conv, *(dt.nodes if dt is not None else ())])
+    if refusal is not None:
+        return refusal
+    # The grad mode where the scan runs, not the one the graph is compiled under: a forward that
+    # opens ``torch.enable_grad()`` itself, called under ``torch.no_grad()``, records grads.
+    if grad_enabled_at(scan):
         inputs = tensors + ([conv_args[1], conv_args[2]] if conv is not None else [])
         inputs += [dt.weight, dt.low] if dt is not None else []
         if any(isinstance(t, torch.fx.Node) and val(t).requires_grad for t in inputs):

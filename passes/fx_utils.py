@@ -66,8 +66,13 @@ __all__ = [
     "inverse",
     "node_order",
     "hoist_before",
+    "HOIST_BLOCKED",
     "follow_views",
     "depthwise_weight",
+    "is_context_boundary",
+    "ContextRegions",
+    "context_refusal",
+    "grad_enabled_at",
 ]
 
 
@@ -558,12 +563,18 @@ def node_order(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def hoist_before(node: torch.fx.Node, anchor: torch.fx.Node, blocked: torch.fx.Node) -> bool:
+# ``hoist_before``'s answer when the value depends on the node it was to be moved above.
+HOIST_BLOCKED = "computed from the node it would have to be moved above"
+
+
+def hoist_before(node: torch.fx.Node, anchor: torch.fx.Node, blocked: torch.fx.Node) -> str | None:
     """Move ``node`` (and the inputs it needs) above ``anchor`` so ``anchor`` may use it.
 
-    Returns False, moving nothing, if ``node`` depends on ``blocked`` (the scan itself: a value
-    computed from the scan's output can't become one of its inputs). Only called on pure tensor
-    ops (the D/z/bias chains the user wrote after the scan), so moving them changes no result.
+    Returns None when done; otherwise moves nothing and returns why: ``HOIST_BLOCKED`` if ``node``
+    depends on ``blocked`` (the scan itself: a value computed from the scan's output can't become
+    one of its inputs), or a context refusal if a node to move would leave its grad-mode /
+    autocast / functorch region. Only called on pure tensor ops (the D/z/bias chains the user
+    wrote after the scan), so moving them within a region changes no result.
     """
     order = node_order(anchor.graph)
     to_move: list[torch.fx.Node] = []
@@ -571,16 +582,20 @@ def hoist_before(node: torch.fx.Node, anchor: torch.fx.Node, blocked: torch.fx.N
     while stack:
         n = stack.pop()
         if n is blocked:
-            return False
+            return HOIST_BLOCKED
         if order[n] < order[anchor] or n in to_move:
             continue
         if n.op not in ("call_function", "call_method"):
-            return False
+            return HOIST_BLOCKED
         to_move.append(n)
         stack.extend(n.all_input_nodes)
+    if to_move:
+        refusal = ContextRegions(anchor.graph).refusal(to_move, anchor)
+        if refusal is not None:
+            return refusal
     for n in sorted(to_move, key=order.__getitem__):
         anchor.prepend(n)
-    return True
+    return None
 
 
 def follow_views(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, ...], list[torch.fx.Node]]:
@@ -724,3 +739,230 @@ def storage_of_value(value: Any) -> StorageWeakRef | None:
         return StorageWeakRef(value.untyped_storage())
     except (NotImplementedError, RuntimeError):
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Context regions: dynamo records grad-mode, autocast and functorch state changes as nodes of
+# the graph (``with torch.no_grad():`` becomes ``torch._C._set_grad_enabled(False)`` ... ``(True)``).
+# A node computes under the state set by the boundaries before it, so an op that replaces nodes
+# must run where they ran: on the other side of such a node, autograd (or autocast) sees another
+# function than the user's code.
+# ---------------------------------------------------------------------------------------------
+
+# Matched by name (and a torch module), so that the ``torch._C``, ``torch._C._functorch`` and
+# ``torch._functorch.predispatch`` spellings that different torch versions record all count.
+_BOUNDARY_NAMES = frozenset({
+    # grad mode and inference mode
+    "_set_grad_enabled", "set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode",
+    "_set_fwd_grad_enabled", "set_fwd_grad_enabled",
+    # autocast
+    "_enter_autocast", "_exit_autocast", "set_autocast_enabled", "_set_autocast_enabled",
+    "set_autocast_dtype", "set_autocast_cache_enabled", "clear_autocast_cache",
+    # functorch grad/jvp transforms (torch.func.grad, vjp, jacrev, jvp) and forward-mode AD
+    "_grad_increment_nesting", "_grad_decrement_nesting", "_jvp_increment_nesting",
+    "_jvp_decrement_nesting", "_func_increment_nesting", "_func_decrement_nesting",
+    "_wrap_for_grad", "_unwrap_for_grad", "_set_tensor_requires_grad",
+    "set_inplace_requires_grad_allowed", "set_single_level_autograd_function_allowed",
+    "_enter_dual_level", "_exit_dual_level", "_make_dual", "_unpack_dual",
+    # saved-tensor hooks (torch.autograd.graph.disable_saved_tensors_hooks)
+    "_saved_tensors_hooks_disable", "_saved_tensors_hooks_enable",
+})
+# Opening a grad/jvp transform level, and closing one: between them the ops would see
+# functorch-wrapped tensors, for which they have no rules.
+_TRANSFORM_ENTER = frozenset({"_grad_increment_nesting", "_jvp_increment_nesting", "_func_increment_nesting"})
+_TRANSFORM_EXIT = frozenset({"_grad_decrement_nesting", "_jvp_decrement_nesting", "_func_decrement_nesting"})
+# Modules whose functions set global autograd, autocast or functorch state; a call into them that
+# returns no tensor is taken for a setter even when its name is not listed above.
+_STATEFUL_MODULES = ("torch._C", "torch._C._autograd", "torch._C._functorch", "torch.autograd",
+                     "torch._functorch", "torch.amp", "torch.cuda.amp", "torch.cpu.amp")
+# Calls of those modules that touch no state a rewrite could cross: nn.Module usage logging, and
+# vmap's nesting (an inlined ``associative_scan``'s combine runs vmapped; vmap changes neither
+# the grad mode nor precision, and the batched values inside a level have other shapes than the
+# values outside, so no match can mix them up).
+_NEUTRAL_NAMES = frozenset({"_log_api_usage_once", "lazy_load_decompositions", "_vmap_increment_nesting",
+                            "_vmap_decrement_nesting", "_add_batch_dim", "_remove_batch_dim"})
+
+
+def _target_module_and_name(node: torch.fx.Node) -> tuple[str, str]:
+    target = node.target
+    return getattr(target, "__module__", None) or "", getattr(target, "__name__", None) or ""
+
+
+def is_context_boundary(node: torch.fx.Node) -> bool:
+    """``node`` changes the grad mode, autocast, saved-tensor hooks or a functorch transform
+    level for the nodes after it (what dynamo records for ``torch.no_grad()``,
+    ``torch.autocast``, ``torch.func.grad`` ...), or is an unknown call into the modules that
+    hold such state and returns no tensor (conservatively a setter too)."""
+    if node.op != "call_function" or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    module, name = _target_module_and_name(node)
+    if not module.startswith("torch") or name in _NEUTRAL_NAMES:
+        return False
+    if name in _BOUNDARY_NAMES:
+        return True
+    stateful = module == "torch._C" or any(module == m or module.startswith(m + ".") for m in _STATEFUL_MODULES[1:])
+    if not stateful:
+        return False
+    out = val(node)
+    return not isinstance(out, torch.Tensor) and not (
+        isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out))
+
+
+def _describe(node: torch.fx.Node) -> str:
+    module, name = _target_module_and_name(node)
+    return f"{module}.{name} at {node.name}" if module else f"{name or node.target} at {node.name}"
+
+
+# Ops whose precision autocast changes (its lower-precision list, on CPU and CUDA): a value one
+# of them computed in an autocast region is rounded differently anywhere else. Every other op a
+# pass folds (elementwise arithmetic, activations, views, casts) computes the same in or out of
+# a region, and the ssm ops themselves run with autocast off (kernels/context.py).
+_AUTOCAST_LOWP = frozenset({"einsum", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "mv",
+                            "linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "prelu", "chain_matmul",
+                            "linalg_multi_dot", "multi_dot", "tensordot", "_convolution", "convolution"})
+
+
+def _autocast_sensitive(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _AUTOCAST_LOWP or node.target in ("__matmul__", "__rmatmul__")
+    if node.op != "call_function":
+        return False
+    if node.target in (operator.matmul, operator.imatmul):
+        return True
+    target = node.target
+    name = target.name().split("::")[-1].split(".")[0] if isinstance(target, torch._ops.OpOverload) else (
+        getattr(target, "__name__", None) or "")
+    return name in _AUTOCAST_LOWP
+
+
+class ContextRegions:
+    """The context each node of a graph runs under, as dynamo recorded it.
+
+    Two keys per node. The grad key is (the number of grad-affecting boundaries other than
+    ``_set_grad_enabled`` before it: functorch levels, saved-tensor hooks, inference mode,
+    unknown setters; the grad mode, from the mode the graph is compiled under, which dynamo
+    guards on, and the ``_set_grad_enabled`` nodes before it). The autocast key is the stack of
+    ``_enter_autocast`` nodes open at it (plus any unknown autocast setter before it). Nodes with
+    equal keys run under the same state, however many boundaries lie between them.
+    ``transform`` maps a grad key's first element to the functorch grad/jvp level it lies in.
+    """
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.key: dict[torch.fx.Node, tuple[tuple, tuple]] = {}
+        self.boundaries: list[tuple[int, torch.fx.Node]] = []
+        self.position: dict[torch.fx.Node, int] = {}
+        self.transform: dict[int, torch.fx.Node | None] = {0: None}
+        others, enabled, amp = 0, torch.is_grad_enabled(), ()
+        opened: list[torch.fx.Node] = []
+        for i, node in enumerate(graph.nodes):
+            self.position[node] = i
+            if is_context_boundary(node):
+                self.boundaries.append((i, node))
+                name = _target_module_and_name(node)[1]
+                if name in ("_set_grad_enabled", "set_grad_enabled") and len(node.args) == 1 and isinstance(
+                        node.args[0], bool):
+                    enabled = node.args[0]
+                elif name == "_enter_autocast":
+                    amp = amp + (node,)
+                elif name == "_exit_autocast" and amp and node.args and node.args[0] is amp[-1]:
+                    amp = amp[:-1]
+                elif "autocast" in name:
+                    amp = amp + (node,)  # an unknown autocast change: never undone
+                else:
+                    if name in _TRANSFORM_ENTER:
+                        opened.append(node)
+                    elif name in _TRANSFORM_EXIT and opened:
+                        opened.pop()
+                    others += 1
+                    self.transform[others] = opened[-1] if opened else None
+            self.key[node] = ((others, enabled), amp)
+
+    def at_insertion(self, anchor: torch.fx.Node) -> tuple[tuple, tuple]:
+        """The keys a node inserted right before ``anchor`` would run under."""
+        prev = anchor.prev
+        return self.key[prev] if prev in self.key else ((0, torch.is_grad_enabled()), ())
+
+    def _wanted(self, nodes: Iterable[Any]) -> tuple[set, set]:
+        members = [n for n in nodes if isinstance(n, torch.fx.Node) and n in self.key]
+        return ({self.key[n][0] for n in members}, {self.key[n][1] for n in members if _autocast_sensitive(n)})
+
+    def settle(self, anchor: torch.fx.Node, nodes: Iterable[Any]) -> torch.fx.Node:
+        """``anchor`` moved forward past placeholders and boundary nodes (which compute no tensor,
+        so the op reads the same values there) until a node inserted before it runs under the
+        context of ``nodes`` (outside an autocast region they are not in); ``anchor`` itself when
+        they span contexts or none is found before a tensor op."""
+        nodes = [n for n in nodes if isinstance(n, torch.fx.Node)]
+        grad, amp = self._wanted(nodes)
+        if len(grad) != 1 or len(amp) > 1:
+            return anchor
+        amp = amp or {min(self.key[n][1] for n in nodes if n in self.key)}
+
+        def fits(at: torch.fx.Node) -> bool:
+            g, a = self.at_insertion(at)
+            return g in grad and a in amp
+
+        replaced = set(nodes)
+        moved = anchor
+        # Never past a boundary that reads a replaced value (``_unwrap_for_grad(y)``): the op's
+        # outputs must exist before their users.
+        while (not fits(moved) and moved.op != "output"
+               and (moved.op == "placeholder" or is_context_boundary(moved))
+               and not replaced.intersection(moved.all_input_nodes)):
+            moved = moved.next
+        return moved if fits(moved) else anchor
+
+    def _crossed(self, nodes: list[torch.fx.Node], anchor: torch.fx.Node | None) -> str:
+        spots = [self.position[n] for n in nodes if n in self.position]
+        if anchor is not None and anchor in self.position:
+            spots.append(self.position[anchor] - 1)
+        lo, hi = min(spots), max(spots)
+        inside = [b for i, b in self.boundaries if lo < i <= hi] or [b for _, b in self.boundaries]
+        return _describe(inside[0]) + (f", and {len(inside) - 1} more" if len(inside) > 1 else "")
+
+    def refusal(self, nodes: Iterable[Any], anchor: torch.fx.Node | None = None) -> str | None:
+        """Why an op replacing (or folding, or recomputing at ``anchor``) ``nodes``, inserted before
+        ``anchor``, would not compute what they did; None if it would: they and the insertion point
+        run under one grad mode with no functorch level or other grad-affecting boundary between,
+        outside any functorch grad/jvp transform, and the ones autocast changes (matmuls, convs)
+        under one autocast state, the insertion point's too when ``anchor`` is given."""
+        nodes = [n for n in nodes if isinstance(n, torch.fx.Node)]
+        grad, amp = self._wanted(nodes)
+        at = self.at_insertion(anchor) if anchor is not None else None
+        for kind, own in enumerate((grad, amp)):
+            keys = own | ({at[kind]} if at is not None and (kind == 0 or own) else set())
+            if len(keys) > 1:
+                crossed = self._crossed(nodes, anchor)
+                if len(own) > 1:
+                    return f"the matched nodes span a grad-mode/autocast/functorch boundary ({crossed})"
+                return (f"the op would be emitted across a grad-mode/autocast/functorch boundary ({crossed}) "
+                        "from the nodes it replaces")
+        others = next(iter(grad), at[0] if at is not None else (0, True))[0]
+        opener = self.transform.get(others)
+        if opener is not None:
+            return (f"the matched nodes run inside a torch.func grad/jvp transform ({_describe(opener)}): "
+                    "the ssm ops have no functorch rules")
+        return None
+
+
+def context_refusal(graph: torch.fx.Graph, nodes: Iterable[Any], anchor: torch.fx.Node | None = None) -> str | None:
+    """``ContextRegions(graph).refusal(nodes, anchor)``: for a pass that checks one rewrite."""
+    return ContextRegions(graph).refusal(nodes, anchor)
+
+
+def grad_enabled_at(node: torch.fx.Node) -> bool:
+    """Whether grad mode may be on where ``node`` runs: the mode the graph is compiled under,
+    changed by the ``_set_grad_enabled(flag)`` nodes before it. Any other boundary that is not
+    about autocast (a functorch level, inference mode, an unknown setter) makes the answer True,
+    the safe one for a forward-only op."""
+    enabled = torch.is_grad_enabled()
+    for n in node.graph.nodes:
+        if n is node:
+            break
+        if not is_context_boundary(n):
+            continue
+        name = _target_module_and_name(n)[1]
+        if name in ("_set_grad_enabled", "set_grad_enabled") and len(n.args) == 1 and isinstance(n.args[0], bool):
+            enabled = n.args[0]
+        elif "autocast" not in name:
+            enabled = True
+    return enabled

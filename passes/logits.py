@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from .delta import LINEAR_TARGETS
-from .fx_utils import cast_dtype, dtype_of, is_call, propagate_val, set_val, val, written_in_place
+from .fx_utils import cast_dtype, context_refusal, dtype_of, is_call, propagate_val, set_val, val, written_in_place
 from .manager import PassContext, PassManager
 
 FAMILY = "logits"
@@ -69,7 +69,7 @@ def logits_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         product = val(linear)
         if product.device.type != "cuda" or product.dtype not in _HALF or val(linear.args[0]).dim() < 2:
             continue
-        reason = _reason_to_keep(linear, cast, graph)
+        reason = _reason_to_keep(linear, cast, graph) or context_refusal(graph, [linear, cast], linear)
         if reason:
             ctx.miss(FAMILY, reason, [linear, cast])
             continue

@@ -53,7 +53,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
-from .fx_utils import dtype_of, hoist_before, is_call, is_method, node_order, shape_of, val
+from .fx_utils import (HOIST_BLOCKED, ContextRegions, dtype_of, hoist_before, is_call, is_method, node_order, shape_of,
+                       val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_loop import emit_or_refusal, emit_selective_scan, mutated, read_through
@@ -563,10 +564,19 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
         ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)
-    if not hoist_before(readout.C, anchor, all_states):
-        ctx.miss("readout", "C is computed from the states", [readout.C])
-        return
+    # The op must run under the grad mode / autocast / functorch state the states and the
+    # readout ran under.
     graph = gm.graph
+    replaced = [*region.nodes, *disc.nodes, *readout_nodes, *lasts, all_states]
+    refusal = ContextRegions(graph).refusal(replaced, anchor)
+    if refusal is not None:
+        ctx.miss(FAMILY, refusal, [all_states])
+        return
+    hoisted = hoist_before(readout.C, anchor, all_states)
+    if hoisted is not None:
+        ctx.miss("readout", "C is computed from the states" if hoisted == HOIST_BLOCKED else f"C: {hoisted}",
+                 [readout.C])
+        return
     size = dict(zip(roles, shape_of(all_states)))
     emitted = emit_or_refusal(graph, anchor, lambda: emit_selective_scan(
         graph, disc, Source(readout.C, readout.C_roles), length=length,

@@ -49,6 +49,8 @@ from .discretize import (
     view_source,
 )
 from .fx_utils import (
+    ContextRegions,
+    storage_of,
     is_call,
     is_cast,
     is_method,
@@ -490,6 +492,7 @@ def mutated(*nodes: torch.fx.Node) -> bool:
         while root.args and isinstance(root.args[0], torch.fx.Node) and _aliases(root, root.args[0]):
             root = root.args[0]
         roots.add(root)
+    roots |= _aliased_inputs(roots)
     seen = set(roots)
     stack = list(roots)
     while stack:
@@ -501,6 +504,23 @@ def mutated(*nodes: torch.fx.Node) -> bool:
                 seen.add(user)
                 stack.append(user)
     return False
+
+
+def _aliased_inputs(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The graph inputs that share memory with one of the input ``roots`` without an FX edge
+    between them: a caller may pass ``u`` and ``u[:, :3]`` as two arguments, and a write through
+    one changes the other. Only inputs can alias that way (every alias made inside the graph is a
+    view edge the walk follows), so only their fake storages are compared."""
+    inputs = [r for r in roots if r.op in ("placeholder", "get_attr") and isinstance(val(r), torch.Tensor)]
+    if not inputs:
+        return set()
+    storages = {storage_of(r) for r in inputs}
+    graph = inputs[0].graph
+    candidates = [*graph.find_nodes(op="placeholder"), *graph.find_nodes(op="get_attr")]
+    if None in storages:
+        # An input of unknown storage may alias any other.
+        return {c for c in candidates if isinstance(val(c), torch.Tensor)}
+    return {c for c in candidates if c not in roots and storage_of(c) in storages}
 
 
 def read_through(loop_nodes: list[torch.fx.Node], sources: set[torch.fx.Node], pos) -> set[torch.fx.Node]:
@@ -1074,6 +1094,13 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     anchor = last_input.next
     while anchor.op == "placeholder":
         anchor = anchor.next
+    # The op must run under the grad mode / autocast / functorch state the loop ran under.
+    regions = ContextRegions(graph)
+    replaced = [*m.loop_nodes, *d.nodes, *m.out.writes]
+    anchor = regions.settle(anchor, replaced)
+    refusal = regions.refusal(replaced, anchor)
+    if refusal is not None:
+        return refusal
 
     def emit():
         y, last = _emit_scan(graph, m)

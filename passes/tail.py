@@ -32,9 +32,9 @@ import torch.fx
 import torch.nn.functional as F
 
 from .delta import ADD_TARGETS, MUL_TARGETS, match_bias
-from .fx_utils import (cast_dtype, dtype_of, follow_views, hoist_before, inverse, is_call, is_method, layout_source,
-                       output_getitem, permute_view, propagate_val, scan_args, scan_nodes, set_scan_args,
-                       shape_of, written_in_place)
+from .fx_utils import (HOIST_BLOCKED, cast_dtype, context_refusal, dtype_of, follow_views, hoist_before, inverse,
+                       is_call, is_method, layout_source, output_getitem, permute_view, propagate_val, scan_args,
+                       scan_nodes, set_scan_args, shape_of, written_in_place)
 from .manager import PassContext, PassManager
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
@@ -102,6 +102,12 @@ def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
             return None
         return chain, user, found
     return None
+
+
+def _context_refusal(scan: torch.fx.Node, chain: YChain, folded: list[torch.fx.Node]) -> str | None:
+    """Why folding ``folded`` (a skip or gate) into ``scan`` would move it into another grad-mode /
+    autocast / functorch region than the user's code computed it in; None when all are in one."""
+    return context_refusal(scan.graph, [scan, *chain.nodes, *folded])
 
 
 def _binary(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
@@ -188,8 +194,14 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if args["D"] is not None:
         ctx.miss("skip", "the scan already has a D", [user])
         return False
-    if not hoist_before(skip.D, scan, scan):
-        ctx.miss("skip", "D is computed from the scan's output", [user])
+    refusal = _context_refusal(scan, chain, skip.nodes)
+    if refusal is not None:
+        ctx.miss("skip", refusal, [user])
+        return False
+    hoisted = hoist_before(skip.D, scan, scan)
+    if hoisted is not None:
+        ctx.miss("skip", "D is computed from the scan's output" if hoisted == HOIST_BLOCKED else f"D: {hoisted}",
+                 [user])
         return False
     # The op reads D (and u) where the scan is, the user's D·u reads them where it is written.
     writer = written_in_place(gm.graph, [skip.D, args["u"]])
@@ -270,8 +282,14 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if args["z"] is not None:
         ctx.miss("gate", "the scan already has a z", [user])
         return False
-    if not hoist_before(gate.z, scan, scan):
-        ctx.miss("gate", "z is computed from the scan's output", [user])
+    refusal = _context_refusal(scan, chain, gate.nodes)
+    if refusal is not None:
+        ctx.miss("gate", refusal, [user])
+        return False
+    hoisted = hoist_before(gate.z, scan, scan)
+    if hoisted is not None:
+        ctx.miss("gate", "z is computed from the scan's output" if hoisted == HOIST_BLOCKED else f"z: {hoisted}",
+                 [user])
         return False
     writer = written_in_place(gm.graph, [gate.z])
     if writer is not None:

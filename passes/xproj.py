@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .fx_utils import is_call, is_method, mutates, written_in_place
+from .fx_utils import context_refusal, is_call, is_method, mutates, written_in_place
 from .manager import PassContext, PassManager
 
 FAMILY = "x_proj_split"
@@ -123,8 +123,10 @@ def xproj_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             if not copies:
                 continue
             written = schema_arg.alias_info is not None and schema_arg.alias_info.is_write
+            # A copy made under another grad mode than the op's (``with torch.no_grad(): x =
+            # x.contiguous()``) cuts the gradient the op would otherwise send to x.
             reason = ("the op writes this argument in place, so it must stay a copy" if written
-                      else check_copy_removable(path, split))
+                      else context_refusal(graph, [op, *copies]) or check_copy_removable(path, split))
             if reason is not None:
                 ctx.miss(FAMILY, f"{name}: {reason}", copies)
                 continue

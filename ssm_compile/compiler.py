@@ -145,6 +145,14 @@ def _backward_compiled_now():
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
+def _forward_ad_active() -> bool:
+    """A ``torch.autograd.forward_ad.dual_level`` is open where dynamo compiles the frame, so its
+    inputs may carry tangents (dynamo records no node for them)."""
+    import torch.autograd.forward_ad as forward_ad
+
+    return forward_ad._current_level >= 0
+
+
 class SSMBackend:
     """A configured ``ssm`` backend: ``backend(gm, example_inputs) -> compiled callable``.
 
@@ -171,6 +179,8 @@ class SSMBackend:
         register_ops()
         pm = self.pass_manager()
         before = _code(gm) if self.on_graph is not None else ""
+        if _forward_ad_active():
+            return self._forward_ad_graph(pm, gm, before)
         undo = _Undo(gm)
         ctx = _run_passes(pm, gm, undo)
         log.info("ssm backend: %d rewrite(s), %d near-miss(es) in a graph of %d nodes",
@@ -199,6 +209,21 @@ class SSMBackend:
                         "compiled without ssm rewrites", type(e).__name__, e)
             log.debug("ssm backend: compile failure traceback", exc_info=True)
             return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+
+    def _forward_ad_graph(self, pm, gm: torch.fx.GraphModule, before: str) -> Callable[..., Any]:
+        """Dynamo's graph as it is, run eagerly: under a forward-AD dual level the ssm ops (no
+        forward-mode formula) would raise, and inductor's compiled graph drops the tangents."""
+        from ssm_compile.passes.manager import PassContext
+
+        reason = ("forward-mode AD is active (a torch.autograd.forward_ad dual level): the ssm ops have "
+                  "no forward-mode formula, so this graph is not rewritten and runs as dynamo built it")
+        log.info("ssm backend: %s", reason)
+        ctx = PassContext(options=pm.options)
+        ctx.miss("backend", reason)
+        if self.on_graph is not None:
+            self.on_graph(GraphRecord(before=before, after=_code(gm), rewrites=[], misses=list(ctx.misses),
+                                      options=dict(pm.options)))
+        return gm.forward
 
     def config_patches(self, pm) -> dict[str, Any]:
         """Inductor config patches for one compile, with the pass manager's cache-key pass."""

@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import _C
 
+from ..context import refuse_forward_ad, without_autocast
 from ..layout import empty_activation
 from . import cpu, triton_conv
 
@@ -204,6 +205,7 @@ class _CausalConv1d(torch.autograd.Function):
 
 def _fwd_autograd(keyset, x, weight, bias=None, activation=None, initial_state=None):
     # The dispatcher drops trailing arguments equal to their defaults, hence the defaults here.
+    refuse_forward_ad("ssm::causal_conv1d", x, weight, bias, initial_state)
     if _C.is_grad_enabled() and _C._any_requires_grad(x, weight, bias, initial_state):
         return _CausalConv1d.apply(keyset, x, weight, bias, activation, initial_state)
     with _C._AutoDispatchBelowAutograd():
@@ -250,10 +252,10 @@ def register() -> torch.library.Library:
     # are instead of copying them into eager's strides; it re-runs the fake impl on its choice.
     lib.define(_FWD_SCHEMA, tags=(torch.Tag.flexible_layout,))
     lib.define(_BWD_SCHEMA, tags=(torch.Tag.flexible_layout,))
-    lib.impl("causal_conv1d", _fwd_cpu, "CPU")
-    lib.impl("causal_conv1d", _fwd_cuda, "CUDA")
-    lib.impl("causal_conv1d_backward", _bwd_cpu, "CPU")
-    lib.impl("causal_conv1d_backward", _bwd_cuda, "CUDA")
+    lib.impl("causal_conv1d", without_autocast(_fwd_cpu, "cpu"), "CPU")
+    lib.impl("causal_conv1d", without_autocast(_fwd_cuda, "cuda"), "CUDA")
+    lib.impl("causal_conv1d_backward", without_autocast(_bwd_cpu, "cpu"), "CPU")
+    lib.impl("causal_conv1d_backward", without_autocast(_bwd_cuda, "cuda"), "CUDA")
     torch.library.register_fake("ssm::causal_conv1d", _fwd_fake, lib=lib)
     torch.library.register_fake("ssm::causal_conv1d_backward", _bwd_fake, lib=lib)
     lib.impl("causal_conv1d", _fwd_autograd, "Autograd", with_keyset=True)

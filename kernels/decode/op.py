@@ -19,6 +19,7 @@ import functools
 import torch
 from torch import _C
 
+from ..context import refuse_forward_ad, without_autocast
 from . import cpu
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -192,6 +193,7 @@ def _autograd_kernel(op):
     """The ``Autograd``-key kernel of a decode op: a plain redispatch unless a grad is wanted."""
 
     def kernel(keyset, *args):
+        refuse_forward_ad(op.name(), *args)
         if _C.is_grad_enabled() and _C._any_requires_grad(*args):
             return _NoBackward.apply(op, keyset, *args)
         with _C._AutoDispatchBelowAutograd():
@@ -214,7 +216,7 @@ def register() -> torch.library.Library:
         name = schema[: schema.index("(")]
         lib.define(schema)
         for device_key in ("CPU", "CUDA"):
-            lib.impl(name, impl, device_key)
+            lib.impl(name, without_autocast(impl, device_key.lower()), device_key)
         torch.library.register_fake(f"ssm::{name}", fake, lib=lib)
         op = getattr(torch.ops.ssm, name).default
         lib.impl(name, _autograd_kernel(op), "Autograd", with_keyset=True)

@@ -22,6 +22,7 @@ import torch
 
 from ..causal_conv1d import cpu as conv_cpu
 from ..causal_conv1d.op import check_causal_conv1d_args
+from ..context import without_autocast
 from ..layout import empty_activation
 from ..selective_scan import cpu as scan_cpu
 from ..selective_scan.op import check_selective_scan_inputs
@@ -91,7 +92,7 @@ def _impl(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=Fal
     check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bias,
                        conv_activation, dt_weight)
     if x.device.type == "cpu":
-        return _cpu_impl(x, delta, A, B, C, D, z, delta_bias, delta_softplus, conv_weight,
+        return without_autocast(_cpu_impl, "cpu")(x, delta, A, B, C, D, z, delta_bias, delta_softplus, conv_weight,
                          conv_bias, conv_activation, dt_weight)
     if x.device.type != "cuda":
         raise RuntimeError(f"fused_mamba_scan: x is on {x.device}; supported device types: cpu, cuda")

@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 from torch import _C
 
+from ..context import refuse_forward_ad, without_autocast
 from ..layout import empty_activation
 from . import cpu
 
@@ -361,6 +362,7 @@ def _selective_scan_autograd(
     initial_state=None, return_last_state=False,
 ):
     # The dispatcher drops trailing arguments equal to their defaults, hence the defaults here.
+    refuse_forward_ad("ssm::selective_scan", u, delta, A, B, C, D, z, delta_bias, initial_state)
     if _C.is_grad_enabled() and _C._any_requires_grad(u, delta, A, B, C, D, z, delta_bias, initial_state):
         return _SelectiveScan.apply(
             keyset, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state
@@ -414,7 +416,7 @@ def register() -> torch.library.Library:
         ("selective_scan_backward", _backward_impl, _backward_fake, _backward_autograd),
     ):
         for device_key in ("CPU", "CUDA"):
-            lib.impl(name, impl, device_key)
+            lib.impl(name, without_autocast(impl, device_key.lower()), device_key)
         torch.library.register_fake(f"ssm::{name}", fake, lib=lib)
         lib.impl(name, autograd, "Autograd", with_keyset=True)
     return lib

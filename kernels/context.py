@@ -1,0 +1,45 @@
+"""What the ops' kernels do about ambient state they must not inherit from the caller.
+
+- Autocast: each op promises its own precision (fp32 accumulation, outputs in the inputs'
+  dtypes). Autocast casts the torch ops a kernel calls internally (the CPU paths are einsums
+  and matmuls), so under an ambient ``torch.autocast`` the CPU scan would silently run in bf16.
+  ``without_autocast`` runs a kernel with autocast off for its device.
+- Forward-mode AD: the ops have no forward-mode formula. A dual tensor that reaches one would
+  lose its tangent without a word (the autograd kernel only looks at ``requires_grad``), so
+  ``refuse_forward_ad`` raises instead.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+
+
+def without_autocast(impl: Callable[..., Any], device_type: str) -> Callable[..., Any]:
+    """``impl`` (a CPU or CUDA kernel of an op) run with ``device_type`` autocast disabled."""
+
+    @functools.wraps(impl)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # Checked first: the context manager costs more than the check on the (usual) path
+        # without autocast, and the decode ops run once per token and layer.
+        if not torch.is_autocast_enabled(device_type):
+            return impl(*args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
+            return impl(*args, **kwargs)
+
+    return run
+
+
+def refuse_forward_ad(op_name: str, *args: Any) -> None:
+    """Raise if a forward-mode AD tangent rides on one of ``args`` (inside ``dual_level``)."""
+    # No dual level open: no tensor can carry a tangent (the usual, cheap case).
+    if forward_ad._current_level < 0:
+        return
+    if any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args):
+        raise RuntimeError(
+            f"{op_name}: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported: "
+            "the op has no forward-mode formula, so the tangent would be lost. Compute the JVP "
+            "without the ssm ops (eager code, or torch.compile under a dual level, which leaves the "
+            "graph unrewritten)")
