@@ -788,6 +788,15 @@ def _target_module_and_name(node: torch.fx.Node) -> tuple[str, str]:
     return getattr(target, "__module__", None) or "", getattr(target, "__name__", None) or ""
 
 
+def _grad_mode_set_by(node: torch.fx.Node) -> bool | None:
+    """The flag of a ``torch._C._set_grad_enabled(flag)`` node (what ``torch.no_grad()`` and
+    ``set_grad_enabled`` record); None for any other node."""
+    name = _target_module_and_name(node)[1]
+    if name in ("_set_grad_enabled", "set_grad_enabled") and len(node.args) == 1 and isinstance(node.args[0], bool):
+        return node.args[0]
+    return None
+
+
 def is_context_boundary(node: torch.fx.Node) -> bool:
     """``node`` changes the grad mode, autocast, saved-tensor hooks or a functorch transform
     level for the nodes after it (what dynamo records for ``torch.no_grad()``,
@@ -859,9 +868,9 @@ class ContextRegions:
             if is_context_boundary(node):
                 self.boundaries.append((i, node))
                 name = _target_module_and_name(node)[1]
-                if name in ("_set_grad_enabled", "set_grad_enabled") and len(node.args) == 1 and isinstance(
-                        node.args[0], bool):
-                    enabled = node.args[0]
+                flag = _grad_mode_set_by(node)
+                if flag is not None:
+                    enabled = flag
                 elif name == "_enter_autocast":
                     amp = amp + (node,)
                 elif name == "_exit_autocast" and amp and node.args and node.args[0] is amp[-1]:
@@ -960,9 +969,9 @@ def grad_enabled_at(node: torch.fx.Node) -> bool:
             break
         if not is_context_boundary(n):
             continue
-        name = _target_module_and_name(n)[1]
-        if name in ("_set_grad_enabled", "set_grad_enabled") and len(n.args) == 1 and isinstance(n.args[0], bool):
-            enabled = n.args[0]
-        elif "autocast" not in name:
+        flag = _grad_mode_set_by(n)
+        if flag is not None:
+            enabled = flag
+        elif "autocast" not in _target_module_and_name(n)[1]:
             enabled = True
     return enabled

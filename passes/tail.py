@@ -104,10 +104,19 @@ def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
     return None
 
 
-def _context_refusal(scan: torch.fx.Node, chain: YChain, folded: list[torch.fx.Node]) -> str | None:
-    """Why folding ``folded`` (a skip or gate) into ``scan`` would move it into another grad-mode /
-    autocast / functorch region than the user's code computed it in; None when all are in one."""
-    return context_refusal(scan.graph, [scan, *chain.nodes, *folded])
+def _fold_refusal(scan: torch.fx.Node, chain: YChain, folded: list[torch.fx.Node], value: torch.fx.Node,
+                  name: str) -> str | None:
+    """Why ``folded`` (a skip or gate, reading ``value``, the op's argument ``name``) cannot be
+    folded into ``scan``: it would move into another grad-mode / autocast / functorch region than
+    the user's code computed it in, or ``value`` cannot be moved above the scan. None once
+    ``value`` has been moved there."""
+    refusal = context_refusal(scan.graph, [scan, *chain.nodes, *folded])
+    if refusal is not None:
+        return refusal
+    hoisted = hoist_before(value, scan, scan)
+    if hoisted == HOIST_BLOCKED:
+        return f"{name} is computed from the scan's output"
+    return None if hoisted is None else f"{name}: {hoisted}"
 
 
 def _binary(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
@@ -194,14 +203,9 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if args["D"] is not None:
         ctx.miss("skip", "the scan already has a D", [user])
         return False
-    refusal = _context_refusal(scan, chain, skip.nodes)
+    refusal = _fold_refusal(scan, chain, skip.nodes, skip.D, "D")
     if refusal is not None:
         ctx.miss("skip", refusal, [user])
-        return False
-    hoisted = hoist_before(skip.D, scan, scan)
-    if hoisted is not None:
-        ctx.miss("skip", "D is computed from the scan's output" if hoisted == HOIST_BLOCKED else f"D: {hoisted}",
-                 [user])
         return False
     # The op reads D (and u) where the scan is, the user's D·u reads them where it is written.
     writer = written_in_place(gm.graph, [skip.D, args["u"]])
@@ -282,14 +286,9 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if args["z"] is not None:
         ctx.miss("gate", "the scan already has a z", [user])
         return False
-    refusal = _context_refusal(scan, chain, gate.nodes)
+    refusal = _fold_refusal(scan, chain, gate.nodes, gate.z, "z")
     if refusal is not None:
         ctx.miss("gate", refusal, [user])
-        return False
-    hoisted = hoist_before(gate.z, scan, scan)
-    if hoisted is not None:
-        ctx.miss("gate", "z is computed from the scan's output" if hoisted == HOIST_BLOCKED else f"z: {hoisted}",
-                 [user])
         return False
     writer = written_in_place(gm.graph, [gate.z])
     if writer is not None:
