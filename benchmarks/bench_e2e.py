@@ -230,6 +230,8 @@ def main():
                    help="which of forward,layer,loopmodel,train to run")
     p.add_argument("--no-assoc", action="store_true",
                    help="skip the forward's inductor associative_scan rows (a re-measure of our side only)")
+    p.add_argument("--fuse-variants", nargs="*", default=[],
+                   help="also time backend='ssm' with these fuse overrides (CUDA graphs), e.g. dt split")
     p.add_argument("--profile", action="store_true",
                    help="also profile the ssm forward at each L (profile_e2e_ssm_L<L>.txt)")
     args = p.parse_args()
@@ -324,6 +326,20 @@ def main():
 
                 c = timed_compile(lambda: (run_cg(), run_cg()))
                 res["ssm (CUDA graphs)"] = (c, median_ms(run_cg))
+            for fuse in args.fuse_variants:
+                if over_budget(f"ssm fuse={fuse!r} with CUDA graphs at L={L}"):
+                    break
+                torch._dynamo.reset()
+                variant = torch.compile(model, backend=ssm_compile.backend(mode="reduce-overhead", fuse=fuse))
+
+                def run_variant():
+                    torch.compiler.cudagraph_mark_step_begin()
+                    return variant(ids)
+
+                c = timed_compile(lambda: (run_variant(), run_variant()))
+                notes.append(f"L={L}: fuse={fuse!r} logits rel err against the eager fp32 model: "
+                             f"{err(run_variant().logits.float()):.2e}")
+                res[f"ssm fuse={fuse} (CUDA graphs)"] = (c, median_ms(run_variant))
             if not args.no_assoc and not over_budget(f"{assoc_name} at L={L}"):
                 try:
                     ind = torch.compile(assoc_model)

@@ -81,13 +81,14 @@ def run_level(level, p):
         return ops.selective_scan(u, delta, *common)[0]
     if level == "level1":
         delta = p["dt_w"] @ dt_low_t
-        return ops.fused_mamba_scan(p["x"], delta, *common, p["conv_w"], p["conv_b"], "silu", None)
+        return ops.fused_mamba_scan(p["x"], delta, *common, p["conv_w"], p["conv_b"], "silu", None)[0]
     if level == "dt":
-        return ops.fused_mamba_scan(u, dt_low_t, *common, None, None, None, p["dt_w"])
-    return ops.fused_mamba_scan(p["x"], dt_low_t, *common, p["conv_w"], p["conv_b"], "silu", p["dt_w"])
+        return ops.fused_mamba_scan(u, dt_low_t, *common, None, None, None, p["dt_w"])[0]
+    return ops.fused_mamba_scan(p["x"], dt_low_t, *common, p["conv_w"], p["conv_b"], "silu", p["dt_w"])[0]
 
 
-def main(quick: bool = False, time_budget_s: float = TIME_BUDGET_S, start_at: int = 0):
+def main(quick: bool = False, time_budget_s: float = TIME_BUDGET_S, start_at: int = 0,
+         only: str = ""):
     from ssm_compile.kernels.causal_conv1d import op as conv_op
     from ssm_compile.kernels.fused import op as fused_op
     from ssm_compile.kernels.selective_scan import op as scan_op
@@ -105,6 +106,9 @@ def main(quick: bool = False, time_budget_s: float = TIME_BUDGET_S, start_at: in
     random.Random(0).shuffle(configs)
     if quick:
         configs = list(itertools.product(["bf16"], BATCHES, [768], [512, 2048], [16]))
+    if only:
+        configs = [(d, int(b), int(dim), int(L), int(N))
+                   for d, b, dim, L, N in (c.split(",") for c in only.split(";"))]
     # A later call continues where a budget-limited one stopped (same shuffle).
     configs = configs[start_at:]
     for dname, batch, dim, L, N in configs:
@@ -207,6 +211,8 @@ if __name__ == "__main__":
                         help="seconds; the sweep stops there and reports the configs measured")
     parser.add_argument("--start-at", type=int, default=0,
                         help="skip the first configs of the (fixed) shuffled grid, to continue a run")
+    parser.add_argument("--only", default="",
+                        help='these configs instead of the grid: "dtype,batch,dim,L,N;..."')
     parser.add_argument("--rescore", metavar="CSV",
                         help="re-pick an earlier run's rows with the current heuristic (no GPU)")
     args = parser.parse_args()
@@ -215,4 +221,4 @@ if __name__ == "__main__":
     elif not torch.cuda.is_available():
         sys.exit("bench_fusion.py needs a CUDA GPU")
     else:
-        main(quick=args.quick, time_budget_s=args.time_budget, start_at=args.start_at)
+        main(quick=args.quick, time_budget_s=args.time_budget, start_at=args.start_at, only=args.only)

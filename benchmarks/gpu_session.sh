@@ -62,7 +62,9 @@ for s in "$@"; do
         logits) step logits python3 benchmarks/probe_logits.py ;;
         # The forward scan's tiles on HF's channel-innermost activations.
         scanhf) step scanhf python3 benchmarks/bench_scan.py --sweep-named --layout hf ;;
-        e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} --profile ;;
+        e2e) step e2e python3 benchmarks/bench_e2e.py --time-budget ${E2E_BUDGET:-150} --parts ${E2E_PARTS:-forward,layer,train} --profile ${E2E_ARGS:-} ;;
+        # Chosen configurations of the fusion sweep: FUSION_ONLY="bf16,8,1536,2048,16;...".
+        fusiononly) step fusiononly python3 benchmarks/bench_fusion.py --only "${FUSION_ONLY}" ;;
         profiletrain) step profiletrain python3 benchmarks/profile_train.py --len ${TRAIN_PROFILE_LEN:-128} ;;
         fusion) step fusion python3 benchmarks/bench_fusion.py --quick ;;
         # FUSION_START continues the fixed shuffled grid where an earlier run stopped (run 10: 28).

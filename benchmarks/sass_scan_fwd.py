@@ -1,7 +1,7 @@
 """Compile the forward scan kernel for sm_90 without a GPU and count what its SASS does.
 
     python benchmarks/sass_scan_fwd.py [--dtype bf16|fp32] [--config 32,16,4,4,1,168,2]
-        [--layout dense|hf] [--dump out.sass]
+        [--layout dense|hf] [--dt-rank R] [--dump out.sass]
 
 Prints registers, spill bytes (``cuobjdump -res-usage``), and the opcode mix of the chunk loop's
 body (the largest basic block between the loop's label and its back-branch). The offline numbers
@@ -22,11 +22,13 @@ from triton.compiler import ASTSource
 from ssm_compile.kernels.selective_scan.triton_fwd import ScanFwdConfig, _selective_scan_fwd_kernel
 
 _PTR_ARGS = ("u_ptr", "delta_ptr", "A_ptr", "B_ptr", "C_ptr", "D_ptr", "z_ptr", "delta_bias_ptr",
-             "h0_ptr", "y_ptr", "last_ptr", "seg_a_ptr", "seg_b_ptr")
-_ACT_PTRS = ("u_ptr", "delta_ptr", "B_ptr", "C_ptr", "z_ptr", "y_ptr")
+             "h0_ptr", "y_ptr", "last_ptr", "seg_a_ptr", "seg_b_ptr", "dt_w_ptr")
+_ACT_PTRS = ("u_ptr", "delta_ptr", "B_ptr", "C_ptr", "z_ptr", "y_ptr", "dt_w_ptr")
 
 
-def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dense"):
+def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dense", dt_rank: int = 0):
+    """``dt_rank`` > 0: the dt projection fused (delta_ptr is dt_low, unit stride along the rank
+    on HF's layout, as x_proj's output view has it)."""
     kern = _selective_scan_fwd_kernel
     sig, constexprs = {}, {}
     elt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
@@ -34,7 +36,9 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
     consts = dict(BLOCK_D=cfg.block_d, CHUNK_T=cfg.chunk_t, N_PER_THREAD=max(1, n // lanes_n),
                   LANES_N=lanes_n, SEGMENT_TOTALS=False, DELTA_SOFTPLUS=True, HAS_D=True, HAS_Z=True,
                   HAS_DELTA_BIAS=True, HAS_INIT=False, STORE_LAST=False, TIME_SPLIT=False,
-                  PREFETCH=cfg.prefetch)
+                  PREFETCH=cfg.prefetch,
+                  DT_RANK_PAD=max(16, 1 << (dt_rank - 1).bit_length()) if dt_rank else 0,
+                  DOT_PRECISION="tf32x3" if dtype == "fp32" else "ieee")
     for name in kern.arg_names:
         if name in consts:
             sig[name] = "constexpr"
@@ -49,7 +53,7 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
     unit = (("stride_u_l", "stride_delta_l", "stride_z_l", "stride_y_l", "stride_B_l", "stride_C_l")
             if layout == "dense" else
             ("stride_u_d", "stride_delta_d", "stride_z_d", "stride_y_d", "stride_B_n", "stride_C_n"))
-    for name in unit + ("stride_A_n", "stride_D", "stride_delta_bias", "stride_h0_n"):
+    for name in unit + ("stride_A_n", "stride_D", "stride_delta_bias", "stride_h0_n", "stride_dtw_r"):
         sig[name] = "constexpr"
         constexprs[name] = 1
     attrs = {(kern.arg_names.index(p),): [["tt.divisibility", 16]] for p in _PTR_ARGS}
@@ -106,11 +110,12 @@ def main():
     p.add_argument("--config", default="32,16,4,4,1,168,2",
                    help="block_d,chunk_t,lanes_n,warps,segments,max_registers(0=none),prefetch")
     p.add_argument("--layout", default="dense", choices=("dense", "hf"))
+    p.add_argument("--dt-rank", type=int, default=0, help="> 0: the dt projection fused, rank R")
     p.add_argument("--dump", default=None)
     args = p.parse_args()
     v = [int(x) for x in args.config.split(",")]
     cfg = ScanFwdConfig(v[0], v[1], v[2], v[3], v[4], v[5] or None, v[6])
-    k = compile_fwd(args.dtype, cfg, layout=args.layout)
+    k = compile_fwd(args.dtype, cfg, layout=args.layout, dt_rank=args.dt_rank)
     sass, res = sass_of(k.asm["cubin"])
     if args.dump:
         with open(args.dump, "w") as f:

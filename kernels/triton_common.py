@@ -103,3 +103,18 @@ def prefetch(ptrs, LEVEL: tl.constexpr):
     else:
         tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
                                   dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def dot_f32(a, b, PRECISION: tl.constexpr):
+    """a @ b accumulated in fp32 (``PRECISION``: tl.dot's input_precision for fp32 operands).
+
+    Under TRITON_INTERPRET=1 16-bit operands are widened first: the interpreter's NumPy dot
+    reads bf16 operands wrongly (Triton 3.9: errors of ~1e10 on a 16 x 16 x 32 product), and
+    products of 16-bit values are exact in fp32, so widening changes no value.
+    """
+    if _INTERPRETED:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION, out_dtype=tl.float32)
+    return out

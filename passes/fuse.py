@@ -12,8 +12,9 @@ conv_bias=b, conv_activation='silu', dt_weight=W_dt)``. The conv stays when some
 (x_proj) still reads its output; the dt matmul and the old scan go with dead-code elimination.
 
 Soundness (``check_fusable``): the conv feeds u directly with no initial state; the matmul's
-operands are (dim, R) and (batch, R, L) with no cast between them and delta; the scan has no
-initial state and its last state is unused; nothing requires grad when grad mode is on (the
+operands are (dim, R) and (batch, R, L) with no cast between them and delta; a scan with an
+initial state or a used last state (a prefill that fills a cache) can only take the "dt" level,
+whose kernel is the level-0 scan's and carries both; nothing requires grad when grad mode is on (the
 fused op is forward-only; the split ops have the backward kernels). Each failure is a miss
 with its reason; a legal site the heuristic keeps split is a miss whose reason carries the
 decision's numbers, so ``explain`` shows every decision.
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.fx
 
-from .fx_utils import (context_refusal, grad_enabled_at, is_call, is_method, output_getitem, propagate_val, scan_args,
+from .fx_utils import (context_refusal, grad_enabled_at, is_call, is_method, propagate_val, scan_args,
                        scan_nodes, shape_of, val)
 from .manager import PassContext, PassManager
 
@@ -49,6 +50,7 @@ class FuseSite(NamedTuple):
     conv: Optional[torch.fx.Node]
     conv_args: tuple  # (x, weight, bias, activation) when ``conv``
     dt: Optional[DtProj]
+    stateful: bool  # initial_state given or last state returned: the conv levels are out
 
 
 def _is_conv(node: Any) -> bool:
@@ -104,11 +106,9 @@ def check_fusable(scan: torch.fx.Node) -> FuseSite | str | None:
     """The site's pieces if some fused level is sound here, else the reason it is not (None
     when neither a conv nor a dt projection feeds the scan: nothing to fuse, no near-miss)."""
     args = scan_args(scan)
-    if args["initial_state"] is not None or args["return_last_state"]:
-        return "the scan carries an initial or last state (prefill with a cache): kept split"
-    if output_getitem(scan, 1) is not None or any(
-            not is_call(u, operator.getitem) for u in scan.users):
-        return "the scan's outputs are used other than through y"
+    stateful = args["initial_state"] is not None or bool(args["return_last_state"])
+    if any(not is_call(u, operator.getitem) for u in scan.users):
+        return "the scan's outputs are used other than through getitem"
     u, delta = args["u"], args["delta"]
     tensors = [args[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
     if any(isinstance(t, torch.fx.Node) and not isinstance(val(t), torch.Tensor) for t in tensors):
@@ -139,6 +139,9 @@ def check_fusable(scan: torch.fx.Node) -> FuseSite | str | None:
             dt = None
     if conv is None and dt is None:
         return None  # nothing to fuse: not a near-miss, just another scan
+    if stateful and dt is None:
+        return ("the scan carries an initial or last state (prefill with a cache) and only the conv "
+                "could fuse: the conv levels' kernel carries no state; kept split")
 
     # A fused level recomputes the conv and the dt projection inside one op at the scan.
     refusal = context_refusal(scan.graph, [scan, conv, *(dt.nodes if dt is not None else ())])
@@ -148,24 +151,27 @@ def check_fusable(scan: torch.fx.Node) -> FuseSite | str | None:
     # opens ``torch.enable_grad()`` itself, called under ``torch.no_grad()``, records grads.
     if grad_enabled_at(scan):
         inputs = tensors + ([conv_args[1], conv_args[2]] if conv is not None else [])
+        inputs += [args["initial_state"]]
         inputs += [dt.weight, dt.low] if dt is not None else []
         if any(isinstance(t, torch.fx.Node) and val(t).requires_grad for t in inputs):
             return ("an input requires grad: kept split (ssm.fused_mamba_scan is forward-only; "
                     "the split ops have the backward kernels)")
-    return FuseSite(scan, args, conv, conv_args or (), dt)
+    return FuseSite(scan, args, conv, conv_args or (), dt, stateful)
 
 
 def _problem(site: FuseSite):
     from ssm_compile.heuristic import Problem
+    from ssm_compile.kernels.layout import dim_innermost
 
     uv, dv, Bv = val(site.args["u"]), val(site.args["delta"]), val(site.args["B"])
     batch, dim, L = uv.shape
     legal = ["split"]
-    if site.conv is not None:
+    conv_levels = site.conv is not None and not site.stateful
+    if conv_levels:
         legal.append("level1")
     if site.dt is not None:
         legal.append("dt")
-        if site.conv is not None:
+        if conv_levels:
             legal.append("level2")
     others = [n for n in site.conv.users if n is not site.scan] if site.conv is not None else []
     return Problem(
@@ -173,7 +179,7 @@ def _problem(site: FuseSite):
         width=val(site.conv_args[1]).shape[1] if site.conv is not None else 0,
         dt_rank=val(site.dt.weight).shape[1] if site.dt is not None else 0,
         act_dtype=uv.dtype, delta_dtype=dv.dtype, conv_has_other_users=bool(others),
-        legal=tuple(legal), device=uv.device.type,
+        legal=tuple(legal), device=uv.device.type, channel_innermost=dim_innermost(uv),
     ), uv.device
 
 
@@ -191,17 +197,20 @@ def _emit(gm: torch.fx.GraphModule, site: FuseSite, level: str) -> torch.fx.Node
             if site.dt.low_transpose:
                 delta = graph.call_method("transpose", (delta, 1, 2))
                 propagate_val(delta)
-        fused = graph.call_function(
-            torch.ops.ssm.fused_mamba_scan.default,
-            (x, delta, a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
-             a["delta_softplus"], conv_w, conv_b, act, dt_w))
+        fused_args = (x, delta, a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
+                      a["delta_softplus"], conv_w, conv_b, act, dt_w)
+        if site.stateful:
+            fused_args += (a["initial_state"], a["return_last_state"])
+        fused = graph.call_function(torch.ops.ssm.fused_mamba_scan.default, fused_args)
         propagate_val(fused)
-    y = output_getitem(site.scan, 0)
-    y.replace_all_uses_with(fused)
-    graph.erase_node(y)
-    # The old scan is dead now (its last state was unused). Erase it here: the manager's
-    # dead-code elimination keeps calls through an op packet (a user's direct call), whose
-    # purity it cannot read from a schema.
+        # The fused op's outputs are the scan's, (y, last_state): each getitem moves over.
+        for old in list(site.scan.users):
+            new = graph.call_function(operator.getitem, (fused, old.args[1]))
+            propagate_val(new)
+            old.replace_all_uses_with(new)
+            graph.erase_node(old)
+    # The old scan is dead now. Erase it here: the manager's dead-code elimination keeps calls
+    # through an op packet (a user's direct call), whose purity it cannot read from a schema.
     graph.erase_node(site.scan)
     return fused
 

@@ -9,17 +9,19 @@ and one that crosses an allocation step loses a program per SM. The decision:
    state), the chunk length (steps each thread walks serially), num_warps, the fused stages and
    the dtypes (``estimate_registers``); scale by what Triton reported for earlier compiles.
 2. Turn registers into occupancy with the device's limits (``occupancy``). The yardstick
-   "split" is the same kernel with no stage fused (the level-0 scan's algorithm and tiles),
-   so every level is measured in one kernel family.
+   "split" is the level-0 scan kernel; the dt level is that kernel with its dt stage, the conv
+   levels the fused kernel on the same tiles.
 3. A fused level fits only if it saves HBM bytes at all (level 1 saves nothing when x_proj
    also reads the conv output: see ``kernels/fused/triton_fused.py``), does not spill, keeps
-   occupancy at >= ``OCCUPANCY_RATIO`` of the split scan kernel's, and the split kernel does
-   not need its time split (the fused kernel has none). ``fuse="fused"`` takes the deepest
-   level that fits. ``fuse="auto"`` takes the deepest that fits among ``AUTO_LEVELS``: the
-   levels that won at least one configuration of the H200 sweep (``benchmarks/bench_fusion.py``).
-   In run 10 none of the fused levels did (split was fastest in all 28 configurations measured:
-   level 1 took 1.1-4.6x its time, the dt/level-2 kernels 2.0-30x), so auto keeps split and
-   says so; the fused levels stay available as explicit overrides.
+   occupancy at >= ``OCCUPANCY_RATIO`` of the split scan kernel's, and, for the conv levels,
+   the split kernel does not need its time split (their kernel has none). ``fuse="fused"``
+   takes the deepest level that fits. ``fuse="auto"`` takes the deepest that fits among
+   ``AUTO_LEVELS``: the levels that won at least one configuration of the H200 sweep
+   (``benchmarks/bench_fusion.py``). None has: split was fastest in all 108 configurations of
+   runs 10-12 (level 1 took 1.1-7x its time, the dt/level-2 kernels 2-30x with the dt
+   projection as an FMA loop) and in all 8 of run 19 (the projection as a tensor-core product:
+   dt 1.06-1.9x, level 2 1.5-6.7x), so auto keeps split and says so; the fused levels stay
+   available as explicit overrides.
 4. On CUDA, first compile each legal level's kernel (a tiny launch: registers depend on the
    constexprs only), read ``n_regs``/``n_spills``, and use those numbers instead of the
    estimate; the ratio actual/estimate per level also corrects later estimates for
@@ -49,7 +51,7 @@ FUSES_DT = {"split": False, "level1": False, "dt": True, "level2": True}
 # takes the deepest legal level that fits the register budget.
 OVERRIDES = ("auto", "split", "fused") + LEVELS[1:]
 # Levels "auto" may pick: those faster than split in at least one configuration of the H200
-# fusion sweep (benchmarks/RESULTS.md, run 10: none of the fused ones).
+# fusion sweep (benchmarks/RESULTS.md, runs 10-12 and 19: none of the fused ones).
 AUTO_LEVELS = ("split",)
 
 # A fused level must keep at least this fraction of the split scan kernel's occupancy.
@@ -102,6 +104,11 @@ class KernelShape:
     width: int  # conv taps W (1 when the conv is not fused)
     dt_fused: bool  # the dt projection runs inside the kernel
     act_bytes: int  # activation dtype size: bf16/fp16 tiles pack two per register
+    # Levels without the conv run the level-0 kernel with its own register cap and prefetch
+    # depth; the conv levels' kernel has neither (None, 1).
+    max_registers: Optional[int] = None
+    prefetch: int = 1
+    dt_rank_pad: int = 0  # R padded for the tensor-core dt product (0: not fused)
 
 
 def estimate_registers(ks: KernelShape) -> int:
@@ -110,7 +117,9 @@ def estimate_registers(ks: KernelShape) -> int:
     Per thread: the scan's tile is chunk_t * n_per_thread elements with two live values each,
     plus the A and carry slices, plus a raw [chunk_t] load in flight (half that for 16-bit).
     The conv keeps an accumulator and two taps in flight ([chunk_t] each, time is per thread)
-    plus W weights; the dt projection an accumulator and one dt_low column ([chunk_t] each).
+    plus W weights. The dt projection is a [chunk_t, R] x [R, block_d] tensor-core product
+    per chunk: its share of W_dt^T (held for the whole program), of the dt_low tile and of the
+    fp32 product, each spread over the program's threads.
     """
     tile = ks.chunk_t * ks.n_per_thread
     regs = _BASE_REGS + _REGS_PER_TILE_ELEM * tile + 2 * ks.n_per_thread
@@ -118,7 +127,10 @@ def estimate_registers(ks: KernelShape) -> int:
     if FUSES_CONV[ks.level]:
         regs += 3 * ks.chunk_t + ks.width
     if ks.dt_fused:
-        regs += 2 * ks.chunk_t + 1
+        threads = 32 * ks.num_warps
+        packed = ks.dt_rank_pad * ks.act_bytes / 4  # registers per row of R 16/32-bit values
+        regs += math.ceil(packed * (ks.block_d + ks.chunk_t) / threads)
+        regs += math.ceil(ks.chunk_t * ks.block_d / threads)
     return regs
 
 
@@ -147,6 +159,9 @@ class Problem:
     conv_has_other_users: bool  # x_proj reads the conv output too (always, in a Mamba block)
     legal: tuple[str, ...]  # levels the pass proved sound here, "split" included
     device: str = "cuda"
+    # u/z have unit stride along dim (nn.Linear-based code such as HF's): the level-0 kernel's
+    # tiles depend on it (scan_fwd_config's prefetch depth).
+    channel_innermost: bool = True
 
     def shape_class(self) -> tuple:
         # L to its power of two: the tile choice and the time-split decision depend on L only
@@ -236,19 +251,29 @@ def compiled_stats(compiled: object) -> Optional[tuple[int, int]]:
 
 
 def kernel_shape(problem: Problem, level: str, limits: DeviceLimits) -> KernelShape:
-    """The constexpr specialization the launcher would compile for ``level`` at ``problem``."""
+    """The constexpr specialization the launcher would compile for ``level`` at ``problem``:
+    the conv levels' kernel (``fused_config``'s tiles) or, for split and dt, the level-0 scan
+    kernel (``scan_fwd_config``'s, with its register cap and prefetch depth)."""
     from ssm_compile.kernels.fused.triton_fused import fused_config
-    from ssm_compile.kernels.selective_scan.triton_fwd import _next_pow2
+    from ssm_compile.kernels.selective_scan.triton_fwd import _next_pow2, scan_fwd_config
 
-    cfg = fused_config(problem.batch, problem.dim, problem.L, problem.N,
-                       problem.dim // problem.groups, limits.sm_count)
+    act_bytes = torch.empty((), dtype=problem.act_dtype).element_size()
+    if FUSES_CONV[level]:
+        cfg = fused_config(problem.batch, problem.dim, problem.L, problem.N,
+                           problem.dim // problem.groups, limits.sm_count)
+    else:
+        cfg = scan_fwd_config(problem.batch, problem.dim, problem.L, problem.N,
+                              problem.dim // problem.groups, limits.sm_count,
+                              problem.channel_innermost, act_bytes == 2)
     block_n = _next_pow2(problem.N)
     return KernelShape(
         level=level, n_per_thread=max(1, block_n // cfg.lanes_n), chunk_t=cfg.chunk_t,
         num_warps=cfg.num_warps, block_d=cfg.block_d,
         width=problem.width if FUSES_CONV[level] else 1,
         dt_fused=FUSES_DT[level],
-        act_bytes=torch.empty((), dtype=problem.act_dtype).element_size(),
+        act_bytes=act_bytes,
+        max_registers=cfg.max_registers, prefetch=cfg.prefetch,
+        dt_rank_pad=max(16, _next_pow2(problem.dt_rank)) if FUSES_DT[level] else 0,
     )
 
 
@@ -321,16 +346,22 @@ def _choose(problem: Problem, override: str, limits: DeviceLimits) -> DecisionRe
         return record("split", f"no fused level is legal here (legal: {legal})" if len(legal) == 1 else
                       f"auto keeps split: no fused level ({', '.join(legal[1:])}) beat it in any "
                       "configuration of the H200 fusion sweep; fuse='fused' forces the deepest that fits")
-    segments = _time_split(problem, limits)
-    if segments > 1:
-        return record("split", f"{prefix}the split scan splits L into {segments} segments to fill "
-                               f"{limits.sm_count} SMs; the fused kernel cannot")
     reasons = []
+    segments = _time_split(problem, limits)
+    if segments > 1 and any(FUSES_CONV[lv] for lv in candidates):
+        # The conv levels' kernel walks all of L in one program; the dt level is the level-0
+        # kernel and splits L as split does.
+        reasons.append(f"{'/'.join(lv for lv in candidates if FUSES_CONV[lv])}: the split scan splits "
+                       f"L into {segments} segments to fill {limits.sm_count} SMs; the conv levels' "
+                       "kernel cannot")
+        candidates = [lv for lv in candidates if not FUSES_CONV[lv]]
     for level in reversed(candidates):
         why = _rejection(ests[level], split, limits)
         if why is None:
+            passed_over = f" (passed over: {'; '.join(reasons)})" if reasons else ""
             return record(level, f"{prefix}saves {ests[level].saved_bytes} B at occupancy "
-                                 f"{ests[level].occupancy:.3f} (split {split.occupancy:.3f})")
+                                 f"{ests[level].occupancy:.3f} (split {split.occupancy:.3f})"
+                                 + passed_over)
         reasons.append(f"{level}: {why}")
     return record("split", prefix + "; ".join(reasons))
 
@@ -394,7 +425,8 @@ def compile_and_measure(problem: Problem, level: str, ks: KernelShape) -> Option
 
 def _probe_launch(problem: Problem, level: str, ks: KernelShape) -> Optional[tuple[int, int]]:
     from ssm_compile.kernels.fused.triton_fused import fused_scan_fwd
-    from ssm_compile.kernels.selective_scan.triton_fwd import ScanFwdConfig, _next_pow2
+    from ssm_compile.kernels.selective_scan.triton_fwd import (ScanFwdConfig, _next_pow2,
+                                                               selective_scan_fwd_launch)
 
     dev = torch.device("cuda")
     dtype = problem.act_dtype
@@ -413,9 +445,17 @@ def _probe_launch(problem: Problem, level: str, ks: KernelShape) -> Optional[tup
     conv_w = rand(dim, ks.width, dtype=dtype) if FUSES_CONV[level] else None
     conv_b = rand(dim, dtype=dtype) if FUSES_CONV[level] else None
     dt_w = rand(dim, R, dtype=problem.delta_dtype) if FUSES_DT[level] else None
-    delta = dt_low.to(problem.delta_dtype) if dt_w is not None else rand(1, dim, L, dtype=dtype)
+    # Split's delta is dt_proj's output: channels-last like x.
+    delta = (dt_low.to(problem.delta_dtype) if dt_w is not None
+             else rand(1, L, dim, dtype=problem.delta_dtype).transpose(1, 2))
     cfg = ScanFwdConfig(ks.block_d, ks.chunk_t, _next_pow2(problem.N) // ks.n_per_thread,
-                        ks.num_warps, 1)
-    launch = fused_scan_fwd(x, delta, -torch.rand(dim, problem.N, device=dev), B, C, rand(dim), z,
-                            rand(dim), True, conv_w, conv_b, True, dt_w, config=cfg)
+                        ks.num_warps, 1, ks.max_registers, ks.prefetch)
+    A = -torch.rand(dim, problem.N, device=dev)
+    if not FUSES_CONV[level]:
+        # Split and dt run the level-0 kernel: probe that kernel, not the conv levels' one.
+        _, _, compiled = selective_scan_fwd_launch(x, delta, A, B, C, rand(dim), z, rand(dim), True, None,
+                                                   False, dt_weight=dt_w, config=cfg)
+        return compiled_stats(compiled)
+    launch = fused_scan_fwd(x, delta, A, B, C, rand(dim), z, rand(dim), True, conv_w, conv_b, True, dt_w,
+                            config=cfg)
     return compiled_stats(launch.compiled)

@@ -5,7 +5,11 @@ Fusion levels (see ``triton_fused.py`` for what each one saves):
 * level 1: ``conv_weight`` given: x is the pre-conv input, u = act(conv(x) + conv_bias);
 * level 2: level 1 and ``dt_weight`` (dim, R) given: ``delta`` is dt_low (batch, R, L) and
   the kernel computes W_dt @ dt_low itself (then delta_bias and softplus as usual);
-* ``dt_weight`` without ``conv_weight`` fuses the dt projection alone (x is u).
+* ``dt_weight`` without ``conv_weight`` fuses the dt projection alone (x is u). This level runs
+  the level-0 scan kernel, so it also takes ``initial_state`` and ``return_last_state`` (a
+  prefill that fills a cache, HF's default forward); the conv levels do not.
+
+The outputs are the scan op's: ``(y, last_state)``, last_state (0,) unless requested.
 
 Layers: Triton kernel and launcher in ``triton_fused.py`` (CUDA); on CPU the split ops' own
 CPU paths composed; the fp64 spec in ``reference.py``.
@@ -30,14 +34,15 @@ from ..selective_scan.op import check_selective_scan_inputs
 _SCHEMA = (
     "(Tensor x, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D=None, Tensor? z=None, "
     "Tensor? delta_bias=None, bool delta_softplus=False, Tensor? conv_weight=None, "
-    "Tensor? conv_bias=None, str? conv_activation=None, Tensor? dt_weight=None) -> Tensor"
+    "Tensor? conv_bias=None, str? conv_activation=None, Tensor? dt_weight=None, "
+    "Tensor? initial_state=None, bool return_last_state=False) -> (Tensor y, Tensor last_state)"
 )
 _SILU = ("silu", "swish")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bias,
-                       conv_activation, dt_weight) -> None:
+                       conv_activation, dt_weight, initial_state=None, return_last_state=False) -> None:
     """Raise ValueError/TypeError/RuntimeError naming the argument; else return.
 
     The scan's own checks run with x standing for u (same shape) and, when the dt projection
@@ -62,7 +67,10 @@ def check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bi
                 raise TypeError(f"fused_mamba_scan: {name} must have a dtype in {[str(d) for d in ok]} "
                                 f"(fp64 on CPU only), got {t.dtype}")
     scan_delta = x if dt_weight is not None else delta
-    check_selective_scan_inputs(x, scan_delta, A, B, C, D, z, delta_bias, None)
+    check_selective_scan_inputs(x, scan_delta, A, B, C, D, z, delta_bias, initial_state)
+    if conv_weight is not None and (initial_state is not None or return_last_state):
+        raise ValueError("fused_mamba_scan: initial_state/return_last_state need the conv unfused "
+                         "(conv_weight=None): the conv levels' kernel carries no state")
     if conv_weight is not None:
         try:
             check_causal_conv1d_args(x, conv_weight, conv_bias, conv_activation, None)
@@ -74,7 +82,8 @@ def check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bi
 
 
 def _cpu_impl(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-              conv_weight=None, conv_bias=None, conv_activation=None, dt_weight=None):
+              conv_weight=None, conv_bias=None, conv_activation=None, dt_weight=None,
+              initial_state=None, return_last_state=False):
     # The split path, step by step: what the fused kernel must reproduce.
     u = x
     if conv_weight is not None:
@@ -82,39 +91,55 @@ def _cpu_impl(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus
     if dt_weight is not None:
         delta = torch.matmul(dt_weight.to(delta.dtype), delta)
     grouped = (lambda t: t.unsqueeze(1) if t.dim() == 3 else t)
-    y, _ = scan_cpu.selective_scan_fwd(u, delta, A, grouped(B), grouped(C), D, z, delta_bias,
-                                       delta_softplus, None, False)
-    return y
+    return scan_cpu.selective_scan_fwd(u, delta, A, grouped(B), grouped(C), D, z, delta_bias,
+                                       delta_softplus, initial_state, return_last_state)
+
+
+def _state_dtype(x, delta, A, B, C, D, z, delta_bias, initial_state):
+    # The scan's: fp32, fp64 when an input is fp64 (CPU); the projected delta has x's role.
+    return scan_cpu.compute_dtype(x, delta, A, B, C, D, z, delta_bias, initial_state)
 
 
 def _impl(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-          conv_weight=None, conv_bias=None, conv_activation=None, dt_weight=None):
+          conv_weight=None, conv_bias=None, conv_activation=None, dt_weight=None,
+          initial_state=None, return_last_state=False):
     check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bias,
-                       conv_activation, dt_weight)
+                       conv_activation, dt_weight, initial_state, return_last_state)
     if x.device.type == "cpu":
-        return without_autocast(_cpu_impl, "cpu")(x, delta, A, B, C, D, z, delta_bias, delta_softplus, conv_weight,
-                         conv_bias, conv_activation, dt_weight)
-    if x.device.type != "cuda":
-        raise RuntimeError(f"fused_mamba_scan: x is on {x.device}; supported device types: cpu, cuda")
-    from .triton_fused import fused_scan_fwd
+        y, last_state = without_autocast(_cpu_impl, "cpu")(
+            x, delta, A, B, C, D, z, delta_bias, delta_softplus, conv_weight, conv_bias,
+            conv_activation, dt_weight, initial_state, return_last_state)
+    elif x.device.type == "cuda":
+        from .triton_fused import fused_scan_fwd
 
-    grouped = (lambda t: t.unsqueeze(1) if t.dim() == 3 else t)
-    return fused_scan_fwd(x, delta, A, grouped(B), grouped(C), D, z, delta_bias, delta_softplus,
-                          conv_weight, conv_bias, conv_activation in _SILU, dt_weight).y
+        grouped = (lambda t: t.unsqueeze(1) if t.dim() == 3 else t)
+        launch = fused_scan_fwd(x, delta, A, grouped(B), grouped(C), D, z, delta_bias, delta_softplus,
+                                conv_weight, conv_bias, conv_activation in _SILU, dt_weight,
+                                initial_state=initial_state, return_last_state=return_last_state)
+        y, last_state = launch.y, launch.last_state
+    else:
+        raise RuntimeError(f"fused_mamba_scan: x is on {x.device}; supported device types: cpu, cuda")
+    if last_state is None:
+        last_state = x.new_empty((0,), dtype=_state_dtype(x, delta, A, B, C, D, z, delta_bias, initial_state))
+    return y, last_state
 
 
 def _fake(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-          conv_weight=None, conv_bias=None, conv_activation=None, dt_weight=None):
+          conv_weight=None, conv_bias=None, conv_activation=None, dt_weight=None,
+          initial_state=None, return_last_state=False):
     check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bias,
-                       conv_activation, dt_weight)
-    return empty_activation(x)
+                       conv_activation, dt_weight, initial_state, return_last_state)
+    batch, dim, _ = x.shape
+    shape = (batch, dim, A.shape[1]) if return_last_state else (0,)
+    state_dtype = _state_dtype(x, delta, A, B, C, D, z, delta_bias, initial_state)
+    return empty_activation(x), x.new_empty(shape, dtype=state_dtype)
 
 
 def _setup_context(ctx, inputs, output):
     pass
 
 
-def _backward(ctx, grad_y):
+def _backward(ctx, grad_y, grad_last_state):
     raise RuntimeError(
         "ssm::fused_mamba_scan is forward-only (inference): the fuse pass emits it only when no "
         "input requires grad. For training, compile with the default options (the pass keeps the "

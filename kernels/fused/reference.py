@@ -26,8 +26,11 @@ def fused_mamba_scan_ref(
     conv_bias: Optional[torch.Tensor] = None,
     conv_activation: Optional[str] = None,
     dt_weight: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Reference fused scan in fp64; returns y as an fp64 (batch, dim, L) tensor.
+    initial_state: Optional[torch.Tensor] = None,
+    return_last_state: bool = False,
+):
+    """Reference fused scan in fp64; returns y as an fp64 (batch, dim, L) tensor, and the last
+    state (batch, dim, N) too if ``return_last_state``.
 
     Args:
         x: (batch, dim, L), the conv input if ``conv_weight`` (dim, W) is given, else u.
@@ -47,4 +50,5 @@ def fused_mamba_scan_ref(
     delta = delta.double()
     if dt_weight is not None:
         delta = torch.einsum("dr,brl->bdl", dt_weight.double(), delta)
-    return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
+                              return_last_state)

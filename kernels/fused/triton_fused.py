@@ -1,5 +1,6 @@
-"""Fused Mamba-block scan in Triton: causal conv1d (+ silu) and/or the dt projection inside the
-selective-scan forward kernel.
+"""Fused Mamba-block scan in Triton: causal conv1d (+ silu), and optionally the dt projection,
+inside the selective-scan forward kernel (levels 1 and 2; the dt level alone is the level-0
+kernel's, see below).
 
 What each fusion level really saves (HBM traffic of one Mamba-1 mixer forward)
 ------------------------------------------------------------------------------
@@ -27,20 +28,28 @@ output also feeds x_proj.
 **Level 2** (level 1 + delta = W_dt @ dt_low + bias + softplus inside the kernel, reading
 dt_low through a strided view of the x_proj output): delta never exists in HBM, which removes
 its write and its read: 2E * s of the 8E * s, i.e. up to 25% of the block's elementwise traffic
-(the scan alone goes from 4E to 3E). The cost is R multiply-adds per (t, d) element (R = 48
-for d_model 768, against ~5N operations of the scan itself), done on every lane that holds the
-(t, d) element in the scan's layout, plus a [CHUNK_T] accumulator column per thread.
+(the scan alone goes from 4E to 3E). The cost is one [CHUNK_T, R] x [R, BLOCK_D] tensor-core
+product per chunk (``triton_common.dot_f32``; R padded to a power of two >= 16, fp32 operands
+as three tf32 products), W_dt^T held per program, and the product's layout conversion into
+the scan's tile. (Until run 19 it was an R-long FMA loop per (t, d) on every state lane,
+2-30x slower than split.)
 
-The kernel has both stages as constexprs (``FUSE_CONV``, ``FUSE_DT``), so the dt projection
-can also be fused alone (conv output read as u): that is the combination with the traffic
-win and no conv overhead; ``kernels/fused/op.py`` exposes every combination and
-``benchmarks/bench_fusion.py`` times them.
+**The dt level** (the dt projection alone, conv output read as u: the combination with the
+traffic win and no conv overhead) is not this kernel: it is the level-0 kernel with its
+``DT_RANK_PAD`` stage (``selective_scan_fwd_launch(..., dt_weight=...)``), so it keeps that
+kernel's time split, prefetch, register cap and states. ``fused_scan_fwd`` routes it there.
+Measured (H200, run 19, ``benchmarks/probe_dt_fusion.py``, batch 8, dim 1536, L 2048, N 16,
+R 48, HF's layouts): dt_proj matmul + scan 0.247 ms bf16 / 0.319 fp32; the fused scan 0.324 /
+0.365, with the same registers and no spills. The product costs ~28 of ~673 loop instructions
+offline, yet ~0.1 ms on the GPU: not understood (Nsight Compute was not run), so the numbers
+decide and ``fuse="auto"`` keeps split.
 
-Limits, by design: no time split across programs (the level-0 kernel splits L when
-batch * dim is too small to fill the GPU; the fused kernel does not, so the heuristic keeps
-level 0 for those shapes), no software prefetch of the next chunk (the level-0 kernel has one;
-here it would hold the conv halo and dt columns of two chunks at once), no initial/last state
-(prefill with a cache keeps level 0), and forward only (see ``op.py``).
+Limits of this kernel, by design: no time split across programs (the level-0 kernel splits L
+when batch * dim is too small to fill the GPU; this one does not, so the heuristic passes the
+conv levels over for those shapes), no software prefetch of the next chunk (the level-0 kernel
+has one; here it would hold the conv halo and dt_low tiles of two chunks at once), no
+initial/last state (a prefill with a cache can only take the dt level), and forward only (see
+``op.py``).
 
 Layers: ``_fused_scan_kernel`` (jit), ``fused_scan_fwd`` (launcher). Tiles come from the
 level-0 kernel's ``scan_fwd_config`` (same register tile, same layout reasoning).
@@ -53,17 +62,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..selective_scan.triton_fwd import ScanFwdConfig, _last_step, _next_pow2, scan_fwd_config
+from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, scan_fwd_config,
+                                         selective_scan_fwd_launch)
 from ..layout import empty_activation
-from ..triton_common import LOG2E, linear_combine, silu, softplus
+from ..triton_common import LOG2E, dot_f32, linear_combine, silu, softplus
 
 
 
 class FusedLaunch(NamedTuple):
-    """What a launch produced: y, and the compiled kernel (None under the interpreter), whose
-    ``n_regs`` / ``n_spills`` the heuristic reads to correct its register estimate."""
+    """What a launch produced: y, the last state (None unless requested), and the compiled
+    kernel (None under the interpreter), whose ``n_regs`` / ``n_spills`` the heuristic reads to
+    correct its register estimate."""
 
     y: torch.Tensor
+    last_state: Optional[torch.Tensor]
     compiled: object
 
 
@@ -73,7 +85,6 @@ class FusedLaunch(NamedTuple):
         "HAS_Z": lambda args: args["z_ptr"] is not None,
         "HAS_DELTA_BIAS": lambda args: args["delta_bias_ptr"] is not None,
         "HAS_CONV_BIAS": lambda args: args["conv_b_ptr"] is not None,
-        "FUSE_CONV": lambda args: args["conv_w_ptr"] is not None,
         "FUSE_DT": lambda args: args["dt_w_ptr"] is not None,
     }
 )
@@ -101,7 +112,8 @@ def _fused_scan_kernel(
     W: tl.constexpr, CONV_SILU: tl.constexpr,
     DELTA_SOFTPLUS: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
-    HAS_CONV_BIAS: tl.constexpr, FUSE_CONV: tl.constexpr, FUSE_DT: tl.constexpr,
+    HAS_CONV_BIAS: tl.constexpr, FUSE_DT: tl.constexpr,
+    DT_RANK_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,  # as in the level-0 kernel
 ):
     # Same 4-D tile as the level-0 kernel: [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N], time and
     # N_PER_THREAD inside a thread (serial scan, register readout). Do not reorder the axes.
@@ -134,6 +146,12 @@ def _fused_scan_kernel(
         Dv = tl.load(D_ptr + offs_d * stride_D, mask=mask_d, other=0.0).to(tl.float32)
     if HAS_CONV_BIAS:
         conv_b = tl.load(conv_b_ptr + offs_d * stride_cb, mask=mask_d, other=0.0).to(tl.float32)
+    if FUSE_DT:
+        # W_dt^T [R, BLOCK_D] once per program, in dt_low's dtype (the split matmul's cast).
+        offs_r = tl.arange(0, DT_RANK_PAD)
+        w_dt = tl.load(dt_w_ptr + offs_r[:, None] * stride_dtw_r + offs_d[None, :] * stride_dtw_d,
+                       mask=(offs_r < R)[:, None] & mask_d[None, :],
+                       other=0.0).to(delta_ptr.dtype.element_ty)
 
     h = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
     # Give the carry the chunk tile's layout from the start (see triton_fwd.py: a carry born
@@ -146,46 +164,36 @@ def _fused_scan_kernel(
         mask_t = offs_t < L
         mask_td = mask_t[:, None] & mask_d[None, :]
 
-        if FUSE_CONV:
-            # u[t] = act(bias + sum_k w[k] * x[t - (W-1) + k]); the W-1 halo steps before the
-            # chunk are re-read (they hit L1/L2) instead of shifted in registers, which Triton
-            # cannot express. Times before 0 read as 0: no initial conv state at this level.
-            acc = tl.zeros((CHUNK_T, BLOCK_D), tl.float32)
-            for k in tl.static_range(W):
-                pos = offs_t - (W - 1) + k
-                xk = tl.load(x_ptr + pos[:, None] * stride_x_l + offs_d[None, :] * stride_x_d,
-                             mask=((pos >= 0) & (pos < L))[:, None] & mask_d[None, :], other=0.0)
-                wk = tl.load(conv_w_ptr + offs_d * stride_cw_d + k * stride_cw_k, mask=mask_d,
-                             other=0.0)
-                acc += wk.to(tl.float32)[None, :] * xk.to(tl.float32)
-            if HAS_CONV_BIAS:
-                acc += conv_b[None, :]
-            if CONV_SILU:
-                acc = silu(acc)
-            # Round through x's dtype as the split path's conv output is rounded, so the fused
-            # level's u carries the same rounding as the split level's.
-            uf = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-            # Padded timesteps must be the identity step: u = 0 there, which the conv bias and
-            # the halo taps are not.
-            uf = tl.where(mask_td, uf, 0.0)  # [CHUNK_T, BLOCK_D]
-        else:
-            uf = tl.load(x_ptr + offs_t[:, None] * stride_x_l + offs_d[None, :] * stride_x_d,
-                         mask=mask_td, other=0.0).to(tl.float32)
+        # u[t] = act(bias + sum_k w[k] * x[t - (W-1) + k]); the W-1 halo steps before the
+        # chunk are re-read (they hit L1/L2) instead of shifted in registers, which Triton
+        # cannot express. Times before 0 read as 0: no initial conv state at this level.
+        acc = tl.zeros((CHUNK_T, BLOCK_D), tl.float32)
+        for k in tl.static_range(W):
+            pos = offs_t - (W - 1) + k
+            xk = tl.load(x_ptr + pos[:, None] * stride_x_l + offs_d[None, :] * stride_x_d,
+                         mask=((pos >= 0) & (pos < L))[:, None] & mask_d[None, :], other=0.0)
+            wk = tl.load(conv_w_ptr + offs_d * stride_cw_d + k * stride_cw_k, mask=mask_d,
+                         other=0.0)
+            acc += wk.to(tl.float32)[None, :] * xk.to(tl.float32)
+        if HAS_CONV_BIAS:
+            acc += conv_b[None, :]
+        if CONV_SILU:
+            acc = silu(acc)
+        # Round through x's dtype as the split path's conv output is rounded, so the fused
+        # level's u carries the same rounding as the split level's.
+        uf = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        # Padded timesteps must be the identity step: u = 0 there, which the conv bias and
+        # the halo taps are not.
+        uf = tl.where(mask_td, uf, 0.0)  # [CHUNK_T, BLOCK_D]
 
         if FUSE_DT:
-            # delta[t, d] = sum_r dt_low[r, t] * W_dt[d, r], one column r at a time: two small
-            # loads (L1 hits after the first column: a chunk of x_proj rows is ~2 KB) and an
-            # FMA into the [CHUNK_T, BLOCK_D] accumulator. A [CHUNK_T, BLOCK_R, BLOCK_D] product
-            # tile reduced over r would need a cross-thread reduction whose layout Triton picks;
-            # the column loop needs none and adds only two [CHUNK_T]-sized values per thread.
-            # dt_low is read through the x_proj output's strided view (no copy).
-            dt = tl.zeros((CHUNK_T, BLOCK_D), tl.float32)
-            for r in range(0, R):
-                dtl = tl.load(delta_ptr + r * stride_delta_c + offs_t * stride_delta_l,
-                              mask=mask_t, other=0.0)  # [CHUNK_T]
-                wdt = tl.load(dt_w_ptr + offs_d * stride_dtw_d + r * stride_dtw_r, mask=mask_d,
-                              other=0.0)  # [BLOCK_D]
-                dt += dtl.to(tl.float32)[:, None] * wdt.to(tl.float32)[None, :]
+            # delta = dt_low^T @ W_dt^T for the chunk, one tensor-core product
+            # ([CHUNK_T, R] x [R, BLOCK_D]); dt_low is read through the x_proj output's strided
+            # view (no copy). An R-long FMA loop per (t, d) on every state lane made this level
+            # 2-30x slower than split (H200, run 10).
+            dtl = tl.load(delta_ptr + offs_t[:, None] * stride_delta_l + offs_r[None, :] * stride_delta_c,
+                          mask=mask_t[:, None] & (offs_r < R)[None, :], other=0.0)
+            dt = dot_f32(dtl, w_dt, DOT_PRECISION)
             # The split path's matmul rounds delta to dt_low's dtype; do the same.
             dt = dt.to(delta_ptr.dtype.element_ty).to(tl.float32)
         else:
@@ -246,6 +254,8 @@ def fused_scan_fwd(
     conv_silu: bool,
     dt_weight: Optional[torch.Tensor],
     *,
+    initial_state: Optional[torch.Tensor] = None,
+    return_last_state: bool = False,
     config: Optional[ScanFwdConfig] = None,
 ) -> FusedLaunch:
     """Launch the fused kernel (inputs already validated by the op layer).
@@ -258,8 +268,22 @@ def fused_scan_fwd(
         config: tile override; default ``fused_config``.
 
     Returns:
-        ``FusedLaunch(y, compiled)``: y (batch, dim, L) in x's dtype.
+        ``FusedLaunch(y, last_state, compiled)``: y (batch, dim, L) in x's dtype.
+
+    The dt projection alone (no conv) runs in the level-0 kernel (``selective_scan_fwd_launch``
+    with ``dt_weight``): it keeps that kernel's time split, prefetch, register cap and states
+    (``initial_state``, ``return_last_state``), so ``config`` is then a ``scan_fwd_config``.
+    With the conv fused this kernel runs; it carries no state.
     """
+    if conv_weight is None:
+        if dt_weight is None:
+            raise ValueError("fused_scan_fwd: nothing to fuse (neither conv_weight nor dt_weight)")
+        y, last_state, compiled = selective_scan_fwd_launch(
+            x, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state,
+            dt_weight=dt_weight, config=config)
+        return FusedLaunch(y, last_state, compiled)
+    if initial_state is not None or return_last_state:
+        raise ValueError("fused_scan_fwd: initial_state/return_last_state need conv_weight=None")
     batch, dim, L = x.shape
     G, N = B.shape[1], B.shape[2]
     dims_per_group = dim // G
@@ -288,8 +312,9 @@ def fused_scan_fwd(
         *strides(conv_weight, 2), *strides(conv_bias, 1), *strides(dt_weight, 2), *y.stride(),
         BLOCK_D=config.block_d, CHUNK_T=config.chunk_t,
         N_PER_THREAD=max(1, block_n // config.lanes_n), LANES_N=min(config.lanes_n, block_n),
-        W=conv_weight.shape[1] if conv_weight is not None else 1, CONV_SILU=conv_silu,
+        W=conv_weight.shape[1], CONV_SILU=conv_silu,
         DELTA_SOFTPLUS=delta_softplus,
+        DT_RANK_PAD=max(16, _next_pow2(R)), DOT_PRECISION="tf32x3" if delta.dtype == torch.float32 else "ieee",
         num_warps=config.num_warps,
     )
-    return FusedLaunch(y, compiled if x.is_cuda else None)
+    return FusedLaunch(y, None, compiled if x.is_cuda else None)

@@ -1,8 +1,10 @@
 """Fused selective-scan forward in Triton: one pass over the inputs, the state stays on chip.
 
 Layers: ``_selective_scan_fwd_kernel`` (the jit kernel), ``scan_fwd_config`` (the tile
-heuristic), ``selective_scan_fwd`` (the launcher). The op layer (``op.py``) validates inputs
-and turns 3-D B/C into the grouped 4-D layout before calling the launcher.
+heuristic), ``selective_scan_fwd`` (the launcher; ``selective_scan_fwd_launch`` also takes
+the dt projection, for ``ssm::fused_mamba_scan``'s dt level, and returns the compiled kernel).
+The op layer (``op.py``) validates inputs and turns 3-D B/C into the grouped 4-D layout before
+calling the launcher.
 
 Work decomposition ("three levels of parallelism"):
 
@@ -32,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost, empty_activation
-from ..triton_common import LOG2E, linear_combine, silu, softplus
+from ..triton_common import LOG2E, dot_f32, linear_combine, silu, softplus
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
 # scan_fwd_config): 65536 / (3 * 128) = 170.7, rounded down to ptxas's allocation granule of 8.
@@ -224,19 +226,25 @@ def _load_chunk(
     u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
     offs_d, offs_t, offs_bn, mask_d, mask_bn, t_end,
     stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
-    stride_B_n, stride_B_l, stride_C_n, stride_C_l,
-    NEED_Z: tl.constexpr, NEED_C: tl.constexpr,
+    stride_B_n, stride_B_l, stride_C_n, stride_C_l, dt_rank,
+    NEED_Z: tl.constexpr, NEED_C: tl.constexpr, DT_RANK_PAD: tl.constexpr,
 ):
     """Raw (un-converted) tiles of one chunk: u, delta, z as [CHUNK_T, BLOCK_D]; B, C as
-    [CHUNK_T, N_PER_THREAD, LANES_N]. Out-of-range elements load as 0; the caller turns those
-    steps into the identity."""
+    [CHUNK_T, N_PER_THREAD, LANES_N]; with the dt projection fused (DT_RANK_PAD > 0) delta
+    is the dt_low tile [CHUNK_T, DT_RANK_PAD] (its ``d`` stride walks the rank). Out-of-range
+    elements load as 0; the caller turns those steps into the identity."""
     mask_t = offs_t < t_end
     mask_td = mask_t[:, None] & mask_d[None, :]
     mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
     u = tl.load(u_ptr + offs_t[:, None] * stride_u_l + offs_d[None, :] * stride_u_d,
                 mask=mask_td, other=0.0)
-    delta = tl.load(delta_ptr + offs_t[:, None] * stride_delta_l + offs_d[None, :] * stride_delta_d,
-                    mask=mask_td, other=0.0)
+    if DT_RANK_PAD > 0:
+        offs_r = tl.arange(0, DT_RANK_PAD)
+        delta = tl.load(delta_ptr + offs_t[:, None] * stride_delta_l + offs_r[None, :] * stride_delta_d,
+                        mask=mask_t[:, None] & (offs_r < dt_rank)[None, :], other=0.0)
+    else:
+        delta = tl.load(delta_ptr + offs_t[:, None] * stride_delta_l + offs_d[None, :] * stride_delta_d,
+                        mask=mask_td, other=0.0)
     Bt = tl.load(B_ptr + offs_t[:, None, None] * stride_B_l + offs_bn[None, :, :] * stride_B_n,
                  mask=mask_tn, other=0.0)
     if NEED_Z:
@@ -259,9 +267,9 @@ def _load_chunk(
 def _selective_scan_fwd_kernel(
     # pointers
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, h0_ptr,
-    y_ptr, last_ptr, seg_a_ptr, seg_b_ptr,
+    y_ptr, last_ptr, seg_a_ptr, seg_b_ptr, dt_w_ptr,
     # sizes
-    batch, dim, L, N, dims_per_group, seg_len,
+    batch, dim, L, N, dims_per_group, seg_len, dt_rank,
     # strides
     stride_u_b, stride_u_d, stride_u_l,
     stride_delta_b, stride_delta_d, stride_delta_l,
@@ -272,6 +280,7 @@ def _selective_scan_fwd_kernel(
     stride_z_b, stride_z_d, stride_z_l,
     stride_h0_b, stride_h0_d, stride_h0_n,
     stride_y_b, stride_y_d, stride_y_l,
+    stride_dtw_d, stride_dtw_r,
     # meta-parameters
     BLOCK_D: tl.constexpr, CHUNK_T: tl.constexpr,
     N_PER_THREAD: tl.constexpr, LANES_N: tl.constexpr,  # N_PER_THREAD * LANES_N = next_pow2(N)
@@ -280,6 +289,10 @@ def _selective_scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
     HAS_INIT: tl.constexpr, STORE_LAST: tl.constexpr, TIME_SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,  # chunks loaded ahead of the one being computed: 1 or 2
+    # > 0: the dt projection is fused. delta_ptr is dt_low (batch, R, L), dt_w_ptr W_dt (dim, R),
+    # and each chunk's delta is a [CHUNK_T, R] x [R, BLOCK_D] tensor-core product, R padded to
+    # this power of two; DOT_PRECISION is tl.dot's input_precision for it.
+    DT_RANK_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Every per-element tile is 4-D [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N]. Triton's default
     # layout hands the lanes to the fastest dims first (LANES_N, then BLOCK_D) and the warps to
@@ -317,6 +330,14 @@ def _selective_scan_fwd_kernel(
                              other=0.0).to(tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d * stride_D, mask=mask_d, other=0.0).to(tl.float32)
+    if DT_RANK_PAD > 0:
+        # W_dt^T for the program's channels, [R, BLOCK_D], loaded once: a few registers per
+        # thread (R = 48 -> 64 rows x 32 channels of 16-bit over 128 threads), in dt_low's dtype
+        # as the split path's matmul casts it.
+        offs_r = tl.arange(0, DT_RANK_PAD)
+        w_dt = tl.load(dt_w_ptr + offs_r[:, None] * stride_dtw_r + offs_d[None, :] * stride_dtw_d,
+                       mask=(offs_r < dt_rank)[:, None] & mask_d[None, :],
+                       other=0.0).to(delta_ptr.dtype.element_ty)
 
     # States (segment composites, last_state) are contiguous [batch, dim, N] fp32 slabs.
     offs_state = (pid_b * dim + offs_d3) * N + offs_n3  # [N_PER_THREAD, BLOCK_D, LANES_N]
@@ -360,16 +381,16 @@ def _selective_scan_fwd_kernel(
         u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
         offs_d, t_start + tl.arange(0, CHUNK_T), offs_bn, mask_d, mask_bn, t_end,
         stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
-        stride_B_n, stride_B_l, stride_C_n, stride_C_l,
+        stride_B_n, stride_B_l, stride_C_n, stride_C_l, dt_rank,
         # The first launch of a time split needs neither the gate (z) nor the readout (C).
-        HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS)
+        HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS, DT_RANK_PAD)
     if PREFETCH == 2:
         u2, delta2, z2, Bt2, Ct2 = _load_chunk(
             u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
             offs_d, t_start + CHUNK_T + tl.arange(0, CHUNK_T), offs_bn, mask_d, mask_bn, t_end,
             stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
-            stride_B_n, stride_B_l, stride_C_n, stride_C_l,
-            HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS)
+            stride_B_n, stride_B_l, stride_C_n, stride_C_l, dt_rank,
+            HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS, DT_RANK_PAD)
     for t0 in range(t_start, t_end, CHUNK_T):
         offs_t = t0 + tl.arange(0, CHUNK_T)
         mask_t = offs_t < t_end
@@ -377,11 +398,17 @@ def _selective_scan_fwd_kernel(
             u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
             offs_d, offs_t + PREFETCH * CHUNK_T, offs_bn, mask_d, mask_bn, t_end,
             stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d, stride_z_l,
-            stride_B_n, stride_B_l, stride_C_n, stride_C_l,
-            HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS)
+            stride_B_n, stride_B_l, stride_C_n, stride_C_l, dt_rank,
+            HAS_Z and not SEGMENT_TOTALS, not SEGMENT_TOTALS, DT_RANK_PAD)
 
         uf = u.to(tl.float32)
-        dt = delta.to(tl.float32)  # [CHUNK_T, BLOCK_D]
+        if DT_RANK_PAD > 0:
+            # fp32 accumulation; rounded to dt_low's dtype as the split path's matmul output is,
+            # so both levels feed the scan the same delta.
+            dt = dot_f32(delta, w_dt, DOT_PRECISION)
+            dt = dt.to(delta_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            dt = delta.to(tl.float32)  # [CHUNK_T, BLOCK_D]
         if HAS_DELTA_BIAS:
             dt += delta_bias[None, :]
         if DELTA_SOFTPLUS:
@@ -505,6 +532,36 @@ def selective_scan_fwd(
     Returns:
         y (batch, dim, L) in u's dtype, and last_state (batch, dim, N) fp32 if
         ``return_last_state`` else None.
+    """
+    y, last_state, _ = selective_scan_fwd_launch(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state,
+        config=config)
+    return y, last_state
+
+
+def selective_scan_fwd_launch(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor],
+    z: Optional[torch.Tensor],
+    delta_bias: Optional[torch.Tensor],
+    delta_softplus: bool,
+    initial_state: Optional[torch.Tensor],
+    return_last_state: bool,
+    *,
+    dt_weight: Optional[torch.Tensor] = None,
+    config: Optional[ScanFwdConfig] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], object]:
+    """``selective_scan_fwd``, optionally with the dt projection fused, and the compiled kernel.
+
+    With ``dt_weight`` (dim, R) given, ``delta`` is dt_low (batch, R, L), any strides (HF's
+    x_proj output view works as it is), and each chunk's delta = W_dt @ dt_low is a tensor-core
+    product inside the kernel (``ssm::fused_mamba_scan``'s "dt" level): delta never exists in
+    HBM. Returns (y, last_state, compiled); ``compiled`` is the output launch's kernel (None
+    under the interpreter), whose ``n_regs`` / ``n_spills`` the fusion heuristic reads.
 
     Host cost matters here (at batch 1 / short L the call is launch-bound): everything that
     depends only on sizes is cached (``scan_fwd_config``, ``_launch_plan``, ``_row_span``),
@@ -532,6 +589,13 @@ def selective_scan_fwd(
                 f"{name}: one batch row spans more than 2**31 elements (shape {tuple(t.shape)}, "
                 f"strides {t.stride()}); the Triton selective scan indexes rows in int32")
     plan = _launch_plan(batch, dim, L, N, config)
+    dt_rank = dt_weight.shape[1] if dt_weight is not None else 0
+    # tl.dot needs K >= 16 (16-bit operands); fp32 operands take three tf32 products
+    # (~fp32 accuracy) instead of the FMA path, whose 256 FMAs per thread and chunk would
+    # cost a third of the scan itself.
+    dt_rank_pad = max(16, _next_pow2(dt_rank)) if dt_weight is not None else 0
+    dot_precision = "tf32x3" if delta.dtype == torch.float32 else "ieee"
+    dtw_strides = dt_weight.stride() if dt_weight is not None else (0, 0)
 
     y = empty_activation(u)
     last_state = (torch.empty((batch, dim, N), dtype=torch.float32, device=u.device)
@@ -548,18 +612,19 @@ def selective_scan_fwd(
     bias_stride = delta_bias.stride(0) if delta_bias is not None else 0
 
     def launch(segment_totals: bool, grid: Tuple[int, int, int]):
-        _selective_scan_fwd_kernel[grid](
+        return _selective_scan_fwd_kernel[grid](
             u, delta, A, B, C, D, z, delta_bias, initial_state,
-            y, last_state, seg_a, seg_b,
-            batch, dim, L, N, dims_per_group, plan.seg_len,
+            y, last_state, seg_a, seg_b, dt_weight,
+            batch, dim, L, N, dims_per_group, plan.seg_len, dt_rank,
             *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
-            D_stride, bias_stride, *z_strides, *h0_strides, *y.stride(),
+            D_stride, bias_stride, *z_strides, *h0_strides, *y.stride(), *dtw_strides,
             BLOCK_D=config.block_d, CHUNK_T=config.chunk_t,
             N_PER_THREAD=plan.n_per_thread, LANES_N=plan.lanes_n,
             SEGMENT_TOTALS=segment_totals, DELTA_SOFTPLUS=delta_softplus,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
             HAS_INIT=initial_state is not None, STORE_LAST=last_state is not None,
             TIME_SPLIT=seg_a is not None, PREFETCH=config.prefetch,
+            DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision,
             num_warps=config.num_warps, maxnreg=config.max_registers,
         )
 
@@ -569,5 +634,5 @@ def selective_scan_fwd(
     with torch.cuda.device(u.device) if switch else contextlib.nullcontext():
         if seg_a is not None:
             launch(True, plan.grid_totals)
-        launch(False, plan.grid)
-    return y, last_state
+        compiled = launch(False, plan.grid)
+    return y, last_state, compiled if u.is_cuda else None
