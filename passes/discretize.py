@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import is_call, is_cast, is_method, parse_slice, val
+from .fx_utils import is_call, is_cast, is_method, parse_slice, squeezed_unit_piece, val
 
 __all__ = [
     "Source",
@@ -400,6 +400,10 @@ class _Evaluator:
                 out.append(lab if _same(src.shape[i], out_shape[lead + i]) else self.uf.fresh())
             return self._relabel(t, tuple(out))
         if is_method(node, "squeeze") or is_call(node, torch.squeeze):
+            if squeezed_unit_piece(node) is not None:
+                # ``x.narrow(t, i, 1).squeeze(t)``, ``x.split(1, t)[i].squeeze(t)``: a select,
+                # so a leaf like ``x[..., i]`` (time_slice reads it), not a relabelled piece.
+                return None
             dims = _dims_arg(node, 1, "dim")
             if dims is None:
                 return None

@@ -293,9 +293,11 @@ def normalized_graph_str(gm: torch.fx.GraphModule | torch.fx.Graph, with_meta: b
 def time_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
     """``(base, axis, index)`` if ``node`` selects one index along one axis of ``base``.
 
-    Accepts ``x[:, :, i]``, ``x[..., i, :]``, ``x[:, None, :, i]``, ``x.select(axis, i)`` and
-    item i of ``x.unbind(axis)``; negative indices are normalised, so ``x[:, -1]`` at step 0 reads
-    as index L-1 (and is refused as a lag).
+    Accepts ``x[:, :, i]``, ``x[..., i, :]``, ``x[:, None, :, i]``, ``x.select(axis, i)``, item i
+    of ``x.unbind(axis)``, and a width-1 piece squeezed along its axis (``x.narrow(axis, i, 1)``,
+    ``x[:, :, i:i + 1]`` or item i of ``x.split(1, axis)``, then ``.squeeze(axis)``: the same
+    view as the select); negative indices are normalised, so ``x[:, -1]`` at step 0 reads as
+    index L-1 (and is refused as a lag).
     """
     parsed = parse_slice(node)
     return None if parsed is None else parsed[:3]
@@ -323,9 +325,72 @@ def parse_slice(node: Any) -> tuple[torch.fx.Node, int, int, list[int | None]] |
         index = (slice(None),) * axis + (idx,)
     elif is_call(node, operator.getitem):
         base, index = node.args
+    elif is_method(node, "squeeze") or is_call(node, torch.squeeze):
+        piece = squeezed_unit_piece(node)
+        if piece is None:
+            return None
+        base, axis, idx = piece
+        index = (slice(None),) * axis + (idx,)
     else:
         return None
     return parse_index(base, index)
+
+
+def squeezed_unit_piece(squeeze: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
+    """``(x, axis, i)`` if ``squeeze`` removes ``axis`` from a width-1 piece of ``x`` starting at
+    i along that axis: ``x.narrow(axis, i, 1)``, ``x[..., i:i + 1, ...]`` (every other axis
+    whole) or item i of ``x.split(1, axis)``. Only an explicit squeeze axis counts: a bare
+    ``squeeze()`` would also drop any other axis of size 1."""
+    if len(squeeze.args) != 2 or squeeze.kwargs:
+        return None
+    piece, axis = squeeze.args
+    vp = val(piece)
+    if not isinstance(piece, torch.fx.Node) or not isinstance(vp, torch.Tensor) or not isinstance(axis, int):
+        return None
+    axis %= vp.dim()
+    if vp.shape[axis] != 1:
+        return None
+    if is_method(piece, "narrow") or is_call(piece, torch.narrow):
+        if len(piece.args) != 4 or piece.kwargs:
+            return None
+        base, dim, start, length = piece.args
+        vb = val(base)
+        if (not isinstance(vb, torch.Tensor) or vb.dim() != vp.dim() or not isinstance(dim, int)
+                or dim % vb.dim() != axis or length != 1 or not isinstance(start, int)):
+            return None
+        return _unit_start(base, axis, start)
+    if not is_call(piece, operator.getitem):
+        return None
+    src, item = piece.args
+    if (is_method(src, "split") or is_call(src, torch.split, torch.functional.split)) and isinstance(item, int):
+        base = src.args[0] if src.args else None
+        size = src.args[1] if len(src.args) > 1 else src.kwargs.get("split_size_or_sections",
+                                                                     src.kwargs.get("split_size"))
+        dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+        vb = val(base)
+        if (not isinstance(vb, torch.Tensor) or vb.dim() != vp.dim() or size != 1
+                or not isinstance(dim, int) or dim % vb.dim() != axis):
+            return None
+        return _unit_start(base, axis, item)
+    index = item if isinstance(item, tuple) else (item,)
+    vs = val(src)
+    if not isinstance(vs, torch.Tensor) or vs.dim() != vp.dim() or len(index) > vs.dim():
+        return None
+    for k, x in enumerate(index):
+        if k == axis:
+            if not (isinstance(x, slice) and x.step in (None, 1) and isinstance(x.start, int)
+                    and isinstance(x.stop, int) and x.stop - x.start == 1 and (x.start >= 0) == (x.stop > 0)):
+                return None
+        elif not (isinstance(x, slice) and x == slice(None)):
+            return None
+    if axis >= len(index):
+        return None
+    return _unit_start(src, axis, index[axis].start)
+
+
+def _unit_start(base: torch.fx.Node, axis: int, start: int) -> tuple[torch.fx.Node, int, int] | None:
+    # A negative start counts from the end, as in a select; ``parse_index`` normalises it.
+    return (base, axis, start) if isinstance(start, int) and not isinstance(start, bool) else None
 
 
 def _unbind_source(node: Any) -> tuple[torch.fx.Node, int] | None:

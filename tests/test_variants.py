@@ -439,6 +439,28 @@ def unbind_loop(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def narrow_squeeze_loop(u, delta, A, B, C):
+    """Time slices as width-1 pieces squeezed along time: ``narrow``, a ``t:t+1`` slice, select."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA.select(2, t) * h + dBu.narrow(2, t, 1).squeeze(2)
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t:t + 1].squeeze(-1)))
+    return torch.stack(ys, dim=-1)
+
+
+def split_loop(u, delta, A, B, C):
+    """``zip(x.split(1, dim=2), ...)``: every item a width-1 piece, squeezed in the step."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for a_t, b_t, c_t in zip(dA.split(1, dim=2), torch.split(dBu, 1, 2), C.split(1, dim=-1)):
+        h = a_t.squeeze(2) * h + b_t.squeeze(2)
+        ys.append(torch.einsum("bdn,bn->bd", h, c_t.squeeze(-1)))
+    return torch.stack(ys, dim=-1)
+
+
 def unbind_stacked_states(u, delta, A, B, C):
     """mamba.py's stacked-states loop over ``torch.unbind`` items, in its (B, L, ED) layout."""
     x, delta, B, C = (t.transpose(1, 2) for t in (u, delta, B, C))
@@ -478,10 +500,10 @@ def negated_exponent_per_step(u, delta, A, B, C):
 
 @pytest.mark.parametrize("fn", [swapped_operands, broadcast_sum_readout, addcmul_update, constant_initial_state,
                                 global_initial_state, ellipsis_einsum, unbind_loop, unbind_stacked_states,
-                                negated_exponent, negated_exponent_per_step],
+                                negated_exponent, negated_exponent_per_step, narrow_squeeze_loop, split_loop],
                          ids=["h*dA+dBu", "sum-readout", "addcmul-cat", "constant-initial-state",
                               "global-initial-state", "einsum-ellipsis", "unbind", "unbind-stacked-states",
-                              "exp(-dt*A_pos)", "exp(-dt*A_pos)-per-step"])
+                              "exp(-dt*A_pos)", "exp(-dt*A_pos)-per-step", "narrow-squeeze", "zip-split"])
 def test_spellings(fn):
     args = make_inputs()
     out, ref = run(fn, *args)
@@ -617,6 +639,28 @@ def lagged_input(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def lagged_narrow(u, delta, A, B, C):
+    """``dBu.narrow(2, t - 1, 1)``: at t = 0 the piece wraps to the last step, later ones lag."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu.narrow(2, t - 1, 1).squeeze(2)
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
+def two_step_pieces(u, delta, A, B, C):
+    """``x[:, :, t:t+2].sum(2)``: a width-2 piece reduced, not one time slice."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2] - 1):
+        h = dA[:, :, t] * h + dBu[:, :, t:t + 2].sum(2)
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
 def scalar_initial_state(u, delta, A, B, C):
     dA, dBu = _disc(u, delta, A, B)
     h = 0.5
@@ -709,6 +753,8 @@ NEAR_MISSES = [
     pytest.param(reset_midway, "starts at time index 4, not 0", id="reset-at-L/2"),
     pytest.param(readout_before_update, "lagged readout", id="readout-before-update"),
     pytest.param(lagged_input, "not time slices of full tensors", id="u[t-1]"),
+    pytest.param(lagged_narrow, "time index", id="narrow(t-1)"),
+    pytest.param(two_step_pieces, "not time slices of full tensors", id="sum-of-two-steps"),
     pytest.param(scalar_initial_state, "initial state 0.5 that is not a tensor", id="scalar-initial-state"),
     pytest.param(reversed_loop, "no state chain", id="reversed-loop"),
     pytest.param(two_state_factors, "not two graph values u and B", id="B-times-C"),
