@@ -768,6 +768,12 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
             # different node per step, and only time slices are compared shifted).
             return ("no state chain: step 1's exp(...) is not step 0's with every time index + 1 "
                     "(a value recomputed in every step that is not a time slice?)")
+        sa, sh = time_slice(a0), time_slice(H)
+        if sa is not None and sh is not None and {sa[2], sh[2]} == {0, 1}:
+            return ("the loop's first state is itself a time slice (h = B_full[t=0], then "
+                    "h = A_full[t]*h + B_full[t] from t = 1?): that equals a scan from h = 0 only "
+                    "where exp(Δ·A) at t = 0 is finite, which the graph does not show; start from "
+                    "h = zeros and run every step from t = 0 to have it rewritten")
         return "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
     region = _between(H, h0, pos)
     if L is None:
@@ -1151,11 +1157,37 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     reported = {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
     for m, c, H in _unmatched_recurrences(muls, reported):
         ctx.miss(FAMILY, _recurrence_reason(c, H), [m])
+    lerp = _lerp_recurrence(gm.graph)
+    if lerp is not None:
+        ctx.miss(FAMILY, "a linear recurrence written with torch.lerp (h = lerp(x_t, h, w_t) = w_t*h + "
+                 "(1 - w_t)*x_t, or lerp(h, x_t, w_t)): its input term carries the decay's complement, "
+                 "not Δ·B·u, so ssm.selective_scan cannot compute it; left alone", [lerp])
     closed = _closed_form_scan(gm)
     if closed is not None:
         ctx.miss(FAMILY, "a closed-form scan (a running sum or product of the per-step decay over "
                  "the time axis, then exp): only recurrences written as a time loop or with "
                  "associative_scan are rewritten; this one runs as written", [closed])
+
+
+def _lerp_recurrence(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The first of three or more ``torch.lerp`` calls chained through their start or end
+    argument (an unrolled recurrence in one call per step), or None. No product anchors such a
+    loop, so without this it would leave no record in ``explain``."""
+    lerps = [n for n in graph.nodes if is_call(n, torch.lerp) or is_method(n, "lerp")]
+    prev = {}
+    for n in lerps:
+        for a in n.args[:2]:
+            if isinstance(a, torch.fx.Node) and (is_call(a, torch.lerp) or is_method(a, "lerp")):
+                prev[n] = a
+    for n in lerps:
+        if n in prev.values() and n not in prev:
+            length, m = 1, n
+            nxt = {v: k for k, v in prev.items()}
+            while m in nxt:
+                m, length = nxt[m], length + 1
+            if length >= 3:
+                return n
+    return None
 
 
 _RUNNING = ("cumsum", "cumprod")

@@ -661,6 +661,29 @@ def two_step_pieces(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def lerp_update(u, delta, A, B, C):
+    """``h = torch.lerp(dBu_t, h, dA_t)`` = dA_t*h + (1 - dA_t)*dBu_t: linear, but its input term
+    is not Δ·B·u."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = torch.lerp(dBu[:, :, t], h, dA[:, :, t])
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
+def first_state_is_a_slice(u, delta, A, B, C):
+    """``h = dBu[t]`` at t = 0 (the ``h is None`` idiom), then the update from t = 1."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = None
+    ys = []
+    for t in range(u.shape[2]):
+        h = dBu[:, :, t] if h is None else dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
 def scalar_initial_state(u, delta, A, B, C):
     dA, dBu = _disc(u, delta, A, B)
     h = 0.5
@@ -755,6 +778,8 @@ NEAR_MISSES = [
     pytest.param(lagged_input, "not time slices of full tensors", id="u[t-1]"),
     pytest.param(lagged_narrow, "time index", id="narrow(t-1)"),
     pytest.param(two_step_pieces, "not time slices of full tensors", id="sum-of-two-steps"),
+    pytest.param(lerp_update, "written with torch.lerp", id="lerp"),
+    pytest.param(first_state_is_a_slice, "first state is itself a time slice", id="h-is-None-start"),
     pytest.param(scalar_initial_state, "initial state 0.5 that is not a tensor", id="scalar-initial-state"),
     pytest.param(reversed_loop, "no state chain", id="reversed-loop"),
     pytest.param(two_state_factors, "not two graph values u and B", id="B-times-C"),
