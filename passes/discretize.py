@@ -330,16 +330,24 @@ class _Evaluator:
         if tx is None or ty is None or len(tx.out) < 2 or len(ty.out) < 2:
             return None
         self.uf.union(tx.out[-1], ty.out[-2])
+        # Batch axes broadcast as in an elementwise product (aligned from the right; a size-1
+        # axis of one operand takes the other's), e.g. C[:, None, None, :, t] @ h.unsqueeze(-1).
         bx, by = tx.out[:-2], ty.out[:-2]
-        if len(bx) != len(by):
-            return None
-        for i, (lx, ly) in enumerate(zip(bx, by)):
-            if _same(_size(x, i), _size(y, i)):
-                self.uf.union(lx, ly)
-            else:
+        out_batch = val(node).shape[:-2]
+        rank = len(out_batch)
+        out = []
+        for i in range(rank):
+            labels = []
+            for b, src in ((bx, x), (by, y)):
+                j = i - (rank - len(b))
+                if j >= 0 and _same(_size(src, j), out_batch[i]):
+                    labels.append(b[j])
+            if not labels:
                 return None
-        out = bx + (tx.out[-2], ty.out[-1])
-        return self._combine([tx, ty], out, {tx.out[-1]})
+            for other in labels[1:]:
+                self.uf.union(other, labels[0])
+            out.append(labels[0])
+        return self._combine([tx, ty], tuple(out) + (tx.out[-2], ty.out[-1]), {tx.out[-1]})
 
     def _sum(self, node) -> IndexTerm | None:
         x = node.args[0]

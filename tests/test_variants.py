@@ -461,6 +461,17 @@ def split_loop(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def readout_c_first(u, delta, A, B, C):
+    """The readout as ``C_t @ h``, C on the left, its batch axes broadcast against h's."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append((C[:, None, None, :, t] @ h.unsqueeze(-1)).reshape(u.shape[0], u.shape[1]))
+    return torch.stack(ys, dim=-1)
+
+
 def unbind_stacked_states(u, delta, A, B, C):
     """mamba.py's stacked-states loop over ``torch.unbind`` items, in its (B, L, ED) layout."""
     x, delta, B, C = (t.transpose(1, 2) for t in (u, delta, B, C))
@@ -500,10 +511,12 @@ def negated_exponent_per_step(u, delta, A, B, C):
 
 @pytest.mark.parametrize("fn", [swapped_operands, broadcast_sum_readout, addcmul_update, constant_initial_state,
                                 global_initial_state, ellipsis_einsum, unbind_loop, unbind_stacked_states,
-                                negated_exponent, negated_exponent_per_step, narrow_squeeze_loop, split_loop],
+                                negated_exponent, negated_exponent_per_step, narrow_squeeze_loop, split_loop,
+                                readout_c_first],
                          ids=["h*dA+dBu", "sum-readout", "addcmul-cat", "constant-initial-state",
                               "global-initial-state", "einsum-ellipsis", "unbind", "unbind-stacked-states",
-                              "exp(-dt*A_pos)", "exp(-dt*A_pos)-per-step", "narrow-squeeze", "zip-split"])
+                              "exp(-dt*A_pos)", "exp(-dt*A_pos)-per-step", "narrow-squeeze", "zip-split",
+                              "C@h-readout"])
 def test_spellings(fn):
     args = make_inputs()
     out, ref = run(fn, *args)
@@ -684,6 +697,17 @@ def first_state_is_a_slice(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def lagged_c_first(u, delta, A, B, C):
+    """``C[..., t - 1] @ h``: the C-first readout one step late."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append((C[:, None, None, :, t - 1] @ h.unsqueeze(-1)).reshape(u.shape[0], u.shape[1]))
+    return torch.stack(ys, dim=-1)
+
+
 def scalar_initial_state(u, delta, A, B, C):
     dA, dBu = _disc(u, delta, A, B)
     h = 0.5
@@ -779,6 +803,7 @@ NEAR_MISSES = [
     pytest.param(lagged_narrow, "time index", id="narrow(t-1)"),
     pytest.param(two_step_pieces, "not time slices of full tensors", id="sum-of-two-steps"),
     pytest.param(lerp_update, "written with torch.lerp", id="lerp"),
+    pytest.param(lagged_c_first, "lagged readout", id="C[t-1]@h"),
     pytest.param(first_state_is_a_slice, "first state is itself a time slice", id="h-is-None-start"),
     pytest.param(scalar_initial_state, "initial state 0.5 that is not a tensor", id="scalar-initial-state"),
     pytest.param(reversed_loop, "no state chain", id="reversed-loop"),
