@@ -35,8 +35,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (context_refusal, depthwise_weight, is_call, is_method, named_args, propagate_val, val,
-                       view_perm, written_in_place)
+from .fx_utils import (context_refusal, depthwise_weight, is_call, is_method, is_zeros, named_args, propagate_val,
+                       val, view_perm, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -168,12 +168,16 @@ _PAD_TARGETS = (F.pad, torch._C._nn.pad)
 
 
 def left_pad_source(node: Any, weight: Any) -> torch.fx.Node | None:
-    """``x`` when ``node`` is ``F.pad(x, (W-1, 0))`` with zeros on the time axis, else None.
+    """``x`` when ``node`` is ``F.pad(x, (W-1, 0))`` with zeros on the time axis, or
+    ``torch.cat([zeros(batch, dim, W-1), x], -1)``, else None.
 
     An unpadded conv over that is exactly the causal conv of x: output t sees x[t-(W-1)..t], the
     W-1 positions before x being the op's zero initial window. Right padding, another width, a
-    non-zero fill or another mode (reflect, replicate) is a different function.
+    non-zero fill or another mode (reflect, replicate) is a different function; so is a zeros
+    block written in place before the cat (a conv state copied into it: an initial window).
     """
+    if is_call(node, torch.cat, torch.concat):
+        return _cat_zeros_source(node, weight)
     if not is_call(node, *_PAD_TARGETS):
         return None
     names = ("input", "pad", "mode", "value")
@@ -190,6 +194,31 @@ def left_pad_source(node: Any, weight: Any) -> torch.fx.Node | None:
     if not (_same_size(pads[0], wv.shape[-1] - 1) and _same_size(pads[1], 0)):
         return None
     x = a["input"]
+    return x if isinstance(x, torch.fx.Node) else None
+
+
+def _first_part(cat: torch.fx.Node) -> Any:
+    parts = named_args(cat, ("tensors", "dim")).get("tensors")
+    return parts[0] if isinstance(parts, (list, tuple)) and parts else None
+
+
+def _cat_zeros_source(cat: torch.fx.Node, weight: Any) -> torch.fx.Node | None:
+    a = named_args(cat, ("tensors", "dim"))
+    parts, dim = a.get("tensors"), a.get("dim", 0)
+    wv = val(weight)
+    if set(a) - {"tensors", "dim"} or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return None
+    zeros, x = parts
+    zv, xv = val(zeros), val(x)
+    if not (isinstance(zv, torch.Tensor) and isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)
+            and xv.dim() == 3 and zv.dim() == 3 and wv.dim() == 3 and isinstance(dim, int) and dim % 3 == 2):
+        return None
+    # Same dtype: a cat of mixed dtypes promotes x, and the op would see a different input.
+    if (not is_zeros(zeros) or zv.dtype != xv.dtype or not _same_size(zv.shape[0], xv.shape[0])
+            or not _same_size(zv.shape[1], xv.shape[1]) or not _same_size(zv.shape[2], wv.shape[-1] - 1)):
+        return None
+    if written_in_place(cat.graph, [zeros]) is not None:
+        return None
     return x if isinstance(x, torch.fx.Node) else None
 
 
@@ -232,6 +261,12 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 if is_call(x, *_PAD_TARGETS):
                     ctx.miss(FAMILY, f"the input is padded by {x.args[1:]!r} {dict(x.kwargs)!r}, not zeros "
                              "(W-1, 0) on the left only: not a causal conv", [conv])
+                elif is_call(x, torch.cat, torch.concat) and is_zeros(_first_part(x)):
+                    # Zeros in front look like a causal pad; say why this one is not. (A window of
+                    # a state and new input, HF's decode step, is no candidate: no record.)
+                    ctx.miss(FAMILY, "the input concatenates zeros in front of x, but not exactly W-1 steps "
+                             "of x's batch, channels and dtype on the time axis, never written in "
+                             "place: not a causal conv with a zero initial window", [conv])
                 continue
             # The conv's whole output is the causal conv of the unpadded input: no slice.
             pad, x, sliced = x, source, None
@@ -285,7 +320,10 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         else:
             last.replace_all_uses_with(result)
         replaced = [conv, *([sliced] if pad is None else []), *reversed(act_nodes)]
-        pattern = "pad(W-1, 0)+conv1d" if pad is not None else "conv1d[..., :L]"
+        if pad is None:
+            pattern = "conv1d[..., :L]"
+        else:
+            pattern = "cat(zeros(W-1), x)+conv1d" if is_call(pad, torch.cat, torch.concat) else "pad(W-1, 0)+conv1d"
         if view is not None:
             pattern += "+permute"
         ctx.rewrite(FAMILY, pattern + (f"+{act_pattern}" if act_pattern else ""), replaced,

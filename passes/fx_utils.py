@@ -759,6 +759,24 @@ def _inplace_position(target: Any) -> int | None:
     return params.index("inplace") if "inplace" in params else None
 
 
+def is_zeros(node: Any) -> bool:
+    """``node`` is the number 0 or a fresh tensor of zeros (``torch.zeros``, ``zeros_like``,
+    ``new_zeros``, a ``full``/``new_full`` of 0). Whether it is written in place later is the
+    caller's question (``written_in_place``)."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return node == 0
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if is_call(node, torch.zeros, torch.zeros_like) or is_method(node, "new_zeros"):
+        return True
+    if is_call(node, torch.full) or is_method(node, "new_full"):
+        # torch.full(size, fill); t.new_full(size, fill) has t in front.
+        at = 2 if node.op == "call_method" else 1
+        fill = node.args[at] if len(node.args) > at else node.kwargs.get("fill_value")
+        return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill == 0
+    return False
+
+
 def written_in_place(graph: torch.fx.Graph, nodes: list[Any]) -> torch.fx.Node | None:
     """The first node of ``graph`` that writes in place to memory one of ``nodes`` lives in (any
     view of it), or None. A pass that makes an op read ``nodes`` at another place in the graph

@@ -50,6 +50,7 @@ from .discretize import (
 )
 from .fx_utils import (
     ContextRegions,
+    is_zeros,
     storage_of,
     is_call,
     is_cast,
@@ -71,8 +72,6 @@ ONE_STEP = "a one-step loop is left alone"
 NOT_A_CONTRACTION = "the readout is not a contraction of h_t with C_t"
 
 _MUL = (operator.mul, torch.mul)
-_ZERO_FACTORIES = (torch.zeros, torch.zeros_like)
-_ZERO_METHODS = ("new_zeros",)
 _COLLECTORS = (torch.stack, torch.cat)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _Emitted = TypeVar("_Emitted")
@@ -352,19 +351,6 @@ def _first_steps(graph: torch.fx.Graph, src: Source, L: int) -> Source:
 
 def _is_exp(node: Any) -> bool:
     return is_call(node, torch.exp) or is_method(node, "exp")
-
-
-def _is_zeros(node: Any) -> bool:
-    if isinstance(node, (int, float)) and not isinstance(node, bool):
-        return node == 0
-    if not isinstance(node, torch.fx.Node):
-        return False
-    if is_call(node, *_ZERO_FACTORIES) or is_method(node, *_ZERO_METHODS):
-        return True
-    if is_call(node, torch.full) or is_method(node, "new_full"):
-        fill = node.args[1] if len(node.args) > 1 else node.kwargs.get("fill_value")
-        return isinstance(fill, (int, float)) and fill == 0
-    return False
 
 
 _BUFFER_FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like, torch.zeros_like,
@@ -826,7 +812,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         if short is not None:
             return short
     init = None
-    if not _is_zeros(H):
+    if not is_zeros(H):
         if not isinstance(val(H), torch.Tensor) or not _broadcasts_to(val(H).shape, shape):
             got = tuple(val(H).shape) if isinstance(val(H), torch.Tensor) else type(val(H))
             return f"initial state shape {got} does not broadcast to the state shape {tuple(shape)}"

@@ -74,11 +74,18 @@ class HF517Block(nn.Module):
         return self.act(self.conv1d(h.transpose(1, 2))[..., :seq_len]).transpose(1, 2)
 
 
+def f_cat_zeros(x, w, b):
+    # The causal pad written as a concatenation of W-1 zero steps in front of x.
+    pad = torch.zeros(x.shape[0], x.shape[1], w.shape[-1] - 1, dtype=x.dtype)
+    return F.silu(F.conv1d(torch.cat([pad, x], dim=-1), w, b, groups=x.shape[1]))
+
+
 FORMS = {
     "F.conv1d+F.silu": (f_functional_silu, "conv1d[..., :L]+silu", "silu"),
     "torch.conv1d-positional+x*sigmoid(x)": (f_positional_sigmoid_no_bias, "conv1d[..., :L]+x*sigmoid(x)", "silu"),
     "no-activation-slice-minus-W": (f_no_activation, "conv1d[..., :L]", None),
     "hf524-causal_conv1d_fn": (f_hf524_causal_conv1d_fn, "conv1d[..., :L]+silu", "silu"),
+    "cat-zeros": (f_cat_zeros, "cat(zeros(W-1), x)+conv1d+silu", "silu"),
 }
 
 
@@ -204,6 +211,23 @@ def neg_unsliced(x, w, b):
     return F.conv1d(x, w, b, padding=3, groups=x.shape[1])
 
 
+def neg_cat_state(x, w, b):
+    # A zeros block that a conv state is copied into: an initial window, not a zero pad.
+    pad = torch.zeros(x.shape[0], x.shape[1], w.shape[-1] - 1)
+    pad.copy_(x[:, :, :w.shape[-1] - 1] * 0.5)
+    return F.conv1d(torch.cat([pad, x], dim=-1), w, b, groups=x.shape[1])
+
+
+def neg_cat_zeros_after(x, w, b):
+    pad = torch.zeros(x.shape[0], x.shape[1], w.shape[-1] - 1)
+    return F.conv1d(torch.cat([x, pad], dim=-1), w, b, groups=x.shape[1])
+
+
+def neg_cat_zeros_short(x, w, b):
+    pad = x.new_zeros(x.shape[0], x.shape[1], w.shape[-1] - 2)
+    return F.conv1d(torch.cat([pad, x], dim=-1), w, b, groups=x.shape[1])
+
+
 NEGATIVES = {
     "groups-1": (neg_not_depthwise, {"w": (DIM, DIM, W)}, "not depthwise"),
     "padding-W-2": (neg_padding_short, {}, "padding 2 is not kernel_size - 1"),
@@ -218,6 +242,8 @@ NEGATIVES = {
     "W9": (f_functional_silu, {"width": 9}, "kernel width 9 unsupported"),
     "W1": (f_functional_silu, {"width": 1}, "kernel width 1 unsupported"),
     "fp64": (f_functional_silu, {"dtype": torch.float64}, "dtype torch.float64 is not supported"),
+    "cat-state-copied-into-zeros": (neg_cat_state, {}, "concatenates zeros in front of x"),
+    "cat-zeros-W-2": (neg_cat_zeros_short, {}, "concatenates zeros in front of x"),
 }
 
 
@@ -230,7 +256,8 @@ def unpadded_window_valid(x, w, b):
     return F.conv1d(x, w, b, padding="valid", groups=x.shape[1])
 
 
-@pytest.mark.parametrize("fn", [unpadded_window, unpadded_window_valid], ids=["padding-0", "padding-valid"])
+@pytest.mark.parametrize("fn", [unpadded_window, unpadded_window_valid, neg_cat_zeros_after],
+                         ids=["padding-0", "padding-valid", "zeros-after-x"])
 def test_unpadded_conv_is_no_candidate_and_records_no_miss(fn):
     x, w, b = make_inputs()
     cap, out = compile_and_run(fn, x, w, b)
