@@ -755,6 +755,11 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
             return ("no state chain: step 1's exp(...) is not step 0's with every time index + 1 "
                     "(a value recomputed in every step that is not a time slice?)")
         sa, sh = time_slice(a0), time_slice(H)
+        if sa is not None and _made_by_step_at(H, sa[0], sa[1], 1, depth=3):
+            return ("the loop walks time backwards (the state A_full[t=0] multiplies was made by the "
+                    "step at t=1: a reverse scan, e.g. indices L-1-t): ssm.selective_scan runs "
+                    "forward in time, so it is left alone; flipping the time axis of its inputs and "
+                    "of its output (x.flip(-1)) gives a forward loop that is rewritten")
         if sa is not None and sh is not None and {sa[2], sh[2]} == {0, 1}:
             return ("the loop's first state is itself a time slice (h = B_full[t=0], then "
                     "h = A_full[t]*h + B_full[t] from t = 1?): that equals a scan from h = 0 only "
@@ -1231,6 +1236,20 @@ def _products(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, Any, Any]]:
               and n.kwargs.get("value", 1) == 1 and set(n.kwargs) <= {"value"}):
             found.append((n, n.args[1], n.args[2]))
     return found
+
+
+def _made_by_step_at(node: Any, base: torch.fx.Node, axis: int, index: int, depth: int) -> bool:
+    """``node`` is computed, within ``depth`` elementwise nodes, by a product with a factor
+    ``base`` sliced at ``index`` along ``axis``: the state a step at that time index made."""
+    if depth == 0 or not isinstance(node, torch.fx.Node) or node.op != "call_function" and node.op != "call_method":
+        return False
+    if (is_call(node, *_MUL) or is_method(node, "mul")) and len(node.args) == 2:
+        for f in node.args:
+            ts = time_slice(f)
+            if ts is not None and ts[0] is base and ts[1] == axis and ts[2] == index:
+                return True
+    return any(_made_by_step_at(a, base, axis, index, depth - 1) for a in node.args
+               if isinstance(a, torch.fx.Node))
 
 
 def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):

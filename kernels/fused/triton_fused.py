@@ -41,7 +41,9 @@ kernel's time split, prefetch, register cap and states. ``fused_scan_fwd`` route
 Measured (H200, run 19, ``benchmarks/probe_dt_fusion.py``, batch 8, dim 1536, L 2048, N 16,
 R 48, HF's layouts): dt_proj matmul + scan 0.247 ms bf16 / 0.319 fp32; the fused scan 0.324 /
 0.365, with the same registers and no spills. The product costs ~28 of ~673 loop instructions
-offline, yet ~0.1 ms on the GPU: not understood (Nsight Compute was not run), so the numbers
+offline, yet ~0.1 ms on the GPU: it and its result's layout conversion (three more barriers)
+sit on each chunk's critical path in a loop that is latency-bound at 12 warps per SM, as run
+17's experiment with the same design found (benchmarks/NOTES_scan_fwd.md). So the numbers
 decide and ``fuse="auto"`` keeps split.
 
 Limits of this kernel, by design: no time split across programs (the level-0 kernel splits L
