@@ -830,6 +830,13 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         bind = {H: h[-1]}
         missing = _walk(region, bind, t)
         if missing is not None:
+            if t >= 2 and a_base is not None and not _reads_from_step(a_base, a_axis, t):
+                # Nothing reads A_full at step t or later: the loop covers the first t steps
+                # only (``range(L - 3)``). The op reads its sources' first t steps through
+                # narrowed views; the collection below must hold exactly these t outputs. (A
+                # skipped or reset step still reads A_full later, and keeps this reason.)
+                L = t
+                break
             return f"step {t} does not repeat step 0's state update (no copy of {missing})"
         steps.append([bind[n] for n in region])
         h.append(bind[h0])
@@ -1236,6 +1243,16 @@ def _products(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, Any, Any]]:
               and n.kwargs.get("value", 1) == 1 and set(n.kwargs) <= {"value"}):
             found.append((n, n.args[1], n.args[2]))
     return found
+
+
+def _reads_from_step(base: torch.fx.Node, axis: int, index: int) -> bool:
+    """Something reads ``base`` along ``axis`` at ``index`` or later: a time slice there, or
+    any use that is not a time slice (an unbind, a view, the whole tensor), counted as one."""
+    for n in base.users:
+        ts = time_slice(n)
+        if ts is None or ts[0] is not base or ts[1] != axis or ts[2] >= index:
+            return True
+    return False
 
 
 def _made_by_step_at(node: Any, base: torch.fx.Node, axis: int, index: int, depth: int) -> bool:

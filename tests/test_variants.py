@@ -472,6 +472,17 @@ def readout_c_first(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def prefix_loop(u, delta, A, B, C):
+    """A loop over the first L - 3 steps only; the op reads its inputs' first L - 3 steps."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2] - 3):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
 def unbind_stacked_states(u, delta, A, B, C):
     """mamba.py's stacked-states loop over ``torch.unbind`` items, in its (B, L, ED) layout."""
     x, delta, B, C = (t.transpose(1, 2) for t in (u, delta, B, C))
@@ -512,16 +523,43 @@ def negated_exponent_per_step(u, delta, A, B, C):
 @pytest.mark.parametrize("fn", [swapped_operands, broadcast_sum_readout, addcmul_update, constant_initial_state,
                                 global_initial_state, ellipsis_einsum, unbind_loop, unbind_stacked_states,
                                 negated_exponent, negated_exponent_per_step, narrow_squeeze_loop, split_loop,
-                                readout_c_first],
+                                readout_c_first, prefix_loop],
                          ids=["h*dA+dBu", "sum-readout", "addcmul-cat", "constant-initial-state",
                               "global-initial-state", "einsum-ellipsis", "unbind", "unbind-stacked-states",
                               "exp(-dt*A_pos)", "exp(-dt*A_pos)-per-step", "narrow-squeeze", "zip-split",
-                              "C@h-readout"])
+                              "C@h-readout", "prefix-loop"])
 def test_spellings(fn):
     args = make_inputs()
     out, ref = run(fn, *args)
     assert dict(counters["ssm"]) == expected("scan_loop", families=("scan", "discretization", "readout"))
     assert_close(out, ref)
+
+
+def test_prefix_loop_hands_its_last_state_and_gradients_on():
+    # The state after the prefix is used after the loop: the op's last state, and gradients
+    # flow to every input as in eager (the steps past the prefix get none).
+    def fn(u, delta, A, B, C):
+        dA, dBu = _disc(u, delta, A, B)
+        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+        ys = []
+        for t in range(u.shape[2] - 2):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append((h * C[:, None, :, t]).sum(-1))
+        return torch.stack(ys, dim=-1), torch.tanh(h)
+
+    args = make_inputs()
+    compiled = [a.clone().requires_grad_(True) for a in args]
+    eager = [a.clone().requires_grad_(True) for a in args]
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*compiled)
+    ref = fn(*eager)
+    assert counters["ssm"]["scan_loop"] == 1
+    for o, r in zip(out, ref):
+        assert_close(o, r)
+    sum(o.sum() for o in out).backward()
+    sum(r.sum() for r in ref).backward()
+    for c, e in zip(compiled, eager):
+        assert_close(c.grad, e.grad)
 
 
 def test_normed_B_reaches_the_op_as_the_users_product():
