@@ -15,11 +15,13 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ssm_compile.kernels.selective_scan.triton_fwd import ScanFwdConfig, _selective_scan_fwd_kernel
+from ssm_compile.kernels.triton_common import dt_dot_meta
 
 _PTR_ARGS = ("u_ptr", "delta_ptr", "A_ptr", "B_ptr", "C_ptr", "D_ptr", "z_ptr", "delta_bias_ptr",
              "h0_ptr", "y_ptr", "last_ptr", "seg_a_ptr", "seg_b_ptr", "dt_w_ptr")
@@ -32,13 +34,14 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
     kern = _selective_scan_fwd_kernel
     sig, constexprs = {}, {}
     elt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     lanes_n = cfg.lanes_n
     consts = dict(BLOCK_D=cfg.block_d, CHUNK_T=cfg.chunk_t, N_PER_THREAD=max(1, n // lanes_n),
                   LANES_N=lanes_n, SEGMENT_TOTALS=False, DELTA_SOFTPLUS=True, HAS_D=True, HAS_Z=True,
                   HAS_DELTA_BIAS=True, HAS_INIT=False, STORE_LAST=False, TIME_SPLIT=False,
                   PREFETCH=cfg.prefetch,
-                  DT_RANK_PAD=max(16, 1 << (dt_rank - 1).bit_length()) if dt_rank else 0,
-                  DOT_PRECISION="tf32x3" if dtype == "fp32" else "ieee")
+                  DT_RANK_PAD=dt_dot_meta(dt_rank, torch_dtype)[0] if dt_rank else 0,
+                  DOT_PRECISION=dt_dot_meta(dt_rank, torch_dtype)[1])
     for name in kern.arg_names:
         if name in consts:
             sig[name] = "constexpr"

@@ -1,6 +1,7 @@
 """Triton device functions shared by the forward and backward kernels."""
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -106,15 +107,29 @@ def prefetch(ptrs, LEVEL: tl.constexpr):
 
 
 @triton.jit
-def dot_f32(a, b, PRECISION: tl.constexpr):
-    """a @ b accumulated in fp32 (``PRECISION``: tl.dot's input_precision for fp32 operands).
+def project_dt(dt_low, w_dt, PRECISION: tl.constexpr):
+    """A chunk's delta, [T, R] dt_low x [R, D] W_dt^T, in fp32 (the fused dt projection).
 
-    Under TRITON_INTERPRET=1 16-bit operands are widened first: the interpreter's NumPy dot
-    reads bf16 operands wrongly (Triton 3.9: errors of ~1e10 on a 16 x 16 x 32 product), and
-    products of 16-bit values are exact in fp32, so widening changes no value.
+    The tensor-core product accumulates in fp32 (``PRECISION``: tl.dot's input_precision, see
+    ``dt_dot_meta``) and is rounded through dt_low's dtype, as the split path's matmul output
+    is, so every level feeds the scan the same delta. Under TRITON_INTERPRET=1 16-bit operands
+    are widened first: the interpreter's NumPy dot reads bf16 operands wrongly (Triton 3.9:
+    errors of ~1e10 on a 16 x 16 x 32 product), and products of 16-bit values are exact in fp32,
+    so widening changes no value.
     """
     if _INTERPRETED:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        out = tl.dot(dt_low.to(tl.float32), w_dt.to(tl.float32), input_precision="ieee",
+                     out_dtype=tl.float32)
     else:
-        out = tl.dot(a, b, input_precision=PRECISION, out_dtype=tl.float32)
-    return out
+        out = tl.dot(dt_low, w_dt, input_precision=PRECISION, out_dtype=tl.float32)
+    return out.to(dt_low.dtype).to(tl.float32)
+
+
+def dt_dot_meta(rank: int, dtype: torch.dtype) -> tuple[int, str]:
+    """``(DT_RANK_PAD, DOT_PRECISION)`` for a fused dt projection of rank R in ``dtype``.
+
+    tl.dot needs K >= 16 (16-bit operands), so R is padded to a power of two >= 16. fp32
+    operands take three tf32 products (~fp32 accuracy) instead of the FMA path, whose 256 FMAs
+    per thread and chunk would cost a third of the scan itself.
+    """
+    return max(16, 1 << max(rank - 1, 0).bit_length()), ("tf32x3" if dtype == torch.float32 else "ieee")

@@ -1177,10 +1177,10 @@ def _lerp_recurrence(graph: torch.fx.Graph) -> torch.fx.Node | None:
         for a in n.args[:2]:
             if isinstance(a, torch.fx.Node) and (is_call(a, torch.lerp) or is_method(a, "lerp")):
                 prev[n] = a
+    nxt = {v: k for k, v in prev.items()}
     for n in lerps:
-        if n in prev.values() and n not in prev:
+        if n in nxt and n not in prev:
             length, m = 1, n
-            nxt = {v: k for k, v in prev.items()}
             while m in nxt:
                 m, length = nxt[m], length + 1
             if length >= 3:
@@ -1258,7 +1258,7 @@ def _reads_from_step(base: torch.fx.Node, axis: int, index: int) -> bool:
 def _made_by_step_at(node: Any, base: torch.fx.Node, axis: int, index: int, depth: int) -> bool:
     """``node`` is computed, within ``depth`` elementwise nodes, by a product with a factor
     ``base`` sliced at ``index`` along ``axis``: the state a step at that time index made."""
-    if depth == 0 or not isinstance(node, torch.fx.Node) or node.op != "call_function" and node.op != "call_method":
+    if depth == 0 or not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
         return False
     if (is_call(node, *_MUL) or is_method(node, "mul")) and len(node.args) == 2:
         for f in node.args:

@@ -67,7 +67,7 @@ import triton.language as tl
 from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, scan_fwd_config,
                                          selective_scan_fwd_launch)
 from ..layout import empty_activation
-from ..triton_common import LOG2E, dot_f32, linear_combine, silu, softplus
+from ..triton_common import LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
 
 
 
@@ -195,9 +195,7 @@ def _fused_scan_kernel(
             # 2-30x slower than split (H200, run 10).
             dtl = tl.load(delta_ptr + offs_t[:, None] * stride_delta_l + offs_r[None, :] * stride_delta_c,
                           mask=mask_t[:, None] & (offs_r < R)[None, :], other=0.0)
-            dt = dot_f32(dtl, w_dt, DOT_PRECISION)
-            # The split path's matmul rounds delta to dt_low's dtype; do the same.
-            dt = dt.to(delta_ptr.dtype.element_ty).to(tl.float32)
+            dt = project_dt(dtl, w_dt, DOT_PRECISION)
         else:
             dt = tl.load(delta_ptr + offs_t[:, None] * stride_delta_l + offs_d[None, :] * stride_delta_c,
                          mask=mask_td, other=0.0).to(tl.float32)
@@ -300,6 +298,7 @@ def fused_scan_fwd(
             raise ValueError(
                 f"{name}: one batch row spans more than 2**31 elements (shape {tuple(t.shape)}, "
                 f"strides {t.stride()}); the fused Triton scan indexes rows in int32")
+    dt_rank_pad, dot_precision = dt_dot_meta(R, delta.dtype)
     y = empty_activation(x)
 
     def strides(t, n):
@@ -316,7 +315,7 @@ def fused_scan_fwd(
         N_PER_THREAD=max(1, block_n // config.lanes_n), LANES_N=min(config.lanes_n, block_n),
         W=conv_weight.shape[1], CONV_SILU=conv_silu,
         DELTA_SOFTPLUS=delta_softplus,
-        DT_RANK_PAD=max(16, _next_pow2(R)), DOT_PRECISION="tf32x3" if delta.dtype == torch.float32 else "ieee",
+        DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision,
         num_warps=config.num_warps,
     )
     return FusedLaunch(y, None, compiled if x.is_cuda else None)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost, empty_activation
-from ..triton_common import LOG2E, dot_f32, linear_combine, silu, softplus
+from ..triton_common import LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
 # scan_fwd_config): 65536 / (3 * 128) = 170.7, rounded down to ptxas's allocation granule of 8.
@@ -403,10 +403,7 @@ def _selective_scan_fwd_kernel(
 
         uf = u.to(tl.float32)
         if DT_RANK_PAD > 0:
-            # fp32 accumulation; rounded to dt_low's dtype as the split path's matmul output is,
-            # so both levels feed the scan the same delta.
-            dt = dot_f32(delta, w_dt, DOT_PRECISION)
-            dt = dt.to(delta_ptr.dtype.element_ty).to(tl.float32)
+            dt = project_dt(delta, w_dt, DOT_PRECISION)
         else:
             dt = delta.to(tl.float32)  # [CHUNK_T, BLOCK_D]
         if HAS_DELTA_BIAS:
@@ -590,11 +587,9 @@ def selective_scan_fwd_launch(
                 f"strides {t.stride()}); the Triton selective scan indexes rows in int32")
     plan = _launch_plan(batch, dim, L, N, config)
     dt_rank = dt_weight.shape[1] if dt_weight is not None else 0
-    # tl.dot needs K >= 16 (16-bit operands); fp32 operands take three tf32 products
-    # (~fp32 accuracy) instead of the FMA path, whose 256 FMAs per thread and chunk would
-    # cost a third of the scan itself.
-    dt_rank_pad = max(16, _next_pow2(dt_rank)) if dt_weight is not None else 0
-    dot_precision = "tf32x3" if delta.dtype == torch.float32 else "ieee"
+    dt_rank_pad, dot_precision = dt_dot_meta(dt_rank, delta.dtype)
+    if dt_weight is None:
+        dt_rank_pad = 0  # the kernel's "no dt stage"
     dtw_strides = dt_weight.stride() if dt_weight is not None else (0, 0)
 
     y = empty_activation(u)
