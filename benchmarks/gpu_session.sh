@@ -43,6 +43,8 @@ for s in "$@"; do
                        --loop-model-len ${LOOP_MODEL_LEN:-512} --time-budget 500 ;;
         probe) step probe python3 benchmarks/probe_scan_path.py ;;
         check) step check python3 benchmarks/check_scan_gpu.py ;;
+        # cuBLAS's memsets per matmul of the 130m forward, per BLAS library.
+        gemms) step gemms python3 benchmarks/probe_gemm_memsets.py ;;
         scan) step scan python3 benchmarks/bench_scan.py ;;
         sweep) step sweep python3 benchmarks/bench_scan.py --sweep-named ;;
         bwd) step bwd python3 benchmarks/bench_scan_bwd.py ;;

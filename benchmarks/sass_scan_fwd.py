@@ -21,14 +21,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ssm_compile.kernels.selective_scan.triton_fwd import ScanFwdConfig, _selective_scan_fwd_kernel
-from ssm_compile.kernels.triton_common import dt_dot_meta
+from ssm_compile.kernels.triton_common import LAUNCH_OPTIONS, dt_dot_meta
 
 _PTR_ARGS = ("u_ptr", "delta_ptr", "A_ptr", "B_ptr", "C_ptr", "D_ptr", "z_ptr", "delta_bias_ptr",
              "h0_ptr", "y_ptr", "last_ptr", "seg_a_ptr", "seg_b_ptr", "dt_w_ptr")
 _ACT_PTRS = ("u_ptr", "delta_ptr", "B_ptr", "C_ptr", "z_ptr", "y_ptr", "dt_w_ptr")
 
 
-def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dense", dt_rank: int = 0):
+def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dense", dt_rank: int = 0,
+                store_last: bool = False):
     """``dt_rank`` > 0: the dt projection fused (delta_ptr is dt_low, unit stride along the rank
     on HF's layout, as x_proj's output view has it)."""
     kern = _selective_scan_fwd_kernel
@@ -38,7 +39,7 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
     lanes_n = cfg.lanes_n
     consts = dict(BLOCK_D=cfg.block_d, CHUNK_T=cfg.chunk_t, N_PER_THREAD=max(1, n // lanes_n),
                   LANES_N=lanes_n, SEGMENT_TOTALS=False, DELTA_SOFTPLUS=True, HAS_D=True, HAS_Z=True,
-                  HAS_DELTA_BIAS=True, HAS_INIT=False, STORE_LAST=False, TIME_SPLIT=False,
+                  HAS_DELTA_BIAS=True, HAS_INIT=False, STORE_LAST=store_last, TIME_SPLIT=False,
                   PREFETCH=cfg.prefetch,
                   DT_RANK_PAD=dt_dot_meta(dt_rank, torch_dtype)[0] if dt_rank else 0,
                   DOT_PRECISION=dt_dot_meta(dt_rank, torch_dtype)[1])
@@ -67,7 +68,7 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
     for name, kind in sig.items():
         if kind == "i32" and name != "batch":
             attrs[(kern.arg_names.index(name),)] = [["tt.divisibility", 16]]
-    opts = {"num_warps": cfg.num_warps}
+    opts = {"num_warps": cfg.num_warps, **LAUNCH_OPTIONS}
     if cfg.max_registers:
         opts["maxnreg"] = cfg.max_registers
     src = ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -114,11 +115,13 @@ def main():
                    help="block_d,chunk_t,lanes_n,warps,segments,max_registers(0=none),prefetch")
     p.add_argument("--layout", default="dense", choices=("dense", "hf"))
     p.add_argument("--dt-rank", type=int, default=0, help="> 0: the dt projection fused, rank R")
+    p.add_argument("--store-last", action="store_true",
+                   help="the last state stored too, as a forward that fills a cache runs it")
     p.add_argument("--dump", default=None)
     args = p.parse_args()
     v = [int(x) for x in args.config.split(",")]
     cfg = ScanFwdConfig(v[0], v[1], v[2], v[3], v[4], v[5] or None, v[6])
-    k = compile_fwd(args.dtype, cfg, layout=args.layout, dt_rank=args.dt_rank)
+    k = compile_fwd(args.dtype, cfg, layout=args.layout, dt_rank=args.dt_rank, store_last=args.store_last)
     sass, res = sass_of(k.asm["cubin"])
     if args.dump:
         with open(args.dump, "w") as f:

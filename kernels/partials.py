@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import LAUNCH_OPTIONS
+
 MAX_SEGMENTS = 5
 _BLOCK_R = 8
 _BLOCK_M = 256
@@ -93,5 +95,5 @@ def sum_partials(jobs: Sequence[Tuple[torch.Tensor, int, torch.Size, torch.dtype
     for _ in range(MAX_SEGMENTS - len(jobs)):
         args += [args[0], args[1], 0, 0, end]  # empty segment: never reached
     if end:
-        _sum_partials_kernel[(end,)](*args, BLOCK_R=_BLOCK_R, BLOCK_M=_BLOCK_M, num_warps=4)
+        _sum_partials_kernel[(end,)](*args, BLOCK_R=_BLOCK_R, BLOCK_M=_BLOCK_M, num_warps=4, **LAUNCH_OPTIONS)
     return outs

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import LAUNCH_OPTIONS
+
 _BLOCK = 64
 
 
@@ -43,5 +45,5 @@ def restride_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     batch, dim, L = src.shape
     grid = (triton.cdiv(L, _BLOCK), triton.cdiv(dim, _BLOCK), batch)
     _restride_kernel[grid](src, dst, dim, L, *src.stride(), *dst.stride(), BLOCK_D=_BLOCK, BLOCK_L=_BLOCK,
-                           num_warps=4)
+                           num_warps=4, **LAUNCH_OPTIONS)
     return dst

@@ -1,4 +1,12 @@
-"""After the rewrites: drop a widening cast that a narrowing cast undoes.
+"""After the rewrites: drop casts that change no value the code computes.
+
+Two folds, both run by the pass manager once the rewrites are done:
+
+* ``fold_round_trip_casts``: a widening cast that a narrowing cast undoes (below).
+* ``fold_widening_casts_into_ops``: a parameter widened to fp32 only to be handed to an ssm op
+  that widens it to fp32 itself (HF's ``D=self.D.float()``, ``self.dt_proj.bias.float()``). In a
+  bf16 model each such cast is a kernel of its own on every forward (two per layer in the 130m
+  HF model's profile, ~1.1 us plus a launch gap each) and a cast back in every backward.
 
 A rewrite that replaces an fp32 value (HF's ``scan_output + hidden_states * D.float()``) with an
 op output in the activations' dtype (bf16) casts the output back up, so that the code after it
@@ -23,6 +31,55 @@ from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_lossless_cast, 
 
 # Views that only relabel axes: they apply to any tensor, and commute with a dtype cast.
 _AXIS_VIEWS = ("transpose", "permute", "t", "unsqueeze", "squeeze")
+
+
+# ssm ops whose named arguments may come in any of fp32/bf16/fp16 and are read as fp32 on every
+# path (the Triton kernels load and widen; the CPU paths compute in fp32, or fp64 when an input
+# is fp64), and whose outputs' dtypes do not depend on those arguments' dtypes. Each gradient
+# comes back in its input's dtype, rounded once from fp32, which is what the dropped cast's
+# backward did.
+_WIDENED_BY_OP = {
+    "selective_scan": ("D", "delta_bias"),
+    "fused_mamba_scan": ("D", "delta_bias"),
+    "selective_state_update": ("D", "dt_bias"),
+}
+_NARROW_FLOATS = (torch.bfloat16, torch.float16)
+
+
+def fold_widening_casts_into_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """Let the ssm ops of ``_WIDENED_BY_OP`` read ``p`` where they read ``p.float()`` (p bf16 or
+    fp16); a line per fold. Only a cast to fp32 folds: a cast to fp64 puts the CPU op in its fp64
+    mode, which reading p would not. Orphaned casts are left to the caller's dead-code elimination.
+    """
+    graph = gm.graph
+    folds = []
+    for op in graph.nodes:
+        if op.op != "call_function" or getattr(op.target, "namespace", None) != "ssm":
+            continue
+        names = _WIDENED_BY_OP.get(op.target._schema.name.split("::")[-1])
+        if not names:
+            continue
+        positions = {a.name: i for i, a in enumerate(op.target._schema.arguments)}
+        for name in names:
+            i = positions[name]
+            in_args = i < len(op.args)
+            cast = op.args[i] if in_args else op.kwargs.get(name)
+            if not isinstance(cast, torch.fx.Node) or cast_dtype(cast) != torch.float32:
+                continue
+            src = cast.args[0]
+            if not isinstance(src, torch.fx.Node) or dtype_of(src) not in _NARROW_FLOATS:
+                continue
+            # A write to p between the cast and the op would reach the op after the fold; a
+            # cast under no_grad feeding an op under grad (or the reverse) cuts a gradient that
+            # reading p would not.
+            if written_in_place(graph, [src, cast]) is not None or context_refusal(graph, [cast, op]) is not None:
+                continue
+            if in_args:
+                op.update_arg(i, src)
+            else:
+                op.update_kwarg(name, src)
+            folds.append(f"{op.name}: {name} reads {src.name} ({dtype_of(src)}) instead of its fp32 cast")
+    return folds
 
 
 def fold_round_trip_casts(gm: torch.fx.GraphModule) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .fx_utils import mutates
-from .casts import fold_round_trip_casts
+from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .layout import output_layouts, settle_layouts
 
 log = logging.getLogger("ssm_compile")
@@ -168,7 +168,7 @@ class PassManager:
         if ctx.rewrites:
             # Innermost first: a subgraph's outputs are what its caller's graph reads.
             for module, layouts in reversed(list(zip(modules, traced))):
-                folds = fold_round_trip_casts(module)
+                folds = fold_round_trip_casts(module) + fold_widening_casts_into_ops(module)
                 if folds:
                     _eliminate_dead_code(module)
                 for change in folds + settle_layouts(module, layouts):

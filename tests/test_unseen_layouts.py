@@ -15,6 +15,8 @@ eager's, and either a rewrite (``counters["ssm"]``) or a reason in ``ssm_compile
 Bugs found are kept as ``xfail(strict=True, reason="BUG: ...")``.
 """
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -770,3 +772,63 @@ def test_mamba_simple_reference_path_trains(inductor):
     grads = torch.autograd.grad(out.sum(), list(model.parameters()))
     for gr, rg in zip(grads, ref_grads, strict=True):
         assert rel_err(gr, rg) < 1e-4
+
+
+# --- widening casts the ops do themselves ------------------------------------------------------
+
+def _write_after_cast(D):
+    wide = D.float()
+    D.mul_(2)  # after the cast: the fold would make the op read the doubled values
+    return wide
+
+
+def _cast_without_grad(D):
+    with torch.no_grad():
+        return D.float()  # no gradient reaches D in eager; reading D itself would give it one
+
+
+WIDENED = {
+    # (how D reaches the op, whether the op may read D itself)
+    "float": (lambda D: D.float(), True),
+    "to-fp32": (lambda D: D.to(torch.float32), True),
+    "to-dtype-kwarg": (lambda D: D.to(dtype=torch.float32), True),
+    # fp64 puts the CPU op in its fp64 mode, which a bf16 D would not.
+    "double": (lambda D: D.double(), False),
+    "write-after-cast": (_write_after_cast, False),
+    "cast-without-grad": (_cast_without_grad, False),
+}
+
+
+@pytest.mark.parametrize("case", list(WIDENED))
+def test_widening_cast_of_D_read_by_the_op(case):
+    """HF's ``D=self.D.float()`` on a bf16 model: the op widens D itself, so the cast (a kernel of
+    its own on every forward) goes; values and D's gradient stay eager's."""
+    prep, folds = WIDENED[case]
+
+    def fn(u, ts, W, bias, A, B, C, D, z):
+        dt = F.softplus(W @ ts.mT + bias.to(ts.dtype)[..., None])
+        return torch.ops.ssm.selective_scan(u, dt, A, B, C, prep(D), z, None, False, None, False)[0] * 2
+
+    args = list(delta_block_args())
+    args[7] = args[7].to(torch.bfloat16)
+    report = ssm_compile.explain(fn, *clones(args))
+    assert report.counts["delta"] == 1
+    op_lines = [line for g in report.graphs for line in g.after.splitlines() if "ssm.selective_scan" in line]
+    assert len(op_lines) == 1
+    reads_d = re.search(r"selective_scan\.default\((?:[^,]+, ){5}(\w+),", op_lines[0]).group(1)
+    assert (reads_d == "l_d_") == folds, op_lines[0]
+    # u always asks for a gradient, so that the backward runs; D does unless it is written in place.
+    grads = (0,) if case == "write-after-cast" else (0, 7)
+    ref_args = [a.clone().requires_grad_(i in grads) for i, a in enumerate(args)]
+    ref = fn(*ref_args)
+    ref.float().square().sum().backward()
+    out_args = [a.clone().requires_grad_(i in grads) for i, a in enumerate(args)]
+    out = compiled(fn, out_args, inductor=True)
+    out.float().square().sum().backward()
+    assert_like_eager(out, ref, TOL[torch.bfloat16])
+    assert rel_err(out_args[0].grad, ref_args[0].grad.double()) < TOL[torch.bfloat16]
+    if ref_args[7].grad is None:
+        assert out_args[7].grad is None
+    else:
+        assert out_args[7].grad.dtype == torch.bfloat16
+        assert rel_err(out_args[7].grad, ref_args[7].grad.double()) < TOL[torch.bfloat16]

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..layout import empty_activation
 from ..partials import sum_partials
+from ..triton_common import LAUNCH_OPTIONS
 from ..triton_common import silu as silu_fn
 from .cpu import ConvGrads
 
@@ -646,6 +647,7 @@ def causal_conv1d_fwd(
             *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_state, 3), *y.stride(),
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
             W=width, SILU=silu, BLOCK_D=block_d, num_warps=num_warps,
+            **LAUNCH_OPTIONS,
         )
         return y
     block_d, nc, num_warps = _fwd_tile(dim)
@@ -660,6 +662,7 @@ def causal_conv1d_fwd(
         # flag on each launch; see triton_fwd.py).
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
+        **LAUNCH_OPTIONS,
     )
     return y
 
@@ -707,6 +710,7 @@ def causal_conv1d_bwd(
         *_strides(dinit if initial_state is not None else None, 3),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
+        **LAUNCH_OPTIONS,
     )
     jobs = [(dw_part, 1, weight.shape, weight.dtype)]
     if db_part is not None:

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import LOG2E, silu, softplus
+from ..triton_common import LAUNCH_OPTIONS, LOG2E, silu, softplus
 
 
 
@@ -109,6 +109,7 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) ->
         BLOCK_D=BLOCK_D,
         BLOCK_N=BLOCK_N,
         num_warps=4 if BLOCK_N <= 64 else 8,
+        **LAUNCH_OPTIONS,
     )
     return y
 
@@ -202,5 +203,6 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation) -> torch.Tenso
         BLOCK_W=triton.next_power_of_2(W),
         BLOCK_S=min(triton.next_power_of_2(S), 32),
         num_warps=2,
+        **LAUNCH_OPTIONS,
     )
     return y

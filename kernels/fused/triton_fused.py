@@ -67,7 +67,7 @@ import triton.language as tl
 from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, scan_fwd_config,
                                          selective_scan_fwd_launch)
 from ..layout import empty_activation
-from ..triton_common import LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
+from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
 
 
 
@@ -317,5 +317,6 @@ def fused_scan_fwd(
         DELTA_SOFTPLUS=delta_softplus,
         DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision,
         num_warps=config.num_warps,
+        **LAUNCH_OPTIONS,
     )
     return FusedLaunch(y, None, compiled if x.is_cuda else None)

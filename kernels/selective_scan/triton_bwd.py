@@ -46,7 +46,7 @@ import triton.language as tl
 from ..layout import dim_innermost
 from ..partials import sum_partials
 from ..restride import restride_into
-from ..triton_common import LOG2E, linear_combine, prefetch, sigmoid_approx, silu, softplus
+from ..triton_common import LAUNCH_OPTIONS, LOG2E, linear_combine, prefetch, sigmoid_approx, silu, softplus
 from .grads import ScanGrads
 from .triton_fwd import _last_step
 
@@ -1253,6 +1253,7 @@ def selective_scan_bwd(
         *C.stride(),
         DELTA_SOFTPLUS=delta_softplus, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
         BLOCK_D=cfg.state_block_d, CHUNK=cfg.chunk, num_warps=cfg.state_num_warps,
+        **LAUNCH_OPTIONS,
     )
     _state_pass_kernel[(batch, triton.cdiv(dim * N, _PASS_BLOCK))](
         A, total, initial_state, dlast_state, hs, rs, dinit,
@@ -1260,6 +1261,7 @@ def selective_scan_bwd(
         *A.stride(), *strides(initial_state, 3), *strides(dlast_state, 3),
         HAS_INIT=initial_state is not None, HAS_DLAST=dlast_state is not None,
         BLOCK=_PASS_BLOCK, num_warps=_PASS_BLOCK // 32,
+        **LAUNCH_OPTIONS,
     )
     if cfg.variant == "column":
         _chunk_bwd_kernel[(n_chunks, batch, G * num_splits)](
@@ -1271,6 +1273,7 @@ def selective_scan_bwd(
             DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
             HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, STEPS=_STEPS,
             num_warps=cfg.num_warps,
+            **LAUNCH_OPTIONS,
         )
     elif cfg.variant == "serial":
         _chunk_bwd_serial_kernel[(n_chunks, batch, G * num_splits)](
@@ -1283,6 +1286,7 @@ def selective_scan_bwd(
             HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, T=cfg.steps,
             N_PER_THREAD=triton.next_power_of_2(N) // cfg.lanes_n, LANES_N=cfg.lanes_n, CHUNK=cfg.chunk,
             num_warps=cfg.num_warps,
+            **LAUNCH_OPTIONS,
         )
     else:
         q_acc, s_acc, y_acc = _column_sum_rows(cfg.nb < N, du, ddelta, dz)
@@ -1296,6 +1300,7 @@ def selective_scan_bwd(
             DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
             HAS_DELTA_BIAS=delta_bias is not None, NB=cfg.nb, CHUNK=cfg.chunk, STEPS=_STEPS,
             PREFETCH=_prefetch_level(cfg.prefetch, u), num_warps=cfg.num_warps,
+            **LAUNCH_OPTIONS,
         )
     du, ddelta, dz = (_in_layout_of(promised[name], g) for name, g in (("du", du), ("ddelta", ddelta), ("dz", dz)))
     jobs = [(dA_part, 2, A.shape, A.dtype), (dB_part, 1, dB_part.shape[1:], B.dtype),

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost, empty_activation
-from ..triton_common import LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
+from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
 # scan_fwd_config): 65536 / (3 * 128) = 170.7, rounded down to ptxas's allocation granule of 8.
@@ -621,6 +621,7 @@ def selective_scan_fwd_launch(
             TIME_SPLIT=seg_a is not None, PREFETCH=config.prefetch,
             DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision,
             num_warps=config.num_warps, maxnreg=config.max_registers,
+            **LAUNCH_OPTIONS,
         )
 
     # Triton launches on the current device; make that u's (e.g. u on cuda:1). The context
