@@ -60,6 +60,7 @@ for s in "$@"; do
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
         # The conv's row-streaming forward: tile sweep on HF's in_proj view, bf16 then fp32.
         convrows) step convrows bash -c 'python3 benchmarks/sweep_conv_rows.py && python3 benchmarks/sweep_conv_rows.py --dtype fp32' ;;
+        convrowsbwd) step convrowsbwd bash -c 'python3 benchmarks/sweep_conv_rows.py --bwd && python3 benchmarks/sweep_conv_rows.py --bwd --dtype fp32' ;;
         # The LM head: bf16 matmul + .float() against one fp32-output matmul (passes/logits.py).
         logits) step logits python3 benchmarks/probe_logits.py ;;
         # The forward scan's tiles on HF's channel-innermost activations.

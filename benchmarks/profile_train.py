@@ -1,5 +1,5 @@
 """Where a training step's time goes: torch.profiler over 3 steps of the 130m-shaped HF Mamba
-under backend="ssm" (after 3 warm-up steps), tables by self and by total host time.
+under backend="ssm" (after 3 warm-up steps), tables by self GPU time and by self and total host time.
 
     python benchmarks/profile_train.py [--len 128] [--batch 8]
 
@@ -34,7 +34,7 @@ def main():
             step()
         torch.cuda.synchronize()
     table = "\n\n".join(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
-                        for key in ("self_cpu_time_total", "cpu_time_total"))
+                        for key in ("self_cuda_time_total", "self_cpu_time_total", "cpu_time_total"))
     write_out(f"profile_train_ssm_L{args.len}.txt", table)
 
 

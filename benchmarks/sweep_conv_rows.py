@@ -1,10 +1,11 @@
-"""Tile sweep of the causal conv's row-streaming forward (x with unit stride along dim, HF
+"""Tile sweep of the causal conv's row-streaming kernels (x with unit stride along dim, HF
 Mamba's in_proj view): (BLOCK_D, num_warps, seg_len) against the launcher's choice.
 
-    python benchmarks/sweep_conv_rows.py [--batch 8] [--len 2048] [--dtype bf16]
+    python benchmarks/sweep_conv_rows.py [--batch 8] [--len 2048] [--dtype bf16] [--bwd]
 
 GPU time per call from a CUDA graph (``common.graph_ms``), as a fraction of the copy bandwidth
-on the minimal bytes (read x, write y), measured in the same run.
+on the minimal bytes (forward: read x, write y; ``--bwd``, the backward with dy in HF's layout:
+read x and dy, write dx, plus the dweight/dbias partial sums), measured in the same run.
 """
 import argparse
 import itertools
@@ -22,6 +23,7 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--len", type=int, default=2048)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--bwd", action="store_true", help="the backward (dx, dweight, dbias) instead")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     bw = copy_bandwidth_gbs()
@@ -30,27 +32,45 @@ def main():
     x = xz.transpose(1, 2)[:, :DIM]
     w = torch.randn(DIM, WIDTH, device="cuda", generator=g) / WIDTH**0.5
     b = torch.randn(DIM, device="cuda", generator=g)
-    ref = reference.causal_conv1d_ref(x.double(), w.double(), b.double(), "silu", None)
-    nbytes = 2 * x.numel() * x.element_size()
-    default = triton_conv._fwd_rows_tile(x, args.batch, DIM, args.len)
-    original = triton_conv._fwd_rows_tile
+    if args.bwd:
+        # dy as the scan's du reaches the conv in the model: channel-innermost.
+        dy = torch.randn(args.batch, args.len, DIM, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+        leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+        out = reference.causal_conv1d_ref(*leaves, "silu", None)
+        ref = torch.autograd.grad(out, leaves, dy.double())[0]
+        nbytes = 3 * x.numel() * x.element_size()
+        name = "_bwd_rows_tile"
+
+        def call():
+            return triton_conv.causal_conv1d_bwd(dy, x, w, b, None, True).dx
+    else:
+        ref = reference.causal_conv1d_ref(x.double(), w.double(), b.double(), "silu", None)
+        nbytes = 2 * x.numel() * x.element_size()
+        name = "_fwd_rows_tile"
+
+        def call():
+            return triton_conv.causal_conv1d_fwd(x, w, b, None, True)
+    original = getattr(triton_conv, name)
+    default = original(x, args.batch, DIM, args.len)
     rows = []
     for block_d, warps, seg in itertools.chain(
-            [default], itertools.product((256, 512, 1024), (1, 2, 4, 8), (32, 64, 128, 256))):
+            [default], itertools.product((128, 256, 512, 1024), (1, 2, 4, 8), (32, 64, 128, 256))):
         if block_d * (2 if dtype == torch.bfloat16 else 4) < warps * 32 * 4:
             continue  # fewer than 4 bytes per thread
-        triton_conv._fwd_rows_tile = lambda *a, t=(block_d, warps, seg): t
+        if args.bwd and block_d > 2 * warps * 32:
+            continue  # more than two channels per thread: 255 registers offline, the limit
+        setattr(triton_conv, name, lambda *a, t=(block_d, warps, seg): t)
         try:
-            y = triton_conv.causal_conv1d_fwd(x, w, b, None, True)
+            y = call()
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-            ms = graph_ms(lambda: triton_conv.causal_conv1d_fwd(x, w, b, None, True))
+            ms = graph_ms(call)
         finally:
-            triton_conv._fwd_rows_tile = original
+            setattr(triton_conv, name, original)
         rows.append([block_d, warps, seg, "default" if (block_d, warps, seg) == default else "",
                      ms * 1e3, f"{100 * nbytes / (ms * 1e-3) / (bw * 1e9):.0f}%", f"{err:.1e}"])
         print(rows[-1], flush=True)
     rows.sort(key=lambda r: r[4])
-    write_out(f"sweep_conv_rows_{args.dtype}.md",
+    write_out(f"sweep_conv_rows_{'bwd_' if args.bwd else ''}{args.dtype}.md",
               f"B{args.batch} L{args.len} dim {DIM} W{WIDTH} {args.dtype}, copy {bw:.0f} GB/s\n\n"
               + markdown_table(["BLOCK_D", "warps", "seg_len", "", "graph us", "% copy BW", "max err"], rows))
 

@@ -1,4 +1,6 @@
 """Tests for ``ssm::causal_conv1d``: CPU op, Triton kernels (interpreted on CPU), registration."""
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -312,11 +314,11 @@ def test_torch_compile_fullgraph():
 # The kernels shape their tiles by x's unit-stride axis, and Triton lays each load out along
 # its tensor's: x as HF Mamba passes it (the x half of the (batch, L, 2*dim) in_proj output,
 # transposed: unit stride along dim; the forward streams rows over time segments, which L130 and
-# L70 split into 3 and 2 segments, so the halo and initial_state cross segment starts, with W=8
-# at L70; the backward uses 64-channel tiles, so D72 has two, one partial), dy with unit stride
-# along dim, and L-contiguous x long enough for two 256-step tiles, split over two backward
-# programs (D8) or looped over by one (D40: more channel blocks than the interpreter's one "SM"
-# wants).
+# L70 split into 3 and 2 or more segments, so the halo and initial_state cross segment starts, with
+# W=8 at L70; the backward's segments are longer, test_triton_rows_backward_flags crosses them),
+# dy with unit stride along dim, and L-contiguous x long enough for two 256-step tiles, split over two
+# backward programs (D8) or looped over by one (D40: more channel blocks than the interpreter's
+# one "SM" wants).
 LAYOUT_CASES = [
     # (batch, dim, seqlen, width, dtype, x layout, dy layout)
     (2, 20, 37, 4, "fp32", "in_proj", "contig"),
@@ -362,6 +364,32 @@ def test_triton_layouts(case):
         grad = getattr(grads, "d" + name)
         assert grad.shape == inputs[name].shape, name
         assert rel_err(grad, ref[name]) < TOL[DTYPES[dtype]], name
+
+
+@pytest.mark.parametrize("width", [2, 7])
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=3)),
+                         ids=lambda f: "-".join(n for n, on in zip(("bias", "silu", "init"), f) if on) or "plain")
+def test_triton_rows_backward_flags(flags, width, monkeypatch):
+    """The row-streaming backward (x with unit stride along dim) for every flag combination, dy in
+    HF's layout too: 16-channel rows (two blocks, one partial) and 32-step segments, so that a
+    length that is not a multiple of 8 runs over three segments and the rows read past each one
+    (W-1 <= 6 of them) reach into the next, and initial_state only into the first."""
+    batch, dim, seqlen = 1, 24, 83
+    monkeypatch.setattr(triton_conv, "_bwd_rows_tile", lambda *args: (16, 1, 32))
+    inputs = make_inputs(batch, dim, seqlen, width, torch.float32, (*flags, False), device=TRITON_DEVICE)
+    g = torch.Generator().manual_seed(4)
+    xz = torch.randn(batch, seqlen, 2 * dim, generator=g).to(TRITON_DEVICE)
+    inputs["x"] = xz.transpose(1, 2)[:, dim:]
+    dy = torch.randn(batch, seqlen, dim, generator=g).transpose(1, 2).to(TRITON_DEVICE)
+    _, ref = ref_forward_backward(inputs, dy)
+    grads = triton_conv.causal_conv1d_bwd(dy, *triton_args(inputs))
+    assert in_layout_of(grads.dx, inputs["x"])
+    for name in ("x", "weight", "bias", "initial_state"):
+        if inputs[name] is None:
+            continue
+        grad = getattr(grads, "d" + name)
+        assert grad.shape == inputs[name].shape, name
+        assert rel_err(grad, ref[name]) < TOL[torch.float32], name
 
 
 def test_validation_cache_still_rejects_a_new_bad_signature():

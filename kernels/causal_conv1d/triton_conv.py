@@ -424,6 +424,124 @@ def _causal_conv1d_fwd_rows_kernel(
 
 
 @triton.jit
+def _causal_conv1d_bwd_rows_kernel(
+    # pointers
+    dy_ptr, x_ptr, w_ptr, bias_ptr, init_ptr,
+    dx_ptr, dw_part_ptr, db_part_ptr, dinit_ptr,
+    # sizes
+    dim, seqlen, seg_len,
+    # strides
+    stride_dy_b, stride_dy_d, stride_dy_l,
+    stride_x_b, stride_x_d, stride_x_l,
+    stride_w_d, stride_w_k,
+    stride_bias,
+    stride_init_b, stride_init_d, stride_init_k,
+    stride_dx_b, stride_dx_d, stride_dx_l,
+    stride_dw_part_p, stride_dw_part_d, stride_dw_part_k,
+    stride_db_part_p, stride_db_part_d,
+    stride_dinit_b, stride_dinit_d, stride_dinit_k,
+    # meta-parameters
+    W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Backward for x with unit stride along dim (HF Mamba's in_proj view), streaming rows like
+    # the forward's _causal_conv1d_fwd_rows_kernel: a program walks a segment of time over
+    # BLOCK_D channels, 8 rows per step, and carries the rows it still needs in registers. Each
+    # step loads only the next 8 rows of x and dy; x's previous and current rows and dL/dp of
+    # the current rows come from the step before. The chunk-tile kernel instead re-reads x over
+    # three chunks and dy over two for every chunk and transposes each tile through shared
+    # memory: 208 us a call in the 130m training step (run 20), ~6x its bytes.
+    # dx at time s needs dL/dp up to s + W-1, so the last step also reads the first W-1 rows
+    # after the segment (zero past the sequence, where dy is).
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    mask_d = offs_d < dim
+    dy_ptr += pid_b * stride_dy_b
+    x_ptr += pid_b * stride_x_b
+    dx_ptr += pid_b * stride_dx_b
+    if HAS_INIT:
+        init_ptr += pid_b * stride_init_b
+    w = _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W)
+    w = (tl.reshape(w[0], [BLOCK_D]), tl.reshape(w[1], [BLOCK_D]), tl.reshape(w[2], [BLOCK_D]),
+         tl.reshape(w[3], [BLOCK_D]), tl.reshape(w[4], [BLOCK_D]), tl.reshape(w[5], [BLOCK_D]),
+         tl.reshape(w[6], [BLOCK_D]), tl.reshape(w[7], [BLOCK_D]))
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d * stride_bias, mask=mask_d, other=0.0).to(tl.float32)
+    t_start = (pid_s * seg_len).to(tl.int64)
+    t_end = tl.minimum(t_start + seg_len, seqlen)
+    # Rows are read up to W-1 past the segment, and never past the sequence.
+    t_read = tl.minimum(t_end + (W - 1), seqlen)
+    # The rows before the segment: only the last W-1 are tapped (initial_state before time 0).
+    p0, p1, p2, p3, p4, p5, p6, p7 = _load_rows8(
+        x_ptr, init_ptr, offs_d, mask_d, t_start - 8, seqlen, t_read,
+        stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, HAS_INIT, 8 - (W - 1))
+    c0, c1, c2, c3, c4, c5, c6, c7 = _load_rows8(
+        x_ptr, init_ptr, offs_d, mask_d, t_start, seqlen, t_read,
+        stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, False, 0)
+    dycur = _load_rows8(dy_ptr, dy_ptr, offs_d, mask_d, t_start, seqlen, t_read,
+                        stride_dy_d, stride_dy_l, 0, 0, W, False, 0)
+    g0, g1, g2, g3, g4, g5, g6, g7 = _dpre_planes(
+        (p0, p1, p2, p3, p4, p5, p6, p7), (c0, c1, c2, c3, c4, c5, c6, c7),
+        (c0, c1, c2, c3, c4, c5, c6, c7), dycur, w, bias, W, SILU, HAS_BIAS, 8)
+    if HAS_INIT:
+        if pid_s == 0:
+            # initial_state holds input times -(W-1) .. -1, which feed outputs 0 .. W-2 only:
+            # d input[j - (W-1)] = sum_{t <= j} w[j - t] * dp[t].
+            dp = (g0, g1, g2, g3, g4, g5, g6, g7)
+            for j in tl.static_range(W - 1):
+                acc = w[j] * dp[0]
+                for t in tl.static_range(1, j + 1):
+                    acc += w[j - t] * dp[t]
+                tl.store(dinit_ptr + pid_b * stride_dinit_b + offs_d * stride_dinit_d + j * stride_dinit_k,
+                         acc.to(dinit_ptr.dtype.element_ty), mask=mask_d)
+    zero = tl.zeros([BLOCK_D], dtype=tl.float32)
+    w0, w1, w2, w3, w4, w5, w6, w7, db = zero, zero, zero, zero, zero, zero, zero, zero, zero
+    for t0 in range(t_start, t_end, 8):
+        n0, n1, n2, n3, n4, n5, n6, n7 = _load_rows8(
+            x_ptr, init_ptr, offs_d, mask_d, t0 + 8, seqlen, t_read,
+            stride_x_d, stride_x_l, stride_init_d, stride_init_k, W, False, 0)
+        dynext = _load_rows8(dy_ptr, dy_ptr, offs_d, mask_d, t0 + 8, seqlen, t_read,
+                             stride_dy_d, stride_dy_l, 0, 0, W, False, 0)
+        xprev = (p0, p1, p2, p3, p4, p5, p6, p7)
+        xcur = (c0, c1, c2, c3, c4, c5, c6, c7)
+        xnext = (n0, n1, n2, n3, n4, n5, n6, n7)
+        dp = (g0, g1, g2, g3, g4, g5, g6, g7)
+        # dL/dp of the next 8 rows: the next step's dp, and the taps dx needs here.
+        h0, h1, h2, h3, h4, h5, h6, h7 = _dpre_planes(xcur, xnext, xnext, dynext, w, bias, W, SILU,
+                                                      HAS_BIAS, 8)
+        dp_next = (h0, h1, h2, h3, h4, h5, h6, h7)
+        for i in tl.static_range(8):
+            dx = _dx_plane(i, dp, dp_next, w, W)
+            pos = t0 + i + tl.zeros_like(offs_d)  # a vector, as in _load_row
+            tl.store(dx_ptr + offs_d * stride_dx_d + pos * stride_dx_l, dx.to(dx_ptr.dtype.element_ty),
+                     mask=mask_d & (pos < t_end))
+        # Rows past the segment are the next program's; past the sequence dy (so dp) is zero.
+        db += g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7
+        w0 += _dw_lane(0, dp, xprev, xcur, W)
+        w1 += _dw_lane(1, dp, xprev, xcur, W)
+        w2 += _dw_lane(2, dp, xprev, xcur, W)
+        w3 += _dw_lane(3, dp, xprev, xcur, W)
+        w4 += _dw_lane(4, dp, xprev, xcur, W)
+        w5 += _dw_lane(5, dp, xprev, xcur, W)
+        w6 += _dw_lane(6, dp, xprev, xcur, W)
+        w7 += _dw_lane(7, dp, xprev, xcur, W)
+        p0, p1, p2, p3, p4, p5, p6, p7 = c0, c1, c2, c3, c4, c5, c6, c7
+        c0, c1, c2, c3, c4, c5, c6, c7 = n0, n1, n2, n3, n4, n5, n6, n7
+        g0, g1, g2, g3, g4, g5, g6, g7 = h0, h1, h2, h3, h4, h5, h6, h7
+
+    pid_p = pid_b * tl.num_programs(2) + pid_s
+    dw_row = dw_part_ptr + pid_p * stride_dw_part_p + offs_d * stride_dw_part_d
+    lanes = (w0, w1, w2, w3, w4, w5, w6, w7)
+    for k in tl.static_range(W):
+        tl.store(dw_row + k * stride_dw_part_k, lanes[k], mask=mask_d)
+    if HAS_BIAS:
+        tl.store(db_part_ptr + pid_p * stride_db_part_p + offs_d * stride_db_part_d, db, mask=mask_d)
+
+
+@triton.jit
 def _causal_conv1d_bwd_kernel(
     # pointers
     dy_ptr, x_ptr, w_ptr, bias_ptr, init_ptr,
@@ -619,12 +737,35 @@ def _fwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
     return _rows_plan(batch, dim, seqlen, sms)
 
 
-def _bwd_tile(x_l_contig: bool, dim: int) -> tuple:
-    """(BLOCK_D, NC, num_warps) of the backward tile, per loop iteration."""
+def _bwd_tile(dim: int) -> tuple:
+    """(BLOCK_D, NC, num_warps) of the chunk-tile backward (L-contiguous x; dim-major x takes the
+    row-streaming kernel, ``_bwd_rows_tile``), per loop iteration."""
     # Each chunk costs ~60 fp32 registers (x over 3 chunks, dy over 2, dp, dx, the dweight
-    # lanes), so one chunk per thread: 1024 elements, [4, 32] or [64, 2] chunks as above.
-    block_d, nc = (4, 32) if x_l_contig else (64, 2)
-    return min(block_d, triton.next_power_of_2(dim)), nc, 4
+    # lanes), so one chunk per thread: 1024 elements, [4, 32] chunks.
+    return min(4, triton.next_power_of_2(dim)), 32, 4
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_rows_plan(batch: int, dim: int, seqlen: int, sms: int) -> tuple:
+    # Measured on the H200 (benchmarks/sweep_conv_rows.py --bwd, B8 L2048 dim 1536, RESULTS.md
+    # run 20): rows of 256 channels over 4 warps (124 registers in bf16) and 256-step segments
+    # ran 70 us in bf16 and 84 us in fp32 (51 % / 85 % of copy bandwidth), 64-step segments 83 /
+    # 101 us: unlike the forward, the backward gains from longer segments (each re-reads 2(W-1)
+    # rows around it and writes a dweight partial). Segments shrink only below 2 programs per
+    # SM; that threshold is the measured point's (384 programs), not a swept one.
+    block_d = min(256, triton.next_power_of_2(dim))
+    num_warps = max(1, min(4, block_d // 64))
+    blocks = batch * triton.cdiv(dim, block_d)
+    seg_len = 256
+    while seg_len > CHUNK and blocks * triton.cdiv(seqlen, seg_len) < 2 * sms:
+        seg_len //= 2
+    return block_d, num_warps, seg_len
+
+
+def _bwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
+    """(BLOCK_D, num_warps, seg_len) of the row-streaming backward (x with unit stride on dim)."""
+    sms = _num_sms(x.device.index) if x.is_cuda else 1
+    return _bwd_rows_plan(batch, dim, seqlen, sms)
 
 
 def causal_conv1d_fwd(
@@ -678,8 +819,9 @@ def causal_conv1d_bwd(
     """Backward; inputs already validated. See ``ConvGrads`` for what is returned."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
-    x_l_contig = _l_contig(x)
-    block_d, nc, num_warps = _bwd_tile(x_l_contig, dim)
+    if not _l_contig(x):
+        return _causal_conv1d_bwd_rows(dy, x, weight, bias, initial_state, silu)
+    block_d, nc, num_warps = _bwd_tile(dim)
     nc = max(1, min(nc, triton.next_power_of_2(triton.cdiv(seqlen, CHUNK))))
     n_dblocks, n_lblocks = triton.cdiv(dim, block_d), triton.cdiv(seqlen, nc * CHUNK)
     # Split L over enough programs for about one full wave (8 resident 4-warp programs per SM
@@ -712,9 +854,43 @@ def causal_conv1d_bwd(
         W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
         **LAUNCH_OPTIONS,
     )
+    return _summed(dx, dw_part, db_part, dinit, x, weight, bias)
+
+
+def _summed(dx, dw_part, db_part, dinit, x, weight, bias) -> ConvGrads:
+    """The gradients, with the per-program dweight/dbias partials summed in a fixed order."""
     jobs = [(dw_part, 1, weight.shape, weight.dtype)]
     if db_part is not None:
         jobs.append((db_part, 1, bias.shape, bias.dtype))
     dweight, *rest = sum_partials(jobs)
     dbias = rest[0] if rest else x.new_empty(0, dtype=torch.float32)
     return ConvGrads(dx=dx, dweight=dweight, dbias=dbias, dinitial_state=dinit)
+
+
+def _causal_conv1d_bwd_rows(dy, x, weight, bias, initial_state, silu) -> ConvGrads:
+    """The backward for x with unit stride along dim, by the row-streaming kernel."""
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    block_d, num_warps, seg_len = _bwd_rows_tile(x, batch, dim, seqlen)
+    n_seg = triton.cdiv(seqlen, seg_len)
+    dx = empty_activation(x)
+    dw_part = torch.empty((batch * n_seg, dim, width), dtype=torch.float32, device=x.device)
+    db_part = None
+    if bias is not None:
+        db_part = torch.empty((batch * n_seg, dim), dtype=torch.float32, device=x.device)
+    dinit = x.new_empty(0, dtype=torch.float32)
+    if initial_state is not None:
+        dinit = torch.empty((batch, dim, width - 1), dtype=initial_state.dtype, device=x.device)
+    grid = (batch, triton.cdiv(dim, block_d), n_seg)
+    _causal_conv1d_bwd_rows_kernel[grid](
+        dy, x, weight, bias, initial_state,
+        dx, dw_part, db_part, dinit,
+        dim, seqlen, seg_len,
+        *dy.stride(), *x.stride(), *weight.stride(), *_strides(bias, 1),
+        *_strides(initial_state, 3), *dx.stride(), *dw_part.stride(), *_strides(db_part, 2),
+        *_strides(dinit if initial_state is not None else None, 3),
+        HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
+        W=width, SILU=silu, BLOCK_D=block_d, num_warps=num_warps,
+        **LAUNCH_OPTIONS,
+    )
+    return _summed(dx, dw_part, db_part, dinit, x, weight, bias)
