@@ -243,6 +243,11 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
             return sympy.nsimplify(a)
         raise _NotElementwise(f"argument {a!r}")
 
+    def number(a):
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return sympy.nsimplify(a)
+        raise _NotElementwise(f"a scale factor {a!r} that is not a number")
+
     for n in region:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
         if mutates(n):
@@ -252,17 +257,19 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
             env[n] = arg(a[0])
             continue
         extra_kw = set(n.kwargs)
-        if (is_call(n, operator.add, torch.add) or is_method(n, "add")) and not extra_kw and len(a) == 2:
-            env[n] = arg(a[0]) + arg(a[1])
-        elif (is_call(n, operator.sub, torch.sub) or is_method(n, "sub")) and not extra_kw and len(a) == 2:
-            env[n] = arg(a[0]) - arg(a[1])
+        # torch.add/sub(x, y, alpha=c) is x ± c*y (c a number; the proof below then finds a decay
+        # or an addend scaled by c unless c is 1).
+        if (is_call(n, operator.add, torch.add) or is_method(n, "add")) and extra_kw <= {"alpha"} and len(a) == 2:
+            env[n] = arg(a[0]) + number(n.kwargs.get("alpha", 1)) * arg(a[1])
+        elif (is_call(n, operator.sub, torch.sub) or is_method(n, "sub")) and extra_kw <= {"alpha"} and len(a) == 2:
+            env[n] = arg(a[0]) - number(n.kwargs.get("alpha", 1)) * arg(a[1])
         elif (is_call(n, *_MUL) or is_method(n, "mul")) and not extra_kw and len(a) == 2:
             env[n] = arg(a[0]) * arg(a[1])
         elif (is_call(n, operator.truediv, torch.div) or is_method(n, "div")) and not extra_kw and len(a) == 2:
             env[n] = arg(a[0]) / arg(a[1])
         elif (is_call(n, operator.neg, torch.neg) or is_method(n, "neg")) and not extra_kw and len(a) == 1:
             env[n] = -arg(a[0])
-        elif is_call(n, torch.addcmul) and len(a) == 3 and set(n.kwargs) <= {"value"}:
+        elif (is_call(n, torch.addcmul) or is_method(n, "addcmul")) and len(a) == 3 and extra_kw <= {"value"}:
             env[n] = arg(a[0]) + arg(n.kwargs.get("value", 1)) * arg(a[1]) * arg(a[2])
         elif (is_call(n, torch.tanh) or is_method(n, "tanh")) and len(a) == 1:
             env[n] = sympy.tanh(arg(a[0]))

@@ -489,6 +489,29 @@ def addcmul_update(u, delta, A, B, C):
     return torch.stack(ys, 1)
 
 
+def addcmul_method_update(u, delta, A, B, C):
+    h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
+    ys = []
+    for t in range(u.shape[1]):
+        dBu = (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
+        h = dBu.addcmul(torch.exp(delta[:, t, :, None] * A), h)
+        ys.append(readout(h, C, t))
+    return torch.stack(ys, 1)
+
+
+def add_with_alpha(op, alpha):
+    """``h = torch.add(dBu, dA*h, alpha=c)`` (or sub): the scan when the sum is dBu + dA*h."""
+    def fn(u, delta, A, B, C):
+        h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
+        ys = []
+        for t in range(u.shape[1]):
+            dBu = (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
+            h = op(dBu, torch.exp(delta[:, t, :, None] * A) * h, alpha=alpha)
+            ys.append(readout(h, C, t))
+        return torch.stack(ys, 1)
+    return fn
+
+
 def in_loop_tail(tail):
     """y_t = tail(C_t·h_t, u, t, extra): the skip, gate or scale written inside the loop."""
     def fn(u, delta, A, B, C, *extra):
@@ -761,6 +784,11 @@ STYLES = {
     # name: (fn, extra args, scans rewritten: an int, or None for either outcome)
     "preallocated-y[:,t]=": (preallocated_output, (), 1),
     "addcmul": (addcmul_update, (), 1),
+    "dBu.addcmul(dA,h)": (addcmul_method_update, (), 1),
+    "add(dBu,dA*h,alpha=1.0)": (add_with_alpha(torch.add, 1.0), (), 1),
+    "sub(dBu,dA*h,alpha=-1)": (add_with_alpha(torch.sub, -1), (), 1),
+    "add(dBu,dA*h,alpha=2)": (add_with_alpha(torch.add, 2), (), 0),
+    "sub(dBu,dA*h,alpha=1)": (add_with_alpha(torch.sub, 1), (), 0),
     "h.mul_().add_()": (inplace_update, (), None),
     "h=h*dA;h+=dBu": (iadd_update, (), None),
     "reversed(range)-append-then-[::-1]": (reversed_loop("append-reversed"), (), None),
