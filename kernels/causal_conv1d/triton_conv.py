@@ -177,6 +177,15 @@ def _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W: tl.constexpr
 
 
 @triton.jit
+def _load_row_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W: tl.constexpr, BLOCK_D: tl.constexpr):
+    # _load_weights as [BLOCK_D] rows, for the row-streaming kernels' [BLOCK_D] planes.
+    w = _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W)
+    return (tl.reshape(w[0], [BLOCK_D]), tl.reshape(w[1], [BLOCK_D]), tl.reshape(w[2], [BLOCK_D]),
+            tl.reshape(w[3], [BLOCK_D]), tl.reshape(w[4], [BLOCK_D]), tl.reshape(w[5], [BLOCK_D]),
+            tl.reshape(w[6], [BLOCK_D]), tl.reshape(w[7], [BLOCK_D]))
+
+
+@triton.jit
 def _preact(i: tl.constexpr, prev, cur, nxt, w, bias, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     # p at chunk-relative time i = bias + sum_k w[k] * input[i - (W-1) + k], fp32 [BLOCK_D, NC].
     acc = w[0] * _tap(i - (W - 1), prev, cur, nxt)
@@ -394,10 +403,7 @@ def _causal_conv1d_fwd_rows_kernel(
     y_ptr += pid_b * stride_y_b
     if HAS_INIT:
         init_ptr += pid_b * stride_init_b
-    w = _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W)
-    w = (tl.reshape(w[0], [BLOCK_D]), tl.reshape(w[1], [BLOCK_D]), tl.reshape(w[2], [BLOCK_D]),
-         tl.reshape(w[3], [BLOCK_D]), tl.reshape(w[4], [BLOCK_D]), tl.reshape(w[5], [BLOCK_D]),
-         tl.reshape(w[6], [BLOCK_D]), tl.reshape(w[7], [BLOCK_D]))
+    w = _load_row_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W, BLOCK_D)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d * stride_bias, mask=mask_d, other=0.0).to(tl.float32)
@@ -463,10 +469,7 @@ def _causal_conv1d_bwd_rows_kernel(
     dx_ptr += pid_b * stride_dx_b
     if HAS_INIT:
         init_ptr += pid_b * stride_init_b
-    w = _load_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W)
-    w = (tl.reshape(w[0], [BLOCK_D]), tl.reshape(w[1], [BLOCK_D]), tl.reshape(w[2], [BLOCK_D]),
-         tl.reshape(w[3], [BLOCK_D]), tl.reshape(w[4], [BLOCK_D]), tl.reshape(w[5], [BLOCK_D]),
-         tl.reshape(w[6], [BLOCK_D]), tl.reshape(w[7], [BLOCK_D]))
+    w = _load_row_weights(w_ptr, offs_d, mask_d, stride_w_d, stride_w_k, W, BLOCK_D)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d * stride_bias, mask=mask_d, other=0.0).to(tl.float32)
