@@ -4,9 +4,10 @@ Two folds, both run by the pass manager once the rewrites are done:
 
 * ``fold_round_trip_casts``: a widening cast that a narrowing cast undoes (below).
 * ``fold_widening_casts_into_ops``: a parameter widened to fp32 only to be handed to an ssm op
-  that widens it to fp32 itself (HF's ``D=self.D.float()``, ``self.dt_proj.bias.float()``). In a
-  bf16 model each such cast is a kernel of its own on every forward (two per layer in the 130m
-  HF model's profile, ~1.1 us plus a launch gap each) and a cast back in every backward.
+  that widens it to fp32 itself (HF's ``D=self.D.float()``; its ``dt_proj.bias.float()`` usually
+  goes by the round-trip fold first). In a bf16 model each such cast is a kernel of its own on
+  every forward (one per layer in the 130m HF model's profile, ~1.1 us plus a launch gap) and a
+  cast back in every backward.
 
 A rewrite that replaces an fp32 value (HF's ``scan_output + hidden_states * D.float()``) with an
 op output in the activations' dtype (bf16) casts the output back up, so that the code after it
