@@ -82,6 +82,30 @@ def test_bf16_model_within_tolerance_of_fp64():
     assert rel_err(out, ref) <= 2 * max(rel_err(eager, ref), TOL[torch.float32])
 
 
+def test_bf16_model_hands_the_scan_its_bf16_D():
+    """HF passes ``D=self.D.float()``; on a bf16 model that cast was a kernel per layer on every
+    forward. The op widens D itself, so after the rewrites it reads the bf16 parameter."""
+    from ssm_compile.kernels import register_ops
+    from ssm_compile.passes.fx_utils import dtype_of
+
+    model = tiny_model(hidden=16, layers=2, state=8, rank=2, assoc=False, dtype=torch.bfloat16)
+    seen = []
+
+    def backend(gm, example_inputs):
+        register_ops()
+        build_pass_manager(SSMOptions())(gm)
+        seen.extend(n for n in gm.graph.nodes if n.target is torch.ops.ssm.selective_scan.default)
+        return gm.forward
+
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(ids, use_cache=False)
+    assert len(seen) == 2
+    for scan in seen:
+        D = scan.args[5]
+        assert D.op == "placeholder" and dtype_of(D) == torch.bfloat16, scan.format_node()
+
+
 class CaptureRewritten:
     """Runs the full pass manager (as the backend does) and keeps the normalised rewritten graph."""
 
