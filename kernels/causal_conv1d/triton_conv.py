@@ -718,26 +718,28 @@ def _fwd_tile(dim: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _rows_plan(batch: int, dim: int, seqlen: int, sms: int) -> tuple:
-    # Measured on the H200 (benchmarks/sweep_conv_rows.py, B8 L2048 dim 1536 bf16, RESULTS.md
-    # run 16): rows of 256 channels over 4 warps (2 bf16 per thread) and 32-64-step segments
-    # ran 32.4-32.8 us (73 % of copy bandwidth); 512-channel rows over 2 warps with 64 steps,
-    # 38.3 us; segments of 128 or more steps 38-150 us. Many short segments keep many rows in
-    # flight; a segment re-reads W-1 halo rows, < 5 % of its bytes at 64 steps. Fewer than
-    # 4 programs per SM (short L, batch 1) get shorter segments.
+def _rows_plan(batch: int, dim: int, seqlen: int, sms: int, longest: int, min_per_sm: int) -> tuple:
+    """(BLOCK_D, num_warps, seg_len) of a row-streaming kernel: rows of up to 256 channels over
+    up to 4 warps, segments of ``longest`` steps halved while there are fewer than
+    ``min_per_sm`` programs per SM (short L, batch 1)."""
     block_d = min(256, triton.next_power_of_2(dim))
     num_warps = max(1, min(4, block_d // 64))
     blocks = batch * triton.cdiv(dim, block_d)
-    seg_len = 64
-    while seg_len > CHUNK and blocks * triton.cdiv(seqlen, seg_len) < 4 * sms:
+    seg_len = longest
+    while seg_len > CHUNK and blocks * triton.cdiv(seqlen, seg_len) < min_per_sm * sms:
         seg_len //= 2
     return block_d, num_warps, seg_len
 
 
 def _fwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
     """(BLOCK_D, num_warps, seg_len) of the row-streaming forward (x with unit stride on dim)."""
+    # Measured on the H200 (benchmarks/sweep_conv_rows.py, B8 L2048 dim 1536 bf16, RESULTS.md
+    # run 16): rows of 256 channels over 4 warps (2 bf16 per thread) and 32-64-step segments
+    # ran 32.4-32.8 us (73 % of copy bandwidth); 512-channel rows over 2 warps with 64 steps,
+    # 38.3 us; segments of 128 or more steps 38-150 us. Many short segments keep many rows in
+    # flight; a segment re-reads W-1 halo rows, < 5 % of its bytes at 64 steps.
     sms = _num_sms(x.device.index) if x.is_cuda else 1
-    return _rows_plan(batch, dim, seqlen, sms)
+    return _rows_plan(batch, dim, seqlen, sms, longest=64, min_per_sm=4)
 
 
 def _bwd_tile(dim: int) -> tuple:
@@ -748,27 +750,16 @@ def _bwd_tile(dim: int) -> tuple:
     return min(4, triton.next_power_of_2(dim)), 32, 4
 
 
-@functools.lru_cache(maxsize=256)
-def _bwd_rows_plan(batch: int, dim: int, seqlen: int, sms: int) -> tuple:
+def _bwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
+    """(BLOCK_D, num_warps, seg_len) of the row-streaming backward (x with unit stride on dim)."""
     # Measured on the H200 (benchmarks/sweep_conv_rows.py --bwd, B8 L2048 dim 1536, RESULTS.md
     # run 20): rows of 256 channels over 4 warps (124 registers in bf16) and 256-step segments
     # ran 70 us in bf16 and 84 us in fp32 (51 % / 85 % of copy bandwidth), 64-step segments 83 /
     # 101 us: unlike the forward, the backward gains from longer segments (each re-reads 2(W-1)
     # rows around it and writes a dweight partial). Segments shrink only below 2 programs per
     # SM; that threshold is the measured point's (384 programs), not a swept one.
-    block_d = min(256, triton.next_power_of_2(dim))
-    num_warps = max(1, min(4, block_d // 64))
-    blocks = batch * triton.cdiv(dim, block_d)
-    seg_len = 256
-    while seg_len > CHUNK and blocks * triton.cdiv(seqlen, seg_len) < 2 * sms:
-        seg_len //= 2
-    return block_d, num_warps, seg_len
-
-
-def _bwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
-    """(BLOCK_D, num_warps, seg_len) of the row-streaming backward (x with unit stride on dim)."""
     sms = _num_sms(x.device.index) if x.is_cuda else 1
-    return _bwd_rows_plan(batch, dim, seqlen, sms)
+    return _rows_plan(batch, dim, seqlen, sms, longest=256, min_per_sm=2)
 
 
 def causal_conv1d_fwd(
@@ -837,14 +828,7 @@ def causal_conv1d_bwd(
     blocks_per_program = triton.cdiv(n_lblocks, n_split)
     n_split = triton.cdiv(n_lblocks, blocks_per_program)
 
-    dx = empty_activation(x)
-    dw_part = torch.empty((batch * n_split, dim, width), dtype=torch.float32, device=x.device)
-    db_part = None
-    if bias is not None:
-        db_part = torch.empty((batch * n_split, dim), dtype=torch.float32, device=x.device)
-    dinit = x.new_empty(0, dtype=torch.float32)
-    if initial_state is not None:
-        dinit = torch.empty((batch, dim, width - 1), dtype=initial_state.dtype, device=x.device)
+    dx, dw_part, db_part, dinit = _grad_buffers(x, weight, bias, initial_state, batch * n_split)
     grid = (batch, n_dblocks, n_split)
     _causal_conv1d_bwd_kernel[grid](
         dy, x, weight, bias, initial_state,
@@ -858,6 +842,19 @@ def causal_conv1d_bwd(
         **LAUNCH_OPTIONS,
     )
     return _summed(dx, dw_part, db_part, dinit, x, weight, bias)
+
+
+def _grad_buffers(x, weight, bias, initial_state, n_parts) -> tuple:
+    """dx, the (n_parts, dim, W) dweight and (n_parts, dim) dbias partials (None without a bias)
+    and dinitial_state (empty without one) that a backward kernel writes."""
+    batch, dim, _ = x.shape
+    width = weight.shape[1]
+    dw_part = torch.empty((n_parts, dim, width), dtype=torch.float32, device=x.device)
+    db_part = None if bias is None else torch.empty((n_parts, dim), dtype=torch.float32, device=x.device)
+    dinit = x.new_empty(0, dtype=torch.float32)
+    if initial_state is not None:
+        dinit = torch.empty((batch, dim, width - 1), dtype=initial_state.dtype, device=x.device)
+    return empty_activation(x), dw_part, db_part, dinit
 
 
 def _summed(dx, dw_part, db_part, dinit, x, weight, bias) -> ConvGrads:
@@ -876,14 +873,7 @@ def _causal_conv1d_bwd_rows(dy, x, weight, bias, initial_state, silu) -> ConvGra
     width = weight.shape[1]
     block_d, num_warps, seg_len = _bwd_rows_tile(x, batch, dim, seqlen)
     n_seg = triton.cdiv(seqlen, seg_len)
-    dx = empty_activation(x)
-    dw_part = torch.empty((batch * n_seg, dim, width), dtype=torch.float32, device=x.device)
-    db_part = None
-    if bias is not None:
-        db_part = torch.empty((batch * n_seg, dim), dtype=torch.float32, device=x.device)
-    dinit = x.new_empty(0, dtype=torch.float32)
-    if initial_state is not None:
-        dinit = torch.empty((batch, dim, width - 1), dtype=initial_state.dtype, device=x.device)
+    dx, dw_part, db_part, dinit = _grad_buffers(x, weight, bias, initial_state, batch * n_seg)
     grid = (batch, triton.cdiv(dim, block_d), n_seg)
     _causal_conv1d_bwd_rows_kernel[grid](
         dy, x, weight, bias, initial_state,
