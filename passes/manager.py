@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 from .fx_utils import mutates
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
+from .inplace import drop_unobserved_clones, functionalize_local_writes
 from .layout import output_layouts, settle_layouts
 
 log = logging.getLogger("ssm_compile")
@@ -178,6 +179,12 @@ class PassManager:
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int]) -> None:
         seen.add(id(gm))
         before = len(ctx.rewrites)
+        # Before the matchers: they refuse every in-place write, and a state the code allocated
+        # and updates in place (``h *= dA; h += dBu``) is as much a recurrence as ``h = dA*h + dBu``.
+        # Only here, on dynamo's graph: the rewrites read who shares memory with whom from the
+        # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
+        for change in functionalize_local_writes(gm) + drop_unobserved_clones(gm):
+            log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:
             fn(gm, ctx)
             gm.graph.lint()

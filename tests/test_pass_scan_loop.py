@@ -235,8 +235,34 @@ def per_step_bld(u, delta, A, B, C):
     return torch.stack(ys, dim=1)
 
 
+def inplace_state(u, delta, A, B, C):
+    """The state updated in place, on a tensor the code allocated (passes/inplace.py)."""
+    deltaA, deltaB_u = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for i in range(u.shape[2]):
+        h *= deltaA[:, :, i]
+        h += deltaB_u[:, :, i]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
+    return torch.stack(ys, dim=2)
+
+
+def inplace_state_chained(u, delta, A, B, C):
+    """``h.mul_(a).add_(b)`` on a clone of the previous state, as a statement."""
+    deltaA, deltaB_u = _disc(u, delta, A, B)
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for i in range(u.shape[2]):
+        h = h.clone()
+        h.mul_(deltaA[:, :, i]).add_(deltaB_u[:, :, i])
+        ys.append((h * C[:, None, :, i]).sum(-1))
+    return torch.stack(ys, dim=2)
+
+
 POSITIVE = [
     pytest.param(hf_loop, "bdl", id="hf-loop"),
+    pytest.param(inplace_state, "bdl", id="inplace-state"),
+    pytest.param(inplace_state_chained, "bdl", id="inplace-state-chained"),
     pytest.param(mamba_minimal, "bld", id="mamba-minimal"),
     pytest.param(scan_ref, "bdl", id="selective-scan-ref"),
     pytest.param(time_invariant_B, "bdl", id="time-invariant-B-cat"),
@@ -573,8 +599,10 @@ def stacked_twice(u, delta, A, B, C):
 
 
 def mutated_source(u, delta, A, B, C):
+    # Through a view: a write to a graph-local tensor nothing else shares is written out of place
+    # first (passes/inplace.py; test_inplace_writes.py), and the loop would then match.
     u2 = u.clone()
-    u2.mul_(2)
+    u2.view(-1).mul_(2)
     deltaA, deltaB_u = _disc(u2, delta, A, B)
     x = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
     ys = []

@@ -24,6 +24,7 @@ Found here and fixed:
   in-place activation whose result nothing used (all fixed; tests below).
 """
 import copy
+import functools
 
 import pytest
 import torch
@@ -229,33 +230,37 @@ def delta_rounded_to_bf16(self, dt):
     return F.softplus(self.dt_proj(dt).to(torch.bfloat16)).float()
 
 
-def delta_pre_written_after_add(self, dt):
+# The writes below go through a view: a write to a tensor the graph allocated and no view shares
+# is written out of place before the matchers run (passes/inplace.py), and the rewrite is then
+# legitimate (the ``local`` rows); through a view it stays, and the delta pass must refuse it.
+
+def delta_pre_written_after_add(self, dt, local=False):
     """``x`` doubled in place after ``x + bias`` was taken: Δ uses the old x."""
     x = F.linear(dt, self.dt_proj.weight)
     pre = x + self.dt_proj.bias
-    x.mul_(2.0)
+    (x if local else x.view(-1)).mul_(2.0)
     return F.softplus(pre)
 
 
-def delta_pre_written_after_cast(self, dt):
+def delta_pre_written_after_cast(self, dt, local=False):
     x = dt @ self.dt_proj.weight.t()
     pre = x.to(torch.bfloat16)
-    x.mul_(2.0)
+    (x if local else x.view(-1)).mul_(2.0)
     return F.softplus(pre).float()
 
 
-def delta_bias_written_after_add(self, dt):
+def delta_bias_written_after_add(self, dt, local=False):
     bias = self.dt_proj.bias * 1.0
     pre = F.linear(dt, self.dt_proj.weight) + bias
-    bias.mul_(2.0)
+    (bias if local else bias.view(-1)).mul_(2.0)
     return F.softplus(pre)
 
 
-def delta_linear_output_written(self, dt):
+def delta_linear_output_written(self, dt, local=False):
     """dt_proj's output shifted in place before the softplus: folding would recompute the linear
-    without the shift."""
+    without the shift (the local row: the shift becomes ``x + 0.3``, read by the softplus)."""
     x = self.dt_proj(dt)
-    x.add_(0.3)
+    (x if local else x.view(-1)).add_(0.3)
     return F.softplus(x)
 
 
@@ -289,6 +294,11 @@ DELTAS = [
     pytest.param(delta_bias_written_after_add, True, ALL - {"delta"}, "writes in place", id="x+b-then-b.mul_"),
     pytest.param(delta_linear_output_written, True, ALL - {"delta"}, "writes in place", id="dt_proj(dt).add_(c)"),
     pytest.param(delta_linear_output_setitem, True, ALL - {"delta"}, "writes in place", id="x[...,0]=1-then-x+b"),
+    pytest.param(functools.partial(delta_pre_written_after_add, local=True), True, ALL, None, id="local:x+b-then-x.mul_"),
+    pytest.param(functools.partial(delta_pre_written_after_cast, local=True), True, ALL, None,
+                 id="local:x.bf16()-then-x.mul_"),
+    pytest.param(functools.partial(delta_bias_written_after_add, local=True), True, ALL, None, id="local:x+b-then-b.mul_"),
+    pytest.param(functools.partial(delta_linear_output_written, local=True), True, ALL, None, id="local:dt_proj(dt).add_(c)"),
 ]
 
 

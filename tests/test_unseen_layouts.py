@@ -15,6 +15,7 @@ eager's, and either a rewrite (``counters["ssm"]``) or a reason in ``ssm_compile
 Bugs found are kept as ``xfail(strict=True, reason="BUG: ...")``.
 """
 
+import functools
 import re
 
 import pytest
@@ -529,14 +530,18 @@ def _write_between(y):
     return t.to(torch.bfloat16) * 2
 
 
-def _write_to_op_output(y):
+def _write_to_op_output(y, local=False):
     up = y.float()
-    y.mul_(2)  # after the up-cast: the fold would make the down-cast read the doubled values
+    # After the up-cast: the fold would make the down-cast read the doubled values. Through a
+    # view the write stays; on the op's output itself, which nothing else shares, it is written
+    # out of place first (passes/inplace.py): nothing reads the doubled y, and the fold is sound.
+    (y if local else y.view(-1)).mul_(2)
     return up.transpose(1, 2).to(torch.bfloat16) * 2
 
 
 CASTS["write-through-view"] = (_write_between, torch.bfloat16, False)
 CASTS["write-to-op-output"] = (_write_to_op_output, torch.bfloat16, False)
+CASTS["write-to-op-output-local"] = (functools.partial(_write_to_op_output, local=True), torch.bfloat16, True)
 
 
 @pytest.mark.parametrize("case", list(CASTS))

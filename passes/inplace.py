@@ -1,0 +1,226 @@
+"""In-place arithmetic on tensors the graph itself allocated, written out of place.
+
+Hand-written recurrences often update the state in place: ``h *= dA; h += dBu``, or
+``h = h.mul_(dA).add_(dBu)`` on a state the code made with ``torch.zeros``. Dynamo records those
+as in-place nodes, and the matchers, which must refuse any write they cannot account for, would
+leave such a loop unrolled. This rewrite runs before them and replaces each in-place write to a
+tensor the graph allocated (and nothing else can see) by the out-of-place op, handing every
+later reader the value it saw in the user's code.
+
+Soundness: a storage is rewritten only when
+- its tensor (the root) is computed in the graph by a call, not passed in, and no other node
+  shares its memory (no views, no inputs, no outputs of ops that return an alias);
+- every write to it is one of the arithmetic ops below on the whole tensor, in the order the
+  graph runs them (no ``copy_``, no ``x[i] = v``, no ``out=``, no other mutating op);
+- the out-of-place op gives the same dtype and shape (``h += x`` keeps h's dtype where
+  ``h + x`` would promote);
+- the root and all its writes run under one grad mode, outside any functorch transform: under
+  ``no_grad`` an in-place write changes a value autograd still holds the old graph for, which an
+  out-of-place op would not.
+Each reader then reads the value of the latest write before it, which is what it read in place.
+Who shares memory with whom is read from the nodes' fake values, so the pass manager runs this
+once, on dynamo's graph, before any rewrite could leave those values stale.
+Writes to inputs, to views and through aliases stay as they are, and the matchers' own write
+checks still see them.
+
+A ``clone`` that only guarded its source against such writes (``h = h.clone(); h.mul_(dA)``)
+guards nothing once they are gone: ``drop_unobserved_clones`` reads the source instead when no
+one can tell the two apart (below).
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .fx_utils import ContextRegions, mutates, propagate_val, storage_of, val, written_args as _written
+
+log = logging.getLogger("ssm_compile")
+
+_FUNCTIONS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+              operator.itruediv: operator.truediv}
+_METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "addcmul_": "addcmul",
+            "addcdiv_": "addcdiv", "neg_": "neg"}
+
+
+def _among(storage: Any, storages: Any) -> bool:
+    # StorageWeakRef compares by its C pointer and cannot be compared with None.
+    return storage is not None and any(storage == other for other in storages if other is not None)
+
+
+def _same(a: Any, b: Any) -> bool:
+    # Sizes and strides may be SymInts under dynamic shapes: equal only if provably so.
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _out_of_place(node: torch.fx.Node) -> tuple[str, Any] | None:
+    if node.op == "call_function" and node.target in _FUNCTIONS:
+        return "call_function", _FUNCTIONS[node.target]
+    if node.op == "call_method" and node.target in _METHODS:
+        return "call_method", _METHODS[node.target]
+    return None
+
+
+def _chains(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Each tensor written by the arithmetic in-place ops, with its writes in graph order (each
+    write's first argument is the tensor or an earlier write's result)."""
+    root_of: dict[torch.fx.Node, torch.fx.Node] = {}
+    chains: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if _out_of_place(node) is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        root = root_of.get(node.args[0], node.args[0])
+        root_of[node] = root
+        chains.setdefault(root, []).append(node)
+    return chains
+
+
+def _chain(graph: torch.fx.Graph, root: torch.fx.Node, writes: list[torch.fx.Node],
+           regions: ContextRegions) -> str | None:
+    """Why the writes to ``root`` cannot be written out of place, or None."""
+    if root.op not in ("call_function", "call_method") or mutates(root) or not isinstance(val(root), torch.Tensor):
+        return "its tensor is not computed in the graph"
+    members = {root, *writes}
+    storages = [storage_of(n) for n in members]
+    if any(st is None for st in storages):
+        return "its memory is unknown"
+    for n in graph.nodes:
+        if n not in members and _among(storage_of(n), storages):
+            return f"{n.name} shares its memory (a view or an alias)"
+    for n in members:
+        for user in n.users:
+            if user not in members and mutates(user):
+                return f"{user.name} writes it through another op"
+    keys = {regions.key[n][0] for n in members}
+    if len(keys) > 1:
+        return "a grad-mode or functorch boundary lies between its writes"
+    if regions.transform.get(next(iter(keys))[0]) is not None:
+        return "it is written inside a torch.func transform"
+    return None
+
+
+def functionalize_local_writes(gm: torch.fx.GraphModule) -> list[str]:
+    """Rewrite in place the in-place arithmetic on graph-allocated tensors; returns what changed."""
+    graph = gm.graph
+    regions = ContextRegions(graph)
+    changes: list[str] = []
+    for root, writes in _chains(graph).items():
+        refusal = _chain(graph, root, writes, regions)
+        if refusal is not None:
+            log.debug("ssm in-place writes to %s kept: %s", root.name, refusal)
+            continue
+        nodes = [root, *writes]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        members = set(nodes)
+        # The value each position of the graph sees: the root, then each write's replacement.
+        current = root
+        replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        ok = True
+        for w in writes:
+            kind, target = _out_of_place(w)
+            with graph.inserting_before(w):
+                new = graph.create_node(kind, target,
+                                        torch.fx.node.map_arg(w.args, lambda a: current if a in members else a),
+                                        torch.fx.node.map_arg(w.kwargs, lambda a: current if a in members else a))
+            new.meta = {k: v for k, v in w.meta.items() if k not in ("val", "example_value")}
+            try:
+                out = propagate_val(new)
+            except Exception as e:  # noqa: BLE001 - fake propagation failing means: leave it as written
+                log.debug("ssm in-place write %s kept: %s", w.name, e)
+                ok = False
+            if ok and not (isinstance(out, torch.Tensor) and out.dtype == val(root).dtype
+                           and _same(out.shape, val(root).shape)):
+                ok = False
+            replaced[w] = new
+            if not ok:
+                break
+            current = new
+        if not ok:
+            for new in replaced.values():
+                graph.erase_node(new)
+            continue
+        # Every other reader of the storage reads the latest write before it.
+        stamps = sorted((order[w], replaced[w]) for w in writes)
+        for n in nodes:
+            for user in list(n.users):
+                if user in members or user in replaced.values():
+                    continue
+                seen = root
+                for at, new in stamps:
+                    if at < order[user]:
+                        seen = new
+                user.replace_input_with(n, seen)
+        for w in reversed(writes):
+            w.replace_all_uses_with(replaced[w])
+            graph.erase_node(w)
+        changes.append(f"{len(writes)} in-place write(s) to {root.name} written out of place")
+    if changes:
+        graph.lint()
+        gm.recompile()
+    return changes
+
+
+def _is_clone(node: torch.fx.Node) -> bool:
+    if not ((node.op == "call_function" and node.target is torch.clone)
+            or (node.op == "call_method" and node.target == "clone")):
+        return False
+    fmt = node.kwargs.get("memory_format", torch.preserve_format)
+    return len(node.args) == 1 and fmt in (torch.preserve_format, torch.contiguous_format)
+
+
+# Elementwise arithmetic, the algebra of a recurrence's step: a clone read only by these is a
+# guard against writes. (Copies on the way into an op are the x_proj pass's to judge and record.)
+_ARITHMETIC_FUNCTIONS = (operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+                         torch.add, torch.sub, torch.mul, torch.div, torch.addcmul, torch.neg)
+_ARITHMETIC_METHODS = ("add", "sub", "mul", "div", "addcmul", "neg")
+
+
+def _is_arithmetic(node: torch.fx.Node) -> bool:
+    if "out" in node.kwargs:
+        return False
+    return ((node.op == "call_function" and node.target in _ARITHMETIC_FUNCTIONS)
+            or (node.op == "call_method" and node.target in _ARITHMETIC_METHODS))
+
+
+def drop_unobserved_clones(gm: torch.fx.GraphModule) -> list[str]:
+    """Make the readers of ``c = x.clone()`` read ``x`` where that cannot change what they see.
+
+    Sound when nothing writes x's memory after the clone (the copy's only purpose; a write to a
+    tensor of unknown memory counts as one), and every reader of the copy is out-of-place
+    elementwise arithmetic: none writes it, returns it, views it or aliases it, so no caller and
+    no later write can tell the copy from x. Values and gradients are the same (clone is the
+    identity for both), and so are the strides: only a copy with x's own strides goes, so that no
+    later ``view`` that worked on the copy's layout can fail on x's.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changes: list[str] = []
+    for node in list(graph.nodes):
+        if not _is_clone(node) or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        src = node.args[0]
+        s_src, s_copy = storage_of(src), storage_of(node)
+        a, c = val(src), val(node)
+        if s_src is None or s_copy is None or a.dtype != c.dtype or not _same(a.stride(), c.stride()):
+            continue
+        readers = list(node.users)
+        if not readers or not all(_is_arithmetic(u) and not _among(storage_of(u), (s_copy, s_src)) for u in readers):
+            continue
+        written_later = any(
+            mutates(n) and order[n] > order[node]
+            and any(storage_of(a) is None or _among(storage_of(a), (s_src, s_copy)) for a in _written(n))
+            for n in graph.nodes)
+        if written_later:
+            continue
+        for u in readers:
+            u.replace_input_with(node, src)
+        graph.erase_node(node)
+        changes.append(f"{node.name} (a clone of {src.name} no one writes) read as {src.name}")
+    if changes:
+        graph.lint()
+        gm.recompile()
+    return changes
