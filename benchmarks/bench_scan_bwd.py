@@ -186,10 +186,6 @@ SWEEP = [
     dict(chunk=128, block_d=2, num_warps=2),
     dict(chunk=128, block_d=1, num_warps=1, num_splits=8),  # half the default's programs
     dict(chunk=128, block_d=1, num_warps=1, num_splits=34),  # twice the default's programs
-    # Chunk-state kernel (default [8, 128] x 4 warps: 20 instr/elt, 8 BAR/iter, 64 regs):
-    dict(chunk=128, block_d=1, num_warps=1, state_block_d=2, state_num_warps=1),  # 20/elt, no BAR
-    dict(chunk=128, block_d=1, num_warps=1, state_block_d=4, state_num_warps=1),  # 18/elt, 113 regs
-    dict(chunk=128, block_d=1, num_warps=1, state_block_d=16, state_num_warps=8),  # 19/elt, 4 BAR
     # 2176 programs for 2112 one-warp slots (16 per SM): if a second wave of 64 programs costs a
     # whole program's time, 16 slices (2048 programs, one wave) is much faster than the default.
     dict(chunk=128, block_d=1, num_warps=1, num_splits=16),
@@ -219,15 +215,13 @@ SWEEP = [
     dict(variant="serial", num_warps=8),
     dict(variant="serial", steps=8, chunk=64),  # 255 regs and 192 B of spills; 62/elt
     # Batch 1 (--sweep-batch 1), where "serial" is the default and the GPU time is ~70 % its
-    # chunk kernel (run 14): longer or shorter chunks, fewer warps, smaller chunk-state tiles.
+    # chunk kernel (run 14): longer or shorter chunks, fewer warps. (The chunk-state kernel's
+    # tiles: bench_chunk_state.py.)
     dict(variant="serial", steps=8, chunk=128),
     dict(variant="serial", steps=8, chunk=32),
     dict(variant="serial", steps=8, chunk=64, num_warps=2),
     dict(variant="serial", steps=8, chunk=64, num_warps=8),
     dict(variant="serial", steps=4, chunk=32, num_warps=2),
-    dict(variant="serial", steps=8, chunk=64, state_block_d=8, state_num_warps=2),
-    dict(variant="serial", steps=8, chunk=64, state_block_d=4, state_num_warps=1),
-    dict(variant="serial", steps=8, chunk=64, state_block_d=32, state_num_warps=8),
 ]
 # bf16 re-times this many of the fastest fp32 candidates.
 SWEEP_BF16_TOP = 4
@@ -281,7 +275,7 @@ def sweep_table(notes, start, match=None, batch=8):
             notes.append(f"sweep bf16 {cfg}: {type(e).__name__}: {e}")
     del x, dy, ref
     ranked = [cfg for _, cfg in sorted(fp32_ms, key=lambda r: r[0])]
-    table = markdown_table(["dtype", "tiles (chunk, state_block_d, block_d, num_splits, state_warps, warps, "
+    table = markdown_table(["dtype", "tiles (chunk, block_d, num_splits, warps, "
                             "variant, nb, group_d)", f"bwd ms B{batch} L2048", "max rel diff vs default"], rows)
     return table, ranked
 

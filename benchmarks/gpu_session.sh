@@ -56,8 +56,13 @@ for s in "$@"; do
         bwdnblock) step bwdnblock python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match nblock ;;
         bwdlayouts) step bwdlayouts python3 benchmarks/bench_scan_bwd.py --layouts ;;
         bwdserial) step bwdserial python3 benchmarks/bench_scan_bwd.py --sweep --sweep-match serial ;;
+        # The chunk-state kernel: closed-form sums against the forward-tiled scan, over tiles.
+        chunkstate) step chunkstate python3 benchmarks/bench_chunk_state.py ;;
         bwdtests) step bwdtests python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan_triton_bwd.py ;;
         conv) step conv python3 benchmarks/bench_conv1d.py ;;
+        convtests) step convtests python3 -m pytest -q -p no:cacheprovider tests/test_causal_conv1d.py -k "cuda or triton or Triton or rows" ;;
+        # Inductor's wrapper and kernels for the whole 130m forward under backend="ssm".
+        dumpcode) step dumpcode python3 benchmarks/dump_e2e_code.py --layers ${DUMP_LAYERS:-24} --out "$OUT/e2e_code.py" ;;
         # The conv's row-streaming forward: tile sweep on HF's in_proj view, bf16 then fp32.
         convrows) step convrows bash -c 'python3 benchmarks/sweep_conv_rows.py && python3 benchmarks/sweep_conv_rows.py --dtype fp32' ;;
         convrowsbwd) step convrowsbwd bash -c 'python3 benchmarks/sweep_conv_rows.py --bwd && python3 benchmarks/sweep_conv_rows.py --bwd --dtype fp32' ;;

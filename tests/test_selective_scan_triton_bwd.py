@@ -124,6 +124,10 @@ CASES = [
     Case(has_D=False, has_bias=False, has_dlast=False),
     Case(softplus=False, has_z=False, has_dlast=True, has_init=False),
     Case(dim=5, N=5, L=29),  # N and dim that fill no power-of-two block
+    # The chunk-state kernel's wide-N tiles (the forward's): 16 lanes along N; 32 lanes and 4
+    # steps per thread.
+    Case(dim=4, N=64, L=20),
+    Case(dim=2, N=256, L=9),
     Case(L=70, chunk_size=None),  # the default chunk length, one ragged chunk
     # Default tiles (one channel per step, chunk 128) across a chunk boundary, in 3 slices.
     Case(dim=3, L=200, chunk_size=None, num_splits=3),

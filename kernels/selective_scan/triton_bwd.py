@@ -4,10 +4,10 @@ The forward saves only its inputs, so the backward recomputes every state it nee
 (batch, dim, L, N) tensor is ever written; the work is split into three kernels around two
 transient chunk-boundary workspaces of shape (batch, L/T, dim, N) fp32, T the chunk length:
 
-1. ``_chunk_state_kernel``, parallel over (chunk, batch, channel block): each chunk's own
-   contribution, from zero, to the state at its end and to dL/dh just before it. Neither
-   needs a scan (sums of exp(A * partial sums of delta)), and the adjoint one needs only the
-   readout gradient C_t * g_t (g = dy * silu(z)), which does not depend on h.
+1. ``_chunk_state_kernel``, parallel over (channel block, batch, chunk): each chunk's own
+   contribution, from zero, to the state at its end and to dL/dh just before it (the latter
+   needs only the readout gradient C_t * g_t, g = dy * silu(z), which does not depend on h).
+   It runs on the forward kernel's tiles, time inside each thread: one exp per element.
 2. ``_state_pass_kernel``, serial over chunks but only (batch, dim, N)-wide: chains those
    contributions in place, forward into h entering each chunk (from initial_state) and
    backward into r = dL/dh at each chunk's end from later steps (from dlast_state); what is
@@ -48,13 +48,11 @@ from ..partials import sum_partials
 from ..restride import restride_into
 from ..triton_common import LAUNCH_OPTIONS, LOG2E, linear_combine, prefetch, sigmoid_approx, silu, softplus
 from .grads import ScanGrads
-from .triton_fwd import _last_step
+from .triton_fwd import _last_step, _load_chunk, scan_fwd_config
 
 
 # Kernels work on [BLOCK_D, CHUNK] tiles, one state column at a time.
 _CHUNK = 128
-# Elements of the chunk-state kernel's tile.
-_TILE = 1024
 # Channels per loop step of the chunk kernel. One channel per step keeps its [1, 32, 4] tile
 # (chunk 128) inside one warp: the sums over channels (dB, dC) vanish, no cross-warp reduction
 # or barrier is left in the n-loop, and the kernel needs ~122 registers (sm_90, triton 3.6)
@@ -189,7 +187,7 @@ def _chunk_state_kernel(
     # pointers
     u_ptr, delta_ptr, dy_ptr, z_ptr, A_ptr, B_ptr, C_ptr, delta_bias_ptr, hs_ptr, rs_ptr, total_ptr,
     # sizes
-    dim, L, N, n_chunks, dim_per_group, blocks_per_group,
+    dim, L, N, n_chunks, dims_per_group,
     # strides
     stride_u_b, stride_u_d, stride_u_l,
     stride_delta_b, stride_delta_d, stride_delta_l,
@@ -200,57 +198,105 @@ def _chunk_state_kernel(
     stride_C_b, stride_C_g, stride_C_n, stride_C_l,
     # meta-parameters
     DELTA_SOFTPLUS: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
-    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK_T: tl.constexpr, N_PER_THREAD: tl.constexpr, LANES_N: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Each chunk's own contribution to the state at its end and to dL/dh before it.
 
     Both start from zero, so every chunk is independent; ``_state_pass_kernel`` chains them.
-    Neither needs a scan. With S_t = sum_{j>t} delta_j and P_t = sum_{j<=t} delta_j:
-        h_end   = sum_t exp(A * S_t) * delta_t * u_t * B_t
-        dh_prev = sum_t exp(A * P_t) * C_t * g_t          (g = dy * silu(z))
+    A program walks one chunk of CHUNK steps in tiles of CHUNK_T, each thread owning a run of
+    consecutive steps of N_PER_THREAD states of one channel (the forward's 4-D tile, same
+    loads). The scan of (a, b) = (exp(delta*A), delta*u*B) along time is serial in registers:
+    its b half is the state from zero, and its a half the decay since the tile's start, which
+    with the decay of the tiles before it (exp(A * sum delta), one exp per (d, n) and tile)
+    weighs each step's C*g:
+        h_end   = h after the chunk, from h = 0
+        dh_prev = sum_t exp(A * P_t) * C_t * g_t          (P_t = sum_{j<=t} delta_j)
+    Until run 21 this kernel summed both in closed form over [channels, chunk] tiles, two exps
+    per element (exp(A * partial sums of delta)) and cross-lane sums over time: 0.382 against
+    0.266 ms now in bf16, 0.409 against 0.301 in fp32 at batch 8, L=2048 on L-major input, and
+    1.24 against 0.33 ms on channel-innermost input (H200, benchmarks/bench_chunk_state.py).
     """
-    pid_c = tl.program_id(0)
+    pid_d = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
-    pid_g = tl.program_id(2) // blocks_per_group
-    offs_dl = (tl.program_id(2) % blocks_per_group) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_d = pid_g * dim_per_group + offs_dl
-    offs_t = tl.arange(0, CHUNK)
-    t = pid_c * CHUNK + offs_t
-    mask_d = offs_dl < dim_per_group
-    mask_t = t < L
-    mask_dt = mask_d[:, None] & mask_t[None, :]
+    pid_c = tl.program_id(2)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
+    mask_d = offs_d < dim
+    mask_bn = offs_bn < N
+    offs_n3 = offs_bn[:, None, :]
+    offs_d3 = offs_d[None, :, None]
+    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]
+    pid_g = (pid_d * BLOCK_D) // dims_per_group
 
+    u_ptr += pid_b * stride_u_b
+    delta_ptr += pid_b * stride_delta_b
+    dy_ptr += pid_b * stride_dy_b
+    if HAS_Z:
+        z_ptr += pid_b * stride_z_b
+    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
+    C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
+
+    A = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
+                other=0.0).to(tl.float32) * LOG2E
     bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_DELTA_BIAS:
         bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    dt, _ = _delta_tile(delta_ptr + pid_b * stride_delta_b + offs_d[:, None] * stride_delta_d
-                        + t[None, :] * stride_delta_l, bias[:, None], mask_dt, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-    u = tl.load(u_ptr + pid_b * stride_u_b + offs_d[:, None] * stride_u_d + t[None, :] * stride_u_l,
-                mask=mask_dt, other=0.0).to(tl.float32)
-    g = tl.load(dy_ptr + pid_b * stride_dy_b + offs_d[:, None] * stride_dy_d + t[None, :] * stride_dy_l,
-                mask=mask_dt, other=0.0).to(tl.float32)
-    if HAS_Z:
-        z = tl.load(z_ptr + pid_b * stride_z_b + offs_d[:, None] * stride_z_d + t[None, :] * stride_z_l,
-                    mask=mask_dt, other=0.0).to(tl.float32)
-        g *= silu(z, FAST_MATH=True)
-    dtu = dt * u
-    # The exclusive suffix sum is taken as (inclusive suffix - delta), not total - prefix:
-    # the latter cancels and costs |A| * eps * total in the exponent.
-    tail = tl.cumsum(dt, axis=1, reverse=True) - dt  # [BLOCK_D, CHUNK]
-    head = tl.cumsum(dt, axis=1)  # [BLOCK_D, CHUNK]
-    tl.store(total_ptr + (pid_b * n_chunks + pid_c) * dim + offs_d, tl.sum(dt, axis=1), mask=mask_d)
 
-    B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
-    C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
-    ws_ptrs = (pid_b * n_chunks + pid_c) * dim * N + offs_d * N
-    for n in range(N):
-        A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * LOG2E
-        Bn = tl.load(B_ptr + n * stride_B_n + t * stride_B_l, mask=mask_t, other=0.0).to(tl.float32)
-        Cn = tl.load(C_ptr + n * stride_C_n + t * stride_C_l, mask=mask_t, other=0.0).to(tl.float32)
-        h_end = tl.sum(tl.exp2(A2[:, None] * tail) * dtu * Bn[None, :], axis=1)
-        dh_prev = tl.sum(tl.exp2(A2[:, None] * head) * g * Cn[None, :], axis=1)
-        tl.store(hs_ptr + ws_ptrs + n, h_end, mask=mask_d)
-        tl.store(rs_ptr + ws_ptrs + n, dh_prev, mask=mask_d)
+    t_start = pid_c * CHUNK
+    t_end = tl.minimum(t_start + CHUNK, L)
+    h = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
+    acc = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
+    dt_sum = tl.zeros((BLOCK_D,), tl.float32)
+    is_first = (tl.arange(0, CHUNK_T) == 0)[:, None, None, None]
+    # One tile of loads ahead, as the forward on channel-innermost activations.
+    u, delta, z, Bt, Ct = _load_chunk(
+        u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr, offs_d, t_start + tl.arange(0, CHUNK_T), offs_bn,
+        mask_d, mask_bn, t_end, stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d,
+        stride_z_l, stride_B_n, stride_B_l, stride_C_n, stride_C_l, 0, HAS_Z, True, 0)
+    g = _load_rows(dy_ptr, t_start + tl.arange(0, CHUNK_T), offs_d, mask_d, t_end, stride_dy_d, stride_dy_l)
+    for t0 in range(t_start, t_end, CHUNK_T):
+        offs_t = t0 + tl.arange(0, CHUNK_T)
+        mask_t = offs_t < t_end
+        nxt = _load_chunk(
+            u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr, offs_d, offs_t + CHUNK_T, offs_bn,
+            mask_d, mask_bn, t_end, stride_u_d, stride_u_l, stride_delta_d, stride_delta_l, stride_z_d,
+            stride_z_l, stride_B_n, stride_B_l, stride_C_n, stride_C_l, 0, HAS_Z, True, 0)
+        g_nxt = _load_rows(dy_ptr, offs_t + CHUNK_T, offs_d, mask_d, t_end, stride_dy_d, stride_dy_l)
+
+        dt = delta.to(tl.float32) + bias[None, :]
+        if DELTA_SOFTPLUS:
+            dt = softplus(dt, FAST_MATH=True)
+        # Steps past the chunk (or L) are the identity (1, 0) and weigh nothing: dt = 0, g = 0.
+        dt = tl.where(mask_t[:, None], dt, 0.0)
+        gf = g.to(tl.float32)
+        if HAS_Z:
+            gf *= silu(z.to(tl.float32), FAST_MATH=True)
+        dt4, dtu4 = tl.split(tl.join(dt, dt * u.to(tl.float32))[:, None, :, None, :])
+        g4 = gf[:, None, :, None]
+        B4, C4 = tl.split(tl.join(Bt.to(tl.float32), Ct.to(tl.float32))[:, :, None, :, :])
+        a = tl.exp2(dt4 * A[None, :, :, :])
+        b = tl.where(is_first, a * h[None, :, :, :] + dtu4 * B4, dtu4 * B4)
+        decay, hs = tl.associative_scan((a, b), 0, linear_combine)
+        h = _last_step(hs, CHUNK_T)
+        # exp(A * P_t) = exp(A * (sum of the tiles before)) * (decay since the tile's start).
+        before = tl.exp2(A * dt_sum[None, :, None])
+        acc += before * tl.sum(decay * (g4 * C4), axis=0)
+        dt_sum += tl.sum(dt, axis=0)
+        u, delta, z, Bt, Ct = nxt
+        g = g_nxt
+
+    ws = ((pid_b * n_chunks + pid_c) * dim + offs_d3) * N + offs_n3
+    tl.store(hs_ptr + ws, h, mask=mask_dn)
+    tl.store(rs_ptr + ws, acc, mask=mask_dn)
+    tl.store(total_ptr + (pid_b * n_chunks + pid_c) * dim + offs_d, dt_sum, mask=mask_d)
+
+
+@triton.jit
+def _load_rows(ptr, offs_t, offs_d, mask_d, t_end, stride_d, stride_l):
+    """A [CHUNK_T, BLOCK_D] tile (zeros past ``t_end``), loaded as ``_load_chunk`` loads u."""
+    mask = (offs_t < t_end)[:, None] & mask_d[None, :]
+    return tl.load(ptr + offs_t[:, None] * stride_l + offs_d[None, :] * stride_d, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -935,10 +981,8 @@ class Tiles(NamedTuple):
     """Launch shape of the three kernels."""
 
     chunk: int  # time steps per chunk, a power of two; sets the workspaces' L/T
-    state_block_d: int  # channels per program in the chunk-state kernel
     block_d: int  # channels per loop step in the chunk kernel
     num_splits: int  # slices of each group's channels, one chunk-kernel program each
-    state_num_warps: int
     num_warps: int
     # Chunk-kernel loop order; the launcher picks "nblock" for large grids (choose_tiles).
     # "column": channels outer, one state column at a time inner, dB/dC summed over channels
@@ -986,13 +1030,15 @@ _NBLOCK_MIN_CELLS = 16
 
 def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.device, **overrides) -> Tiles:
     """Tiles for a problem shape; any field of ``Tiles`` may be given to override the choice."""
+    unknown = sorted(set(overrides) - set(Tiles._fields))
+    if unknown:
+        raise ValueError(f"selective_scan_bwd: unknown tiles {unknown}; the fields are {Tiles._fields}")
     dim_per_group = dim // G
     dpg = triton.next_power_of_2(dim_per_group)
     sms = _num_sms(device)
     chunk = overrides.get("chunk") or max(16, min(_CHUNK, triton.next_power_of_2(L)))
     if chunk < _STEPS or chunk & (chunk - 1):
         raise ValueError(f"selective_scan_bwd: tiles chunk must be a power of two >= {_STEPS}, got {chunk}")
-    state_bd = overrides.get("state_block_d") or max(1, min(_TILE // chunk, dpg))
     n_chunks = triton.cdiv(L, chunk)
     # H200 run 10 at dim 1536, N 16: "nblock" wins with 128 and 512 (chunk, batch, group)
     # cells (2.65 vs 3.44 ms at batch 8, L=2048 fp32), "column" with 16 (0.42 vs 0.56 ms at
@@ -1044,16 +1090,42 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     per_split = triton.cdiv(triton.cdiv(dim_per_group, splits), block_d) * block_d
     return Tiles(
         chunk=chunk,
-        state_block_d=state_bd,
         block_d=block_d,
         num_splits=triton.cdiv(dim_per_group, per_split),
-        state_num_warps=overrides.get("state_num_warps") or _warps_for(state_bd * chunk, 8),
         num_warps=num_warps,
         variant=variant,
         nb=nb,
         group_d=group_d,
         prefetch=prefetch,
     )
+
+
+class StateTiles(NamedTuple):
+    """Launch shape of the chunk-state kernel (the forward's tile, ``scan_fwd_config``)."""
+
+    block_d: int
+    chunk_t: int
+    n_per_thread: int
+    lanes_n: int
+    num_warps: int
+    max_registers: Optional[int]
+
+
+# Steps per thread in the chunk-state kernel at most. The forward's 16 (N <= 16) is 1.1-1.4x
+# slower here (H200 run 21, bench_chunk_state.py, batch 8 / 1, L=2048, N 16: bf16 L-major
+# 0.266 / 0.037 ms with 8 against 0.306 / 0.043 with 16; channel-innermost equal): the kernel
+# also carries C*g and the decays' sum, more live tiles per step than the forward's readout.
+_STATE_MAX_CHUNK_T = 8
+
+
+@functools.lru_cache(maxsize=1024)
+def _state_tiles(rows: int, dim: int, chunk: int, N: int, dim_per_group: int, sms: int) -> StateTiles:
+    """The forward's tile for ``rows`` = batch * chunks sequences of one chunk each."""
+    fc = scan_fwd_config(rows, dim, chunk, N, dim_per_group, sms)
+    block_n = triton.next_power_of_2(N)
+    lanes_n = min(fc.lanes_n, block_n)
+    return StateTiles(fc.block_d, min(fc.chunk_t, _STATE_MAX_CHUNK_T), max(1, block_n // lanes_n), lanes_n,
+                      fc.num_warps, fc.max_registers)
 
 
 def _prefetch_level(prefetch: Optional[int], u: torch.Tensor) -> int:
@@ -1113,13 +1185,10 @@ def _serial_tiles(dim_per_group: int, L: int, N: int, overrides: dict) -> Tiles:
                          f"(at most {_max_splits(dim_per_group)}: the partials must stay far below a "
                          f"(batch, dim, L, N) tensor); use variant 'column' or 'nblock'")
     num_warps = max(1, min(num_warps, block_d * lanes_n // 32))
-    state_bd = max(1, min(_TILE // chunk, triton.next_power_of_2(dim_per_group)))
     return Tiles(
         chunk=chunk,
-        state_block_d=overrides.get("state_block_d") or state_bd,
         block_d=block_d,
         num_splits=dim_per_group // block_d,
-        state_num_warps=overrides.get("state_num_warps") or _warps_for(state_bd * chunk, 8),
         num_warps=num_warps,
         variant="serial",
         steps=steps,
@@ -1245,14 +1314,15 @@ def selective_scan_bwd(
     def strides(x, n):
         return x.stride() if x is not None else (0,) * n
 
-    state_blocks = triton.cdiv(dim_per_group, cfg.state_block_d)
-    _chunk_state_kernel[(n_chunks, batch, G * state_blocks)](
+    st = _state_tiles(batch * n_chunks, dim, cfg.chunk, N, dim_per_group, _num_sms(u.device))
+    _chunk_state_kernel[(triton.cdiv(dim, st.block_d), batch, n_chunks)](
         u, delta, dy, z, A, B, C, delta_bias, hs, rs, total,
-        dim, L, N, n_chunks, dim_per_group, state_blocks,
+        dim, L, N, n_chunks, dim_per_group,
         *u.stride(), *delta.stride(), *dy.stride(), *strides(z, 3), *A.stride(), *B.stride(),
         *C.stride(),
         DELTA_SOFTPLUS=delta_softplus, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
-        BLOCK_D=cfg.state_block_d, CHUNK=cfg.chunk, num_warps=cfg.state_num_warps,
+        BLOCK_D=st.block_d, CHUNK_T=st.chunk_t, N_PER_THREAD=st.n_per_thread, LANES_N=st.lanes_n,
+        CHUNK=cfg.chunk, num_warps=st.num_warps, maxnreg=st.max_registers,
         **LAUNCH_OPTIONS,
     )
     _state_pass_kernel[(batch, triton.cdiv(dim * N, _PASS_BLOCK))](
