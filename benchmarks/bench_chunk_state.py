@@ -1,10 +1,13 @@
-"""The scan backward's chunk-state kernel on the H200, over tiles, and the whole backward.
+"""The scan backward's chunk-state kernel and state pass on the H200, over tiles, and the whole
+backward.
 
     python benchmarks/bench_chunk_state.py
 
 GPU time from CUDA-graph replay (``common.graph_ms``), batch 8 and 1, L=2048, dim 1536, N 16, on
 the L-major copies the "nblock" backward hands the kernel and on channel-innermost activations
-(what "serial" hands it). Every tile's outputs are checked against the default tile's. Writes
+(what "serial" hands it). Every tile's outputs are checked against the default tile's. The state
+pass is timed over ``ROWS`` (chunks whose loads it issues at once; 1 is a walk of one chunk per
+step, as before run 21). Writes
 ``$OUT/bench_chunk_state.md`` when OUT is set. Run 21 compared the closed-form kernel this one
 replaced (RESULTS.md, run 21).
 """
@@ -76,8 +79,33 @@ def main():
             ms = graph_ms(lambda: tb.selective_scan_bwd(dy, None, x["u"], x["delta"], x["A"], B4, C4, x["D"],
                                                         x["z"], x["delta_bias"], True, None))
             notes.append(f"{dname} batch {batch}: the whole backward (L-major inputs) {ms:.4f} ms")
+    pass_rows = []
+    for batch in (8, 1):
+        n_chunks = triton.cdiv(2048, tb.choose_tiles(batch, DIM, 2048, N, 1, torch.device("cuda")).chunk)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        A = -torch.rand(DIM, N, device="cuda", generator=g) - 0.1
+        total = torch.rand(batch, n_chunks, DIM, device="cuda", generator=g)
+        state = torch.randn(batch, DIM, N, device="cuda", generator=g)
+        ws = [torch.randn(batch, n_chunks, DIM, N, device="cuda", generator=g) for _ in range(2)]
+        outs = {}
+        for rows_ in (1, 4, 8, 16):
+            hs, rs, dinit = ws[0].clone(), ws[1].clone(), torch.empty_like(state)
+
+            def run(hs=hs, rs=rs, dinit=dinit, rows_=rows_):
+                tb._state_pass_kernel[(batch, triton.cdiv(DIM * N, tb._PASS_BLOCK))](
+                    A, total, state, state, hs, rs, dinit, DIM, N, n_chunks, *A.stride(), *state.stride(),
+                    *state.stride(), HAS_INIT=True, HAS_DLAST=True, BLOCK=tb._PASS_BLOCK, ROWS=rows_,
+                    num_warps=tb._PASS_BLOCK // 32, **LAUNCH_OPTIONS)
+            run()
+            outs[rows_] = (hs.clone(), rs.clone(), dinit.clone())
+            ms = graph_ms(run)  # in place: replays chain already-chained workspaces, same work
+            err = max(((o - r).norm() / r.norm()).item() for o, r in zip(outs[rows_], outs[1]))
+            gbs = 4 * ws[0].numel() * 4 / (ms * 1e-3) / 1e9
+            pass_rows.append([batch, n_chunks, rows_, f"{ms:.4f}", f"{gbs:.0f}", f"{err:.1e}"])
     text = markdown_table(["dtype", "batch", "layout", "", "tile (block_d, chunk_t, lanes_n, warps, cap)", "ms",
                            "max rel diff vs default"], rows)
+    text += "\n\nState pass (hs, rs fp32 read and written in place; GB/s on those bytes):\n\n" + markdown_table(
+        ["batch", "chunks", "ROWS", "ms", "GB/s", "max rel diff vs ROWS=1"], pass_rows)
     text += "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     print(text)
     write_out("bench_chunk_state.md", text)

@@ -199,15 +199,17 @@ def test_clones(fn, dropped):
 
 # --- through the backend: a hand-written Mamba core written in place ---------------------------
 
+def discretize(u, delta, A, B):
+    delta = F.softplus(delta)
+    return torch.exp(torch.einsum("bdl,dn->bdln", delta, A)), torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+
+
 def mamba_core_inplace(u, delta, A, B, C, D, z):
     """A selective scan whose state, skip and gate are all written in place."""
-    b, d, L = u.shape
-    delta = F.softplus(delta)
-    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
-    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    h = u.new_zeros(b, d, A.shape[1])
+    dA, dBu = discretize(u, delta, A, B)
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
     ys = []
-    for t in range(L):
+    for t in range(u.shape[2]):
         h *= dA[:, :, t]
         h += dBu[:, :, t]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
@@ -220,13 +222,10 @@ def mamba_core_inplace(u, delta, A, B, C, D, z):
 def mamba_core_reference(u, delta, A, B, C, D, z):
     """The same function out of place (eager cannot differentiate the in-place one: the readout
     saved h, which the next step overwrites)."""
-    b, d, L = u.shape
-    delta = F.softplus(delta)
-    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
-    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    h = u.new_zeros(b, d, A.shape[1])
+    dA, dBu = discretize(u, delta, A, B)
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
     ys = []
-    for t in range(L):
+    for t in range(u.shape[2]):
         h = dA[:, :, t] * h + dBu[:, :, t]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
     return (torch.stack(ys, -1) + u * D[:, None]) * F.silu(z)

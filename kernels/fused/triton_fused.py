@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, scan_fwd_config,
+from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, _state_tile, scan_fwd_config,
                                          selective_scan_fwd_launch)
 from ..layout import empty_activation
 from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
@@ -122,14 +122,8 @@ def _fused_scan_kernel(
     pid_d = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
 
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
-    mask_d = offs_d < dim
-    mask_bn = offs_bn < N
-    offs_n3 = offs_bn[:, None, :]
-    offs_d3 = offs_d[None, :, None]
-    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]
-    pid_g = (pid_d * BLOCK_D) // dims_per_group
+    offs_d, offs_bn, mask_d, mask_bn, offs_n3, offs_d3, mask_dn, pid_g = _state_tile(
+        pid_d, dim, N, dims_per_group, BLOCK_D, N_PER_THREAD, LANES_N)
 
     x_ptr += pid_b * stride_x_b
     delta_ptr += pid_b * stride_delta_b

@@ -48,7 +48,7 @@ from ..partials import sum_partials
 from ..restride import restride_into
 from ..triton_common import LAUNCH_OPTIONS, LOG2E, linear_combine, prefetch, sigmoid_approx, silu, softplus
 from .grads import ScanGrads
-from .triton_fwd import _last_step, _load_chunk, scan_fwd_config
+from .triton_fwd import _last_step, _load_chunk, _state_tile, scan_fwd_config
 
 
 # Kernels work on [BLOCK_D, CHUNK] tiles, one state column at a time.
@@ -61,8 +61,10 @@ _BLOCK_D = 1
 # Consecutive time steps per thread in the chunk kernel's tiles: the serial part of its scans,
 # and one 16 B vector of fp32 per load. Its scans are written out for exactly 4.
 _STEPS = 4
-# (channel, state) pairs per program of the state pass; it is a light, latency-bound walk.
+# (channel, state) pairs per program of the state pass, and the chunks whose loads it issues at
+# once.
 _PASS_BLOCK = 128
+_PASS_ROWS = 8
 # Resident warps per SM the chunk kernel's grid aims for: its n-loop is a chain of dependent
 # cross-lane scan steps, so throughput scales with the warps a scheduler can switch between
 # (at ~120 registers an SM holds 16 one-warp programs).
@@ -220,14 +222,8 @@ def _chunk_state_kernel(
     pid_d = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
     pid_c = tl.program_id(2)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
-    mask_d = offs_d < dim
-    mask_bn = offs_bn < N
-    offs_n3 = offs_bn[:, None, :]
-    offs_d3 = offs_d[None, :, None]
-    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]
-    pid_g = (pid_d * BLOCK_D) // dims_per_group
+    offs_d, offs_bn, mask_d, mask_bn, offs_n3, offs_d3, mask_dn, pid_g = _state_tile(
+        pid_d, dim, N, dims_per_group, BLOCK_D, N_PER_THREAD, LANES_N)
 
     u_ptr += pid_b * stride_u_b
     delta_ptr += pid_b * stride_delta_b
@@ -310,12 +306,19 @@ def _state_pass_kernel(
     stride_init_b, stride_init_d, stride_init_n,
     stride_dlast_b, stride_dlast_d, stride_dlast_n,
     # meta-parameters
-    HAS_INIT: tl.constexpr, HAS_DLAST: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_DLAST: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     """Chain the chunks, in place: hs[c] becomes h entering chunk c, rs[c] dL/dh at its end.
 
     Each program owns BLOCK (channel, state) pairs of one batch row and walks the chunks
-    forward (h) and backward (dL/dh) in the same loop: two independent dependency chains.
+    forward (h) and backward (dL/dh) ROWS chunks at a time: the loads of a block of chunks are
+    issued together, and the chain across them is a scan along the rows, inside each thread,
+    carried from block to block, instead of one dependent load round trip per chunk. Inside the
+    backward (batch 8, L=2048, H200 run 21, ``benchmarks/ab_state_pass.py``, interleaved) that
+    took the whole backward from 1.967 to 1.947 ms in bf16 and 2.186 to 2.165 in fp32. Alone,
+    with its 25 MB of workspaces left in L2 between replays, either form runs at 2-3.4 TB/s
+    (``bench_chunk_state.py``); the training profile's 0.12 ms a call for the one-chunk walk
+    is not explained by either.
     """
     pid_b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # flat (d, n)
@@ -333,16 +336,37 @@ def _state_pass_kernel(
                     mask=mask, other=0.0).to(tl.float32)
     else:
         r = tl.zeros([BLOCK], dtype=tl.float32)
-    ws_ptrs = pid_b * n_chunks * dim * N + offs
-    total_ptrs = total_ptr + pid_b * n_chunks * dim + offs_d
-    for c in range(n_chunks):
-        c_rev = n_chunks - 1 - c
-        h_local = tl.load(hs_ptr + ws_ptrs + c * dim * N, mask=mask)
-        r_local = tl.load(rs_ptr + ws_ptrs + c_rev * dim * N, mask=mask)
-        tl.store(hs_ptr + ws_ptrs + c * dim * N, h, mask=mask)
-        tl.store(rs_ptr + ws_ptrs + c_rev * dim * N, r, mask=mask)
-        h = tl.exp2(A2 * tl.load(total_ptrs + c * dim, mask=mask)) * h + h_local
-        r = tl.exp2(A2 * tl.load(total_ptrs + c_rev * dim, mask=mask)) * r + r_local
+    ws = pid_b * n_chunks * dim * N + offs
+    ws_ptrs = ws[None, :]
+    total_ptrs = total_ptr + pid_b * n_chunks * dim + offs_d[None, :]
+    rows = tl.arange(0, ROWS)[:, None]
+    for c0 in range(0, n_chunks, ROWS):
+        fwd = c0 + rows  # the h walk's chunks, in order
+        rev = n_chunks - 1 - fwd  # the dL/dh walk's
+        m = (fwd < n_chunks) & mask[None, :]
+        # Past the last chunk the steps are the identity (1, 0): a = exp2(0), local = 0.
+        h_local = tl.load(hs_ptr + ws_ptrs + fwd * dim * N, mask=m, other=0.0)
+        r_local = tl.load(rs_ptr + ws_ptrs + rev * dim * N, mask=m, other=0.0)
+        a_h = tl.exp2(A2[None, :] * tl.load(total_ptrs + fwd * dim, mask=m, other=0.0))
+        a_r = tl.exp2(A2[None, :] * tl.load(total_ptrs + rev * dim, mask=m, other=0.0))
+        # The carry enters the first row (b_0 <- a_0 * carry + b_0): the scanned b is then the
+        # value after each chunk of the block.
+        _, h_after = tl.associative_scan((a_h, tl.where(rows == 0, a_h * h[None, :] + h_local, h_local)),
+                                         0, linear_combine)
+        _, r_after = tl.associative_scan((a_r, tl.where(rows == 0, a_r * r[None, :] + r_local, r_local)),
+                                         0, linear_combine)
+        # Every thread has read its rows before any row is overwritten.
+        tl.debug_barrier()
+        # Row j's "after" is the value entering the next chunk of the walk; the block's last row
+        # is the carry into the next block, whose first chunk it would overwrite before the load.
+        inner = (rows < ROWS - 1) & (fwd + 1 < n_chunks) & mask[None, :]
+        tl.store(hs_ptr + ws_ptrs + (fwd + 1) * dim * N, h_after, mask=inner)
+        tl.store(rs_ptr + ws_ptrs + (rev - 1) * dim * N, r_after, mask=inner)
+        tl.store(hs_ptr + ws + c0 * dim * N, h, mask=mask)
+        tl.store(rs_ptr + ws + (n_chunks - 1 - c0) * dim * N, r, mask=mask)
+        is_last = rows == ROWS - 1
+        h = tl.sum(tl.where(is_last, h_after, -0.0), axis=0)
+        r = tl.sum(tl.where(is_last, r_after, -0.0), axis=0)
     if HAS_INIT:
         # What is left after chunk 0 is dL/dh_{-1}, the initial state's gradient.
         tl.store(dinit_ptr + pid_b * dim * N + offs, r, mask=mask)
@@ -1330,7 +1354,7 @@ def selective_scan_bwd(
         dim, N, n_chunks,
         *A.stride(), *strides(initial_state, 3), *strides(dlast_state, 3),
         HAS_INIT=initial_state is not None, HAS_DLAST=dlast_state is not None,
-        BLOCK=_PASS_BLOCK, num_warps=_PASS_BLOCK // 32,
+        BLOCK=_PASS_BLOCK, ROWS=_PASS_ROWS, num_warps=_PASS_BLOCK // 32,
         **LAUNCH_OPTIONS,
     )
     if cfg.variant == "column":

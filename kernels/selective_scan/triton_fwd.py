@@ -222,6 +222,22 @@ def _halve_lanes(part):
 
 
 @triton.jit
+def _state_tile(pid_d, dim, N, dims_per_group, BLOCK_D: tl.constexpr, N_PER_THREAD: tl.constexpr,
+                LANES_N: tl.constexpr):
+    """Indices of program ``pid_d``'s [N_PER_THREAD, BLOCK_D, LANES_N] state tile (state
+    n = i * LANES_N + j): channels and states with their masks, their 3-D broadcasts, and the
+    B/C group of the channel block (the heuristics keep a block inside one group)."""
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
+    mask_d = offs_d < dim
+    mask_bn = offs_bn < N
+    offs_n3 = offs_bn[:, None, :]  # [N_PER_THREAD, 1, LANES_N]
+    offs_d3 = offs_d[None, :, None]  # [1, BLOCK_D, 1]
+    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]  # [N_PER_THREAD, BLOCK_D, LANES_N]
+    return offs_d, offs_bn, mask_d, mask_bn, offs_n3, offs_d3, mask_dn, (pid_d * BLOCK_D) // dims_per_group
+
+
+@triton.jit
 def _load_chunk(
     u_ptr, delta_ptr, z_ptr, B_ptr, C_ptr,
     offs_d, offs_t, offs_bn, mask_d, mask_bn, t_end,
@@ -302,16 +318,8 @@ def _selective_scan_fwd_kernel(
     pid_b = tl.program_id(1).to(tl.int64)
     pid_s = tl.program_id(2)
 
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    # State index n = i * LANES_N + j for the [N_PER_THREAD, LANES_N] sub-tile.
-    offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
-    mask_d = offs_d < dim
-    mask_bn = offs_bn < N
-    offs_n3 = offs_bn[:, None, :]  # [N_PER_THREAD, 1, LANES_N]
-    offs_d3 = offs_d[None, :, None]  # [1, BLOCK_D, 1]
-    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]  # [N_PER_THREAD, BLOCK_D, LANES_N]
-    # The heuristic keeps a channel block inside one group, so one B/C tile serves it.
-    pid_g = (pid_d * BLOCK_D) // dims_per_group
+    offs_d, offs_bn, mask_d, mask_bn, offs_n3, offs_d3, mask_dn, pid_g = _state_tile(
+        pid_d, dim, N, dims_per_group, BLOCK_D, N_PER_THREAD, LANES_N)
 
     u_ptr += pid_b * stride_u_b
     delta_ptr += pid_b * stride_delta_b
