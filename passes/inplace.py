@@ -24,11 +24,12 @@ Writes to inputs, to views and through aliases stay as they are, and the matcher
 checks still see them.
 
 A ``clone`` that only guarded its source against such writes (``h = h.clone(); h.mul_(dA)``)
-guards nothing once they are gone: ``drop_unobserved_clones`` reads the source instead when no
+guards nothing once they are gone: ``_drop_unobserved_clones`` reads the source instead when no
 one can tell the two apart (below).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import operator
 from typing import Any
@@ -79,8 +80,18 @@ def _chains(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
     return chains
 
 
-def _chain(graph: torch.fx.Graph, root: torch.fx.Node, writes: list[torch.fx.Node],
-           regions: ContextRegions) -> str | None:
+def _by_storage(graph: torch.fx.Graph) -> dict[Any, list[torch.fx.Node]]:
+    """The tensor nodes of ``graph`` by the fake storage their values live in."""
+    index: dict[Any, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        s = storage_of(n)
+        if s is not None:
+            index.setdefault(s, []).append(n)
+    return index
+
+
+def _chain(root: torch.fx.Node, writes: list[torch.fx.Node], regions: ContextRegions,
+           by_storage: dict[Any, list[torch.fx.Node]]) -> str | None:
     """Why the writes to ``root`` cannot be written out of place, or None."""
     if root.op not in ("call_function", "call_method") or mutates(root) or not isinstance(val(root), torch.Tensor):
         return "its tensor is not computed in the graph"
@@ -88,9 +99,10 @@ def _chain(graph: torch.fx.Graph, root: torch.fx.Node, writes: list[torch.fx.Nod
     storages = [storage_of(n) for n in members]
     if any(st is None for st in storages):
         return "its memory is unknown"
-    for n in graph.nodes:
-        if n not in members and _among(storage_of(n), storages):
-            return f"{n.name} shares its memory (a view or an alias)"
+    for s in set(storages):
+        other = next((n for n in by_storage.get(s, ()) if n not in members), None)
+        if other is not None:
+            return f"{other.name} shares its memory (a view or an alias)"
     for n in members:
         for user in n.users:
             if user not in members and mutates(user):
@@ -103,19 +115,22 @@ def _chain(graph: torch.fx.Graph, root: torch.fx.Node, writes: list[torch.fx.Nod
     return None
 
 
-def functionalize_local_writes(gm: torch.fx.GraphModule) -> list[str]:
-    """Rewrite in place the in-place arithmetic on graph-allocated tensors; returns what changed."""
-    graph = gm.graph
+def _functionalize(graph: torch.fx.Graph) -> list[str]:
+    """Rewrite in place the in-place arithmetic on graph-allocated tensors; returns what changed.
+
+    The graph's order, storages and contexts are read once, so that a loop of L steps that each
+    update a fresh state in place (L chains) costs O(nodes), not O(L * nodes). A replacement
+    takes the place just before the write it replaces (order - 0.5)."""
     regions = ContextRegions(graph)
+    by_storage = _by_storage(graph)
+    order: dict[torch.fx.Node, float] = {n: i for i, n in enumerate(graph.nodes)}
     changes: list[str] = []
     for root, writes in _chains(graph).items():
-        refusal = _chain(graph, root, writes, regions)
+        refusal = _chain(root, writes, regions, by_storage)
         if refusal is not None:
             log.debug("ssm in-place writes to %s kept: %s", root.name, refusal)
             continue
-        nodes = [root, *writes]
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        members = set(nodes)
+        members = {root, *writes}
         # The value each position of the graph sees: the root, then each write's replacement.
         current = root
         replaced: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -127,6 +142,7 @@ def functionalize_local_writes(gm: torch.fx.GraphModule) -> list[str]:
                                         torch.fx.node.map_arg(w.args, lambda a: current if a in members else a),
                                         torch.fx.node.map_arg(w.kwargs, lambda a: current if a in members else a))
             new.meta = {k: v for k, v in w.meta.items() if k not in ("val", "example_value")}
+            order[new] = order[w] - 0.5
             try:
                 out = propagate_val(new)
             except Exception as e:  # noqa: BLE001 - fake propagation failing means: leave it as written
@@ -143,24 +159,20 @@ def functionalize_local_writes(gm: torch.fx.GraphModule) -> list[str]:
             for new in replaced.values():
                 graph.erase_node(new)
             continue
-        # Every other reader of the storage reads the latest write before it.
-        stamps = sorted((order[w], replaced[w]) for w in writes)
-        for n in nodes:
+        # Every other reader of the storage reads the latest write before it (writes are in
+        # graph order, so their places are sorted).
+        at = [order[w] for w in writes]
+        emitted = set(replaced.values())
+        for n in [root, *writes]:
             for user in list(n.users):
-                if user in members or user in replaced.values():
+                if user in members or user in emitted:
                     continue
-                seen = root
-                for at, new in stamps:
-                    if at < order[user]:
-                        seen = new
-                user.replace_input_with(n, seen)
+                k = bisect.bisect_left(at, order[user])
+                user.replace_input_with(n, replaced[writes[k - 1]] if k else root)
         for w in reversed(writes):
             w.replace_all_uses_with(replaced[w])
             graph.erase_node(w)
         changes.append(f"{len(writes)} in-place write(s) to {root.name} written out of place")
-    if changes:
-        graph.lint()
-        gm.recompile()
     return changes
 
 
@@ -186,7 +198,7 @@ def _is_arithmetic(node: torch.fx.Node) -> bool:
             or (node.op == "call_method" and node.target in _ARITHMETIC_METHODS))
 
 
-def drop_unobserved_clones(gm: torch.fx.GraphModule) -> list[str]:
+def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
     """Make the readers of ``c = x.clone()`` read ``x`` where that cannot change what they see.
 
     Sound when nothing writes x's memory after the clone (the copy's only purpose; a write to a
@@ -196,8 +208,9 @@ def drop_unobserved_clones(gm: torch.fx.GraphModule) -> list[str]:
     identity for both), and so are the strides: only a copy with x's own strides goes, so that no
     later ``view`` that worked on the copy's layout can fail on x's.
     """
-    graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    # (place, storages written) of every in-place write; None for a tensor of unknown memory.
+    writers = [(order[n], [storage_of(a) for a in _written(n)]) for n in graph.nodes if mutates(n)]
     changes: list[str] = []
     for node in list(graph.nodes):
         if not _is_clone(node) or not isinstance(node.args[0], torch.fx.Node):
@@ -210,17 +223,21 @@ def drop_unobserved_clones(gm: torch.fx.GraphModule) -> list[str]:
         readers = list(node.users)
         if not readers or not all(_is_arithmetic(u) and not _among(storage_of(u), (s_copy, s_src)) for u in readers):
             continue
-        written_later = any(
-            mutates(n) and order[n] > order[node]
-            and any(storage_of(a) is None or _among(storage_of(a), (s_src, s_copy)) for a in _written(n))
-            for n in graph.nodes)
-        if written_later:
+        if any(at > order[node] and any(w is None or _among(w, (s_src, s_copy)) for w in written)
+               for at, written in writers):
             continue
         for u in readers:
             u.replace_input_with(node, src)
         graph.erase_node(node)
         changes.append(f"{node.name} (a clone of {src.name} no one writes) read as {src.name}")
+    return changes
+
+
+def rewrite_local_writes(gm: torch.fx.GraphModule) -> list[str]:
+    """Both rewrites of this module on ``gm`` (writes, then the clones they leave unguarded);
+    returns what changed."""
+    changes = _functionalize(gm.graph) + _drop_unobserved_clones(gm.graph)
     if changes:
-        graph.lint()
+        gm.graph.lint()
         gm.recompile()
     return changes

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from .fx_utils import mutates
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
-from .inplace import drop_unobserved_clones, functionalize_local_writes
+from .inplace import rewrite_local_writes
 from .layout import output_layouts, settle_layouts
 
 log = logging.getLogger("ssm_compile")
@@ -183,7 +183,7 @@ class PassManager:
         # and updates in place (``h *= dA; h += dBu``) is as much a recurrence as ``h = dA*h + dBu``.
         # Only here, on dynamo's graph: the rewrites read who shares memory with whom from the
         # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
-        for change in functionalize_local_writes(gm) + drop_unobserved_clones(gm):
+        for change in rewrite_local_writes(gm):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:
             fn(gm, ctx)

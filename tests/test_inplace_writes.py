@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from utils import TOL, rel_err
 
-from ssm_compile.passes.inplace import drop_unobserved_clones, functionalize_local_writes
+from ssm_compile.passes.inplace import rewrite_local_writes
 from ssm_compile.report import explain
 
 
@@ -21,7 +21,7 @@ def capture(fn, *args):
     seen = {}
 
     def backend(gm, example_inputs):
-        seen["changes"] = functionalize_local_writes(gm) + drop_unobserved_clones(gm)
+        seen["changes"] = rewrite_local_writes(gm)
         seen["gm"] = gm
         return gm.forward
 
