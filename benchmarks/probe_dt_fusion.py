@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import graph_ms  # noqa: E402
 from ssm_compile.heuristic import compiled_stats  # noqa: E402
-from ssm_compile.kernels.selective_scan.triton_fwd import (_num_sms, scan_fwd_config,  # noqa: E402
-                                                           selective_scan_fwd_launch)
+from ssm_compile.kernels.selective_scan.triton_fwd import scan_fwd_config, selective_scan_fwd_launch  # noqa: E402
+from ssm_compile.kernels.triton_common import num_sms  # noqa: E402
 
 
 def main():
@@ -34,7 +34,7 @@ def main():
         A = -torch.rand(dim, N, device="cuda") - 0.5
         D, bias = torch.randn(dim, device="cuda"), torch.randn(dim, device="cuda") * 0.3 - 2
         delta = torch.nn.functional.linear(dt_low.transpose(1, 2), W).transpose(1, 2)
-        base = scan_fwd_config(batch, dim, L, N, dim, _num_sms(0), True, dtype != torch.float32)
+        base = scan_fwd_config(batch, dim, L, N, dim, num_sms(0), True, dtype != torch.float32)
 
         def scan(cfg=None, fused=False, proj=False):
             d = torch.nn.functional.linear(dt_low.transpose(1, 2), W).transpose(1, 2) if proj else delta

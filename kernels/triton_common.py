@@ -1,4 +1,5 @@
 """Triton device functions shared by the forward and backward kernels."""
+import functools
 import os
 
 import torch
@@ -17,6 +18,13 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", 
 # tested tolerances were all measured with it on, so they ask for it rather than inherit a
 # default. (The interpreter ignores compile options.)
 LAUNCH_OPTIONS = {"enable_fp_fusion": True}
+
+
+@functools.cache
+def num_sms(device_index) -> int:
+    """SMs of a CUDA device (its index; None: the current one), read once: the launchers ask on
+    every call."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit

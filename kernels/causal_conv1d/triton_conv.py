@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..layout import empty_activation
 from ..partials import sum_partials
-from ..triton_common import LAUNCH_OPTIONS
+from ..triton_common import LAUNCH_OPTIONS, num_sms
 from ..triton_common import silu as silu_fn
 from .cpu import ConvGrads
 
@@ -704,11 +704,6 @@ def _l_contig(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 or (x.stride(1) != 1 and x.shape[1] != 1)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _fwd_tile(dim: int) -> tuple:
     """(BLOCK_D, NC, num_warps) of the chunk-tile forward (L-contiguous x; dim-major x takes the
     row-streaming kernel, see ``_rows_plan``); see benchmarks/NOTES_conv1d.md."""
@@ -738,7 +733,7 @@ def _fwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
     # ran 32.4-32.8 us (73 % of copy bandwidth); 512-channel rows over 2 warps with 64 steps,
     # 38.3 us; segments of 128 or more steps 38-150 us. Many short segments keep many rows in
     # flight; a segment re-reads W-1 halo rows, < 5 % of its bytes at 64 steps.
-    sms = _num_sms(x.device.index) if x.is_cuda else 1
+    sms = num_sms(x.device.index) if x.is_cuda else 1
     return _rows_plan(batch, dim, seqlen, sms, longest=64, min_per_sm=4)
 
 
@@ -758,7 +753,7 @@ def _bwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
     # 101 us: unlike the forward, the backward gains from longer segments (each re-reads 2(W-1)
     # rows around it and writes a dweight partial). Segments shrink only below 2 programs per
     # SM; that threshold is the measured point's (384 programs), not a swept one.
-    sms = _num_sms(x.device.index) if x.is_cuda else 1
+    sms = num_sms(x.device.index) if x.is_cuda else 1
     return _rows_plan(batch, dim, seqlen, sms, longest=256, min_per_sm=2)
 
 
@@ -823,7 +818,7 @@ def causal_conv1d_bwd(
     # adds a (dim, W) partial to write and sum, about 1% of the bytes at 8 splits. On CPU (the
     # interpreter, in tests) one "SM" keeps several L-blocks per program, so small test shapes
     # exercise the loop over L.
-    sms = _num_sms(x.device.index) if x.is_cuda else 1
+    sms = num_sms(x.device.index) if x.is_cuda else 1
     n_split = min(n_lblocks, max(1, triton.cdiv(8 * sms, batch * n_dblocks)))
     blocks_per_program = triton.cdiv(n_lblocks, n_split)
     n_split = triton.cdiv(n_lblocks, blocks_per_program)

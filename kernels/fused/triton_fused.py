@@ -67,7 +67,7 @@ import triton.language as tl
 from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, _state_tile, scan_fwd_config,
                                          selective_scan_fwd_launch)
 from ..layout import empty_activation
-from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
+from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, num_sms, project_dt, silu, softplus
 
 
 
@@ -283,7 +283,7 @@ def fused_scan_fwd(
     dims_per_group = dim // G
     block_n = _next_pow2(N)
     if config is None:
-        n_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        n_sms = num_sms(x.device.index) if x.is_cuda else 132
         config = fused_config(batch, dim, L, N, dims_per_group, n_sms)
     R = dt_weight.shape[1] if dt_weight is not None else 0
     # The batch offset is int64 in the kernel; offsets within one batch row are int32.

@@ -46,7 +46,7 @@ import triton.language as tl
 from ..layout import dim_innermost
 from ..partials import sum_partials
 from ..restride import restride_into
-from ..triton_common import LAUNCH_OPTIONS, LOG2E, linear_combine, prefetch, sigmoid_approx, silu, softplus
+from ..triton_common import LAUNCH_OPTIONS, LOG2E, linear_combine, num_sms, prefetch, sigmoid_approx, silu, softplus
 from .grads import ScanGrads
 from .triton_fwd import _last_step, _load_chunk, _state_tile, scan_fwd_config
 
@@ -980,9 +980,7 @@ def _chunk_bwd_serial_kernel(
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
+    return num_sms(device.index) if device.type == "cuda" else 1
 
 
 def _check_inputs(dy, dlast_state, u, B, C, initial_state) -> None:

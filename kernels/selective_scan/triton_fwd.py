@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost, empty_activation
-from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, project_dt, silu, softplus
+from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, num_sms, project_dt, silu, softplus
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
 # scan_fwd_config): 65536 / (3 * 128) = 170.7, rounded down to ptxas's allocation granule of 8.
@@ -166,11 +166,6 @@ def scan_fwd_config(
         prefetch = 1 if channel_innermost and half_precision else 2
         max_registers = _OCCUPANCY_REGS_3X4
     return ScanFwdConfig(block_d, chunk_t, lanes_n, num_warps, n_segments, max_registers, prefetch)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit
@@ -578,7 +573,7 @@ def selective_scan_fwd_launch(
     G, N = B.shape[1], B.shape[2]
     dims_per_group = dim // G
     if config is None:
-        n_sms = _num_sms(u.device.index) if u.is_cuda else 132
+        n_sms = num_sms(u.device.index) if u.is_cuda else 132
         config = scan_fwd_config(batch, dim, L, N, dims_per_group, n_sms, dim_innermost(u),
                                  u.element_size() == 2)
     if config.prefetch not in (1, 2):
