@@ -32,7 +32,7 @@ for s in "$@"; do
         tests) STEP_TIMEOUT=${TESTS_TIMEOUT:-420} step tests python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan_triton_fwd.py \
                    tests/test_selective_scan_triton_bwd.py tests/test_fused.py tests/test_causal_conv1d.py \
                    tests/test_decode_ops.py tests/test_selective_scan_op.py tests/test_parity_devices.py \
-                   tests/test_generate_example.py tests/test_pass_logits.py -k "cuda or triton or Triton or gpu or fused" ;;
+                   tests/test_generate_example.py tests/test_pass_logits.py tests/test_x_dt_proj.py -k "cuda or triton or Triton or gpu or fused" ;;
         # Host time per op call with real launches, and cProfile's split of it by function.
         host) step host bash -c 'python3 benchmarks/host_overhead_ops.py --cuda --profile && python3 benchmarks/host_overhead_scan.py --cuda' ;;
         # Nsight Compute on the scan kernels at the headline shape: per kernel the details page
@@ -80,6 +80,12 @@ for s in "$@"; do
                          --start-at ${FUSION_START:-0} ;;
         generate) step generate python3 benchmarks/bench_generate.py --time-budget ${GEN_BUDGET:-330} \
                       --profile ${GEN_PROFILE:-ssm} ;;
+        # ssm.x_dt_proj's kernel against the two cuBLAS products, with a tile sweep at the 130m shape.
+        xdt) step xdt python3 benchmarks/bench_x_dt_proj.py ${XDT_ARGS:---sweep} ;;
+        xdttests) step xdttests python3 -m pytest -q -p no:cacheprovider tests/test_x_dt_proj.py ;;
+        # The end-to-end forward per backend option set, interleaved (PROBE_VARIANTS: names in the script).
+        e2eopts) step e2eopts python3 benchmarks/probe_e2e_options.py --len ${PROBE_LEN:-2048} --repeats ${PROBE_REPEATS:-3} \
+                      --variants ${PROBE_VARIANTS:-default} ;;
         *) echo "unknown step $s" ;;
     esac
 done

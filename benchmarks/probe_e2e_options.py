@@ -1,7 +1,7 @@
 """The 130m-shaped HF Mamba forward under backend="ssm" with CUDA graphs, once per set of backend
 options, to decide whether an option is worth making a default.
 
-    python benchmarks/probe_e2e_options.py [--len 2048] [--batch 8] [--repeats 3]
+    python benchmarks/probe_e2e_options.py [--len 2048] [--batch 8] [--repeats 3] [--variants NAME ...] [--train]
 
 Per variant: the forward's median time from CUDA-graph replay, the GPU kernels (and memsets) one
 forward launches with their summed GPU time (a profile of the same options without CUDA graphs),
@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import VOCAB, build  # noqa: E402
+from bench_e2e import VOCAB, build, train_step_ms  # noqa: E402
 from common import markdown_table, median_ms  # noqa: E402
 
 import ssm_compile  # noqa: E402
@@ -28,6 +28,8 @@ import ssm_compile  # noqa: E402
 # layer's -exp(A_log.float()), D.float(), ...) as one kernel, fewer launches per forward.
 VARIANTS = {
     "default": {},
+    # The two thin products (x_proj, dt_proj) as cuBLAS calls, as before ssm.x_dt_proj.
+    "no_x_dt_proj": {"disable": ("x_dt_proj",)},
     "combo_kernels": {"inductor_config": {"combo_kernels": True}},
     "combo_kernels, mixed sizes": {"inductor_config": {"combo_kernels": True, "combo_kernel_allow_mixed_sizes": 2}},
 }
@@ -49,17 +51,48 @@ def kernels_per_forward(model, ids, options) -> tuple[int, float]:
     return len(events), sum(e.device_time for e in events) / 1e3
 
 
+def train_rounds(args, variants):
+    """One AdamW step of the model in train mode per variant (no CUDA graphs, as bench_e2e's
+    training row), interleaved ``--repeats`` rounds; each variant trains its own copy."""
+    ids = torch.randint(0, VOCAB, (args.batch, args.len), device="cuda")
+    steps, times = {}, {name: [] for name in variants}
+    for name, options in variants.items():
+        torch._dynamo.reset()
+        net = build(True, torch.bfloat16).train()
+        step = train_step_ms(net, torch.compile(net, backend=ssm_compile.backend(**options)), ids)
+        step()
+        steps[name] = step
+        print(f"{name}: compiled", flush=True)
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            times[name].append(median_ms(step))
+    rows = [[name, f"{statistics.median(times[name]):.2f}", " ".join(f"{t:.2f}" for t in times[name])]
+            for name in variants]
+    table = markdown_table(["variant", "train step ms (median)", "rounds"], rows)
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "probe_e2e_options.md"), "a") as f:
+            f.write(f"training step, batch {args.batch}, L {args.len}, bf16, 130m-shaped HF Mamba\n\n{table}\n")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--train", action="store_true",
+                   help="time a training step (forward, backward, AdamW) per variant instead")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="which variants to run (the first is the reference for the logit difference)")
     args = p.parse_args()
+    variants = {name: VARIANTS[name] for name in args.variants}
+    if args.train:
+        return train_rounds(args, variants)
     model = build(True, torch.bfloat16).eval()
     ids = torch.randint(0, VOCAB, (args.batch, args.len), device="cuda")
-    compiled, outputs, times, counts = {}, {}, {name: [] for name in VARIANTS}, {}
+    compiled, outputs, times, counts = {}, {}, {name: [] for name in variants}, {}
     with torch.no_grad():
-        for name, options in VARIANTS.items():
+        for name, options in variants.items():
             counts[name] = kernels_per_forward(model, ids, options)
             torch._dynamo.reset()
             fn = torch.compile(model, backend=ssm_compile.backend(mode="reduce-overhead", **options))
@@ -76,10 +109,10 @@ def main():
         for _ in range(args.repeats):
             for name, run in compiled.items():
                 times[name].append(median_ms(run))
-    first = next(iter(VARIANTS))
+    first = next(iter(variants))
     rows = [[name, f"{statistics.median(times[name]):.3f}", " ".join(f"{t:.3f}" for t in times[name]),
              counts[name][0], f"{counts[name][1]:.3f}",
-             f"{(outputs[name] - outputs[first]).abs().max().item():.2e}"] for name in VARIANTS]
+             f"{(outputs[name] - outputs[first]).abs().max().item():.2e}"] for name in variants]
     table = markdown_table(["variant", "CUDA-graph ms (median)", "rounds", "kernels + memsets",
                             "their GPU ms", f"max |logits - {first}|"], rows)
     print(table)

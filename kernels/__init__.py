@@ -13,8 +13,10 @@ def register_ops() -> None:
     from .decode import op as decode_op
     from .fused import op as fused_op
     from .selective_scan import op as selective_scan_op
+    from .x_dt_proj import op as x_dt_proj_op
 
     selective_scan_op.register()
     causal_conv1d_op.register()
     decode_op.register()
     fused_op.register()
+    x_dt_proj_op.register()

@@ -138,6 +138,18 @@ def project_dt(dt_low, w_dt, PRECISION: tl.constexpr):
     return out.to(dt_low.dtype).to(tl.float32)
 
 
+@triton.jit
+def dot_acc(a, b, acc, PRECISION: tl.constexpr):
+    """``acc + a @ b`` on the tensor cores, fp32 accumulation (``PRECISION``: tl.dot's
+    input_precision, which only fp32 operands read). Under TRITON_INTERPRET=1 16-bit operands
+    are widened first, for the reason ``project_dt`` gives; the result is the same."""
+    if _INTERPRETED:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
+
+
 def dt_dot_meta(rank: int, dtype: torch.dtype) -> tuple[int, str]:
     """``(DT_RANK_PAD, DOT_PRECISION)`` for a fused dt projection of rank R in ``dtype``.
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 # scan where the heuristic says it pays; decode handles the single-step graphs; logits has the
 # LM head's matmul write its float32 logits itself (passes/logits.py; it changes rounding, so
 # it is the one pass a user may want off: disable=("logits",)).
-PASS_NAMES = ("conv1d", "scan_loop", "scan_assoc", "delta", "tail", "xproj", "fuse", "decode", "logits")
+PASS_NAMES = ("conv1d", "scan_loop", "scan_assoc", "delta", "tail", "xproj", "fuse", "x_dt_proj", "decode", "logits")
 
 # "auto": the heuristic (ssm_compile/heuristic.py) decides per call site among the levels the
 # H200 sweep found worth keeping; "split": keep each recognised piece its own op (also useful

@@ -39,7 +39,7 @@ def tiny_model(hidden=16, layers=1, state=4, rank=4, use_bias=False, use_conv_bi
 
 def expected_counts(layers, assoc):
     scan = "scan_assoc" if assoc else "scan_loop"
-    families = ("conv1d", scan, "discretization", "readout", "delta", "skip", "gate")
+    families = ("conv1d", scan, "discretization", "readout", "delta", "skip", "gate", "x_dt_proj")
     return {family: layers for family in families}
 
 
@@ -160,26 +160,24 @@ def test_snapshot_of_rewritten_mixer_loop():
 %causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%to_1, %squeeze_1, %arg_6, 'silu')  # float32[2, 32, 8]
 %to_2 = .to(%causal_conv1d_1, torch.float32)  # float32[2, 32, 8]
 %transpose_2 = .transpose(%to_2, 1, 2)  # float32[2, 8, 32]
-%linear_2 = torch._C._nn.linear(%transpose_2, %arg_7, None)  # float32[2, 8, 10]
-%split_1 = torch.functional.split(%linear_2, [2, 4, 4], dim=-1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
-%getitem_3 = operator.getitem(%split_1, 0)  # float32[2, 8, 2]
-%getitem_4 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
-%getitem_5 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
-%transpose_3 = .transpose(%getitem_3, 1, 2)  # float32[2, 2, 8]
+%x_dt_proj_1 = torch.ops.ssm.x_dt_proj.default(%transpose_2, %arg_7, %arg_8)  # (float32[2, 8, 10], float32[2, 8, 32])
+%getitem_3 = operator.getitem(%x_dt_proj_1, 0)  # float32[2, 8, 10]
+%getitem_4 = operator.getitem(%x_dt_proj_1, 1)  # float32[2, 8, 32]
+%split_1 = torch.functional.split(%getitem_3, [2, 4, 4], dim=-1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
+%getitem_5 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
+%getitem_6 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
 %float_2 = .float(%arg_9)  # float32[32]
 %float_3 = .float(%arg_10)  # float32[32]
 %to_3 = .to(%float_2, torch.float32)  # float32[32]
-%permute_1 = .permute(%getitem_5, (0, 2, 1))  # float32[2, 4, 8]
-%permute_2 = .permute(%getitem_4, (0, 2, 1))  # float32[2, 4, 8]
-%transpose_4 = .transpose(%transpose_3, -1, -2)  # float32[2, 8, 2]
-%linear_3 = torch._C._nn.linear(%transpose_4, %arg_8)  # float32[2, 8, 32]
-%transpose_5 = .transpose(%linear_3, -1, -2)  # float32[2, 32, 8]
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %transpose_5, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
-%getitem_6 = operator.getitem(%selective_scan_1, 0)  # float32[2, 32, 8]
-%transpose_6 = .transpose(%getitem_6, 1, 2)  # float32[2, 8, 32]
-%to_4 = .to(%transpose_6, torch.float32)  # float32[2, 8, 32]
-%linear_4 = torch._C._nn.linear(%to_4, %arg_11, %arg_12)  # float32[2, 8, 16]
-return (%linear_4,)
+%permute_1 = .permute(%getitem_6, (0, 2, 1))  # float32[2, 4, 8]
+%permute_2 = .permute(%getitem_5, (0, 2, 1))  # float32[2, 4, 8]
+%transpose_3 = .transpose(%getitem_4, -1, -2)  # float32[2, 32, 8]
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %transpose_3, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
+%getitem_7 = operator.getitem(%selective_scan_1, 0)  # float32[2, 32, 8]
+%transpose_4 = .transpose(%getitem_7, 1, 2)  # float32[2, 8, 32]
+%to_4 = .to(%transpose_4, torch.float32)  # float32[2, 8, 32]
+%linear_2 = torch._C._nn.linear(%to_4, %arg_11, %arg_12)  # float32[2, 8, 16]
+return (%linear_2,)
 """)
 
 

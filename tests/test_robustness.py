@@ -626,7 +626,7 @@ def test_two_configured_models_keep_their_own_options():
     # Each model's graphs went through its own configuration, also when called again after the other.
     families = [{r.family for r in g.rewrites} for g in first], [{r.family for r in g.rewrites} for g in second]
     assert families[1] == [{"conv1d"}]
-    assert families[0] == [{"conv1d", "scan_assoc", "discretization", "readout", "delta"}]
+    assert families[0] == [{"conv1d", "scan_assoc", "discretization", "readout", "delta", "x_dt_proj"}]
     assert first[0].options["passes"] != second[0].options["passes"]
 
 

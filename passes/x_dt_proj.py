@@ -1,0 +1,195 @@
+"""x_proj and dt_proj as one op, ``ssm::x_dt_proj`` (family ``x_dt_proj``).
+
+After the delta pass has moved dt_proj's bias and softplus into the scan, what is left of Δ is
+two thin products back to back::
+
+    x_dbl = F.linear(x, W_x)                          # (..., R + 2N)
+    dt_low, B, C = torch.split(x_dbl, [R, N, N], dim=-1)
+    delta = F.linear(dt_low, W_dt)                    # (..., dim), read by ssm.selective_scan
+
+(HF's ``W_dt @ dt_low.transpose(1, 2)`` reaches this pass in the same form: the delta pass
+writes it as the linear.) The pass replaces both products by one ``ssm.x_dt_proj(x, W_x, W_dt)``
+emitted where x_proj was; B and C keep their split of its first output. On CUDA that is one
+kernel instead of two cuBLAS calls, a memset and a copy of dt_low (``kernels/x_dt_proj``).
+
+Soundness: the op computes exactly the two linears (same rounding points), so the rewrite holds
+when
+- dt_proj's input is the first R columns of x_proj's output, through views that give back the
+  same tensor (a split's first piece, ``x_dbl[..., :R]``, ``x_dbl.narrow(-1, 0, R)``), and R is
+  W_dt's second dimension;
+- neither linear has a bias, and every tensor (x, both weights, both outputs) has one floating
+  dtype: no cast or autocast region changes a product's precision;
+- dt is now computed where x_proj ran, earlier than the user's code did, so nothing may write in
+  place to x_dbl (any view of it) or W_dt, W_dt must exist there, and both products must run
+  under one grad mode / autocast state with no functorch level between.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from .fx_utils import (context_refusal, is_call, is_method, layout_source, named_args, node_order,
+                       propagate_val, scan_args, scan_nodes, shape_of, val, written_in_place)
+from .manager import PassContext, PassManager
+
+FAMILY = "x_dt_proj"
+LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear)
+_SPLITS = (torch.split, torch.functional.split, torch.split_with_sizes)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class Site(NamedTuple):
+    x_proj: torch.fx.Node   # F.linear(x, W_x)
+    dt_proj: torch.fx.Node  # F.linear(dt_low, W_dt)
+    x: Any
+    x_weight: torch.fx.Node
+    dt_weight: torch.fx.Node
+    nodes: list[torch.fx.Node]  # from dt_low back to x_proj's output, for the record and checks
+
+
+def _linear(node: Any) -> Optional[tuple[Any, Any]]:
+    """``(input, weight)`` of a bias-free ``F.linear``, else None."""
+    if not is_call(node, *LINEAR_TARGETS):
+        return None
+    args = named_args(node, ("input", "weight", "bias"))
+    if args.get("bias") is not None or "input" not in args or "weight" not in args:
+        return None
+    return args["input"], args["weight"]
+
+
+def _last_axis(axis: Any, node: torch.fx.Node) -> bool:
+    shape = shape_of(node)
+    return isinstance(axis, int) and shape is not None and axis % len(shape) == len(shape) - 1
+
+
+def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
+    """``(x_dbl, R)`` when ``node`` is x_dbl's first R columns (last axis), else None."""
+    if is_call(node, operator.getitem) and node.args[1] == 0 and (
+            is_call(node.args[0], *_SPLITS) or is_method(node.args[0], "split", "split_with_sizes")):
+        split = node.args[0]
+        args = named_args(split, ("tensor", "split_size_or_sections", "dim") if split.op == "call_function"
+                          else ("self", "split_size", "dim"))
+        source = split.args[0]
+        sizes = split.args[1] if len(split.args) > 1 else None
+        axis = args.get("dim", 0)
+        if not isinstance(source, torch.fx.Node) or not _last_axis(axis, source):
+            return None
+        first = sizes[0] if isinstance(sizes, (list, tuple)) and sizes else sizes
+        return (source, first) if isinstance(first, int) and not isinstance(first, bool) else None
+    if is_method(node, "narrow") or is_call(node, torch.narrow):
+        source, axis, start, length = (list(node.args) + [None] * 4)[:4]
+        if isinstance(source, torch.fx.Node) and _last_axis(axis, source) and start == 0 and isinstance(length, int):
+            return source, length
+        return None
+    if is_call(node, operator.getitem) and isinstance(node.args[0], torch.fx.Node):
+        source, index = node.args
+        items = list(index) if isinstance(index, tuple) else [index]
+        ndim = len(shape_of(source) or ())
+        if Ellipsis in items:
+            at = items.index(Ellipsis)
+            items = items[:at] + [slice(None)] * (ndim - len(items) + 1) + items[at + 1:]
+        if len(items) != ndim or ndim == 0 or any(i != slice(None) for i in items[:-1]):
+            return None
+        last = items[-1]
+        if isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1) and isinstance(last.stop, int):
+            return source, last.stop
+    return None
+
+
+def match(scan: torch.fx.Node) -> Site | str | None:
+    """The site if the scan's Δ is dt_proj of x_proj's first R columns and the rewrite is sound;
+    a near-miss reason; or None (Δ is not such a product: nothing to say)."""
+    delta = scan_args(scan)["delta"]
+    if not isinstance(delta, torch.fx.Node):
+        return None
+    dt_proj = layout_source(delta, allow_casts=False).base
+    dt_args = _linear(dt_proj)
+    if dt_args is None:
+        return None
+    low, dt_weight = dt_args
+    if not isinstance(low, torch.fx.Node) or not isinstance(dt_weight, torch.fx.Node):
+        return None
+    top = layout_source(low, allow_casts=False)
+    if top.perm != tuple(range(len(top.perm))):
+        return None
+    columns = _leading_columns(top.base)
+    if columns is None:
+        return None
+    x_dbl, rank = columns
+    x_args = _linear(x_dbl)
+    if x_args is None:
+        return None
+    x, x_weight = x_args
+    tensors = [x, x_weight, x_dbl, low, dt_weight, dt_proj]
+    values = [val(t) if isinstance(t, torch.fx.Node) else None for t in tensors]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return "an input of x_proj/dt_proj has no fake value"
+    wx, wdt = values[1], values[4]
+    if wx.dim() != 2 or wdt.dim() != 2 or wdt.shape[1] != rank or not rank < wx.shape[0]:
+        return None
+    dtypes = {v.dtype for v in values}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOATS:
+        return (f"x_proj/dt_proj mix dtypes ({', '.join(sorted(str(d) for d in dtypes))}): a cast or an "
+                "autocast region sets a product's precision, which the op would not reproduce")
+    nodes = [x_dbl, top.base, *_between(low, top.base)]
+    refusal = context_refusal(scan.graph, [x_dbl, *nodes, dt_proj], anchor=x_dbl)
+    if refusal is not None:
+        return refusal
+    order = node_order(scan.graph)
+    if order[dt_weight] > order[x_dbl]:
+        return "dt_proj's weight is computed after x_proj: dt cannot be computed where x_proj runs"
+    writer = written_in_place(scan.graph, [x_dbl, dt_weight])
+    if writer is not None:
+        return (f"{writer.name} writes in place to x_proj's output or dt_proj's weight: dt, computed "
+                "where x_proj runs, would read them at another point than the user's code did")
+    return Site(x_dbl, dt_proj, x, x_weight, dt_weight, nodes)
+
+
+def _between(node: torch.fx.Node, stop: torch.fx.Node) -> list[torch.fx.Node]:
+    """The view nodes from ``node`` back to (not including) ``stop``."""
+    chain = []
+    while node is not stop:
+        chain.append(node)
+        node = node.args[0]
+    return chain
+
+
+def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node, site: Site) -> None:
+    graph = gm.graph
+    with graph.inserting_before(site.x_proj):
+        op = graph.call_function(torch.ops.ssm.x_dt_proj.default, (site.x, site.x_weight, site.dt_weight))
+        propagate_val(op)
+        x_dbl = graph.call_function(operator.getitem, (op, 0))
+        propagate_val(x_dbl)
+        dt = graph.call_function(operator.getitem, (op, 1))
+        propagate_val(dt)
+    site.dt_proj.replace_all_uses_with(dt)
+    site.x_proj.replace_all_uses_with(x_dbl)
+    graph.erase_node(site.dt_proj)
+    graph.erase_node(site.x_proj)
+    wx, wdt = val(site.x_weight), val(site.dt_weight)
+    ctx.rewrite(FAMILY, "linear(x_dbl[..., :R], W_dt) of x_dbl = linear(x, W_x)",
+                [site.x_proj, *site.nodes[1:], site.dt_proj], "ssm.x_dt_proj.default",
+                {"R": wdt.shape[1], "x_dbl_cols": wx.shape[0], "dim": wdt.shape[0]})
+
+
+def x_dt_proj_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    from ssm_compile.kernels.x_dt_proj.op import register
+
+    for scan in scan_nodes(gm.graph):
+        site = match(scan)
+        if site is None:
+            continue
+        if isinstance(site, str):
+            ctx.miss(FAMILY, site, [scan])
+            continue
+        register()
+        _rewrite(gm, ctx, scan, site)
+
+
+def register(pm: PassManager) -> None:
+    pm.add(FAMILY, x_dt_proj_pass)

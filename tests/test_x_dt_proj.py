@@ -1,0 +1,297 @@
+"""``ssm::x_dt_proj`` (x_proj and dt_proj as one op) and the pass that emits it.
+
+The kernel runs under TRITON_INTERPRET=1 on CPU tensors here (on the GPU when there is one);
+every value is checked against an fp64 reference that rounds where eager rounds (x_dbl to the
+input dtype before dt_proj reads it), or against eager itself.
+"""
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from utils import TOL, TRITON_DEVICE, MinimalMambaBlock, PassCapture, perturbed, rel_err
+
+from ssm_compile.kernels.x_dt_proj import triton_x_dt_proj
+from ssm_compile.kernels.x_dt_proj.reference import x_dt_proj_ref as reference
+from ssm_compile.passes import conv1d, delta, discretize, readout, scan_assoc, scan_loop, tail, x_dt_proj  # noqa: F401
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ops():
+    from ssm_compile.kernels import register_ops
+
+    register_ops()
+
+
+def make(lead, K, R, N, dim, dtype, layout="rows", seed=0, device="cpu"):
+    """Random x (..., K) in the given layout, and weights at the scale of a model's."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "rows":
+        x = torch.randn(*lead, K, generator=g)
+    else:  # "lmajor": the (batch, K, L) transposed, as an L-major conv output reaches x_proj
+        x = torch.randn(lead[0], K, *lead[1:], generator=g).transpose(1, -1)
+    wx = torch.randn(R + 2 * N, K, generator=g) / K ** 0.5
+    wdt = torch.randn(dim, R, generator=g) / R ** 0.5
+    return tuple(t.to(dtype).to(device) for t in (x, wx, wdt))
+
+
+# (leading dims, K, R, N, dim, layout, tiles): ragged row counts against BLOCK_M, R and 2N that
+# are not powers of two (or below tl.dot's 16), dim not a multiple of BLOCK_D, the widest R the op launches the kernel for.
+KERNEL_CASES = {
+    "rows": ((2, 37), 96, 6, 8, 96, "rows", None),
+    "lmajor": ((2, 37), 96, 6, 8, 96, "lmajor", None),
+    "2d": ((75,), 64, 5, 4, 40, "rows", None),
+    "4d": ((2, 3, 11), 32, 3, 2, 24, "rows", None),
+    "R48": ((1, 130), 64, 48, 16, 200, "rows", triton_x_dt_proj.Tiles(32, 32, 64, 4, 3)),
+    "R64": ((1, 40), 64, 64, 16, 72, "lmajor", triton_x_dt_proj.Tiles(32, 32, 64, 4, 2)),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_matches_fp64(case, dtype):
+    lead, K, R, N, dim, layout, tiles = KERNEL_CASES[case]
+    x, wx, wdt = make(lead, K, R, N, dim, DTYPES[dtype], layout, device=TRITON_DEVICE)
+    tiles = tiles or triton_x_dt_proj.Tiles(block_m=32, block_k=32, block_d=32, num_stages=2)
+    x_dbl, dt = triton_x_dt_proj.x_dt_proj_fwd(x, wx, wdt, tiles)
+    ref_x_dbl, ref_dt = reference(x.cpu(), wx.cpu(), wdt.cpu())
+    assert x_dbl.shape == ref_x_dbl.shape and dt.shape == ref_dt.shape
+    assert x_dbl.is_contiguous() and dt.is_contiguous() and x_dbl.dtype == dt.dtype == x.dtype
+    # One rounding of each output to the dtype on top of fp32 sums: the dtype's own tolerance.
+    assert rel_err(x_dbl.cpu(), ref_x_dbl) < TOL[DTYPES[dtype]]
+    assert rel_err(dt.cpu(), ref_dt) < TOL[DTYPES[dtype]]
+
+
+def test_kernel_default_tiles_match_eager():
+    # The tiles the op launches with, on a row count above the op's threshold for the kernel.
+    x, wx, wdt = make((2, 8200), 64, 6, 8, 64, torch.bfloat16, "lmajor", device=TRITON_DEVICE)
+    assert triton_x_dt_proj.supported(x, wx, wdt) == (TRITON_DEVICE == "cuda")
+    x_dbl, dt = triton_x_dt_proj.x_dt_proj_fwd(x, wx, wdt)
+    ref_x_dbl, ref_dt = reference(x.cpu(), wx.cpu(), wdt.cpu())
+    assert rel_err(x_dbl.cpu(), ref_x_dbl) < TOL[torch.bfloat16]
+    assert rel_err(dt.cpu(), ref_dt) < TOL[torch.bfloat16]
+
+
+def test_op_is_the_two_linears():
+    x, wx, wdt = make((2, 9), 32, 4, 3, 20, torch.float32, "lmajor")
+    x_dbl, dt = torch.ops.ssm.x_dt_proj(x, wx, wdt)
+    ref = F.linear(x, wx)
+    assert torch.equal(x_dbl, ref)
+    assert torch.equal(dt, F.linear(ref[..., :4], wdt))
+
+
+def test_supported_by_shape():
+    x, wx, wdt = make((1, 8), 32, 4, 3, 20, torch.float32)
+    assert not triton_x_dt_proj.supported(x, wx, wdt)  # too few rows for the kernel to pay
+    big = torch.empty(1, triton_x_dt_proj.MIN_ROWS, 32)
+    wide = torch.empty(200, 32)  # R = 160 (Mamba-2.8b): past the kernel's register tiles
+    assert not triton_x_dt_proj.supported(big, wide, torch.empty(20, 160))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: test_kernel_*)")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_op_forward_backward(dtype):
+    x, wx, wdt = make((2, 8192), 256, 16, 16, 512, DTYPES[dtype], "lmajor", device="cuda")
+    assert triton_x_dt_proj.supported(x, wx, wdt)
+    leaves = [t.detach().requires_grad_() for t in (x, wx, wdt)]
+    x_dbl, dt = torch.ops.ssm.x_dt_proj(*leaves)
+    g1, g2 = torch.randn_like(x_dbl), torch.randn_like(dt)
+    grads = torch.autograd.grad([x_dbl, dt], leaves, [g1, g2])
+    refs = [t.detach().cpu().double().requires_grad_() for t in (x, wx, wdt)]
+    r1 = F.linear(refs[0], refs[1])
+    r2 = F.linear(r1[..., :16], refs[2])
+    ref_grads = torch.autograd.grad([r1, r2], refs, [g1.cpu().double(), g2.cpu().double()])
+    assert rel_err(x_dbl.cpu(), r1) < TOL[DTYPES[dtype]]
+    assert rel_err(dt.cpu(), reference(x.cpu(), wx.cpu(), wdt.cpu())[1]) < TOL[DTYPES[dtype]]
+    for got, ref in zip(grads, ref_grads):
+        assert rel_err(got.cpu(), ref) < 4 * TOL[DTYPES[dtype]]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_opcheck(dtype):
+    x, wx, wdt = make((2, 9), 32, 4, 3, 20, DTYPES[dtype], "lmajor")
+    args = tuple(t.requires_grad_() for t in (x, wx, wdt))
+    torch.library.opcheck(torch.ops.ssm.x_dt_proj.default, args)
+
+
+def test_gradcheck_fp64():
+    args = tuple(t.requires_grad_() for t in make((2, 5), 8, 3, 2, 6, torch.float64, "lmajor"))
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.ssm.x_dt_proj(*a), args)
+    # One output differentiated alone: the other's gradient arrives as None.
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.ssm.x_dt_proj(*a)[1], args)
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.ssm.x_dt_proj(*a)[0], args)
+
+
+def _bad(**changes):
+    x, wx, wdt = make((2, 9), 32, 4, 3, 20, torch.float32)
+    return {**dict(x=x, x_weight=wx, dt_weight=wdt), **changes}
+
+
+BAD_INPUTS = {
+    "x-1d": (_bad(x=torch.randn(32)), ValueError, r"^x: expected a non-empty"),
+    "x-empty": (_bad(x=torch.randn(0, 32)), ValueError, r"^x: expected a non-empty"),
+    "x-int": (_bad(x=torch.ones(2, 9, 32, dtype=torch.int32)), TypeError, r"^x: expected dtype"),
+    "x_weight-K": (_bad(x_weight=torch.randn(10, 31)), ValueError, r"^x_weight: expected shape \(R \+ 2N, K=32\)"),
+    "dt_weight-R": (_bad(dt_weight=torch.randn(20, 10)), ValueError, r"^dt_weight: expected shape \(dim, R\)"),
+    "dt_weight-dtype": (_bad(dt_weight=torch.randn(20, 4, dtype=torch.float64)), TypeError, r"^dt_weight: expected x's dtype"),
+    "x_weight-device": (_bad(x_weight=torch.randn(10, 32, device="meta")), ValueError, r"^x_weight: expected x's device"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_inputs_name_the_argument(name):
+    inputs, error, match = BAD_INPUTS[name]
+    with pytest.raises(error, match=match):
+        torch.ops.ssm.x_dt_proj(**inputs)
+
+
+def test_forward_ad_is_refused():
+    import torch.autograd.forward_ad as fwAD
+
+    x, wx, wdt = make((2, 9), 32, 4, 3, 20, torch.float64)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
+        torch.ops.ssm.x_dt_proj(fwAD.make_dual(x, torch.randn_like(x)), wx, wdt)
+
+
+# --- the pass -----------------------------------------------------------------------------------
+
+def _compiled(model, *args):
+    cap = PassCapture(conv1d, scan_loop, scan_assoc, delta, tail, x_dt_proj)
+    out = torch.compile(model, backend=cap, fullgraph=True)(*args)
+    return cap, out
+
+
+def _x_dt_ops(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.ssm.x_dt_proj.default]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_hf_mamba_is_rewritten_and_trains_like_eager(dtype):
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+                      conv_kernel=4, time_step_rank=3)
+    model = perturbed(MambaForCausalLM(cfg)).to(DTYPES[dtype])
+    ids = torch.randint(0, 64, (2, 12))
+    ref = model(ids, use_cache=False).logits
+    ref_grads = torch.autograd.grad(ref.float().square().mean(), list(model.parameters()))
+    torch._dynamo.reset()
+    cap = PassCapture(conv1d, scan_loop, scan_assoc, delta, tail, x_dt_proj)
+    out = torch.compile(model, backend=cap)(ids, use_cache=False).logits
+    assert len(_x_dt_ops(cap.gm)) == 2
+    assert [r.family for r in cap.ctx.rewrites].count("x_dt_proj") == 2
+    assert rel_err(out, ref.double()) < TOL[DTYPES[dtype]]
+    grads = torch.autograd.grad(out.float().square().mean(), list(model.parameters()))
+    for (name, _), got, want in zip(model.named_parameters(), grads, ref_grads):
+        assert rel_err(got, want.double()) < 4 * TOL[DTYPES[dtype]], name
+
+
+def test_minimal_block_is_rewritten():
+    torch.manual_seed(0)
+    block = perturbed(MinimalMambaBlock())
+    x = torch.randn(2, 10, 16)
+    cap, out = _compiled(block, x)
+    assert len(_x_dt_ops(cap.gm)) == 1
+    assert rel_err(out, block(x).double()) < TOL[torch.float32]
+
+
+class XDt(nn.Module):
+    """x_proj -> split -> dt_proj -> softplus -> scan, with the variations the near-misses need."""
+
+    def __init__(self, variant, dim=8, R=3, N=4):
+        super().__init__()
+        self.variant, self.R, self.N = variant, R, N
+        self.x_proj = nn.Linear(dim, R + 2 * N, bias=variant == "x_proj_bias")
+        # "written": without a bias, so that the delta pass (which would recompute a biased
+        # dt_proj at the scan) leaves the product where it is and this pass meets the write.
+        self.dt_proj = nn.Linear(R, dim, bias=variant != "written")
+        self.A = nn.Parameter(-torch.rand(dim, N) - 0.5)
+
+    def forward(self, x):  # x: (batch, L, dim)
+        from ssm_compile.kernels.selective_scan.op import selective_scan_fn
+
+        x_dbl = self.x_proj(x)
+        R, N = self.R, self.N
+        if self.variant == "middle_columns":  # dt from columns N..N+R: not x_dbl's first R
+            B, dt, C = x_dbl.split([N, R, N], dim=-1)
+        elif self.variant == "slice":
+            dt, B, C = x_dbl[..., :R], x_dbl[..., R:R + N], x_dbl[..., R + N:]
+        else:
+            dt, B, C = x_dbl.split([R, N, N], dim=-1)
+        if self.variant == "written":  # x_dbl written in place after dt_proj read it
+            dt_pre = self.dt_proj(dt)
+            x_dbl.mul_(2)
+        elif self.variant == "cast":  # dt_proj reads a rounded copy: another precision
+            dt_pre = F.linear(dt.to(torch.bfloat16), self.dt_proj.weight.to(torch.bfloat16)).float()
+        else:
+            dt_pre = self.dt_proj(dt)
+        delta = F.softplus(dt_pre)
+        y = selective_scan_fn(x.transpose(1, 2), delta.transpose(1, 2), self.A, B.transpose(1, 2),
+                              C.transpose(1, 2))
+        return y, x_dbl
+
+
+@pytest.mark.parametrize("variant", ["split", "slice"])
+def test_forms_are_rewritten(variant):
+    torch.manual_seed(0)
+    model = XDt(variant)
+    x = torch.randn(2, 7, 8)
+    cap, (y, x_dbl) = _compiled(model, x)
+    ref_y, ref_x_dbl = model(x)
+    assert len(_x_dt_ops(cap.gm)) == 1
+    assert torch.equal(x_dbl, ref_x_dbl)  # x_dbl, also a graph output, is the op's first output
+    assert rel_err(y, ref_y.double()) < TOL[torch.float32]
+
+
+NEAR_MISSES = {
+    # variant: the miss reason's start (None: not an x_dt_proj site at all, nothing to report)
+    "middle_columns": None,
+    "x_proj_bias": None,
+    "written": "mul_",
+    "cast": None,
+}
+
+
+@pytest.mark.parametrize("variant", list(NEAR_MISSES))
+def test_near_misses_are_left_alone(variant):
+    torch.manual_seed(0)
+    model = XDt(variant)
+    x = torch.randn(2, 7, 8)
+    # no_grad: autograd forbids the in-place write to a split's base when grads are recorded.
+    with torch.no_grad():
+        cap, (y, x_dbl) = _compiled(model, x)
+        torch._dynamo.reset()
+        ref_y, ref_x_dbl = model(x)
+    assert not _x_dt_ops(cap.gm)
+    misses = [m.reason for m in cap.ctx.misses if m.family == "x_dt_proj"]
+    if NEAR_MISSES[variant] is None:
+        assert not misses
+    else:
+        assert misses and misses[0].startswith(NEAR_MISSES[variant]), misses
+    assert torch.equal(x_dbl, ref_x_dbl)
+    # "cast" runs dt_proj in bf16: the scan's other folds may round differently from eager there.
+    assert rel_err(y, ref_y.double()) < TOL[torch.bfloat16 if variant == "cast" else torch.float32]
+
+
+def test_mixed_dtypes_are_a_near_miss():
+    # dt_proj's weight in fp32 and x_proj's in bf16: eager's dt_proj promotes nothing (F.linear
+    # refuses mixed dtypes), so the user casts; a cast between them is not an x_dt_proj site,
+    # while an autocast region that changes a product's dtype is reported.
+    torch.manual_seed(0)
+    model = XDt("split")
+    x = torch.randn(2, 7, 8)
+
+    def under_autocast(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    cap, (y, _) = _compiled(under_autocast, x)
+    assert not _x_dt_ops(cap.gm)
+    misses = [m.reason for m in cap.ctx.misses if m.family == "x_dt_proj"]
+    assert misses and "mix dtypes" in misses[0], misses
+    torch._dynamo.reset()
+    assert rel_err(y, under_autocast(x)[0].double()) < TOL[torch.bfloat16]
