@@ -39,7 +39,8 @@ from .manager import PassContext, PassManager
 FAMILY = "x_dt_proj"
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear)
 _SPLITS = (torch.split, torch.functional.split, torch.split_with_sizes)
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The op's dtypes on every device (fp64 only on CPU, for gradcheck: not worth a rewrite).
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Site(NamedTuple):
@@ -129,10 +130,13 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     if not all(isinstance(v, torch.Tensor) for v in values):
         return "an input of x_proj/dt_proj has no fake value"
     wx, wdt = values[1], values[4]
-    if wx.dim() != 2 or wdt.dim() != 2 or wdt.shape[1] != rank or not rank < wx.shape[0]:
+    if (values[0].dim() < 2 or wx.dim() != 2 or wdt.dim() != 2 or wdt.shape[1] != rank
+            or not rank < wx.shape[0]):
         return None
     dtypes = {v.dtype for v in values}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOATS:
+    if len(dtypes) == 1 and next(iter(dtypes)) not in _FLOATS:
+        return None
+    if len(dtypes) != 1:
         return (f"x_proj/dt_proj mix dtypes ({', '.join(sorted(str(d) for d in dtypes))}): a cast or an "
                 "autocast region sets a product's precision, which the op would not reproduce")
     nodes = [x_dbl, top.base, *_between(low, top.base)]

@@ -277,6 +277,18 @@ def test_near_misses_are_left_alone(variant):
     assert rel_err(y, ref_y.double()) < TOL[torch.bfloat16 if variant == "cast" else torch.float32]
 
 
+def test_fp64_is_not_a_site():
+    # The op takes fp64 on CPU only (for gradcheck): an fp64 model is not rewritten, and that is
+    # not a near-miss worth reporting.
+    torch.manual_seed(0)
+    model = XDt("split").double()
+    x = torch.randn(2, 7, 8, dtype=torch.float64)
+    cap, (y, _) = _compiled(model, x)
+    assert not _x_dt_ops(cap.gm) and not [m for m in cap.ctx.misses if m.family == "x_dt_proj"]
+    torch._dynamo.reset()
+    assert rel_err(y, model(x)[0]) < TOL[torch.float64]
+
+
 def test_mixed_dtypes_are_a_near_miss():
     # dt_proj's weight in fp32 and x_proj's in bf16: eager's dt_proj promotes nothing (F.linear
     # refuses mixed dtypes), so the user casts; a cast between them is not an x_dt_proj site,
