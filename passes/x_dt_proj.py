@@ -178,7 +178,22 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node, si
     wx, wdt = val(site.x_weight), val(site.dt_weight)
     ctx.rewrite(FAMILY, "linear(x_dbl[..., :R], W_dt) of x_dbl = linear(x, W_x)",
                 [site.x_proj, *site.nodes[1:], site.dt_proj], "ssm.x_dt_proj.default",
-                {"R": wdt.shape[1], "x_dbl_cols": wx.shape[0], "dim": wdt.shape[0]})
+                {"R": wdt.shape[1], "x_dbl_cols": wx.shape[0], "dim": wdt.shape[0], "runs": _runs(site)})
+
+
+def _runs(site: Site) -> str:
+    """What the op will run at this site, for ``explain`` (the op decides per call)."""
+    from ssm_compile.kernels.x_dt_proj import triton_x_dt_proj
+
+    x, wx, wdt = val(site.x), val(site.x_weight), val(site.dt_weight)
+    if x.device.type != "cuda":
+        return f"the two products ({x.device.type})"
+    if not all(isinstance(s, int) for s in x.shape):
+        return "decided per call (symbolic rows)"
+    if triton_x_dt_proj.supported(x, wx, wdt):
+        return "the Triton kernel"
+    return (f"the two products (the kernel takes >= {triton_x_dt_proj.MIN_ROWS} rows, R <= "
+            f"{triton_x_dt_proj.MAX_RANK_PAD}, 2N <= {triton_x_dt_proj.MAX_BC_PAD})")
 
 
 def x_dt_proj_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:

@@ -196,6 +196,8 @@ def test_minimal_block_is_rewritten():
     x = torch.randn(2, 10, 16)
     cap, out = _compiled(block, x)
     assert len(_x_dt_ops(cap.gm)) == 1
+    (record,) = [r for r in cap.ctx.rewrites if r.family == "x_dt_proj"]
+    assert record.decision == {"R": 2, "x_dbl_cols": 10, "dim": 32, "runs": "the two products (cpu)"}
     assert rel_err(out, block(x).double()) < TOL[torch.float32]
 
 
