@@ -91,6 +91,15 @@ def test_supported_by_shape():
     assert not triton_x_dt_proj.supported(big, wide, torch.empty(20, 160))
 
 
+def test_int32_column_offsets_are_refused():
+    # An L-major x, (1, L, K) as the view of a (1, K, L) tensor: column k sits k * L elements in.
+    L = 2**31 // 31 + 1
+    far = torch.empty(1, 32, L, device="meta").transpose(1, 2)
+    assert not triton_x_dt_proj.column_offsets_fit(far)
+    assert triton_x_dt_proj.column_offsets_fit(torch.empty(1, 32, L - 2, device="meta").transpose(1, 2))
+    assert triton_x_dt_proj.column_offsets_fit(torch.empty(1, L, 32, device="meta"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: test_kernel_*)")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_op_forward_backward(dtype):

@@ -74,6 +74,12 @@ def shared_bytes(tiles: Tiles, rank: int, bc: int, dtype: torch.dtype) -> int:
     return int(1.25 * size * (tiles.num_stages * stage + second))
 
 
+def column_offsets_fit(x: torch.Tensor) -> bool:
+    """The kernel forms k * stride_k in int32 (rows' offsets are int64): an L-major x whose
+    columns lie 2^31 elements apart or more must go to the two products instead."""
+    return (x.shape[-1] - 1) * abs(x.stride(-1)) < 2**31
+
+
 def supported(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tensor) -> bool:
     """Whether the kernel takes this call on x's GPU (else the op runs the two torch products):
     enough rows to fill the GPU, R and 2N within the register tiles, and the tiles' shared
@@ -81,6 +87,8 @@ def supported(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tensor) 
     rows = x.numel() // max(x.shape[-1], 1)
     rank, bc = dt_weight.shape[1], x_weight.shape[0] - dt_weight.shape[1]
     if x.device.type != "cuda" or rows < MIN_ROWS or _pad(rank) > MAX_RANK_PAD or _pad(bc) > MAX_BC_PAD:
+        return False
+    if not column_offsets_fit(x):
         return False
     tiles = choose_tiles(x.dtype)
     return shared_bytes(tiles, rank, bc, x.dtype) <= _shared_memory(x.device.index)
