@@ -48,7 +48,7 @@ from ..partials import sum_partials
 from ..restride import restride_into
 from ..triton_common import LAUNCH_OPTIONS, LOG2E, linear_combine, num_sms, prefetch, sigmoid_approx, silu, softplus
 from .grads import ScanGrads
-from .triton_fwd import _last_step, _load_chunk, _state_tile, scan_fwd_config
+from .triton_fwd import _last_step, _load_chunk, _state_tile, _sum_lanes, scan_fwd_config
 
 
 # Kernels work on [BLOCK_D, CHUNK] tiles, one state column at a time.
@@ -767,6 +767,28 @@ def _with_row(x, i, v, T: tl.constexpr):
 
 
 @triton.jit
+def _sum_channels(x):
+    """Sum a [T, N_PER_THREAD, BLOCK_D, LANES_N] tile over its channel axis: [T, N_PER_THREAD, LANES_N].
+
+    The channels span lanes and warps, where ``tl.sum`` shuffles log2(lanes) times per value
+    and then reduces across warps through shared memory. Halving with ``tl.split`` (as the
+    forward's ``_sum_lanes`` does along N) needs each size-2 axis inside a thread, so Triton
+    moves the tile through shared memory once, into a layout where each thread holds all the
+    channels of a few (t, n) pairs, and the sums become register adds in a fixed order. The
+    serial kernel's dB/dC (sm_90, Triton 3.9, bf16, 8 steps, chunk 64, 32 channels, 4 warps):
+    backward walk 1665 -> 1026 SASS instructions per 32 elements a thread, SHFL 372 -> 52,
+    BAR 46 -> 14 (``benchmarks/sass_scan_bwd_serial.py``).
+    """
+    tl.static_assert(x.shape[2] <= 1024, "at most 1024 channels per program (32 warps of 32 lanes)")
+    x = tl.permute(x, (0, 1, 3, 2))
+    for _ in tl.static_range(10):
+        if x.shape[3] > 1:
+            a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], x.shape[2], x.shape[3] // 2, 2]))
+            x = a + b
+    return tl.reshape(x, [x.shape[0], x.shape[1], x.shape[2]])
+
+
+@triton.jit
 def _load_steps(ptr, offs_t, offs_d, mask_td, stride_d, stride_l):
     """A [T, BLOCK_D] tile of a (channel, time) activation, widened to fp32; 0 where masked."""
     return tl.load(ptr + offs_t[:, None] * stride_l + offs_d[None, :] * stride_d,
@@ -828,9 +850,14 @@ def _chunk_bwd_serial_kernel(
     register) need no shuffles. The chunk (CHUNK = T * SUB sub-chunks) is walked
     twice: forward from hs to find the state entering each sub-chunk (kept as the rows of one
     more tile), then backward sub-chunk by sub-chunk from rs, recomputing the states and forming
-    every gradient. Sums over N (dh . B, the ddelta term, the pre-gate y) are in-thread adds plus
-    log2(LANES_N) shuffle levels; dB/dC sum over the program's BLOCK_D channels (one group's) and
-    are stored once per (block, step, state) into a (blocks_per_group, batch, G, N, L) partial.
+    every gradient. Sums over N (dh . B, the ddelta term, the pre-gate y) are in-thread adds,
+    then the forward's lane halving (``_sum_lanes``); dB/dC sum over the program's BLOCK_D
+    channels (one group's) through one shared-memory round trip (``_sum_channels``) and are
+    stored once per (block, step, state) into a (blocks_per_group, batch, G, N, L) partial.
+    Both sums replaced cross-lane butterflies (offline, sm_90, Triton 3.9, 8 steps, chunk 64,
+    32 channels, 4 warps: backward walk 52.0 -> 29.6 SASS instructions per element in bf16,
+    51.5 -> 29.1 in fp32, 55.6 -> 32.3 on channel-innermost bf16 with its 72 B of spills down to
+    8; not yet timed on a GPU).
     """
     pid_c = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
@@ -927,8 +954,9 @@ def _chunk_bwd_serial_kernel(
         Bf, Cf = tl.where(mask_tn, Bf, Cf), tl.where(mask_tn, Cf, Bf)
         dtu = dt * uf
         B4 = Bf[:, :, None, :]
-        a = tl.exp2(dt[:, None, :, None] * A2[None, :, :, :])
-        b = dtu[:, None, :, None] * B4
+        dt4, dtu4, g4 = dt[:, None, :, None], dtu[:, None, :, None], g[:, None, :, None]
+        a = tl.exp2(dt4 * A2[None, :, :, :])
+        b = dtu4 * B4
         _, hk = tl.associative_scan((a, tl.where(rows == 0, a * _row(h_in, k, SUB)[None, :, :, :] + b, b)),
                                    0, linear_combine)
         # Everything that needs h but not dh first, so that h, C and the gate die before the
@@ -936,24 +964,24 @@ def _chunk_bwd_serial_kernel(
         # contribution h * g, and the pre-gate y for dz.
         hp = hk - b
         bc_ptrs = bc_part + offs_bn[None, :, :] * L + offs_t[:, None, None]  # [T, N_PER_THREAD, LANES_N]
-        tl.store(dC_part_ptr + bc_ptrs, tl.sum(hk * g[:, None, :, None], axis=2), mask=mask_tn)
+        tl.store(dC_part_ptr + bc_ptrs, _sum_channels(hk * g4), mask=mask_tn)
         if HAS_Z:
-            y = tl.sum(tl.sum(hk * Cf[:, :, None, :], axis=1), axis=2) + Dv[None, :] * uf
+            y = _sum_lanes(tl.sum(hk * Cf[:, :, None, :], axis=1), LANES_N) + Dv[None, :] * uf
             dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
             tl.store(dz_ptr + offs_t[:, None] * stride_dz_l + offs_d[None, :] * stride_dz_d,
                      dz.to(dz_ptr.dtype.element_ty), mask=mask_td)
         # The adjoint, last step first: dh_t = x + C_t g_t, then x = a_t dh_t for step t - 1.
-        dh = g[:, None, :, None] * Cf[:, :, None, :]
+        dh = g4 * Cf[:, :, None, :]
         for j in tl.static_range(T):
             i = T - 1 - j
             dh_i = x + _row(dh, i, T)
             dh = _with_row(dh, i, dh_i, T)
             x = _row(a, i, T) * dh_i
         e = dh * hp
-        dA += tl.sum(e * dt[:, None, :, None], axis=0)
-        q = tl.sum(tl.sum(dh * B4, axis=1), axis=2)  # [T, BLOCK_D]
-        s = tl.sum(tl.sum(e * A2[None, :, :, :], axis=1), axis=2)
-        tl.store(dB_part_ptr + bc_ptrs, tl.sum(dh * dtu[:, None, :, None], axis=2), mask=mask_tn)
+        dA += tl.sum(e * dt4, axis=0)
+        q = _sum_lanes(tl.sum(dh * B4, axis=1), LANES_N)  # [T, BLOCK_D]
+        s = _sum_lanes(tl.sum(e * A2[None, :, :, :], axis=1), LANES_N)
+        tl.store(dB_part_ptr + bc_ptrs, _sum_channels(dh * dtu4), mask=mask_tn)
 
         du = q * dt
         if HAS_D:
@@ -1029,7 +1057,9 @@ _VARIANTS = ("column", "nblock", "serial")
 # keep it under the 255-register cap; N above 16 would need a loop over state blocks.
 # H200, triton 3.6 (bench_scan_bwd.py --sweep, B8 L2048 fp32): steps 8 / chunk 64 2.90 ms, steps 4
 # with 2 warps 3.09, steps 4 / chunk 64 3.71, / chunk 32 4.00, / chunk 16 4.77 (more chunks: a
-# longer serial state pass, larger workspaces). Steps 8 is over the register cap (136 B of spills).
+# longer serial state pass, larger workspaces). Steps 8 was over the register cap there (136 B of
+# spills); those times predate the channel and lane sums by halving (see the kernel's docstring),
+# which Triton 3.9 compiles for sm_90 in 252 registers without spills.
 _SERIAL_STEPS = 8
 _SERIAL_CHUNK = 64
 # Sub-chunks per chunk at most: their entry states are the rows of one register tile.
