@@ -9,6 +9,7 @@ before device time is spent on it.
 """
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -62,7 +63,6 @@ def compile_serial(dtype: str, steps: int, chunk: int, block_d: int, warps: int,
 
 
 def main():
-    import re
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--layout", default="dense", choices=("dense", "hf"))
