@@ -30,14 +30,13 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
+from .delta import LINEAR_TARGETS
 from .fx_utils import (context_refusal, is_call, is_method, layout_source, named_args, node_order,
                        propagate_val, scan_args, scan_nodes, shape_of, val, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "x_dt_proj"
-LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear)
 _SPLITS = (torch.split, torch.functional.split, torch.split_with_sizes)
 # The op's dtypes on every device (fp64 only on CPU, for gradcheck: not worth a rewrite).
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
