@@ -33,7 +33,6 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
     """``dt_rank`` > 0: the dt projection fused (delta_ptr is dt_low, unit stride along the rank
     on HF's layout, as x_proj's output view has it)."""
     kern = _selective_scan_fwd_kernel
-    sig, constexprs = {}, {}
     elt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     lanes_n = cfg.lanes_n
@@ -43,24 +42,32 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
                   PREFETCH=cfg.prefetch,
                   DT_RANK_PAD=dt_dot_meta(dt_rank, torch_dtype)[0] if dt_rank else 0,
                   DOT_PRECISION=dt_dot_meta(dt_rank, torch_dtype)[1])
-    for name in kern.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-            constexprs[name] = consts[name]
-        elif name in _PTR_ARGS:
-            sig[name] = f"*{elt}" if name in _ACT_PTRS else "*fp32"
-        else:
-            sig[name] = "i32"
+    ptr_types = {p: f"*{elt}" if p in _ACT_PTRS else "*fp32" for p in _PTR_ARGS}
     # Unit strides, as Triton's specialisation sees them: along L for dense (batch, dim, L)
     # activations; along dim for channel-innermost ones (nn.Linear-based Mamba code, the HF model),
     # whose B/C are x_proj's (batch, L, dt_rank + 2N) output, unit stride along N.
     unit = (("stride_u_l", "stride_delta_l", "stride_z_l", "stride_y_l", "stride_B_l", "stride_C_l")
             if layout == "dense" else
             ("stride_u_d", "stride_delta_d", "stride_z_d", "stride_y_d", "stride_B_n", "stride_C_n"))
-    for name in unit + ("stride_A_n", "stride_D", "stride_delta_bias", "stride_h0_n", "stride_dtw_r"):
-        sig[name] = "constexpr"
-        constexprs[name] = 1
-    attrs = {(kern.arg_names.index(p),): [["tt.divisibility", 16]] for p in _PTR_ARGS}
+    unit += ("stride_A_n", "stride_D", "stride_delta_bias", "stride_h0_n", "stride_dtw_r")
+    return compile_sm90(kern, consts, ptr_types, unit, cfg.num_warps, cfg.max_registers)
+
+
+def compile_sm90(kern, consts: dict, ptr_types: dict, unit_strides, num_warps: int, maxnreg=None):
+    """Compile ``kern`` for sm_90 as a launch would specialise it: ``consts`` as constexprs,
+    pointers typed by ``ptr_types`` (16-byte aligned), the ``unit_strides`` as the constant 1,
+    every other argument an int32 divisible by 16 except ``batch``."""
+    sig, constexprs = {}, {}
+    for name in kern.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+            constexprs[name] = consts[name]
+        elif name in unit_strides:
+            sig[name] = "constexpr"
+            constexprs[name] = 1
+        else:
+            sig[name] = ptr_types.get(name, "i32")
+    attrs = {(kern.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptr_types}
     # A launch marks every integer argument that is a multiple of 16 as such, and that changes
     # the code (mask constancy, hence load vector widths: 740 instead of 796 loop instructions,
     # bf16, HF's layout): at the headline shape (batch 8, dim 1536, L 2048, N 16) every size
@@ -68,11 +75,24 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
     for name, kind in sig.items():
         if kind == "i32" and name != "batch":
             attrs[(kern.arg_names.index(name),)] = [["tt.divisibility", 16]]
-    opts = {"num_warps": cfg.num_warps, **LAUNCH_OPTIONS}
-    if cfg.max_registers:
-        opts["maxnreg"] = cfg.max_registers
+    opts = {"num_warps": num_warps, **LAUNCH_OPTIONS}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
     src = ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def summarize(kernel, dump=None) -> tuple[dict, int, collections.Counter]:
+    """Registers / stack / local bytes (``cuobjdump -res-usage``), and the longest loop's length
+    and opcode mix; writes the SASS to ``dump`` when given."""
+    sass, res = sass_of(kernel.asm["cubin"])
+    if dump:
+        with open(dump, "w") as f:
+            f.write(sass)
+    usage = {key: (m.group(1) if (m := re.search(rf"{key.upper()}:(\d+)", res)) else None)
+             for key in ("reg", "stack", "local")}
+    n, mix = loop_mix(sass)
+    return usage, n, mix
 
 
 def sass_of(cubin: bytes) -> tuple[str, str]:
@@ -122,16 +142,9 @@ def main():
     v = [int(x) for x in args.config.split(",")]
     cfg = ScanFwdConfig(v[0], v[1], v[2], v[3], v[4], v[5] or None, v[6])
     k = compile_fwd(args.dtype, cfg, layout=args.layout, dt_rank=args.dt_rank, store_last=args.store_last)
-    sass, res = sass_of(k.asm["cubin"])
-    if args.dump:
-        with open(args.dump, "w") as f:
-            f.write(sass)
-    regs = re.search(r"REG:(\d+)", res)
-    stack = re.search(r"STACK:(\d+)", res)
-    local = re.search(r"LOCAL:(\d+)", res)
-    n, mix = loop_mix(sass)
-    print(f"{args.dtype} {args.layout} {tuple(cfg)}: regs {regs and regs.group(1)}, stack "
-          f"{stack and stack.group(1)}, local {local and local.group(1)}; loop {n} instructions")
+    usage, n, mix = summarize(k, args.dump)
+    print(f"{args.dtype} {args.layout} {tuple(cfg)}: regs {usage['reg']}, stack {usage['stack']}, "
+          f"local {usage['local']}; loop {n} instructions")
     print("  " + ", ".join(f"{op} {c}" for op, c in mix.most_common(18)))
 
 
