@@ -125,24 +125,18 @@ def project_dt(dt_low, w_dt, PRECISION: tl.constexpr):
 
     The tensor-core product accumulates in fp32 (``PRECISION``: tl.dot's input_precision, see
     ``dt_dot_meta``) and is rounded through dt_low's dtype, as the split path's matmul output
-    is, so every level feeds the scan the same delta. Under TRITON_INTERPRET=1 16-bit operands
-    are widened first: the interpreter's NumPy dot reads bf16 operands wrongly (Triton 3.9:
-    errors of ~1e10 on a 16 x 16 x 32 product), and products of 16-bit values are exact in fp32,
-    so widening changes no value.
+    is, so every level feeds the scan the same delta.
     """
-    if _INTERPRETED:
-        out = tl.dot(dt_low.to(tl.float32), w_dt.to(tl.float32), input_precision="ieee",
-                     out_dtype=tl.float32)
-    else:
-        out = tl.dot(dt_low, w_dt, input_precision=PRECISION, out_dtype=tl.float32)
-    return out.to(dt_low.dtype).to(tl.float32)
+    return dot_acc(dt_low, w_dt, None, PRECISION).to(dt_low.dtype).to(tl.float32)
 
 
 @triton.jit
 def dot_acc(a, b, acc, PRECISION: tl.constexpr):
-    """``acc + a @ b`` on the tensor cores, fp32 accumulation (``PRECISION``: tl.dot's
-    input_precision, which only fp32 operands read). Under TRITON_INTERPRET=1 16-bit operands
-    are widened first, for the reason ``project_dt`` gives; the result is the same."""
+    """``acc + a @ b`` (``a @ b`` for ``acc`` None) on the tensor cores, in fp32
+    (``PRECISION``: tl.dot's input_precision, which only fp32 operands read). Under
+    TRITON_INTERPRET=1 16-bit operands are widened first: the interpreter's NumPy dot reads bf16
+    operands wrongly (Triton 3.9: errors of ~1e10 on a 16 x 16 x 32 product), and products of
+    16-bit values are exact in fp32, so widening changes no value."""
     if _INTERPRETED:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
