@@ -39,14 +39,15 @@ class Case:
     num_splits: Optional[int] = None
     block_d: Optional[int] = None
     num_warps: Optional[int] = None
-    # Chunk-kernel loop order ("column" here; the launcher's default, "nblock", sums dB/dC over
-    # channels in registers and has its own cases), its state columns per block and channels
-    # per pass. None leaves it to the launcher.
+    # Chunk-kernel loop order ("column" here; "nblock", the launcher's choice for N > 16 on large
+    # grids, and "serial", its choice for N <= 16, have their own cases), its state columns per
+    # block and channels per pass. None leaves it to the launcher.
     variant: Optional[str] = "column"
     nb: Optional[int] = None
     group_d: Optional[int] = None
     steps: Optional[int] = None  # "serial": consecutive steps per thread
     prefetch: Optional[int] = None  # "nblock": next channel's rows into 0 none, 1 L1, 2 L2 (GPU only)
+    stage: Optional[bool] = None  # "serial": run on L-major copies of channel-innermost activations
     # Scale of the raw delta: large values test softplus past its threshold and decays that
     # underflow to exactly 0.
     delta_scale: float = 1.0
@@ -61,7 +62,7 @@ class Case:
             f"-{k}{v}" for k, v in (("T", self.chunk_size), ("S", self.num_splits), ("BD", self.block_d),
                                     ("W", self.num_warps), ("", self.variant), ("NB", self.nb),
                                     ("GD", self.group_d), ("ST", self.steps), ("PF", self.prefetch),
-                                    ("x", self.delta_scale))
+                                    ("stage", self.stage), ("x", self.delta_scale))
             if v not in (None, 1.0)
         )
         return f"B{self.batch}-D{self.dim}-L{self.L}-N{self.N}-G{self.G}-{dt}-{flags or 'bare'}{extra}"
@@ -110,7 +111,7 @@ def run_bwd(case: Case, inputs, dy, dlast):
         inputs["z"], inputs["delta_bias"], case.softplus, inputs["initial_state"],
         tiles=dict(chunk=case.chunk_size, num_splits=case.num_splits, block_d=case.block_d,
                    num_warps=case.num_warps, variant=case.variant, nb=case.nb, group_d=case.group_d,
-                   steps=case.steps, prefetch=case.prefetch),
+                   steps=case.steps, prefetch=case.prefetch, stage=case.stage),
     )
 
 
@@ -178,7 +179,8 @@ def serial(**kw) -> Case:
 
 
 # The "serial" chunk kernel: time inside each thread, sub-chunks of `steps`, a forward walk to
-# their entry states, then a backward walk; one program per block of a group's channels.
+# their entry states, then a backward walk; a program walks the channel blocks of its slice of
+# a group's channels.
 SERIAL_CASES = [
     serial(),  # chunks of 16 = 4 sub-chunks of 4; two full chunks and a ragged one
     serial(N=16, chunk_size=None),  # the default chunk (64): one chunk, a ragged last sub-chunk
@@ -186,13 +188,19 @@ SERIAL_CASES = [
     # Grouped B/C (2 blocks of 4 channels per group), N that fills no power of two, prime L, a
     # chunk of 2 sub-chunks.
     serial(dim=32, G=2, N=5, L=37, chunk_size=8, block_d=8),
-    serial(dim=48, G=2, L=29),  # 24 channels per group: 3 programs of 8
+    serial(dim=48, G=2, L=29),  # 24 channels per group: 3 blocks of 8
+    # Slices of several blocks, each adding its dB/dC sums to the slice's partial: 3 blocks in
+    # slices of 2 and 1; 8 blocks in one slice; 4 blocks of 16 channels on two warps, bf16.
+    serial(dim=48, G=2, L=29, num_splits=2),
+    serial(dim=64, L=40, block_d=8, num_splits=1),
+    serial(dim=64, N=16, L=70, block_d=16, num_warps=2, num_splits=1, dtype=torch.bfloat16, chunk_size=32),
     serial(has_D=False, has_z=False, has_bias=False, softplus=False, has_init=False, has_dlast=False),
     serial(has_z=False, has_init=False),
     serial(softplus=False, has_D=False, has_bias=False, has_init=False, N=8),
     serial(L=33, delta_scale=30.0),  # softplus past 20; decays underflow to 0
     serial(dtype=torch.bfloat16),
     serial(dim=12, G=3, dtype=torch.float16, has_z=False, L=37),  # 4 channels per group
+    serial(dim=40, G=2, L=21, block_d=8, num_splits=2),  # 20 channels a group: a ragged last block
     serial(L=70, steps=8, chunk_size=64, N=16),  # 8 steps per thread
     # Several warps per program (on a GPU: the sums over channels cross warps).
     serial(dim=32, N=16, L=40, num_warps=2),
@@ -232,8 +240,11 @@ def test_choose_tiles_fills_the_gpu_and_covers_every_channel(batch, dim, L, G, s
     per_split = -(-per_split // tiles.block_d) * tiles.block_d
     # The slices tile the group's channels exactly: none is empty, none is missed.
     assert (tiles.num_splits - 1) * per_split < dim_per_group <= tiles.num_splits * per_split
-    assert tiles.chunk & (tiles.chunk - 1) == 0 and 16 <= tiles.chunk <= 128
-    assert tiles.block_d <= dim_per_group
+    # ("serial" runs chunks of 8 steps where L is that short.)
+    assert tiles.chunk & (tiles.chunk - 1) == 0 and min(16, max(8, L)) <= tiles.chunk <= 128
+    # A block covers at most the group's channels rounded up to a power of two ("serial" masks
+    # its ragged last block).
+    assert tiles.block_d < 2 * dim_per_group
     warps = tiles.num_splits * -(-L // tiles.chunk) * batch * G * tiles.num_warps
     # At most an eighth of the channels get their own slice, so the per-slice dB/dC partials
     # stay far below a (batch, dim, L, N) tensor.
@@ -366,10 +377,12 @@ def test_nblock_matches_column_beyond_rounding():
         torch.testing.assert_close(getattr(blocks, field), getattr(column, field), rtol=1e-5, atol=1e-6, msg=field)
 
 
-@pytest.mark.parametrize("case", [nblock(L=19, nb=2), serial(L=19)], ids=["nblock", "serial"])
+@pytest.mark.parametrize("case", [nblock(L=19, nb=2), serial(L=19, stage=False), serial(L=19, stage=True)],
+                         ids=["nblock", "serial", "serial-staged"])
 def test_any_strides(case):
     # nblock: fp32 outputs carry the running sums in place, so du/ddelta/dz's own (time-major)
-    # strides are the carry rows' strides. serial: reads time-major activations without staging.
+    # strides are the carry rows' strides. serial: reads time-major activations without staging,
+    # or (staged) works on L-major copies and copies the gradients back.
     inputs, dy, dlast = make_inputs(case)
 
     def time_major(t):
@@ -411,12 +424,13 @@ def test_choose_tiles_nblock_whole_waves(batch, dim, L, G, sms, monkeypatch):
 @pytest.mark.parametrize("tiles, match", [(dict(variant="rows"), "variant"), (dict(variant="nblock", nb=3), "nb"),
                                           (dict(variant="nblock", block_d=4), "block_d"),
                                           # 4 partials for 8 channels: too close to (batch, dim, L, N).
-                                          (dict(variant="serial", block_d=2), "block_d=2"),
-                                          (dict(variant="serial", block_d=3), "block_d"),
+                                          (dict(variant="serial", block_d=2, num_splits=4), "num_splits=4"),
+                                          (dict(variant="serial", block_d=3), "block_d.*power of two"),
                                           (dict(variant="serial", steps=3), "steps"),
-                                          (dict(variant="serial", chunk=256), "chunk")],
+                                          (dict(variant="serial", chunk=256), "chunk"),
+                                          (dict(variant="nblock", stage=False), "stage=False")],
                          ids=["variant", "nb", "nblock-block_d", "serial-partials", "serial-block_d", "serial-steps",
-                              "serial-chunk"])
+                              "serial-chunk", "nblock-unstaged"])
 def test_bad_tiles_name_field(tiles, match):
     from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles
 
@@ -432,6 +446,22 @@ def test_serial_names_its_limit_on_n():
     # Left to the launcher, a small grid with N = 17 gets the "column" kernel instead.
     assert choose_tiles(2, 8, 40, 17, 1, torch.device("cpu")).variant == "column"
     assert choose_tiles(2, 8, 40, 16, 1, torch.device("cpu")).variant == "serial"
+
+
+@pytest.mark.parametrize("batch, L, stage", [(8, 2048, True), (1, 2048, True), (1, 512, False), (8, 64, False)],
+                         ids=["B8-L2048", "B1-L2048", "B1-L512", "B8-L64"])
+def test_serial_stages_channel_innermost_input_on_large_grids(batch, L, stage):
+    from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles
+
+    # 16 (chunk, batch) cells and more: the L-major copies cost less than the serial kernel's
+    # slower [steps, channels] loads of channel-innermost rows; below, the host time of the copies
+    # counts more (see choose_tiles).
+    tiles = choose_tiles(batch, 1536, L, 16, 1, torch.device("cpu"))
+    assert tiles.variant == "serial"
+    assert tiles.stage is stage
+    assert choose_tiles(batch, 1536, L, 16, 1, torch.device("cpu"), stage=not stage).stage is (not stage)
+    # N beyond the serial kernel's limit: "nblock" or "column", which always stage.
+    assert choose_tiles(batch, 1536, L, 32, 1, torch.device("cpu")).stage is True
 
 
 def test_splitting_does_not_change_results_beyond_rounding():

@@ -789,6 +789,21 @@ def _sum_channels(x):
 
 
 @triton.jit
+def _add_block_sum(ptrs, v, mask, blk):
+    """Store ``v``, a channel block's dB or dC sums, into the slice's partial; from the second
+    block on, add it to what the blocks before stored there.
+
+    The same threads load and store (one tile layout), but a tile may be replicated across
+    threads: the barrier between the loads and the stores keeps a replica's store of this block's
+    sum from reaching another replica's load, which would then add it twice. A fixed block order
+    keeps the sums deterministic.
+    """
+    prev = tl.load(ptrs, mask=mask & (blk > 0), other=0.0)
+    tl.debug_barrier()
+    tl.store(ptrs, prev + v, mask=mask)
+
+
+@triton.jit
 def _load_steps(ptr, offs_t, offs_d, mask_td, stride_d, stride_l):
     """A [T, BLOCK_D] tile of a (channel, time) activation, widened to fp32; 0 where masked."""
     return tl.load(ptr + offs_t[:, None] * stride_l + offs_d[None, :] * stride_d,
@@ -824,7 +839,7 @@ def _chunk_bwd_serial_kernel(
     dy_ptr, u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, hs_ptr, rs_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dA_part_ptr, dB_part_ptr, dC_part_ptr, dD_part_ptr, ddb_part_ptr,
     # sizes
-    batch, dim, L, N, G, n_chunks, dim_per_group, blocks_per_group,
+    batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, n_splits,
     # strides
     stride_dy_b, stride_dy_d, stride_dy_l,
     stride_u_b, stride_u_d, stride_u_l,
@@ -851,36 +866,25 @@ def _chunk_bwd_serial_kernel(
     twice: forward from hs to find the state entering each sub-chunk (kept as the rows of one
     more tile), then backward sub-chunk by sub-chunk from rs, recomputing the states and forming
     every gradient. Sums over N (dh . B, the ddelta term, the pre-gate y) are in-thread adds,
-    then the forward's lane halving (``_sum_lanes``); dB/dC sum over the program's BLOCK_D
-    channels (one group's) through one shared-memory round trip (``_sum_channels``) and are
-    stored once per (block, step, state) into a (blocks_per_group, batch, G, N, L) partial.
+    then the forward's lane halving (``_sum_lanes``); dB/dC sum over a block's BLOCK_D
+    channels (one group's) through one shared-memory round trip (``_sum_channels``). A program
+    walks its slice of the group's channels one block after another, adding each block's dB/dC
+    sums to its slice's row of a (n_splits, batch, G, N, L) partial (``_add_block_sum``): the
+    launcher picks the slices to fill the GPU, not one per block, so the partials stay small.
     Both sums replaced cross-lane butterflies (offline, sm_90, Triton 3.9, 8 steps, chunk 64,
     32 channels, 4 warps: backward walk 52.0 -> 29.6 SASS instructions per element in bf16,
     51.5 -> 29.1 in fp32, 55.6 -> 32.3 on channel-innermost bf16 with its 72 B of spills down to
-    8; not yet timed on a GPU).
+    8). H200 run 23 (Triton 3.6), batch 8 L=2048 L-major fp32 with one warp and 16 slices:
+    1.365 ms for this kernel, against 1.827 for "nblock"'s chunk kernel.
     """
     pid_c = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
-    pid_g = tl.program_id(2) // blocks_per_group
-    pid_s = tl.program_id(2) % blocks_per_group
-    offs_dl = pid_s * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_d = pid_g * dim_per_group + offs_dl
-    mask_d = offs_dl < dim_per_group
+    pid_g = tl.program_id(2) // n_splits
+    pid_s = tl.program_id(2) % n_splits
     # State n = i * LANES_N + j of the [N_PER_THREAD, LANES_N] sub-tile.
     offs_bn = tl.arange(0, N_PER_THREAD)[:, None] * LANES_N + tl.arange(0, LANES_N)[None, :]
     mask_bn = offs_bn < N
     offs_n3 = offs_bn[:, None, :]
-    offs_d3 = offs_d[None, :, None]
-    mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]  # [N_PER_THREAD, BLOCK_D, LANES_N]
-
-    A2 = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
-                 other=0.0).to(tl.float32) * LOG2E
-    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_DELTA_BIAS:
-        bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
 
     dy_ptr += pid_b * stride_dy_b
     u_ptr += pid_b * stride_u_b
@@ -892,119 +896,138 @@ def _chunk_bwd_serial_kernel(
         dz_ptr += pid_b * stride_dz_b
     B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
     C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
-    # Workspaces and partials are contiguous, allocated by the launcher.
-    ws = ((pid_b * n_chunks + pid_c) * dim + offs_d3) * N + offs_n3  # [N_PER_THREAD, BLOCK_D, LANES_N]
-    part_off = (pid_b * n_chunks + pid_c) * dim + offs_d
     bc_part = ((pid_s * batch + pid_b) * G + pid_g) * N * L
 
     SUB: tl.constexpr = CHUNK // T
     rows = tl.arange(0, T)[:, None, None, None]
-    # Boundary states enter through a chunk-shaped tile so they take its layout (a plain load's
-    # layout would cost a shared-memory round trip per use; see the forward kernel).
-    h = tl.load(hs_ptr + ws, mask=mask_dn, other=0.0)
-    h = _last_step(tl.broadcast_to(h[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), T)
-    x = tl.load(rs_ptr + ws, mask=mask_dn, other=0.0)
-    x = _last_step(tl.broadcast_to(x[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), T)
-
     t_chunk = pid_c * CHUNK
     n_sub = tl.cdiv(tl.minimum(CHUNK, L - t_chunk), T)
-    # Forward walk: the state entering each sub-chunk, row k of h_in.
-    h_in = tl.zeros([SUB, N_PER_THREAD, BLOCK_D, LANES_N], dtype=tl.float32)
-    for k in range(0, n_sub):
-        h_in = _with_row(h_in, k, h, SUB)
-        offs_t = t_chunk + k * T + tl.arange(0, T)
-        mask_t = offs_t < L
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
-        dt, _, uf, Bf = _serial_steps(delta_ptr, u_ptr, B_ptr, bias, offs_t, offs_d, offs_bn, mask_t, mask_td,
-                                      mask_tn, stride_delta_d, stride_delta_l, stride_u_d, stride_u_l,
-                                      stride_B_n, stride_B_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-        a = tl.exp2(dt[:, None, :, None] * A2[None, :, :, :])
-        b = (dt * uf)[:, None, :, None] * Bf[:, :, None, :]
-        b = tl.where(rows == 0, a * h[None, :, :, :] + b, b)
-        _, hk = tl.associative_scan((a, b), 0, linear_combine)
-        h = _last_step(hk, T)
-
-    # Backward walk. x is the carry a_{t+1} * dL/dh_{t+1}: rs holds it for the chunk's last step
-    # (dL/dh at the chunk's end from later chunks, their decay included). Padded steps have
-    # delta = 0 and dy = 0: decay 1, no input, so x reaches the last real step unchanged.
-    dA = tl.zeros([N_PER_THREAD, BLOCK_D, LANES_N], dtype=tl.float32)
-    dD = tl.zeros([BLOCK_D], dtype=tl.float32)
-    ddb = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for kk in range(0, n_sub):
-        k = n_sub - 1 - kk
-        offs_t = t_chunk + k * T + tl.arange(0, T)
-        mask_t = offs_t < L
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
-        dt, xpre, uf, Bf = _serial_steps(delta_ptr, u_ptr, B_ptr, bias, offs_t, offs_d, offs_bn, mask_t,
-                                         mask_td, mask_tn, stride_delta_d, stride_delta_l, stride_u_d,
-                                         stride_u_l, stride_B_n, stride_B_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-        dy = _load_steps(dy_ptr, offs_t, offs_d, mask_td, stride_dy_d, stride_dy_l)
-        if HAS_Z:
-            z = _load_steps(z_ptr, offs_t, offs_d, mask_td, stride_z_d, stride_z_l)
-            sig_z = sigmoid_approx(z)
-            g = dy * z * sig_z
-        else:
-            g = dy
-        Cf = tl.load(C_ptr + offs_t[:, None, None] * stride_C_l + offs_bn[None, :, :] * stride_C_n,
-                     mask=mask_tn, other=0.0).to(tl.float32)
-        # B and C are 0 wherever masked, so each stands in for the other's zeros: the same guard
-        # against Triton <= 3.6 widening them on every lane as in the forward kernel.
-        Bf, Cf = tl.where(mask_tn, Bf, Cf), tl.where(mask_tn, Cf, Bf)
-        dtu = dt * uf
-        B4 = Bf[:, :, None, :]
-        dt4, dtu4, g4 = dt[:, None, :, None], dtu[:, None, :, None], g[:, None, :, None]
-        a = tl.exp2(dt4 * A2[None, :, :, :])
-        b = dtu4 * B4
-        _, hk = tl.associative_scan((a, tl.where(rows == 0, a * _row(h_in, k, SUB)[None, :, :, :] + b, b)),
-                                   0, linear_combine)
-        # Everything that needs h but not dh first, so that h, C and the gate die before the
-        # adjoint (register pressure): h_t - b_t = a_t * h_{t-1} (the decay's input), the dC
-        # contribution h * g, and the pre-gate y for dz.
-        hp = hk - b
-        bc_ptrs = bc_part + offs_bn[None, :, :] * L + offs_t[:, None, None]  # [T, N_PER_THREAD, LANES_N]
-        tl.store(dC_part_ptr + bc_ptrs, _sum_channels(hk * g4), mask=mask_tn)
-        if HAS_Z:
-            y = _sum_lanes(tl.sum(hk * Cf[:, :, None, :], axis=1), LANES_N) + Dv[None, :] * uf
-            dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
-            tl.store(dz_ptr + offs_t[:, None] * stride_dz_l + offs_d[None, :] * stride_dz_d,
-                     dz.to(dz_ptr.dtype.element_ty), mask=mask_td)
-        # The adjoint, last step first: dh_t = x + C_t g_t, then x = a_t dh_t for step t - 1.
-        dh = g4 * Cf[:, :, None, :]
-        for j in tl.static_range(T):
-            i = T - 1 - j
-            dh_i = x + _row(dh, i, T)
-            dh = _with_row(dh, i, dh_i, T)
-            x = _row(a, i, T) * dh_i
-        e = dh * hp
-        dA += tl.sum(e * dt4, axis=0)
-        q = _sum_lanes(tl.sum(dh * B4, axis=1), LANES_N)  # [T, BLOCK_D]
-        s = _sum_lanes(tl.sum(e * A2[None, :, :, :], axis=1), LANES_N)
-        tl.store(dB_part_ptr + bc_ptrs, _sum_channels(dh * dtu4), mask=mask_tn)
-
-        du = q * dt
-        if HAS_D:
-            du += Dv[None, :] * g
-            dD += tl.sum(g * uf, axis=0)
-        ddt = q * uf + s * (1.0 / LOG2E)
-        if DELTA_SOFTPLUS:
-            # softplus'(x) = sigmoid(x); it rounds to 1 above torch's threshold of 20, matching
-            # the identity branch there.
-            ddt *= sigmoid_approx(xpre)
-        ddt = tl.where(mask_td, ddt, 0.0)
+    # The slice's channels, BLOCK_D at a time (the launcher sizes slices to whole blocks; only a
+    # group's last slice may hold fewer). Each block adds its dB/dC sums to the slice's partial.
+    d_start = pid_s * dim_per_split
+    n_blocks = tl.cdiv(tl.minimum(dim_per_split, dim_per_group - d_start), BLOCK_D)
+    for blk in range(0, n_blocks):
+        offs_dl = d_start + blk * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_d = pid_g * dim_per_group + offs_dl
+        mask_d = offs_dl < dim_per_group
+        offs_d3 = offs_d[None, :, None]
+        mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]  # [N_PER_THREAD, BLOCK_D, LANES_N]
+        A2 = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
+                     other=0.0).to(tl.float32) * LOG2E
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
         if HAS_DELTA_BIAS:
-            ddb += tl.sum(ddt, axis=0)
-        tl.store(du_ptr + offs_t[:, None] * stride_du_l + offs_d[None, :] * stride_du_d,
-                 du.to(du_ptr.dtype.element_ty), mask=mask_td)
-        tl.store(ddelta_ptr + offs_t[:, None] * stride_ddelta_l + offs_d[None, :] * stride_ddelta_d,
-                 ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_td)
+            bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        Dv = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if HAS_D:
+            Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        # Workspaces and partials are contiguous, allocated by the launcher.
+        ws = ((pid_b * n_chunks + pid_c) * dim + offs_d3) * N + offs_n3  # [N_PER_THREAD, BLOCK_D, LANES_N]
+        part_off = (pid_b * n_chunks + pid_c) * dim + offs_d
 
-    tl.store(dA_part_ptr + ws, dA, mask=mask_dn)
-    if HAS_D:
-        tl.store(dD_part_ptr + part_off, dD, mask=mask_d)
-    if HAS_DELTA_BIAS:
-        tl.store(ddb_part_ptr + part_off, ddb, mask=mask_d)
+        # Boundary states enter through a chunk-shaped tile so they take its layout (a plain
+        # load's layout would cost a shared-memory round trip per use; see the forward kernel).
+        h = tl.load(hs_ptr + ws, mask=mask_dn, other=0.0)
+        h = _last_step(tl.broadcast_to(h[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), T)
+        x = tl.load(rs_ptr + ws, mask=mask_dn, other=0.0)
+        x = _last_step(tl.broadcast_to(x[None, :, :, :], [T, N_PER_THREAD, BLOCK_D, LANES_N]), T)
+
+        # Forward walk: the state entering each sub-chunk, row k of h_in.
+        h_in = tl.zeros([SUB, N_PER_THREAD, BLOCK_D, LANES_N], dtype=tl.float32)
+        for k in range(0, n_sub):
+            h_in = _with_row(h_in, k, h, SUB)
+            offs_t = t_chunk + k * T + tl.arange(0, T)
+            mask_t = offs_t < L
+            mask_td = mask_t[:, None] & mask_d[None, :]
+            mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
+            dt, _, uf, Bf = _serial_steps(delta_ptr, u_ptr, B_ptr, bias, offs_t, offs_d, offs_bn, mask_t, mask_td,
+                                          mask_tn, stride_delta_d, stride_delta_l, stride_u_d, stride_u_l,
+                                          stride_B_n, stride_B_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+            a = tl.exp2(dt[:, None, :, None] * A2[None, :, :, :])
+            b = (dt * uf)[:, None, :, None] * Bf[:, :, None, :]
+            b = tl.where(rows == 0, a * h[None, :, :, :] + b, b)
+            _, hk = tl.associative_scan((a, b), 0, linear_combine)
+            h = _last_step(hk, T)
+
+        # Backward walk. x is the carry a_{t+1} * dL/dh_{t+1}: rs holds it for the chunk's last
+        # step (dL/dh at the chunk's end from later chunks, their decay included). Padded steps
+        # have delta = 0 and dy = 0: decay 1, no input, so x reaches the last real step unchanged.
+        dA = tl.zeros([N_PER_THREAD, BLOCK_D, LANES_N], dtype=tl.float32)
+        dD = tl.zeros([BLOCK_D], dtype=tl.float32)
+        ddb = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for kk in range(0, n_sub):
+            k = n_sub - 1 - kk
+            offs_t = t_chunk + k * T + tl.arange(0, T)
+            mask_t = offs_t < L
+            mask_td = mask_t[:, None] & mask_d[None, :]
+            mask_tn = mask_t[:, None, None] & mask_bn[None, :, :]
+            dt, xpre, uf, Bf = _serial_steps(delta_ptr, u_ptr, B_ptr, bias, offs_t, offs_d, offs_bn, mask_t,
+                                             mask_td, mask_tn, stride_delta_d, stride_delta_l, stride_u_d,
+                                             stride_u_l, stride_B_n, stride_B_l, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+            dy = _load_steps(dy_ptr, offs_t, offs_d, mask_td, stride_dy_d, stride_dy_l)
+            if HAS_Z:
+                z = _load_steps(z_ptr, offs_t, offs_d, mask_td, stride_z_d, stride_z_l)
+                sig_z = sigmoid_approx(z)
+                g = dy * z * sig_z
+            else:
+                g = dy
+            Cf = tl.load(C_ptr + offs_t[:, None, None] * stride_C_l + offs_bn[None, :, :] * stride_C_n,
+                         mask=mask_tn, other=0.0).to(tl.float32)
+            # B and C are 0 wherever masked, so each stands in for the other's zeros: the same
+            # guard against Triton <= 3.6 widening them on every lane as in the forward kernel.
+            Bf, Cf = tl.where(mask_tn, Bf, Cf), tl.where(mask_tn, Cf, Bf)
+            dtu = dt * uf
+            B4 = Bf[:, :, None, :]
+            dt4, dtu4, g4 = dt[:, None, :, None], dtu[:, None, :, None], g[:, None, :, None]
+            a = tl.exp2(dt4 * A2[None, :, :, :])
+            b = dtu4 * B4
+            _, hk = tl.associative_scan((a, tl.where(rows == 0, a * _row(h_in, k, SUB)[None, :, :, :] + b, b)),
+                                       0, linear_combine)
+            # Everything that needs h but not dh first, so that h, C and the gate die before the
+            # adjoint (register pressure): h_t - b_t = a_t * h_{t-1} (the decay's input), the dC
+            # contribution h * g, and the pre-gate y for dz.
+            hp = hk - b
+            bc_ptrs = bc_part + offs_bn[None, :, :] * L + offs_t[:, None, None]  # [T, N_PER_THREAD, LANES_N]
+            _add_block_sum(dC_part_ptr + bc_ptrs, _sum_channels(hk * g4), mask_tn, blk)
+            if HAS_Z:
+                y = _sum_lanes(tl.sum(hk * Cf[:, :, None, :], axis=1), LANES_N) + Dv[None, :] * uf
+                dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
+                tl.store(dz_ptr + offs_t[:, None] * stride_dz_l + offs_d[None, :] * stride_dz_d,
+                         dz.to(dz_ptr.dtype.element_ty), mask=mask_td)
+            # The adjoint, last step first: dh_t = x + C_t g_t, then x = a_t dh_t for step t - 1.
+            dh = g4 * Cf[:, :, None, :]
+            for j in tl.static_range(T):
+                i = T - 1 - j
+                dh_i = x + _row(dh, i, T)
+                dh = _with_row(dh, i, dh_i, T)
+                x = _row(a, i, T) * dh_i
+            e = dh * hp
+            dA += tl.sum(e * dt4, axis=0)
+            q = _sum_lanes(tl.sum(dh * B4, axis=1), LANES_N)  # [T, BLOCK_D]
+            s = _sum_lanes(tl.sum(e * A2[None, :, :, :], axis=1), LANES_N)
+            _add_block_sum(dB_part_ptr + bc_ptrs, _sum_channels(dh * dtu4), mask_tn, blk)
+
+            du = q * dt
+            if HAS_D:
+                du += Dv[None, :] * g
+                dD += tl.sum(g * uf, axis=0)
+            ddt = q * uf + s * (1.0 / LOG2E)
+            if DELTA_SOFTPLUS:
+                # softplus'(x) = sigmoid(x); it rounds to 1 above torch's threshold of 20,
+                # matching the identity branch there.
+                ddt *= sigmoid_approx(xpre)
+            ddt = tl.where(mask_td, ddt, 0.0)
+            if HAS_DELTA_BIAS:
+                ddb += tl.sum(ddt, axis=0)
+            tl.store(du_ptr + offs_t[:, None] * stride_du_l + offs_d[None, :] * stride_du_d,
+                     du.to(du_ptr.dtype.element_ty), mask=mask_td)
+            tl.store(ddelta_ptr + offs_t[:, None] * stride_ddelta_l + offs_d[None, :] * stride_ddelta_d,
+                     ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_td)
+
+        tl.store(dA_part_ptr + ws, dA, mask=mask_dn)
+        if HAS_D:
+            tl.store(dD_part_ptr + part_off, dD, mask=mask_d)
+        if HAS_DELTA_BIAS:
+            tl.store(ddb_part_ptr + part_off, ddb, mask=mask_d)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -1034,7 +1057,8 @@ class Tiles(NamedTuple):
     block_d: int  # channels per loop step in the chunk kernel
     num_splits: int  # slices of each group's channels, one chunk-kernel program each
     num_warps: int
-    # Chunk-kernel loop order; the launcher picks "nblock" for large grids (choose_tiles).
+    # Chunk-kernel loop order; the launcher picks "serial" where N <= 16, else "nblock" for large
+    # grids and "column" for small ones (choose_tiles).
     # "column": channels outer, one state column at a time inner, dB/dC summed over channels
     # by read-modify-write of partial rows (``_chunk_bwd_kernel``).
     # "nblock": blocks of ``nb`` columns outer, channels inner, dB/dC summed in registers
@@ -1050,6 +1074,9 @@ class Tiles(NamedTuple):
     # activations, 0 otherwise (H200 run 15, batch 8 L=2048: fp32 2.605 -> 2.522 ms with it, bf16
     # 2.354 -> 2.383). A hint: off the GPU always 0, the interpreter has no inline assembly.
     prefetch: Optional[int] = None
+    # "serial": run on L-major copies of channel-innermost activations (as the other variants
+    # always do). None: from _STAGE_MIN_CELLS (chunk, batch, group) cells on (see choose_tiles).
+    stage: Optional[bool] = None
 
 
 _VARIANTS = ("column", "nblock", "serial")
@@ -1062,6 +1089,15 @@ _VARIANTS = ("column", "nblock", "serial")
 # which Triton 3.9 compiles for sm_90 in 252 registers without spills.
 _SERIAL_STEPS = 8
 _SERIAL_CHUNK = 64
+# One warp, 8 channels a block (N = 16): at ~252 registers 1, 2 and 4 warps all keep 8 warps an
+# SM resident, and the smaller block's channel sums are shorter. H200 run 23, B8 L2048 L-major
+# fp32 (call 2, a block per program): 1.722 ms with 1 warp, 1.901 with 2, 2.367 with 4, 5.886 with 8.
+_SERIAL_WARPS = 1
+# Resident "serial" warps per SM (~252 registers a thread: 8 warps), and the waves of programs
+# its grid aims for. Run 23 call 6, B8 L2048 fp32, one warp: 8, 16 (this default), 32 and 64
+# slices 1.763-1.770 ms, 192 (a block per program, 400 MB of dB/dC partials) 1.794.
+_SERIAL_WARPS_PER_SM = 8
+_SERIAL_WAVES = 4
 # Sub-chunks per chunk at most: their entry states are the rows of one register tile.
 _SERIAL_SUB = 16
 _SERIAL_MAX_N = 16
@@ -1076,8 +1112,9 @@ _NBLOCK_GROUP_D = 8
 # the waves of them its grid aims for.
 _NBLOCK_WARPS_PER_SM = 8
 _NBLOCK_WAVES = 4
-# Fewest (chunk, batch, group) cells for which the launcher picks "nblock" (see choose_tiles).
-_NBLOCK_MIN_CELLS = 16
+# Fewest (chunk, batch, group) cells from which "serial" works on L-major copies of
+# channel-innermost activations (see choose_tiles).
+_STAGE_MIN_CELLS = 16
 
 
 def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.device, **overrides) -> Tiles:
@@ -1104,19 +1141,34 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
     # 0.419 vs 0.499 and 0.482 vs 0.569). At 4 and 8 cells (batch 1 L=512, batch 8 L=128) the
     # two are within 5 % of GPU time on L-major input, and "serial", which needs no staging
     # copies, is 1.5-2x faster host-launched on channel-innermost input: the threshold is 16.
+    # Run 23 (calls 2 and 6, Triton 3.6, CUDA-graph ms), after the serial kernel's sums became
+    # halvings and its programs walk slices of channel blocks: one-warp "serial" beats "nblock" at
+    # every measured shape. Batch 8 L=2048 L-major bf16 1.636 vs 1.949, fp32 1.761 vs 2.169;
+    # channel-innermost (both staged) 1.819 vs 2.135 and 2.116 vs 2.528; batch 1 L=2048 bf16
+    # 0.224 vs 0.272; batch 8 L=128 bf16 0.128 vs 0.169; batch 1 L=512 0.076 vs 0.091. Reading
+    # channel-innermost [steps, channels] tiles as they are is slower than its L-major time plus
+    # the staging copies at batch 8 L=2048 (2 warps: 2.465 vs 1.984 ms bf16), within 0.01 ms
+    # below 16 cells, where the copies' host time counts: from 16 cells it stages.
     prefetch = overrides.get("prefetch")
     if prefetch not in (None, 0, 1, 2):
         raise ValueError(f"selective_scan_bwd: tiles prefetch must be 0, 1 (L1) or 2 (L2), got {prefetch!r}")
     variant = overrides.get("variant")
     if not variant:
-        if n_chunks * batch * G >= _NBLOCK_MIN_CELLS:
-            variant = "nblock"
+        if N <= _SERIAL_MAX_N:
+            variant = "serial"
         else:
-            variant = "serial" if _serial_fits(dim_per_group, N) else "column"
+            variant = "nblock" if n_chunks * batch * G >= _STAGE_MIN_CELLS else "column"
     if variant not in _VARIANTS:
         raise ValueError(f"selective_scan_bwd: tiles variant must be one of {_VARIANTS}, got {variant!r}")
+    stage = overrides.get("stage")
     if variant == "serial":
-        return _serial_tiles(dim_per_group, L, N, overrides)
+        tiles = _serial_tiles(batch, dim_per_group, L, N, G, sms, overrides)
+        if stage is None:
+            stage = triton.cdiv(L, tiles.chunk) * batch * G >= _STAGE_MIN_CELLS
+        return tiles._replace(stage=stage)
+    if stage is False:
+        raise ValueError(f"selective_scan_bwd: tiles stage=False needs variant 'serial' (variant {variant!r} "
+                         "reads L-major rows only)")
     if variant == "nblock":
         nb = overrides.get("nb") or min(4, triton.next_power_of_2(N))
         if nb & (nb - 1):
@@ -1149,6 +1201,7 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         nb=nb,
         group_d=group_d,
         prefetch=prefetch,
+        stage=True,
     )
 
 
@@ -1191,20 +1244,14 @@ def _prefetch_level(prefetch: Optional[int], u: torch.Tensor) -> int:
 _default_tiles = functools.lru_cache(maxsize=1024)(choose_tiles)
 
 
-def _serial_fits(dim_per_group: int, N: int) -> bool:
-    """Whether "serial" takes this shape at its default tiles (see ``_serial_tiles``)."""
-    return (N <= _SERIAL_MAX_N
-            and dim_per_group // _serial_block_d(dim_per_group, _serial_lanes_n(N), 4) <= _max_splits(dim_per_group))
-
-
 def _serial_lanes_n(N: int) -> int:
     return min(triton.next_power_of_2(N), 4)
 
 
 def _serial_block_d(dim_per_group: int, lanes_n: int, num_warps: int) -> int:
-    # One program's channels stay inside one group (one B/C tile) and tile it exactly: the
-    # largest power of two dividing dim_per_group (x & -x), at most one channel per lane group.
-    return min((32 // lanes_n) * num_warps, dim_per_group & -dim_per_group)
+    # One channel per lane group; a group's last block may be ragged (masked), never crossing
+    # into the next group (one B/C tile per program).
+    return min((32 // lanes_n) * num_warps, triton.next_power_of_2(dim_per_group))
 
 
 def _max_splits(dim_per_group: int) -> int:
@@ -1214,7 +1261,7 @@ def _max_splits(dim_per_group: int) -> int:
     return max(1, dim_per_group // 8)
 
 
-def _serial_tiles(dim_per_group: int, L: int, N: int, overrides: dict) -> Tiles:
+def _serial_tiles(batch: int, dim_per_group: int, L: int, N: int, G: int, sms: int, overrides: dict) -> Tiles:
     if N > _SERIAL_MAX_N:
         raise ValueError(f"selective_scan_bwd: tiles variant 'serial' supports N <= {_SERIAL_MAX_N}, got N={N}")
     steps = overrides.get("steps") or _SERIAL_STEPS
@@ -1226,21 +1273,31 @@ def _serial_tiles(dim_per_group: int, L: int, N: int, overrides: dict) -> Tiles:
         raise ValueError(f"selective_scan_bwd: tiles chunk for variant 'serial' must be a power of two in "
                          f"[steps, steps * {_SERIAL_SUB}] = [{steps}, {steps * _SERIAL_SUB}], got {chunk}")
     lanes_n = _serial_lanes_n(N)
-    num_warps = overrides.get("num_warps") or 4
+    num_warps = overrides.get("num_warps") or _SERIAL_WARPS
     block_d = overrides.get("block_d") or _serial_block_d(dim_per_group, lanes_n, num_warps)
-    if block_d & (block_d - 1) or dim_per_group % block_d:
-        raise ValueError(f"selective_scan_bwd: tiles block_d for variant 'serial' must be a power of two dividing "
-                         f"the channels per group ({dim_per_group}), got {block_d}")
-    if dim_per_group // block_d > _max_splits(dim_per_group):
-        raise ValueError(f"selective_scan_bwd: tiles block_d={block_d} for variant 'serial' would give "
-                         f"{dim_per_group // block_d} dB/dC partials for {dim_per_group} channels per group "
-                         f"(at most {_max_splits(dim_per_group)}: the partials must stay far below a "
-                         f"(batch, dim, L, N) tensor); use variant 'column' or 'nblock'")
+    if block_d & (block_d - 1):
+        raise ValueError(f"selective_scan_bwd: tiles block_d for variant 'serial' must be a power of two, "
+                         f"got {block_d}")
     num_warps = max(1, min(num_warps, block_d * lanes_n // 32))
+    blocks = triton.cdiv(dim_per_group, block_d)
+    splits = overrides.get("num_splits")
+    if splits is None:
+        # Whole waves of resident programs (rounded down, as for "nblock"), no more slices than
+        # that: each slice's dB/dC partial costs a write in the chunk kernel and a read in the
+        # final sum, ~4 MB a slice at batch 8, L=2048, N=16.
+        cells = triton.cdiv(L, chunk) * batch * G
+        splits = max(1, _SERIAL_WAVES * (_SERIAL_WARPS_PER_SM * sms // num_warps) // cells)
+        splits = min(splits, blocks, _max_splits(dim_per_group))
+    elif not 1 <= splits <= _max_splits(dim_per_group):
+        raise ValueError(f"selective_scan_bwd: tiles num_splits={splits} for variant 'serial' must be in [1, "
+                         f"{_max_splits(dim_per_group)}] for {dim_per_group} channels per group: each slice has "
+                         f"a dB/dC partial, and they must stay far below a (batch, dim, L, N) tensor")
+    # Each slice is a whole number of channel blocks, so only a group's last slice is short.
+    per_split = triton.cdiv(blocks, splits) * block_d
     return Tiles(
         chunk=chunk,
         block_d=block_d,
-        num_splits=dim_per_group // block_d,
+        num_splits=triton.cdiv(dim_per_group, per_split),
         num_warps=num_warps,
         variant="serial",
         steps=steps,
@@ -1340,8 +1397,7 @@ def selective_scan_bwd(
         cfg = choose_tiles(batch, dim, L, N, G, u.device, **tiles)
     else:
         cfg = _default_tiles(batch, dim, L, N, G, u.device)
-    if cfg.variant != "serial":
-        # "serial" loads [steps, channels] tiles, coalesced in either layout.
+    if cfg.stage:
         dy, u, delta, z = _l_major(dy), _l_major(u), _l_major(delta), _l_major(z)
     n_chunks = triton.cdiv(L, cfg.chunk)
     num_splits = cfg.num_splits
@@ -1401,7 +1457,7 @@ def selective_scan_bwd(
         _chunk_bwd_serial_kernel[(n_chunks, batch, G * num_splits)](
             dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part,
-            batch, dim, L, N, G, n_chunks, dim_per_group, num_splits,
+            batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
             *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
             *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
             DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
