@@ -207,21 +207,20 @@ SWEEP = [
     dict(variant="nblock", nb=8, num_warps=2),  # 255 regs (24 B stack), 77/elt, cross-warp sums
     dict(variant="nblock", nb=16, num_warps=4),  # 255 regs, 168 B spilled, 93/elt, one block
     # Variant "serial" (NOTES "Serial"): the forward kernel's tiles, time inside each thread, a
-    # forward walk to the sub-chunk entry states and a backward walk. sm_90 SASS, triton 3.6:
-    dict(variant="serial"),  # steps 4, chunk 64: 254 regs, ~98 instr/elt over both walks
-    dict(variant="serial", chunk=32),  # 244 regs, ~86/elt, twice the chunks
-    dict(variant="serial", chunk=16),  # 228 regs, ~80/elt, 4x the chunks (workspace = 1x fp32 u)
+    # forward walk to the sub-chunk entry states and a backward walk; 8 steps, chunks of 64.
+    # Run 23: 2 warps (16 channels a block) 1.915 ms fp32, 4 warps 2.371, 8 warps 5.886, one
+    # block per program. Now a program walks the blocks of its slice of channels, adding dB/dC
+    # into the slice's partial: the slices (num_splits; 1536 channels = 192 blocks of 8 at one
+    # warp, 96 of 16 at two) trade the partials' traffic against fewer, longer programs.
+    dict(variant="serial", num_warps=1),
+    dict(variant="serial", num_warps=1, num_splits=192),
+    dict(variant="serial", num_warps=1, num_splits=64),
+    dict(variant="serial", num_warps=1, num_splits=32),
+    dict(variant="serial", num_warps=1, num_splits=8),
     dict(variant="serial", num_warps=2),
-    dict(variant="serial", num_warps=8),
-    dict(variant="serial", steps=8, chunk=64),  # 255 regs and 192 B of spills; 62/elt
-    # Batch 1 (--sweep-batch 1), where "serial" is the default and the GPU time is ~70 % its
-    # chunk kernel (run 14): longer or shorter chunks, fewer warps. (The chunk-state kernel's
-    # tiles: bench_chunk_state.py.)
-    dict(variant="serial", steps=8, chunk=128),
-    dict(variant="serial", steps=8, chunk=32),
-    dict(variant="serial", steps=8, chunk=64, num_warps=2),
-    dict(variant="serial", steps=8, chunk=64, num_warps=8),
-    dict(variant="serial", steps=4, chunk=32, num_warps=2),
+    dict(variant="serial", num_warps=2, num_splits=96),
+    dict(variant="serial", num_warps=2, num_splits=32),
+    dict(variant="serial", num_warps=2, num_splits=16),
 ]
 # bf16 re-times this many of the fastest fp32 candidates.
 SWEEP_BF16_TOP = 4
@@ -286,8 +285,11 @@ def channel_innermost(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-LAYOUT_CANDIDATES = [{}, dict(variant="column"), dict(variant="nblock"), dict(variant="serial", steps=8, chunk=64),
-                     dict(variant="serial", steps=8, chunk=64, num_warps=2)]
+# The default ("serial", staged from 16 cells on; run 23), the chunk kernel it replaced, and
+# "serial" on one and two warps. (Run 23's "serial" with stage=False on channel-innermost rows:
+# 2.465 against 1.984 ms staged, bf16 batch 8 L=2048; within 0.01 ms below 16 cells.)
+LAYOUT_CANDIDATES = [{}, dict(variant="nblock"), dict(variant="serial", num_warps=1),
+                     dict(variant="serial", num_warps=2)]
 # Training shapes of the 130m model (batch 8; L=128 is the host-bound case) and batch 1.
 LAYOUT_SHAPES = ((8, 2048), (1, 2048), (8, 128), (1, 512))
 
@@ -295,9 +297,10 @@ LAYOUT_SHAPES = ((8, 2048), (1, 2048), (8, 128), (1, 512))
 def layouts_table(notes):
     """Backward time with L-major and channel-innermost activations, per chunk-kernel variant.
 
-    "nblock"/"column" stage L-major copies of channel-innermost u, delta, z and dy (and copy the
-    gradients back); "serial" loads [steps, channels] tiles, coalesced in either layout. This
-    table says whether that saving pays for its slower kernel at training shapes.
+    "nblock"/"column" always stage L-major copies of channel-innermost u, delta, z and dy (and
+    copy the gradients back); "serial" can also load [steps, channels] tiles of either layout
+    as they are (stage=False). This table says where skipping the copies pays for the slower
+    loads, at training shapes.
     """
     rows = []
     for batch, L in LAYOUT_SHAPES:

@@ -86,6 +86,9 @@ for s in "$@"; do
         # The end-to-end forward per backend option set, interleaved (PROBE_VARIANTS: names in the script).
         e2eopts) step e2eopts python3 benchmarks/probe_e2e_options.py --len ${PROBE_LEN:-2048} --repeats ${PROBE_REPEATS:-3} \
                       --variants ${PROBE_VARIANTS:-default} ;;
+        # The training step per scan-backward tile choice, interleaved (BWD_VARIANTS in the script).
+        trainopts) step trainopts python3 benchmarks/probe_e2e_options.py --train --len ${PROBE_LEN:-2048} \
+                       --repeats ${PROBE_REPEATS:-3} --variants ${TRAIN_VARIANTS:-default bwd_nblock bwd_serial_unstaged} ;;
         *) echo "unknown step $s" ;;
     esac
 done

@@ -33,6 +33,35 @@ VARIANTS = {
     "combo_kernels": {"inductor_config": {"combo_kernels": True}},
     "combo_kernels, mixed sizes": {"inductor_config": {"combo_kernels": True, "combo_kernel_allow_mixed_sizes": 2}},
 }
+# name -> the scan backward's tiles (``triton_bwd.choose_tiles`` overrides) in place of the
+# launcher's defaults, default backend options; --train only (a forward never runs the backward).
+BWD_VARIANTS = {
+    # The chunk kernel the launcher took at batch 8 before run 23 (on L-major copies).
+    "bwd_nblock": {"variant": "nblock"},
+    # "serial" reading HF's channel-innermost rows as they are, without the L-major copies.
+    "bwd_serial_unstaged": {"variant": "serial", "stage": False},
+    # Run 23 call 4's "serial": two warps, a block of 16 channels per program (dim 1536).
+    "bwd_serial_2w_block": {"variant": "serial", "num_warps": 2, "num_splits": 96},
+}
+
+
+def with_bwd_tiles(step, tiles):
+    """``step`` with the scan backward's default tiles replaced by ``tiles`` during each call."""
+    import functools
+
+    from ssm_compile.kernels.selective_scan import triton_bwd
+
+    # Cached as the launcher's own choice is, so the variant pays no extra host time.
+    forced = functools.lru_cache(maxsize=None)(lambda *shape: triton_bwd.choose_tiles(*shape, **tiles))
+
+    def run():
+        saved, triton_bwd._default_tiles = triton_bwd._default_tiles, forced
+        try:
+            return step()
+        finally:
+            triton_bwd._default_tiles = saved
+
+    return run
 
 
 def kernels_per_forward(model, ids, options) -> tuple[int, float]:
@@ -56,10 +85,12 @@ def train_rounds(args, variants):
     training row), interleaved ``--repeats`` rounds; each variant trains its own copy."""
     ids = torch.randint(0, VOCAB, (args.batch, args.len), device="cuda")
     steps, times = {}, {name: [] for name in variants}
-    for name, options in variants.items():
+    for name in variants:
         torch._dynamo.reset()
         net = build(True, torch.bfloat16).train()
-        step = train_step_ms(net, torch.compile(net, backend=ssm_compile.backend(**options)), ids)
+        step = train_step_ms(net, torch.compile(net, backend=ssm_compile.backend(**VARIANTS.get(name, {}))), ids)
+        if name in BWD_VARIANTS:
+            step = with_bwd_tiles(step, BWD_VARIANTS[name])
         step()
         steps[name] = step
         print(f"{name}: compiled", flush=True)
@@ -82,12 +113,15 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train", action="store_true",
                    help="time a training step (forward, backward, AdamW) per variant instead")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                   help="which variants to run (the first is the reference for the logit difference)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS) + list(BWD_VARIANTS),
+                   help="which variants to run (the first is the reference for the logit difference); "
+                        f"{', '.join(BWD_VARIANTS)} with --train only")
     args = p.parse_args()
-    variants = {name: VARIANTS[name] for name in args.variants}
     if args.train:
-        return train_rounds(args, variants)
+        return train_rounds(args, args.variants)
+    if set(args.variants) & set(BWD_VARIANTS):
+        p.error(f"{', '.join(BWD_VARIANTS)} change the backward: pass --train")
+    variants = {name: VARIANTS[name] for name in args.variants}
     model = build(True, torch.bfloat16).eval()
     ids = torch.randint(0, VOCAB, (args.batch, args.len), device="cuda")
     compiled, outputs, times, counts = {}, {}, {name: [] for name in variants}, {}

@@ -1,7 +1,7 @@
 """Compile the backward's "serial" chunk kernel for sm_90 without a GPU and count its SASS.
 
     python benchmarks/sass_scan_bwd_serial.py [--dtype bf16|fp32] [--layout dense|hf]
-        [--steps 8] [--chunk 64] [--block-d 32] [--warps 4] [--maxnreg R] [--dump out.sass]
+        [--steps 8] [--chunk 64] [--block-d 8] [--warps 1] [--maxnreg R] [--dump out.sass]
 
 Prints registers, spills and the opcode mix of the longest loop body (the backward walk over a
 sub-chunk), as ``sass_scan_fwd.py`` does for the forward: the offline check of a kernel change
@@ -40,8 +40,8 @@ def main():
     p.add_argument("--layout", default="dense", choices=("dense", "hf"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--block-d", type=int, default=32)
-    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--block-d", type=int, default=8)
+    p.add_argument("--warps", type=int, default=1)
     p.add_argument("--maxnreg", type=int, default=None)
     p.add_argument("--dump", default=None)
     args = p.parse_args()

@@ -108,19 +108,21 @@ def sass_of(cubin: bytes) -> tuple[str, str]:
 
 
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """Opcode counts of the longest loop body: from a backward branch's target to the branch."""
+    """Opcode counts of the longest innermost loop body: from a backward branch's target to the
+    branch, with no other backward branch inside (an outer loop, such as the serial backward's
+    walk over channel blocks, would count its inner loops' bodies too)."""
     inst = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             inst.append((int(m.group(1), 16), m.group(2)))
-    best = (0, -1)
+    loops = []
     for i, (addr, text) in enumerate(inst):
         m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            j = next(k for k, (a, _) in enumerate(inst) if a >= int(m.group(1), 16))
-            if i - j > best[1] - best[0]:
-                best = (j, i)
+            loops.append((next(k for k, (a, _) in enumerate(inst) if a >= int(m.group(1), 16)), i))
+    innermost = [(j, i) for j, i in loops if not any(j <= i2 < i for _, i2 in loops)]
+    best = max(innermost, key=lambda loop: loop[1] - loop[0], default=(0, -1))
     mix = collections.Counter()
     for _, text in inst[best[0]:best[1] + 1]:
         op = re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0].split(".")[0]
