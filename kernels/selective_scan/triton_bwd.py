@@ -793,10 +793,11 @@ def _add_block_sum(ptrs, v, mask, blk):
     """Store ``v``, a channel block's dB or dC sums, into the slice's partial; from the second
     block on, add it to what the blocks before stored there.
 
-    The same threads load and store (one tile layout), but a tile may be replicated across
-    threads: the barrier between the loads and the stores keeps a replica's store of this block's
-    sum from reaching another replica's load, which would then add it twice. A fixed block order
-    keeps the sums deterministic.
+    A tile may be replicated across threads, and the threads that load an element need not be
+    the ones that store it: the barrier puts every thread's load of this block before any
+    thread's store of it, so no element gets this block's sum twice. (The barrier at the top of
+    each block puts the blocks before's stores ahead of these loads.) A fixed block order keeps
+    the sums deterministic.
     """
     prev = tl.load(ptrs, mask=mask & (blk > 0), other=0.0)
     tl.debug_barrier()
@@ -907,6 +908,9 @@ def _chunk_bwd_serial_kernel(
     d_start = pid_s * dim_per_split
     n_blocks = tl.cdiv(tl.minimum(dim_per_split, dim_per_group - d_start), BLOCK_D)
     for blk in range(0, n_blocks):
+        # The previous block's stores to the slice's dB/dC rows reach this block's loads of them
+        # (``_add_block_sum``) whichever threads made them.
+        tl.debug_barrier()
         offs_dl = d_start + blk * BLOCK_D + tl.arange(0, BLOCK_D)
         offs_d = pid_g * dim_per_group + offs_dl
         mask_d = offs_dl < dim_per_group
