@@ -1188,9 +1188,8 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
         block_d = overrides.get("block_d") or min(_BLOCK_D, dpg)
         num_warps = overrides.get("num_warps") or _warps_for(block_d * chunk, _STEPS)
     if variant == "nblock":
-        # ~250 registers: 8 one-warp programs per SM. Whole waves (rounded down, so no last wave
-        # of a few programs doubles the time), several of them to even out the programs' ends.
-        fill = max(1, _NBLOCK_WAVES * (_NBLOCK_WARPS_PER_SM * sms // num_warps) // (n_chunks * batch * G))
+        # ~250 registers: 8 one-warp programs per SM.
+        fill = _slices_for_waves(_NBLOCK_WAVES, _NBLOCK_WARPS_PER_SM * sms // num_warps, n_chunks * batch * G)
     else:
         fill = triton.cdiv(_WARPS_PER_SM * sms, num_warps * n_chunks * batch * G)
     splits = overrides.get("num_splits") or min(fill, triton.cdiv(dim_per_group, block_d), _max_splits(dim_per_group))
@@ -1258,6 +1257,13 @@ def _serial_block_d(dim_per_group: int, lanes_n: int, num_warps: int) -> int:
     return min((32 // lanes_n) * num_warps, triton.next_power_of_2(dim_per_group))
 
 
+def _slices_for_waves(waves: int, resident: int, cells: int) -> int:
+    """Channel slices per (chunk, batch, group) cell for ``waves`` whole waves of ``resident``
+    programs: rounded down, so that no last wave of a few programs doubles the time; several
+    waves even out the programs' ends."""
+    return max(1, waves * resident // cells)
+
+
 def _max_splits(dim_per_group: int) -> int:
     # dB/dC are reduced through one (batch, G, N, L) partial per channel slice. Capping the
     # slices at an eighth of the channels keeps those partials far below a (batch, dim, L, N)
@@ -1289,8 +1295,8 @@ def _serial_tiles(batch: int, dim_per_group: int, L: int, N: int, G: int, sms: i
         # Whole waves of resident programs (rounded down, as for "nblock"), no more slices than
         # that: each slice's dB/dC partial costs a write in the chunk kernel and a read in the
         # final sum, ~4 MB a slice at batch 8, L=2048, N=16.
-        cells = triton.cdiv(L, chunk) * batch * G
-        splits = max(1, _SERIAL_WAVES * (_SERIAL_WARPS_PER_SM * sms // num_warps) // cells)
+        splits = _slices_for_waves(_SERIAL_WAVES, _SERIAL_WARPS_PER_SM * sms // num_warps,
+                                   triton.cdiv(L, chunk) * batch * G)
         splits = min(splits, blocks, _max_splits(dim_per_group))
     elif not 1 <= splits <= _max_splits(dim_per_group):
         raise ValueError(f"selective_scan_bwd: tiles num_splits={splits} for variant 'serial' must be in [1, "
