@@ -1089,8 +1089,9 @@ _VARIANTS = ("column", "nblock", "serial")
 # H200, triton 3.6 (bench_scan_bwd.py --sweep, B8 L2048 fp32): steps 8 / chunk 64 2.90 ms, steps 4
 # with 2 warps 3.09, steps 4 / chunk 64 3.71, / chunk 32 4.00, / chunk 16 4.77 (more chunks: a
 # longer serial state pass, larger workspaces). Steps 8 was over the register cap there (136 B of
-# spills); those times predate the channel and lane sums by halving (see the kernel's docstring),
-# which Triton 3.9 compiles for sm_90 in 252 registers without spills.
+# spills); those times predate the channel and lane sums by halving (see the kernel's docstring).
+# Triton 3.9 compiles the committed tile (8 channels, one warp) for sm_90 in 255 registers with
+# 24 B of stack in bf16, 8 B in fp32 (benchmarks/sass_scan_bwd_serial.py).
 _SERIAL_STEPS = 8
 _SERIAL_CHUNK = 64
 # One warp, 8 channels a block (N = 16): at ~252 registers 1, 2 and 4 warps all keep 8 warps an
@@ -1164,13 +1165,9 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
             variant = "nblock" if n_chunks * batch * G >= _STAGE_MIN_CELLS else "column"
     if variant not in _VARIANTS:
         raise ValueError(f"selective_scan_bwd: tiles variant must be one of {_VARIANTS}, got {variant!r}")
-    stage = overrides.get("stage")
     if variant == "serial":
-        tiles = _serial_tiles(batch, dim_per_group, L, N, G, sms, overrides)
-        if stage is None:
-            stage = triton.cdiv(L, tiles.chunk) * batch * G >= _STAGE_MIN_CELLS
-        return tiles._replace(stage=stage)
-    if stage is False:
+        return _serial_tiles(batch, dim_per_group, L, N, G, sms, overrides)
+    if overrides.get("stage") is False:
         raise ValueError(f"selective_scan_bwd: tiles stage=False needs variant 'serial' (variant {variant!r} "
                          "reads L-major rows only)")
     if variant == "nblock":
@@ -1290,13 +1287,13 @@ def _serial_tiles(batch: int, dim_per_group: int, L: int, N: int, G: int, sms: i
                          f"got {block_d}")
     num_warps = max(1, min(num_warps, block_d * lanes_n // 32))
     blocks = triton.cdiv(dim_per_group, block_d)
+    cells = triton.cdiv(L, chunk) * batch * G
     splits = overrides.get("num_splits")
     if splits is None:
         # Whole waves of resident programs (rounded down, as for "nblock"), no more slices than
         # that: each slice's dB/dC partial costs a write in the chunk kernel and a read in the
         # final sum, ~4 MB a slice at batch 8, L=2048, N=16.
-        splits = _slices_for_waves(_SERIAL_WAVES, _SERIAL_WARPS_PER_SM * sms // num_warps,
-                                   triton.cdiv(L, chunk) * batch * G)
+        splits = _slices_for_waves(_SERIAL_WAVES, _SERIAL_WARPS_PER_SM * sms // num_warps, cells)
         splits = min(splits, blocks, _max_splits(dim_per_group))
     elif not 1 <= splits <= _max_splits(dim_per_group):
         raise ValueError(f"selective_scan_bwd: tiles num_splits={splits} for variant 'serial' must be in [1, "
@@ -1312,6 +1309,7 @@ def _serial_tiles(batch: int, dim_per_group: int, L: int, N: int, G: int, sms: i
         variant="serial",
         steps=steps,
         lanes_n=lanes_n,
+        stage=cells >= _STAGE_MIN_CELLS if overrides.get("stage") is None else overrides["stage"],
     )
 
 
