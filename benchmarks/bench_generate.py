@@ -5,7 +5,8 @@ Measures, per configuration and batch size:
 - decode tokens/s: greedy single-token steps continuing from that prefill.
 
 Configurations: ``eager`` (HF's torch fallbacks), ``inductor`` (``torch.compile`` default),
-``ssm`` (``backend="ssm"``) and ``ssm-cg`` (``ssm_compile.backend(mode="reduce-overhead")``,
+``ssm`` (``backend="ssm"``), ``ssm-ops`` (the same with the decode ops kept whole rather than
+inlined into inductor's code) and ``ssm-cg`` (``ssm_compile.backend(mode="reduce-overhead")``,
 CUDA graphs). Every configuration gets the same pre-allocated cache (``static_cache``): HF marks
 cache tensors static only when they are created outside compiled code, which CUDA graphs need,
 and reusing one cache across runs (``cache.reset()``) keeps the graphs' addresses valid.
@@ -54,6 +55,16 @@ def make_forward(model, name):
         return torch.compile(model.forward)
     if name == "ssm":
         return torch.compile(model.forward, backend="ssm")
+    if name == "ssm-ops":
+        # The decode ops kept whole, launched through their own op layer and Triton's run():
+        # the path before the ops' launches were handed to inductor (kernels/decode/op.py).
+        compiled = torch.compile(model.forward, backend="ssm")
+
+        def forward(**kw):
+            with torch._functorch.config.patch(decompose_custom_triton_ops=False):
+                return compiled(**kw)
+
+        return forward
     if name == "ssm-cg":
         return torch.compile(model.forward, backend=ssm_compile.backend(mode="reduce-overhead"))
     raise ValueError(f"unknown config {name!r}")
@@ -118,6 +129,22 @@ def run_config(model, name, batch, prompt, decode_tokens, timed_reps, eager_pref
             decode(tok, 8)
             torch.cuda.synchronize()
         r["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        # The same steps under cProfile: which Python functions (ours, dynamo's guards, Triton's
+        # launcher, inductor's wrapper) the host time is spent in; torch.profiler sees only ops.
+        import cProfile
+        import io
+        import pstats
+
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        decode(tok, 8)
+        torch.cuda.synchronize()
+        prof_py.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(prof_py, stream=out).sort_stats("tottime")
+        stats.print_stats(45)
+        stats.sort_stats("cumulative").print_stats(45)
+        r["profile"] += "\n\ncProfile, 8 decode steps\n" + out.getvalue()
     return r
 
 

@@ -383,3 +383,101 @@ def test_inference_mode_and_no_grad_match_eager():
         with ctx():
             y = decode_op.selective_state_update(**kw)
         assert torch.equal(y, y_eager) and torch.equal(kw["state"], state_eager)
+
+
+def _decode_step(state, conv_state, x, dt, A, B, C, D, z, dt_bias, weight, conv_bias):
+    xc = torch.ops.ssm.causal_conv1d_update(x, conv_state, weight, conv_bias, "silu")
+    return torch.ops.ssm.selective_state_update(state, xc, dt, A, B, C, D, z, dt_bias, True)
+
+
+def _decode_step_inputs(device, batch=2, dim=64, N=16, W=4):
+    inp = make_state_update_inputs(batch, dim, N, 0, torch.bfloat16, True)
+    kw = dict(x=torch.randn(batch, dim).bfloat16(), conv_state=torch.randn(batch, dim, W - 1).bfloat16(),
+              weight=torch.randn(dim, W), conv_bias=torch.randn(dim))
+    args = (inp["state"], kw["conv_state"], kw["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"],
+            inp["dt_bias"], kw["weight"], kw["conv_bias"])
+    return [a.to(device) for a in args]
+
+
+def _traced_decode_step(device):
+    """The decode step as AOTAutograd sees it: traced under ``FunctionalTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # Fake tensors made on the device directly: a fake tensor's .to("cuda") needs a CUDA build.
+    with FakeTensorMode():
+        args = [torch.empty(a.shape, dtype=a.dtype, device=device) for a in _decode_step_inputs("cpu")]
+    gm = make_fx(dispatch_functionalize(_decode_step), tracing_mode="fake")(*args)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    # A mutating op that stays is wrapped: auto_functionalized(op, ...).
+    return {str(n.target) for n in calls} | {str(n.args[0]) for n in calls if "auto_functionalized" in str(n.target)}
+
+
+_TRACE_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_decode_ops as t
+t.decode_op.register()
+print(json.dumps({d: sorted(t._traced_decode_step(d)) for d in ("cuda", "cpu")}))
+"""
+
+
+def test_functionalization_inlines_the_cuda_launches():
+    """On CUDA each decode op becomes its kernel's wrap_triton launch, which inductor compiles
+    and launches itself; on CPU and under the interpreter the op stays (symbolic sizes: the
+    CUDA test below). Traced with fake CUDA tensors, so it runs without a GPU; in a subprocess
+    without TRITON_INTERPRET, which this process's kernels were imported under on CPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    ops = {"ssm.causal_conv1d_update.default", "ssm.selective_state_update.default"}
+    assert "triton_kernel_wrapper_functional" in traced["cuda"]
+    assert not ops & set(traced["cuda"]), traced["cuda"]
+    assert ops <= set(traced["cpu"]) and "triton_kernel_wrapper_functional" not in traced["cpu"]
+    if triton_decode.INTERPRETED:
+        assert ops <= _traced_decode_step("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the tracing test above)")
+def test_inductor_launches_the_decode_kernels_itself():
+    """Under inductor on CUDA the step's kernels are launched from inductor's code, not through
+    the ops, and five steps give eager's outputs and states."""
+    from torch._inductor.utils import run_and_get_code
+
+    eager_args = _decode_step_inputs("cuda")
+    compiled_args = [a.clone() for a in eager_args]
+    compiled = torch.compile(_decode_step, fullgraph=True)
+    for step in range(5):
+        y_e = _decode_step(*eager_args)
+        if step == 0:
+            y_c, codes = run_and_get_code(compiled, *compiled_args)
+            code = "\n".join(codes)
+            assert "_selective_state_update_kernel" in code and "_causal_conv1d_update_kernel" in code
+            assert "torch.ops.ssm." not in code
+        else:
+            y_c = compiled(*compiled_args)
+        assert rel_err(y_c, y_e) < 1e-2  # bf16 outputs: one rounding apart at most
+        assert rel_err(compiled_args[0], eager_args[0]) < 1e-5  # the fp32 state
+        assert torch.equal(compiled_args[1], eager_args[1])  # the conv window is a copy of inputs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the tracing test above)")
+def test_decode_ops_stay_whole_with_dynamic_sizes():
+    """With symbolic sizes the launch sizes cannot be chosen at trace time: the ops stay, and
+    their results are eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    eager_args = _decode_step_inputs("cuda")
+    compiled_args = [a.clone() for a in eager_args]
+    y_e = _decode_step(*eager_args)
+    y_c, codes = run_and_get_code(torch.compile(_decode_step, fullgraph=True, dynamic=True), *compiled_args)
+    assert "torch.ops.ssm.selective_state_update" in "\n".join(codes)
+    assert torch.equal(y_c, y_e) and torch.equal(compiled_args[0], eager_args[0])

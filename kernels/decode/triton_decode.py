@@ -2,13 +2,34 @@
 
 Neither kernel is autotuned: both update their state in place, and autotuning re-runs the
 kernel on the same buffers, which would apply the update several times.
+
+Each launcher takes ``traced``: False launches the kernel now (the ops' CUDA kernels); True
+launches it through ``torch.library.wrap_triton``, which records the launch in a graph being
+traced, so that inductor compiles the launch into its own code (``op.py``'s functionalization
+rule).
 """
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from ..triton_common import LAUNCH_OPTIONS, LOG2E, silu, softplus
+from ..triton_common import _INTERPRETED, LAUNCH_OPTIONS, LOG2E, silu, softplus
 
+# Under TRITON_INTERPRET=1 the kernels are NumPy functions of host memory: a launch cannot be
+# handed to inductor's generated code, so the ops keep their own launches (op.py).
+INTERPRETED = bool(_INTERPRETED)
+
+
+def _launcher(kernel, traced: bool):
+    """``kernel`` itself with the compile options every launch passes, or its traceable wrapper.
+
+    Traced launches leave the options out (wrap_triton takes only kernel arguments and launch
+    sizes), so inductor compiles them with Triton's defaults, whose FMA contraction is on through
+    Triton 3.9, as LAUNCH_OPTIONS asks.
+    """
+    if traced:
+        return wrap_triton(kernel), {}
+    return kernel, LAUNCH_OPTIONS
 
 
 @triton.jit
@@ -75,7 +96,7 @@ def _selective_state_update_kernel(
     tl.store(y_ptr + pid_b * stride_y_b + offs_d * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
-def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> torch.Tensor:
+def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, traced=False) -> torch.Tensor:
     """Launch one recurrence step; ``state`` (batch, dim, N) fp32 is updated in place.
 
     x, dt, z: (batch, dim); A: (dim, N); B, C: (batch, G, N); D, dt_bias: (dim,). Returns y.
@@ -87,7 +108,8 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) ->
     # Keep the state tile near 512 fp32 values per program: larger N means fewer channels each.
     BLOCK_D = max(512 // BLOCK_N, 2)
     grid = (batch, triton.cdiv(dim, BLOCK_D))
-    _selective_state_update_kernel[grid](
+    kernel, options = _launcher(_selective_state_update_kernel, traced)
+    kernel[grid](
         state, x, dt, A, B, C, D, z, dt_bias, y,
         dim, N, dim // G,
         state.stride(0), state.stride(1), state.stride(2),
@@ -109,7 +131,7 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) ->
         BLOCK_D=BLOCK_D,
         BLOCK_N=BLOCK_N,
         num_warps=4 if BLOCK_N <= 64 else 8,
-        **LAUNCH_OPTIONS,
+        **options,
     )
     return y
 
@@ -179,7 +201,7 @@ def _causal_conv1d_update_kernel(
         tl.store(state_base + offs_s * stride_state_s, rolled, mask=mask_ds)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias, activation) -> torch.Tensor:
+def causal_conv1d_update(x, conv_state, weight, bias, activation, traced=False) -> torch.Tensor:
     """Launch T conv steps; ``conv_state`` (batch, dim, S) is rolled left by T in place.
 
     x: (batch, dim, T); weight: (dim, W); bias: (dim,). Returns y (batch, dim, T).
@@ -189,7 +211,8 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation) -> torch.Tenso
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     BLOCK_D = 64
     grid = (batch, triton.cdiv(dim, BLOCK_D))
-    _causal_conv1d_update_kernel[grid](
+    kernel, options = _launcher(_causal_conv1d_update_kernel, traced)
+    kernel[grid](
         x, conv_state, weight, bias, y,
         dim, T, S, W,
         x.stride(0), x.stride(1), x.stride(2),
@@ -203,6 +226,6 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation) -> torch.Tenso
         BLOCK_W=triton.next_power_of_2(W),
         BLOCK_S=min(triton.next_power_of_2(S), 32),
         num_warps=2,
-        **LAUNCH_OPTIONS,
+        **options,
     )
     return y
