@@ -262,23 +262,29 @@ def normalized_graph_str(gm: torch.fx.GraphModule | torch.fx.Graph, with_meta: b
     """Stable text of a graph, for ``assertExpectedInline`` snapshots.
 
     Node names are renumbered per kind in graph order (``exp_1``, ``selective_scan_1``,
-    ``getitem_3``; placeholders ``arg_1``...), so snapshots don't depend on the names dynamo
-    derived from user variables or on how many nodes a pass erased. Placeholders keep their
-    source name (``L_u_``) in brackets. ``with_meta`` appends ``dtype[shape]`` of each value.
+    ``getitem_3``), so snapshots don't depend on the names dynamo derived from intermediate
+    values or on how many nodes a pass erased. Placeholders are named by their source name
+    (``%L_u_``) and listed sorted by it: the order of a frame's inputs in dynamo's graph differs
+    between torch versions (signature order in 2.11, first use in 2.13). ``with_meta`` appends
+    ``dtype[shape]`` of each value.
     """
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     counts: dict[str, int] = {}
     names: dict[torch.fx.Node, str] = {}
     lines = []
-    for node in graph.nodes:
+    placeholders = sorted((n for n in graph.nodes if n.op == "placeholder"), key=lambda n: str(n.target))
+    for node in placeholders + [n for n in graph.nodes if n.op != "placeholder"]:
         if node.op == "output":
             lines.append(f"return {_fmt_arg(node.args[0], names)}")
             continue
-        kind = kind_name(node)
-        counts[kind] = counts.get(kind, 0) + 1
-        names[node] = f"{kind}_{counts[kind]}"
         if node.op == "placeholder":
-            rhs = f"placeholder[{node.target}]"
+            names[node] = str(node.target)
+        else:
+            kind = kind_name(node)
+            counts[kind] = counts.get(kind, 0) + 1
+            names[node] = f"{kind}_{counts[kind]}"
+        if node.op == "placeholder":
+            rhs = "placeholder"
         elif node.op == "get_attr":
             rhs = f"get_attr[{node.target}]"
         else:

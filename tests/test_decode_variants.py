@@ -131,16 +131,16 @@ def test_mamba_ssm_ref_step(opts, dtype):
         # The readout reads the state back after the copy_ and ``out += x * D`` is in place: all
         # of it is one op, which writes the state itself.
         assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_kw_dt_bias_]
-%arg_2 = placeholder[L_kw_dt_]
-%arg_3 = placeholder[L_kw_A_]
-%arg_4 = placeholder[L_kw_B_]
-%arg_5 = placeholder[L_kw_state_]
-%arg_6 = placeholder[L_kw_x_]
-%arg_7 = placeholder[L_kw_C_]
-%arg_8 = placeholder[L_kw_D_]
-%arg_9 = placeholder[L_kw_z_]
-%selective_state_update_1 = torch.ops.ssm.selective_state_update.default(%arg_5, %arg_6, %arg_2, %arg_3, %arg_4, %arg_7, %arg_8, %arg_9, %arg_1, True)
+%L_kw_A_ = placeholder
+%L_kw_B_ = placeholder
+%L_kw_C_ = placeholder
+%L_kw_D_ = placeholder
+%L_kw_dt_ = placeholder
+%L_kw_dt_bias_ = placeholder
+%L_kw_state_ = placeholder
+%L_kw_x_ = placeholder
+%L_kw_z_ = placeholder
+%selective_state_update_1 = torch.ops.ssm.selective_state_update.default(%L_kw_state_, %L_kw_x_, %L_kw_dt_, %L_kw_A_, %L_kw_B_, %L_kw_C_, %L_kw_D_, %L_kw_z_, %L_kw_dt_bias_, True)
 return (%selective_state_update_1,)
 """)
 
@@ -313,11 +313,11 @@ def test_hand_written_conv_step(fn):
         y_c = y_c[0]
     if fn is roll_setitem:
         assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_conv_state_]
-%arg_2 = placeholder[L_x_]
-%arg_3 = placeholder[L_weight_]
-%arg_4 = placeholder[L_bias_]
-%causal_conv1d_update_1 = torch.ops.ssm.causal_conv1d_update.default(%arg_2, %arg_1, %arg_3, %arg_4, 'silu')
+%L_bias_ = placeholder
+%L_conv_state_ = placeholder
+%L_weight_ = placeholder
+%L_x_ = placeholder
+%causal_conv1d_update_1 = torch.ops.ssm.causal_conv1d_update.default(%L_x_, %L_conv_state_, %L_weight_, %L_bias_, 'silu')
 return (%causal_conv1d_update_1,)
 """)
     activation = None if fn in (cat_slice_window, roll_einsum_conv_weight) else "silu"

@@ -320,18 +320,18 @@ def test_fused_override_stops_where_occupancy_would_collapse():
 def test_snapshot_level2():
     cap, _, _ = run_block("level2")
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_x_]
-%arg_2 = placeholder[L_conv_w_]
-%arg_3 = placeholder[L_conv_b_]
-%arg_4 = placeholder[L_x_proj_w_]
-%arg_5 = placeholder[L_dt_w_]
-%arg_6 = placeholder[L_A_]
-%arg_7 = placeholder[L_D_]
-%arg_8 = placeholder[L_z_]
-%arg_9 = placeholder[L_dt_bias_]
-%causal_conv1d_1 = torch.ops.ssm.causal_conv1d(%arg_1, %arg_2, %arg_3, 'silu')
+%L_A_ = placeholder
+%L_D_ = placeholder
+%L_conv_b_ = placeholder
+%L_conv_w_ = placeholder
+%L_dt_bias_ = placeholder
+%L_dt_w_ = placeholder
+%L_x_ = placeholder
+%L_x_proj_w_ = placeholder
+%L_z_ = placeholder
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d(%L_x_, %L_conv_w_, %L_conv_b_, 'silu')
 %transpose_1 = .transpose(%causal_conv1d_1, 1, 2)
-%linear_1 = torch._C._nn.linear(%transpose_1, %arg_4)
+%linear_1 = torch._C._nn.linear(%transpose_1, %L_x_proj_w_)
 %split_1 = torch.functional.split(%linear_1, [2, 4, 4], dim=-1)
 %getitem_1 = operator.getitem(%split_1, 0)
 %getitem_2 = operator.getitem(%split_1, 1)
@@ -339,7 +339,7 @@ def test_snapshot_level2():
 %transpose_2 = .transpose(%getitem_1, 1, 2)
 %transpose_3 = .transpose(%getitem_2, 1, 2)
 %transpose_4 = .transpose(%getitem_3, 1, 2)
-%fused_mamba_scan_1 = torch.ops.ssm.fused_mamba_scan.default(%arg_1, %transpose_2, %arg_6, %transpose_3, %transpose_4, %arg_7, %arg_8, %arg_9, True, %arg_2, %arg_3, 'silu', %arg_5)
+%fused_mamba_scan_1 = torch.ops.ssm.fused_mamba_scan.default(%L_x_, %transpose_2, %L_A_, %transpose_3, %transpose_4, %L_D_, %L_z_, %L_dt_bias_, True, %L_conv_w_, %L_conv_b_, 'silu', %L_dt_w_)
 %getitem_4 = operator.getitem(%fused_mamba_scan_1, 0)
 return (%getitem_4,)
 """)

@@ -96,16 +96,16 @@ class TestDecodePasses(expecttest.TestCase):
             assert rel_err(y_c, y_ref) < TOL[dtype] and rel_err(s_c, s_ref) < TOL[torch.float32]
             assert rel_err(y_c, y_e) < 2 * TOL[dtype] and rel_err(s_c, s_e) < TOL[dtype]
         self.assertExpectedInline(cap.graph, """\
-%arg_1 = placeholder[L_x_]
-%arg_2 = placeholder[L_dt_bias_]
-%arg_3 = placeholder[L_dt_]
-%arg_4 = placeholder[L_A_]
-%arg_5 = placeholder[L_state_]
-%arg_6 = placeholder[L_B_]
-%arg_7 = placeholder[L_C_]
-%arg_8 = placeholder[L_D_]
-%arg_9 = placeholder[L_z_]
-%selective_state_update_1 = torch.ops.ssm.selective_state_update.default(%arg_5, %arg_1, %arg_3, %arg_4, %arg_6, %arg_7, %arg_8, %arg_9, %arg_2, True)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_D_ = placeholder
+%L_dt_ = placeholder
+%L_dt_bias_ = placeholder
+%L_state_ = placeholder
+%L_x_ = placeholder
+%L_z_ = placeholder
+%selective_state_update_1 = torch.ops.ssm.selective_state_update.default(%L_state_, %L_x_, %L_dt_, %L_A_, %L_B_, %L_C_, %L_D_, %L_z_, %L_dt_bias_, True)
 return (%selective_state_update_1,)
 """)
 
@@ -121,11 +121,11 @@ return (%selective_state_update_1,)
             assert y_c.dtype == dtype and rel_err(y_c, y_e) < TOL[dtype]
             assert torch.equal(s_c, s_e)
         self.assertExpectedInline(cap.graph, """\
-%arg_1 = placeholder[L_x_]
-%arg_2 = placeholder[L_conv_state_]
-%arg_3 = placeholder[L_weight_]
-%arg_4 = placeholder[L_bias_]
-%causal_conv1d_update_1 = torch.ops.ssm.causal_conv1d_update.default(%arg_1, %arg_2, %arg_3, %arg_4, 'silu')
+%L_bias_ = placeholder
+%L_conv_state_ = placeholder
+%L_weight_ = placeholder
+%L_x_ = placeholder
+%causal_conv1d_update_1 = torch.ops.ssm.causal_conv1d_update.default(%L_x_, %L_conv_state_, %L_weight_, %L_bias_, 'silu')
 return (%causal_conv1d_update_1,)
 """)
 
@@ -144,13 +144,13 @@ return (%causal_conv1d_update_1,)
         assert counters["ssm"]["state_update"] == 1
         assert rel_err(y_c, y_e) < TOL[torch.float32] and rel_err(s_c, s_e) < TOL[torch.float32]
         self.assertExpectedInline(cap.graph, """\
-%arg_1 = placeholder[L_dt_]
-%arg_2 = placeholder[L_A_]
-%arg_3 = placeholder[L_state_]
-%arg_4 = placeholder[L_x_]
-%arg_5 = placeholder[L_B_]
-%arg_6 = placeholder[L_C_]
-%selective_state_update_1 = torch.ops.ssm.selective_state_update.default(%arg_3, %arg_4, %arg_1, %arg_2, %arg_5, %arg_6, None, None, None, False)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_dt_ = placeholder
+%L_state_ = placeholder
+%L_x_ = placeholder
+%selective_state_update_1 = torch.ops.ssm.selective_state_update.default(%L_state_, %L_x_, %L_dt_, %L_A_, %L_B_, %L_C_, None, None, None, False)
 return (%selective_state_update_1,)
 """)
 

@@ -114,11 +114,11 @@ def test_nn_conv1d_bld_layout_widths(width):
 def test_snapshot_functional_silu():
     cap, _ = compile_and_run(f_functional_silu, *make_inputs())
     assert_expected_inline(normalized_graph_str(cap.gm, with_meta=True), """\
-%arg_1 = placeholder[L_w_]  # float32[6, 1, 4]
-%arg_2 = placeholder[L_x_]  # float32[2, 6, 11]
-%arg_3 = placeholder[L_b_]  # float32[6]
-%squeeze_1 = .squeeze(%arg_1, 1)  # float32[6, 4]
-%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%arg_2, %squeeze_1, %arg_3, 'silu')  # float32[2, 6, 11]
+%L_b_ = placeholder  # float32[6]
+%L_w_ = placeholder  # float32[6, 1, 4]
+%L_x_ = placeholder  # float32[2, 6, 11]
+%squeeze_1 = .squeeze(%L_w_, 1)  # float32[6, 4]
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%L_x_, %squeeze_1, %L_b_, 'silu')  # float32[2, 6, 11]
 return (%causal_conv1d_1,)
 """)
 
@@ -126,12 +126,12 @@ return (%causal_conv1d_1,)
 def test_snapshot_hf517_module_bld():
     cap, _ = compile_and_run(HF517Block(DIM, W), make_inputs(layout="bld")[0])
     assert_expected_inline(normalized_graph_str(cap.gm, with_meta=True), """\
-%arg_1 = placeholder[L_h_]  # float32[2, 11, 6]
-%arg_2 = placeholder[L_self_modules_conv1d_parameters_weight_]  # float32[6, 1, 4]
-%arg_3 = placeholder[L_self_modules_conv1d_parameters_bias_]  # float32[6]
-%transpose_1 = .transpose(%arg_1, 1, 2)  # float32[2, 6, 11]
-%squeeze_1 = .squeeze(%arg_2, 1)  # float32[6, 4]
-%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%transpose_1, %squeeze_1, %arg_3, 'silu')  # float32[2, 6, 11]
+%L_h_ = placeholder  # float32[2, 11, 6]
+%L_self_modules_conv1d_parameters_bias_ = placeholder  # float32[6]
+%L_self_modules_conv1d_parameters_weight_ = placeholder  # float32[6, 1, 4]
+%transpose_1 = .transpose(%L_h_, 1, 2)  # float32[2, 6, 11]
+%squeeze_1 = .squeeze(%L_self_modules_conv1d_parameters_weight_, 1)  # float32[6, 4]
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%transpose_1, %squeeze_1, %L_self_modules_conv1d_parameters_bias_, 'silu')  # float32[2, 6, 11]
 %transpose_2 = .transpose(%causal_conv1d_1, 1, 2)  # float32[2, 11, 6]
 %permute_1 = .permute(%transpose_2, 0, 2, 1)  # float32[2, 6, 11]
 %contiguous_1 = .contiguous(%permute_1)  # float32[2, 6, 11]

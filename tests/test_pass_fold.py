@@ -163,23 +163,23 @@ def test_fold_forms(form, dtype):
 def test_fold_hf524_snapshot():
     cap, _ = compile_and_run(f_hf524, *make_inputs().values())
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_ts_]
-%arg_2 = placeholder[L_W_]
-%arg_3 = placeholder[L_bias_]
-%arg_4 = placeholder[L_u_]
-%arg_5 = placeholder[L_A_]
-%arg_6 = placeholder[L_B_]
-%arg_7 = placeholder[L_C_]
-%arg_8 = placeholder[L_D_]
-%arg_9 = placeholder[L_z_]
-%transpose_1 = .transpose(%arg_1, 1, 2)
-%float_1 = .float(%arg_3)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_D_ = placeholder
+%L_W_ = placeholder
+%L_bias_ = placeholder
+%L_ts_ = placeholder
+%L_u_ = placeholder
+%L_z_ = placeholder
+%transpose_1 = .transpose(%L_ts_, 1, 2)
+%float_1 = .float(%L_bias_)
 %to_1 = .to(%float_1, torch.float32)
 %transpose_2 = .transpose(%transpose_1, -1, -2)
-%linear_1 = torch._C._nn.linear(%transpose_2, %arg_2)
+%linear_1 = torch._C._nn.linear(%transpose_2, %L_W_)
 %transpose_3 = .transpose(%linear_1, -1, -2)
-%float_2 = .float(%arg_8)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_4, %transpose_3, %arg_5, %arg_6, %arg_7, %float_2, %arg_9, %to_1, True, None, False)
+%float_2 = .float(%L_D_)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %transpose_3, %L_A_, %L_B_, %L_C_, %float_2, %L_z_, %to_1, True, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 return (%getitem_1,)
 """)
@@ -188,20 +188,20 @@ return (%getitem_1,)
 def test_fold_bld_linear_snapshot():
     cap, _ = compile_and_run(f_bld_linear, *make_inputs(layout="bld").values())
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_ts_]
-%arg_2 = placeholder[L_W_]
-%arg_3 = placeholder[L_bias_]
-%arg_4 = placeholder[L_u_]
-%arg_5 = placeholder[L_A_]
-%arg_6 = placeholder[L_B_]
-%arg_7 = placeholder[L_C_]
-%arg_8 = placeholder[L_D_]
-%arg_9 = placeholder[L_z_]
-%transpose_1 = .transpose(%arg_4, 1, 2)
-%linear_1 = torch._C._nn.linear(%arg_1, %arg_2)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_D_ = placeholder
+%L_W_ = placeholder
+%L_bias_ = placeholder
+%L_ts_ = placeholder
+%L_u_ = placeholder
+%L_z_ = placeholder
+%transpose_1 = .transpose(%L_u_, 1, 2)
+%linear_1 = torch._C._nn.linear(%L_ts_, %L_W_)
 %permute_1 = .permute(%linear_1, (0, 2, 1))
-%permute_2 = .permute(%arg_9, (0, 2, 1))
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%transpose_1, %permute_1, %arg_5, %arg_6, %arg_7, %arg_8, %permute_2, %arg_3, True, None, False)
+%permute_2 = .permute(%L_z_, (0, 2, 1))
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%transpose_1, %permute_1, %L_A_, %L_B_, %L_C_, %L_D_, %permute_2, %L_bias_, True, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %transpose_2 = .transpose(%getitem_1, 1, 2)
 return (%transpose_2,)

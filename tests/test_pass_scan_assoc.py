@@ -307,16 +307,16 @@ def test_generic_dynamic_length_with_too_many_lengths_is_a_miss(monkeypatch):
 def test_hf_generic_snapshot():
     cap, _ = compile_and_run(hf_selective_scan, *make_inputs(6), fold=True)
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_hidden_states_]
-%arg_2 = placeholder[L_delta_bias_]
-%arg_3 = placeholder[L_dt_]
-%arg_4 = placeholder[L_B_]
-%arg_5 = placeholder[L_C_]
-%arg_6 = placeholder[L_A_]
-%arg_7 = placeholder[L_D_]
-%arg_8 = placeholder[L_z_]
-%to_1 = .to(%arg_2, torch.float32)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_1, %arg_3, %arg_6, %arg_4, %arg_5, %arg_7, %arg_8, %to_1, True, None, True)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_D_ = placeholder
+%L_delta_bias_ = placeholder
+%L_dt_ = placeholder
+%L_hidden_states_ = placeholder
+%L_z_ = placeholder
+%to_1 = .to(%L_delta_bias_, torch.float32)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_hidden_states_, %L_dt_, %L_A_, %L_B_, %L_C_, %L_D_, %L_z_, %to_1, True, None, True)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %getitem_2 = operator.getitem(%selective_scan_1, 1)
 %permute_1 = .permute(%getitem_1, 0, 2, 1)
@@ -330,25 +330,25 @@ def test_pointwise_snapshot_scan_only():
     # scan_assoc alone: Δ, the skip and the gate stay in plain torch around the op.
     cap, _ = compile_and_run(functools.partial(hf_selective_scan, mode="pointwise"), *make_inputs(6))
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_args_0_]
-%arg_2 = placeholder[L_args_7_]
-%arg_3 = placeholder[L_args_1_]
-%arg_4 = placeholder[L_args_3_]
-%arg_5 = placeholder[L_args_4_]
-%arg_6 = placeholder[L_args_2_]
-%arg_7 = placeholder[L_args_5_]
-%arg_8 = placeholder[L_args_6_]
-%to_1 = .to(%arg_2, torch.float32)
+%L_args_0_ = placeholder
+%L_args_1_ = placeholder
+%L_args_2_ = placeholder
+%L_args_3_ = placeholder
+%L_args_4_ = placeholder
+%L_args_5_ = placeholder
+%L_args_6_ = placeholder
+%L_args_7_ = placeholder
+%to_1 = .to(%L_args_7_, torch.float32)
 %getitem_1 = operator.getitem(%to_1, (..., None))
-%add_1 = operator.add(%arg_3, %getitem_1)
+%add_1 = operator.add(%L_args_1_, %getitem_1)
 %softplus_1 = torch._C._nn.softplus(%add_1)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_1, %softplus_1, %arg_6, %arg_4, %arg_5, None, None, None, False, None, True)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_args_0_, %softplus_1, %L_args_2_, %L_args_3_, %L_args_4_, None, None, None, False, None, True)
 %getitem_2 = operator.getitem(%selective_scan_1, 0)
 %getitem_3 = operator.getitem(%selective_scan_1, 1)
-%getitem_4 = operator.getitem(%arg_7, (None, :, None))
-%mul_1 = operator.mul(%arg_1, %getitem_4)
+%getitem_4 = operator.getitem(%L_args_5_, (None, :, None))
+%mul_1 = operator.mul(%L_args_0_, %getitem_4)
 %add_2 = operator.add(%getitem_2, %mul_1)
-%silu_1 = torch.nn.functional.silu(%arg_8)
+%silu_1 = torch.nn.functional.silu(%L_args_6_)
 %mul_2 = operator.mul(%add_2, %silu_1)
 %permute_1 = .permute(%mul_2, 0, 2, 1)
 %contiguous_1 = .contiguous(%permute_1)

@@ -345,12 +345,12 @@ def test_snapshot_hf_loop():
         "collector": "stack",
     }
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_u_]
-%arg_2 = placeholder[L_B_]
-%arg_3 = placeholder[L_C_]
-%arg_4 = placeholder[L_A_]
-%arg_5 = placeholder[L_dt_]
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_1, %arg_5, %arg_4, %arg_2, %arg_3, None, None, None, False, None, True)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_dt_ = placeholder
+%L_u_ = placeholder
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %L_dt_, %L_A_, %L_B_, %L_C_, None, None, None, False, None, True)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %getitem_2 = operator.getitem(%selective_scan_1, 1)
 return (%getitem_1, %getitem_2)
@@ -360,16 +360,16 @@ return (%getitem_1, %getitem_2)
 def test_snapshot_mamba_minimal():
     cap, _ = compile_and_run(mamba_minimal, *make_inputs(layout="bld"))
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_u_]
-%arg_2 = placeholder[L_A_]
-%arg_3 = placeholder[L_delta_]
-%arg_4 = placeholder[L_B_]
-%arg_5 = placeholder[L_C_]
-%permute_1 = .permute(%arg_1, (0, 2, 1))
-%permute_2 = .permute(%arg_3, (0, 2, 1))
-%permute_3 = .permute(%arg_5, (0, 2, 1))
-%permute_4 = .permute(%arg_4, (0, 2, 1))
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %arg_2, %permute_4, %permute_3, None, None, None, False, None, False)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_delta_ = placeholder
+%L_u_ = placeholder
+%permute_1 = .permute(%L_u_, (0, 2, 1))
+%permute_2 = .permute(%L_delta_, (0, 2, 1))
+%permute_3 = .permute(%L_C_, (0, 2, 1))
+%permute_4 = .permute(%L_B_, (0, 2, 1))
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %L_A_, %permute_4, %permute_3, None, None, None, False, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %permute_5 = .permute(%getitem_1, (0, 2, 1))
 return (%permute_5,)
@@ -379,18 +379,18 @@ return (%permute_5,)
 def test_snapshot_time_invariant_B():
     cap, _ = compile_and_run(time_invariant_B, *make_inputs())
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_delta_]
-%arg_2 = placeholder[L_A_]
-%arg_3 = placeholder[L_u_]
-%arg_4 = placeholder[L_C_]
-%sin_1 = .sin(%arg_2)
+%L_A_ = placeholder
+%L_C_ = placeholder
+%L_delta_ = placeholder
+%L_u_ = placeholder
+%sin_1 = .sin(%L_A_)
 %getitem_1 = operator.getitem(%sin_1, (None, :, :, None))
-%size_1 = .size(%arg_3, 0)
-%size_2 = .size(%arg_3, 1)
+%size_1 = .size(%L_u_, 0)
+%size_2 = .size(%L_u_, 1)
 %expand_1 = .expand(%getitem_1, %size_1, -1, -1, 9)
-%getitem_2 = operator.getitem(%arg_4, (:, None))
+%getitem_2 = operator.getitem(%L_C_, (:, None))
 %expand_2 = .expand(%getitem_2, -1, %size_2, -1, -1)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_3, %arg_1, %arg_2, %expand_1, %expand_2, None, None, None, False, None, False)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %L_delta_, %L_A_, %expand_1, %expand_2, None, None, None, False, None, False)
 %getitem_3 = operator.getitem(%selective_scan_1, 0)
 return (%getitem_3,)
 """)
@@ -399,16 +399,16 @@ return (%getitem_3,)
 def test_snapshot_per_step_bld():
     cap, _ = compile_and_run(per_step_bld, *make_inputs(layout="bld"))
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_u_]
-%arg_2 = placeholder[L_A_]
-%arg_3 = placeholder[L_delta_]
-%arg_4 = placeholder[L_B_]
-%arg_5 = placeholder[L_C_]
-%permute_1 = .permute(%arg_1, (0, 2, 1))
-%permute_2 = .permute(%arg_3, (0, 2, 1))
-%permute_3 = .permute(%arg_5, (0, 2, 1))
-%permute_4 = .permute(%arg_4, (0, 2, 1))
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %arg_2, %permute_4, %permute_3, None, None, None, False, None, False)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_delta_ = placeholder
+%L_u_ = placeholder
+%permute_1 = .permute(%L_u_, (0, 2, 1))
+%permute_2 = .permute(%L_delta_, (0, 2, 1))
+%permute_3 = .permute(%L_C_, (0, 2, 1))
+%permute_4 = .permute(%L_B_, (0, 2, 1))
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %L_A_, %permute_4, %permute_3, None, None, None, False, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %permute_5 = .permute(%getitem_1, (0, 2, 1))
 return (%permute_5,)
@@ -418,12 +418,12 @@ return (%permute_5,)
 def test_snapshot_setitem_buffer():
     cap, _ = compile_and_run(setitem_buffer, *make_inputs())
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_delta_]
-%arg_2 = placeholder[L_A_]
-%arg_3 = placeholder[L_B_]
-%arg_4 = placeholder[L_u_]
-%arg_5 = placeholder[L_C_]
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_4, %arg_1, %arg_2, %arg_3, %arg_5, None, None, None, False, None, False)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_delta_ = placeholder
+%L_u_ = placeholder
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %L_delta_, %L_A_, %L_B_, %L_C_, None, None, None, False, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %add_1 = operator.add(%getitem_1, 1)
 return (%add_1,)
@@ -750,10 +750,10 @@ def test_normalized_graph_str_renumbers_by_kind():
 
     torch.compile(fn, backend=backend, fullgraph=True)(torch.randn(3, 4), torch.randn(3, 4))
     assert_expected_inline(normalized_graph_str(cap["gm"], with_meta=True), """\
-%arg_1 = placeholder[L_x_]  # float32[3, 4]
-%arg_2 = placeholder[L_y_]  # float32[3, 4]
-%exp_1 = torch.exp(%arg_1)  # float32[3, 4]
-%mul_1 = operator.mul(%exp_1, %arg_2)  # float32[3, 4]
+%L_x_ = placeholder  # float32[3, 4]
+%L_y_ = placeholder  # float32[3, 4]
+%exp_1 = torch.exp(%L_x_)  # float32[3, 4]
+%mul_1 = operator.mul(%exp_1, %L_y_)  # float32[3, 4]
 %exp_2 = torch.exp(%mul_1)  # float32[3, 4]
 %getitem_1 = operator.getitem(%exp_2, (:, 0))  # float32[3]
 %sum_1 = .sum(%mul_1, -1)  # float32[3]

@@ -590,29 +590,29 @@ def test_in_loop_tail_rewritten_graph():
     assert cap.ctx.rewrites[0].decision["collector"] == "per-step"
     assert rel_err(out, fn(*args)) <= TOL[torch.float32]
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_u_]
-%arg_2 = placeholder[L_A_]
-%arg_3 = placeholder[L_delta_]
-%arg_4 = placeholder[L_B_]
-%arg_5 = placeholder[L_C_]
-%arg_6 = placeholder[L_extra_0_]
-%permute_1 = .permute(%arg_1, (0, 2, 1))
-%permute_2 = .permute(%arg_3, (0, 2, 1))
-%permute_3 = .permute(%arg_5, (0, 2, 1))
-%permute_4 = .permute(%arg_4, (0, 2, 1))
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %arg_2, %permute_4, %permute_3, None, None, None, False, None, False)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_delta_ = placeholder
+%L_extra_0_ = placeholder
+%L_u_ = placeholder
+%permute_1 = .permute(%L_u_, (0, 2, 1))
+%permute_2 = .permute(%L_delta_, (0, 2, 1))
+%permute_3 = .permute(%L_C_, (0, 2, 1))
+%permute_4 = .permute(%L_B_, (0, 2, 1))
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %L_A_, %permute_4, %permute_3, None, None, None, False, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %select_1 = .select(%getitem_1, -1, 0)
 %select_2 = .select(%getitem_1, -1, 1)
 %select_3 = .select(%getitem_1, -1, 2)
-%getitem_2 = operator.getitem(%arg_1, (:, 0))
-%mul_1 = operator.mul(%getitem_2, %arg_6)
+%getitem_2 = operator.getitem(%L_u_, (:, 0))
+%mul_1 = operator.mul(%getitem_2, %L_extra_0_)
 %add_1 = operator.add(%select_1, %mul_1)
-%getitem_3 = operator.getitem(%arg_1, (:, 1))
-%mul_2 = operator.mul(%getitem_3, %arg_6)
+%getitem_3 = operator.getitem(%L_u_, (:, 1))
+%mul_2 = operator.mul(%getitem_3, %L_extra_0_)
 %add_2 = operator.add(%select_2, %mul_2)
-%getitem_4 = operator.getitem(%arg_1, (:, 2))
-%mul_3 = operator.mul(%getitem_4, %arg_6)
+%getitem_4 = operator.getitem(%L_u_, (:, 2))
+%mul_3 = operator.mul(%getitem_4, %L_extra_0_)
 %add_3 = operator.add(%select_3, %mul_3)
 %stack_1 = torch.stack([%add_1, %add_2, %add_3], 1)
 return (%stack_1,)

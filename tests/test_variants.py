@@ -270,21 +270,21 @@ def test_mambapy_stacked_states_last_state():
     assert_close(out, fn(u, delta, A, B, C, D))
     # The (batch, L, dim, N) stack of states is gone: the op returns y and the last state.
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_x_]
-%arg_2 = placeholder[L_delta_]
-%arg_3 = placeholder[L_A_]
-%arg_4 = placeholder[L_B_]
-%arg_5 = placeholder[L_C_]
-%arg_6 = placeholder[L_D_]
-%permute_1 = .permute(%arg_1, (0, 2, 1))
-%permute_2 = .permute(%arg_2, (0, 2, 1))
-%permute_3 = .permute(%arg_5, (0, 2, 1))
-%permute_4 = .permute(%arg_4, (0, 2, 1))
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %arg_3, %permute_4, %permute_3, None, None, None, False, None, True)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_D_ = placeholder
+%L_delta_ = placeholder
+%L_x_ = placeholder
+%permute_1 = .permute(%L_x_, (0, 2, 1))
+%permute_2 = .permute(%L_delta_, (0, 2, 1))
+%permute_3 = .permute(%L_C_, (0, 2, 1))
+%permute_4 = .permute(%L_B_, (0, 2, 1))
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %L_A_, %permute_4, %permute_3, None, None, None, False, None, True)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %permute_5 = .permute(%getitem_1, (0, 2, 1))
 %getitem_2 = operator.getitem(%selective_scan_1, 1)
-%mul_1 = operator.mul(%arg_6, %arg_1)
+%mul_1 = operator.mul(%L_D_, %L_x_)
 %add_1 = operator.add(%permute_5, %mul_1)
 return (%add_1, %getitem_2)
 """)
@@ -571,29 +571,29 @@ def test_normed_B_reaches_the_op_as_the_users_product():
     # B and C reach the op as the user's own w · (x · rsqrt) values (as permuted views), not as
     # products the pass re-made.
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%arg_1 = placeholder[L_B_]
-%arg_2 = placeholder[L_w_]
-%arg_3 = placeholder[L_C_]
-%arg_4 = placeholder[L_delta_]
-%arg_5 = placeholder[L_A_]
-%arg_6 = placeholder[L_u_]
-%transpose_1 = .transpose(%arg_1, 1, 2)
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_delta_ = placeholder
+%L_u_ = placeholder
+%L_w_ = placeholder
+%transpose_1 = .transpose(%L_B_, 1, 2)
 %pow_1 = .pow(%transpose_1, 2)
 %mean_1 = .mean(%pow_1, -1, keepdim=True)
 %add_1 = operator.add(%mean_1, 1e-06)
 %rsqrt_1 = torch.rsqrt(%add_1)
 %mul_1 = operator.mul(%transpose_1, %rsqrt_1)
-%mul_2 = operator.mul(%arg_2, %mul_1)
-%transpose_2 = .transpose(%arg_3, 1, 2)
+%mul_2 = operator.mul(%L_w_, %mul_1)
+%transpose_2 = .transpose(%L_C_, 1, 2)
 %pow_2 = .pow(%transpose_2, 2)
 %mean_2 = .mean(%pow_2, -1, keepdim=True)
 %add_2 = operator.add(%mean_2, 1e-06)
 %rsqrt_2 = torch.rsqrt(%add_2)
 %mul_3 = operator.mul(%transpose_2, %rsqrt_2)
-%mul_4 = operator.mul(%arg_2, %mul_3)
+%mul_4 = operator.mul(%L_w_, %mul_3)
 %transpose_3 = .transpose(%mul_4, 1, 2)
 %permute_1 = .permute(%mul_2, (0, 2, 1))
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%arg_6, %arg_4, %arg_5, %permute_1, %transpose_3, None, None, None, False, None, False)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %L_delta_, %L_A_, %permute_1, %transpose_3, None, None, None, False, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 return (%getitem_1,)
 """)
