@@ -57,14 +57,8 @@ def make_forward(model, name):
         return torch.compile(model.forward, backend="ssm")
     if name == "ssm-ops":
         # The decode ops kept whole, launched through their own op layer and Triton's run():
-        # the path before the ops' launches were handed to inductor (kernels/decode/op.py).
-        compiled = torch.compile(model.forward, backend="ssm")
-
-        def forward(**kw):
-            with torch._functorch.config.patch(decompose_custom_triton_ops=False):
-                return compiled(**kw)
-
-        return forward
+        # the path before the ops' launches were handed to inductor (kernels/inline.py).
+        return torch.compile(model.forward, backend=ssm_compile.backend(inline_launches=False))
     if name == "ssm-cg":
         return torch.compile(model.forward, backend=ssm_compile.backend(mode="reduce-overhead"))
     raise ValueError(f"unknown config {name!r}")

@@ -20,6 +20,21 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", 
 LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 
+def launcher(kernel, traced: bool):
+    """(what to launch, extra launch options): ``kernel`` with LAUNCH_OPTIONS, or for a launch
+    that a graph records (``kernels/inline.py``) its ``wrap_triton`` wrapper without them.
+
+    wrap_triton takes only kernel arguments and launch sizes, so inductor compiles a recorded
+    launch with Triton's defaults, whose FMA contraction is on through Triton 3.9, as
+    LAUNCH_OPTIONS asks.
+    """
+    if traced:
+        from torch.library import wrap_triton
+
+        return wrap_triton(kernel), {}
+    return kernel, LAUNCH_OPTIONS
+
+
 @functools.cache
 def num_sms(device_index) -> int:
     """SMs of a CUDA device (its index; None: the current one), read once: the launchers ask on

@@ -145,6 +145,19 @@ def _backward_compiled_now():
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
+def _launches_kept_in_ops(options: SSMOptions):
+    """With ``inline_launches=False``, AOTAutograd keeps the ssm ops whole instead of tracing
+    their Triton launches (``kernels/inline.py`` reads the flag). It is functorch's own config,
+    so AOTAutograd's cache tells the two apart."""
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+
+    if options.inline_launches or not hasattr(functorch_config, "decompose_custom_triton_ops"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(decompose_custom_triton_ops=False)
+
+
 def _forward_ad_active() -> bool:
     """A ``torch.autograd.forward_ad.dual_level`` is open where dynamo compiles the frame, so its
     inputs may carry tangents (dynamo records no node for them)."""
@@ -195,7 +208,7 @@ class SSMBackend:
         if not ctx.rewrites:
             return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
         try:
-            with _backward_compiled_now():
+            with _backward_compiled_now(), _launches_kept_in_ops(self.options):
                 return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
         except torch._dynamo.exc.RestartAnalysis:
             raise  # dynamo's own control flow, not a failure

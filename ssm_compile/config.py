@@ -37,6 +37,9 @@ class SSMOptions:
             which keeps the ssm ops but nothing else is compiled: useful for debugging).
         mode: an inductor mode (``"reduce-overhead"`` turns on CUDA graphs, e.g. for decode).
         inductor_config: inductor config patches, applied on top of ``mode``'s.
+        inline_launches: on CUDA, hand the decode ops' Triton launches to inductor's generated
+            code (``kernels/inline.py``); ``False`` keeps each op whole, with its own dispatch
+            and launcher (to compare, or to bisect).
     """
 
     fuse: str = "auto"
@@ -46,6 +49,7 @@ class SSMOptions:
     mode: str | None = None
     # Left out of the hash (a dict isn't hashable) but not out of equality.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    inline_launches: bool = True
 
     def __post_init__(self) -> None:
         if self.fuse not in FUSE_MODES:
@@ -53,8 +57,9 @@ class SSMOptions:
         if self.passes is not None:
             object.__setattr__(self, "passes", tuple(_check_pass_names("passes", self.passes)))
         object.__setattr__(self, "disable", frozenset(_check_pass_names("disable", self.disable)))
-        if not isinstance(self.inductor, bool):
-            raise TypeError(f"ssm backend option 'inductor' must be a bool, got {type(self.inductor).__name__}")
+        for name in ("inductor", "inline_launches"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ssm backend option {name!r} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.mode is not None:
             _check_mode(self.mode)
             if not self.inductor:

@@ -317,3 +317,22 @@ def test_uuid_hashes_helper_modules_of_the_pass_package(monkeypatch):
 
     monkeypatch.setattr(manager.pathlib.Path, "read_bytes", edited)
     assert pm.uuid() != before
+
+
+def test_inline_launches_option(monkeypatch):
+    """``inline_launches=False`` turns the kernels/inline.py rule off for the compile it wraps
+    (through functorch's own flag, which AOTAutograd's cache key includes); the default leaves
+    it on. A non-bool is refused by name."""
+    from ssm_compile.compiler import _launches_kept_in_ops
+    from ssm_compile.kernels import inline
+
+    with pytest.raises(TypeError, match="'inline_launches' must be a bool"):
+        backend(inline_launches="no")
+    # A call the rule would take: static CUDA tensors (faked here), no interpreter.
+    monkeypatch.setattr(inline, "_static_cuda", lambda args: True)
+    monkeypatch.setattr(inline, "_interpreted", lambda: False)
+    with _launches_kept_in_ops(SSMOptions()):
+        assert inline.inlines((), (), {})
+    with _launches_kept_in_ops(SSMOptions(inline_launches=False)):
+        assert not inline.inlines((), (), {})
+    assert inline.inlines((), (), {})

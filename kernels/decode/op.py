@@ -20,6 +20,7 @@ import torch
 from torch import _C
 
 from ..context import refuse_forward_ad, without_autocast
+from ..inline import register_inline
 from . import cpu
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -184,47 +185,6 @@ def _conv_update_traced(x, conv_state, weight, bias=None, activation=None):
     return y.squeeze(-1) if x.dim() == 2 else y
 
 
-@functools.cache
-def _traced_tensor_types() -> tuple:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return (FakeTensor, FunctionalTensor)
-
-
-def _static_cuda(args) -> bool:
-    """Every tensor in ``args`` is on CUDA with concrete sizes and strides."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return all(t.is_cuda and all(type(s) is int for s in (*t.shape, *t.stride())) for t in tensors)
-
-
-def _inline_rule(traced_impl):
-    """A ``FunctionalTensorMode`` rule that replaces the op by its Triton launch.
-
-    AOTAutograd traces the graph under ``FunctionalTensorMode``. There the op, on CUDA, becomes
-    the ``wrap_triton`` launch of its kernel, which inductor compiles into its own code and
-    launches through its static launcher: ~10 µs of host time a launch, against ~100 µs for the
-    op's dispatch, our launcher and Triton's ``JITFunction.run``. A decode step runs two such ops
-    a layer, and without CUDA graphs that host time was the step's speed limit. The kernel is
-    the one the op runs, so the result is the same.
-
-    The op stays as it is (``mode.__torch_dispatch__``) on CPU, with symbolic sizes (the launch
-    sizes are chosen from concrete ones), under Triton's interpreter, and under ``torch.export``,
-    which keeps custom ops whole, as it does for ``torch.library.triton_op``.
-    """
-
-    def rule(mode, op, types, args, kwargs):
-        decompose = getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
-        # Tensor subclasses other than functionalization's and fake mode's keep the op.
-        plain = all(t is torch.Tensor or issubclass(t, _traced_tensor_types()) for t in types)
-        if decompose and plain and not kwargs and _static_cuda(args) and not _triton_decode().INTERPRETED:
-            with mode:
-                return traced_impl(*args)
-        return mode.__torch_dispatch__(op, types, args, kwargs)
-
-    return rule
-
-
 class _NoBackward(torch.autograd.Function):
     """Autograd node of a decode op: it runs the op, and its backward refuses by name."""
 
@@ -262,8 +222,6 @@ def register() -> torch.library.Library:
 
     Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
     """
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
     lib = torch.library.Library("ssm", "FRAGMENT")
     for schema, impl, fake, traced in (
         (_STATE_UPDATE_SCHEMA, _state_update_impl, _state_update_fake, _state_update_traced),
@@ -276,7 +234,8 @@ def register() -> torch.library.Library:
         torch.library.register_fake(f"ssm::{name}", fake, lib=lib)
         op = getattr(torch.ops.ssm, name).default
         lib.impl(name, _autograd_kernel(op), "Autograd", with_keyset=True)
-        torch.library.register_torch_dispatch(f"ssm::{name}", FunctionalTensorMode, _inline_rule(traced), lib=lib)
+        # Compiled on CUDA, the op is its kernel's launch in inductor's code (``kernels/inline.py``).
+        register_inline(lib, f"ssm::{name}", traced)
     return lib
 
 

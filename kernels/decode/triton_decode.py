@@ -5,31 +5,13 @@ kernel on the same buffers, which would apply the update several times.
 
 Each launcher takes ``traced``: False launches the kernel now (the ops' CUDA kernels); True
 launches it through ``torch.library.wrap_triton``, which records the launch in a graph being
-traced, so that inductor compiles the launch into its own code (``op.py``'s functionalization
-rule).
+traced, so that inductor compiles the launch into its own code (``kernels/inline.py``).
 """
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from ..triton_common import _INTERPRETED, LAUNCH_OPTIONS, LOG2E, silu, softplus
-
-# Under TRITON_INTERPRET=1 the kernels are NumPy functions of host memory: a launch cannot be
-# handed to inductor's generated code, so the ops keep their own launches (op.py).
-INTERPRETED = bool(_INTERPRETED)
-
-
-def _launcher(kernel, traced: bool):
-    """``kernel`` itself with the compile options every launch passes, or its traceable wrapper.
-
-    Traced launches leave the options out (wrap_triton takes only kernel arguments and launch
-    sizes), so inductor compiles them with Triton's defaults, whose FMA contraction is on through
-    Triton 3.9, as LAUNCH_OPTIONS asks.
-    """
-    if traced:
-        return wrap_triton(kernel), {}
-    return kernel, LAUNCH_OPTIONS
+from ..triton_common import LOG2E, launcher, silu, softplus
 
 
 @triton.jit
@@ -108,7 +90,7 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, tr
     # Keep the state tile near 512 fp32 values per program: larger N means fewer channels each.
     BLOCK_D = max(512 // BLOCK_N, 2)
     grid = (batch, triton.cdiv(dim, BLOCK_D))
-    kernel, options = _launcher(_selective_state_update_kernel, traced)
+    kernel, options = launcher(_selective_state_update_kernel, traced)
     kernel[grid](
         state, x, dt, A, B, C, D, z, dt_bias, y,
         dim, N, dim // G,
@@ -211,7 +193,7 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation, traced=False) 
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     BLOCK_D = 64
     grid = (batch, triton.cdiv(dim, BLOCK_D))
-    kernel, options = _launcher(_causal_conv1d_update_kernel, traced)
+    kernel, options = launcher(_causal_conv1d_update_kernel, traced)
     kernel[grid](
         x, conv_state, weight, bias, y,
         dim, T, S, W,
