@@ -62,10 +62,17 @@ def inlines(types, args, kwargs) -> bool:
             and not kwargs and _static_cuda(args) and not _interpreted())
 
 
+# Qualified names of the ops that have the rule: the backend retries a failed compile of a graph
+# holding one of them with the ops whole before it gives up its rewrites (ssm_compile/compiler.py).
+INLINED: set[str] = set()
+
+
 def register_inline(lib: torch.library.Library, qualname: str, traced_impl: Callable[..., Any]) -> None:
     """Give ``qualname`` (``"ssm::name"``) the rule above; ``traced_impl`` takes the op's
     positional arguments and launches through ``wrap_triton``."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    INLINED.add(qualname)
 
     def rule(mode, op, types, args, kwargs):
         if inlines(types, args, kwargs):

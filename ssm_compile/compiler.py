@@ -158,6 +158,14 @@ def _launches_kept_in_ops(options: SSMOptions):
     return functorch_config.patch(decompose_custom_triton_ops=False)
 
 
+def _holds_inlined_ops(gm: torch.fx.GraphModule) -> bool:
+    """The graph calls an op whose launches AOTAutograd may hand to inductor (kernels/inline.py)."""
+    from ssm_compile.kernels.inline import INLINED
+
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target.name() in INLINED for n in gm.graph.nodes)
+
+
 def _forward_ad_active() -> bool:
     """A ``torch.autograd.forward_ad.dual_level`` is open where dynamo compiles the frame, so its
     inputs may carry tangents (dynamo records no node for them)."""
@@ -207,21 +215,40 @@ class SSMBackend:
 
         if not ctx.rewrites:
             return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
-        try:
-            with _backward_compiled_now(), _launches_kept_in_ops(self.options):
-                return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
-        except torch._dynamo.exc.RestartAnalysis:
-            raise  # dynamo's own control flow, not a failure
-        except Exception as e:  # noqa: BLE001  (see _run_passes: never fail what runs eagerly)
-            # The rewritten graph failed to trace or compile (something the layout check could
-            # not see, say). Dynamo's own graph is what eager runs, so compiling that instead
-            # keeps the program working; if it fails too, that error is the program's, and it
-            # propagates.
-            undo()
-            log.warning("ssm backend: compiling the rewritten graph raised %s: %s; this graph is "
-                        "compiled without ssm rewrites", type(e).__name__, e)
-            log.debug("ssm backend: compile failure traceback", exc_info=True)
-            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+        compiled, error = self._compile_rewritten(compile_fx, pm, gm, example_inputs)
+        if error is None:
+            return compiled
+        # The rewritten graph failed to trace or compile (something the layout check could not
+        # see, say). Dynamo's own graph is what eager runs, so compiling that instead keeps the
+        # program working; if it fails too, that error is the program's, and it propagates.
+        undo()
+        log.warning("ssm backend: compiling the rewritten graph raised %s: %s; this graph is "
+                    "compiled without ssm rewrites", type(error).__name__, error)
+        log.debug("ssm backend: compile failure traceback", exc_info=error)
+        return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+
+    def _compile_rewritten(self, compile_fx, pm, gm: torch.fx.GraphModule,
+                           example_inputs) -> tuple[Callable[..., Any] | None, Exception | None]:
+        """(the compiled rewritten graph, None), or (None, the exception its compile raised).
+
+        A graph holding ops whose launches AOTAutograd hands to inductor (kernels/inline.py) is
+        retried with the ops whole before it counts as failed: inductor compiles an inlined
+        launch from the kernel's source, which kernels/inline.py says can trip, and the ops
+        whole keep the rewrites.
+        """
+        options = self.options
+        while True:
+            try:
+                with _backward_compiled_now(), _launches_kept_in_ops(options):
+                    return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm)), None
+            except torch._dynamo.exc.RestartAnalysis:
+                raise  # dynamo's own control flow, not a failure
+            except Exception as e:  # noqa: BLE001  (see _run_passes: never fail what runs eagerly)
+                if not (options.inline_launches and _holds_inlined_ops(gm)):
+                    return None, e
+                log.warning("ssm backend: compiling with the ops' launches inlined raised %s: %s; retrying "
+                            "with the ops whole (inline_launches=False)", type(e).__name__, e)
+                options = dataclasses.replace(options, inline_launches=False)
 
     def _forward_ad_graph(self, pm, gm: torch.fx.GraphModule, before: str) -> Callable[..., Any]:
         """Dynamo's graph as it is, run eagerly: under a forward-AD dual level the ssm ops (no

@@ -336,3 +336,49 @@ def test_inline_launches_option(monkeypatch):
     with _launches_kept_in_ops(SSMOptions(inline_launches=False)):
         assert not inline.inlines((), (), {})
     assert inline.inlines((), (), {})
+
+
+def test_failed_inlined_compile_retries_with_the_ops_whole(caplog, monkeypatch):
+    """If inductor fails on a graph whose decode ops' launches were inlined, the backend compiles
+    it again with the ops whole and keeps the rewrites, instead of dropping them all."""
+    import logging
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from ssm_compile.kernels.decode import op as decode_op
+    from ssm_compile.kernels.decode.reference import selective_state_update_ref
+
+    real, calls = compile_fx_module.compile_fx, []
+
+    def fails_when_inlined(gm, *a, **k):
+        held = any("selective_state_update" in str(n.target) for n in gm.graph.nodes)
+        calls.append((held, functorch_config.decompose_custom_triton_ops))
+        if held and functorch_config.decompose_custom_triton_ops:
+            raise RuntimeError("NameError in a user kernel, on purpose")
+        return real(gm, *a, **k)
+
+    def step(state, x, dt, A, B, C, D, z, dt_bias):
+        # HF's torch decode step: exp(dt*A)*state + dt*B*x, then the C readout, D skip and gate.
+        dt = torch.nn.functional.softplus(dt + dt_bias)
+        dA = torch.exp(A[None] * dt[..., None])
+        state.copy_(state * dA + (dt * x)[..., None] * B[:, None, :])
+        y = (state * C[:, None, :]).sum(-1) + D * x
+        return y * torch.nn.functional.silu(z)
+
+    decode_op.register()
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fails_when_inlined)
+    g = torch.Generator().manual_seed(0)
+    b, d, n = 2, 8, 4
+    inp = [torch.randn(b, d, n, generator=g), torch.randn(b, d, generator=g), torch.randn(b, d, generator=g),
+           -torch.rand(d, n, generator=g) - 0.1, torch.randn(b, n, generator=g), torch.randn(b, n, generator=g),
+           torch.randn(d, generator=g), torch.randn(b, d, generator=g), torch.randn(d, generator=g)]
+    y_ref, state_ref = selective_state_update_ref(inp[0].clone(), *inp[1:], dt_softplus=True)
+    torch._dynamo.reset()
+    counters.clear()
+    with caplog.at_level(logging.WARNING, logger="ssm_compile"):
+        y = torch.compile(step, backend="ssm", fullgraph=True)(*inp)
+    assert counters["ssm"]["state_update"] == 1
+    assert calls[:2] == [(True, True), (True, False)], calls
+    assert "retrying with the ops whole" in caplog.text and "without ssm rewrites" not in caplog.text
+    assert rel_err(y, y_ref) < TOL[torch.float32] and rel_err(inp[0], state_ref) < TOL[torch.float32]
