@@ -11,15 +11,10 @@ import re
 import sys
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_scan_fwd import loop_mix, sass_of  # noqa: E402
+from sass_scan_fwd import compile_sm90, loop_mix, sass_of  # noqa: E402
 
 from ssm_compile.kernels.selective_scan.triton_bwd import _chunk_state_kernel  # noqa: E402
-from ssm_compile.kernels.triton_common import LAUNCH_OPTIONS  # noqa: E402
 
 _PTRS = ("u_ptr", "delta_ptr", "dy_ptr", "z_ptr", "A_ptr", "B_ptr", "C_ptr", "delta_bias_ptr",
          "hs_ptr", "rs_ptr", "total_ptr")
@@ -34,29 +29,13 @@ def main():
     p.add_argument("--config", default="32,8,4,4,128", help="block_d,chunk_t,lanes_n,warps,chunk")
     args = p.parse_args()
     block_d, chunk_t, lanes_n, warps, chunk = (int(x) for x in args.config.split(","))
-    kern = _chunk_state_kernel
     consts = dict(DELTA_SOFTPLUS=True, HAS_Z=True, HAS_DELTA_BIAS=True, BLOCK_D=block_d, CHUNK_T=chunk_t,
                   N_PER_THREAD=16 // lanes_n, LANES_N=lanes_n, CHUNK=chunk)
     unit = (("stride_u_l", "stride_delta_l", "stride_dy_l", "stride_z_l", "stride_B_l", "stride_C_l")
             if args.layout == "dense" else
             ("stride_u_d", "stride_delta_d", "stride_dy_d", "stride_z_d", "stride_B_n", "stride_C_n"))
-    sig, constexprs = {}, {}
-    for name in kern.arg_names:
-        if name in consts:
-            sig[name], constexprs[name] = "constexpr", consts[name]
-        elif name in unit + ("stride_A_n",):
-            sig[name], constexprs[name] = "constexpr", 1
-        elif name in _PTRS:
-            sig[name] = f"*{args.dtype}" if name in _ACTS else "*fp32"
-        else:
-            sig[name] = "i32"
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n, k in sig.items()
-             if k == "i32" or n in _PTRS}
-    opts = {"num_warps": warps, **LAUNCH_OPTIONS}
-    if args.cap:
-        opts["maxnreg"] = args.cap
-    k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=opts)
+    ptr_types = {p: f"*{args.dtype}" if p in _ACTS else "*fp32" for p in _PTRS}
+    k = compile_sm90(_chunk_state_kernel, consts, ptr_types, unit + ("stride_A_n",), warps, args.cap or None)
     sass, res = sass_of(k.asm["cubin"])
     regs, local = re.search(r"REG:(\d+)", res), re.search(r"LOCAL:(\d+)", res)
     n, mix = loop_mix(sass)
