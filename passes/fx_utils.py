@@ -279,18 +279,17 @@ def normalized_graph_str(gm: torch.fx.GraphModule | torch.fx.Graph, with_meta: b
             continue
         if node.op == "placeholder":
             names[node] = str(node.target)
+            rhs = "placeholder"
         else:
             kind = kind_name(node)
             counts[kind] = counts.get(kind, 0) + 1
             names[node] = f"{kind}_{counts[kind]}"
-        if node.op == "placeholder":
-            rhs = "placeholder"
-        elif node.op == "get_attr":
-            rhs = f"get_attr[{node.target}]"
-        else:
-            args = [_fmt_arg(a, names) for a in node.args]
-            args += [f"{k}={_fmt_arg(v, names)}" for k, v in node.kwargs.items()]
-            rhs = f"{target_name(node)}({', '.join(args)})"
+            if node.op == "get_attr":
+                rhs = f"get_attr[{node.target}]"
+            else:
+                args = [_fmt_arg(a, names) for a in node.args]
+                args += [f"{k}={_fmt_arg(v, names)}" for k, v in node.kwargs.items()]
+                rhs = f"{target_name(node)}({', '.join(args)})"
         meta = f"  # {_fmt_meta(node)}" if with_meta and _fmt_meta(node) else ""
         lines.append(f"%{names[node]} = {rhs}{meta}")
     return "\n".join(lines) + "\n"
