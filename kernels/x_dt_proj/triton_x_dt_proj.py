@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import empty_activation
-from ..triton_common import LAUNCH_OPTIONS, dot_acc, dt_dot_meta, silu
+from ..triton_common import LAUNCH_OPTIONS, dot_acc, dt_dot_meta
 
 # Where the kernel runs; everywhere else the op runs the two torch products. H200, run 22
 # (benchmarks/bench_x_dt_proj.py, bf16, dim 1536, R 48, N 16): at 16384 rows 35.1 us against
@@ -43,8 +42,6 @@ class Tiles(NamedTuple):
     block_d: int = 64
     num_warps: int = 4
     num_stages: int = 4
-    conv_k: int = 256
-    conv_bk: int = 64
 
 
 def choose_tiles(dtype: torch.dtype) -> Tiles:
@@ -56,13 +53,6 @@ def choose_tiles(dtype: torch.dtype) -> Tiles:
     the fastest needs ~224 KB, all an H200 has; fp32 takes 3 stages (~120 KB).
     """
     return Tiles(num_stages=3) if dtype == torch.float32 else Tiles()
-
-
-def choose_conv_tiles(dtype: torch.dtype) -> Tiles:
-    """The tiles of a call that also runs the conv (``conv_x_dt_proj_fwd``)."""
-    # 8 warps: at 4 the conv's four tap tiles and the two accumulators need 255 registers and
-    # spill (sm_90, offline); at 8, 215 and no spill.
-    return Tiles(num_warps=8, num_stages=2)
 
 
 def _pad(n: int) -> int:
@@ -105,73 +95,21 @@ def supported(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tensor) 
 
 
 @triton.jit
-def _conv_rows(x_rows, u_rows, t, row_ok, k, k_ok, cw_ptr, cb_ptr,
-               stride_xl, stride_xk, stride_cwd, stride_cwk, stride_cb, stride_uk,
-               CONV_W: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, SILU: tl.constexpr):
-    # u on these rows and channels: bias + sum_j w[:, j] * x[t - (W-1) + j], zero inputs before
-    # t = 0, then silu, in fp32 in the conv rows kernel's order (taps first, bias last), rounded
-    # to u's dtype. Row t - j is re-read for each tap: the re-reads hit the cache lines the tap
-    # before brought in.
-    for j in tl.static_range(CONV_W):
-        back = CONV_W - 1 - j
-        xj = tl.load(x_rows[:, None] - back * stride_xl + k[None, :] * stride_xk,
-                     mask=(row_ok & (t >= back))[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        wj = tl.load(cw_ptr + k * stride_cwd + j * stride_cwk, mask=k_ok, other=0.0).to(tl.float32)
-        if j == 0:
-            acc = wj[None, :] * xj
-        else:
-            acc += wj[None, :] * xj
-    if HAS_CONV_BIAS:
-        acc += tl.load(cb_ptr + k * stride_cb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = silu(acc)
-    tl.store(u_rows[:, None] + k[None, :] * stride_uk, acc.to(u_rows.dtype.element_ty),
-             mask=row_ok[:, None] & k_ok[None, :])
-
-
-@triton.jit
-def _products(a_rows, stride_ak, row_ok, k_lo, k_hi, ks, wx_ptr, rs, r_ok, cs, c_ok, R,
-              stride_wxe, stride_wxk, acc_dt, acc_bc, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # acc_dt += a[:, k] @ W_x[:R, k]^T and acc_bc += a[:, k] @ W_x[R:, k]^T over k in [k_lo, k_hi).
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < k_hi
-        at = tl.load(a_rows[:, None] + k[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_dt = tl.load(wx_ptr + rs[None, :] * stride_wxe + k[:, None] * stride_wxk,
-                       mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        w_bc = tl.load(wx_ptr + (R + cs)[None, :] * stride_wxe + k[:, None] * stride_wxk,
-                       mask=c_ok[None, :] & k_ok[:, None], other=0.0)
-        acc_dt = dot_acc(at, w_dt, acc_dt, PRECISION)
-        acc_bc = dot_acc(at, w_bc, acc_bc, PRECISION)
-    return acc_dt, acc_bc
-
-
-@triton.jit
 def _x_dt_proj_kernel(
-    x_ptr, wx_ptr, wdt_ptr, xdbl_ptr, dt_ptr, cw_ptr, cb_ptr, u_ptr,
+    x_ptr, wx_ptr, wdt_ptr, xdbl_ptr, dt_ptr,
     M, L, K, R, NBC, D,
     stride_xb, stride_xl, stride_xk,
     stride_wxe, stride_wxk,
     stride_wdd, stride_wdr,
-    stride_cwd, stride_cwk, stride_cb,
-    stride_ub, stride_ul, stride_uk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_BC: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    CONV_W: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, SILU: tl.constexpr, CONV_K: tl.constexpr,
-    CONV_BK: tl.constexpr,
 ):
-    # CONV_W = 0: the products read x. CONV_W >= 2: x is the causal conv's input, and the
-    # products read its output u, which the program computes and writes (for the scan) CONV_K
-    # channels at a time and reads back from L2 after a barrier. Feeding the products the conv's
-    # registers directly made Triton compute the conv twice, once in the store's layout and once
-    # in the tensor-core operand's, at 210-255 registers with spills (sm_90, offline).
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    # x (and u) are (batch, L, K) with any strides: a row m is (m // L, m % L).
+    # x is (batch, L, K) with any strides: a row m is (m // L, m % L).
     b = rows // L
-    t = rows - b * L
-    x_rows = x_ptr + b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xl
+    x_rows = x_ptr + b.to(tl.int64) * stride_xb + (rows - b * L).to(tl.int64) * stride_xl
     ks = tl.arange(0, BLOCK_K)
     rs = tl.arange(0, BLOCK_R)
     cs = tl.arange(0, BLOCK_BC)
@@ -181,21 +119,16 @@ def _x_dt_proj_kernel(
     # own, the operand of the second product (a register tile cannot be sliced).
     acc_dt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc_bc = tl.zeros((BLOCK_M, BLOCK_BC), dtype=tl.float32)
-    if CONV_W > 0:
-        u_rows = u_ptr + b.to(tl.int64) * stride_ub + t.to(tl.int64) * stride_ul
-        for kc in range(0, K, CONV_K):
-            kc_end = tl.minimum(kc + CONV_K, K)
-            for k0 in range(kc, kc_end, CONV_BK):
-                k = k0 + tl.arange(0, CONV_BK)
-                _conv_rows(x_rows, u_rows, t, row_ok, k, k < kc_end, cw_ptr, cb_ptr, stride_xl, stride_xk,
-                           stride_cwd, stride_cwk, stride_cb, stride_uk, CONV_W, HAS_CONV_BIAS, SILU)
-            # Every thread's u stores are visible to the whole program after the barrier.
-            tl.debug_barrier()
-            acc_dt, acc_bc = _products(u_rows, stride_uk, row_ok, kc, kc_end, ks, wx_ptr, rs, r_ok, cs, c_ok, R,
-                                       stride_wxe, stride_wxk, acc_dt, acc_bc, BLOCK_K, PRECISION)
-    else:
-        acc_dt, acc_bc = _products(x_rows, stride_xk, row_ok, 0, K, ks, wx_ptr, rs, r_ok, cs, c_ok, R,
-                                   stride_wxe, stride_wxk, acc_dt, acc_bc, BLOCK_K, PRECISION)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        xt = tl.load(x_rows[:, None] + k[None, :] * stride_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_dt = tl.load(wx_ptr + rs[None, :] * stride_wxe + k[:, None] * stride_wxk,
+                       mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        w_bc = tl.load(wx_ptr + (R + cs)[None, :] * stride_wxe + k[:, None] * stride_wxk,
+                       mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+        acc_dt = dot_acc(xt, w_dt, acc_dt, PRECISION)
+        acc_bc = dot_acc(xt, w_bc, acc_bc, PRECISION)
     out_rows = rows.to(tl.int64) * (R + NBC)
     # Rounded to the output dtype before the second product: eager's dt_proj reads the rounded
     # x_dbl, so this keeps the same rounding points (only the summation order differs).
@@ -225,47 +158,26 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _launch(x3: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tensor, lead: tuple,
-            tiles: Tiles | None, conv: tuple = (None, None, False), u3: torch.Tensor | None = None):
-    """x_dbl and dt of the rows of x3 (batch, L, K), or of the conv of x3's rows into u3 when
-    ``conv`` = (weight, bias, silu) has a weight."""
-    batch, L, K = x3.shape
-    E, R, D = x_weight.shape[0], dt_weight.shape[1], dt_weight.shape[0]
-    tiles = tiles or choose_tiles(x3.dtype)
-    x_dbl = torch.empty(lead + (E,), device=x3.device, dtype=x3.dtype)
-    dt = torch.empty(lead + (D,), device=x3.device, dtype=x3.dtype)
-    conv_weight, conv_bias, silu_on = conv
-    grid = (triton.cdiv(batch * L, tiles.block_m),)
-    _x_dt_proj_kernel[grid](
-        x3, x_weight, dt_weight, x_dbl, dt, conv_weight, conv_bias, u3,
-        batch * L, L, K, R, E - R, D,
-        x3.stride(0), x3.stride(1), x3.stride(2),
-        x_weight.stride(0), x_weight.stride(1),
-        dt_weight.stride(0), dt_weight.stride(1),
-        *((0, 0) if conv_weight is None else conv_weight.stride()),
-        0 if conv_bias is None else conv_bias.stride(0),
-        *((0, 0, 0) if u3 is None else u3.stride()),
-        BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, BLOCK_R=_pad(R), BLOCK_BC=_pad(E - R),
-        BLOCK_D=tiles.block_d, PRECISION=dt_dot_meta(R, x3.dtype)[1],
-        CONV_W=0 if conv_weight is None else conv_weight.shape[1], HAS_CONV_BIAS=conv_bias is not None,
-        SILU=silu_on, CONV_K=tiles.conv_k, CONV_BK=min(tiles.conv_bk, tiles.conv_k), num_warps=tiles.num_warps, num_stages=tiles.num_stages, **LAUNCH_OPTIONS,
-    )
-    return x_dbl, dt
-
-
 def x_dt_proj_fwd(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tensor,
                   tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel; outputs are contiguous (..., R + 2N) and (..., dim) in x's dtype."""
-    return _launch(_as_rows(x), x_weight, dt_weight, tuple(x.shape[:-1]), tiles)
-
-
-def conv_x_dt_proj_fwd(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                       silu_on: bool, x_weight: torch.Tensor, dt_weight: torch.Tensor,
-                       tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv of x (batch, dim, L) into u (x's layout, as ``ssm::causal_conv1d`` allocates
-    it) and the two products of u's rows, in one launch: (u, x_dbl, dt)."""
-    u = empty_activation(x)
-    tiles = tiles or choose_conv_tiles(x.dtype)
-    x_dbl, dt = _launch(x.transpose(1, 2), x_weight, dt_weight, (x.shape[0], x.shape[2]), tiles,
-                        (conv_weight, conv_bias, silu_on), u.transpose(1, 2))
-    return u, x_dbl, dt
+    x3 = _as_rows(x)
+    batch, L, K = x3.shape
+    E, R, D = x_weight.shape[0], dt_weight.shape[1], dt_weight.shape[0]
+    tiles = tiles or choose_tiles(x.dtype)
+    lead = tuple(x.shape[:-1])
+    x_dbl = torch.empty(lead + (E,), device=x.device, dtype=x.dtype)
+    dt = torch.empty(lead + (D,), device=x.device, dtype=x.dtype)
+    M = batch * L
+    grid = (triton.cdiv(M, tiles.block_m),)
+    _x_dt_proj_kernel[grid](
+        x3, x_weight, dt_weight, x_dbl, dt,
+        M, L, K, R, E - R, D,
+        x3.stride(0), x3.stride(1), x3.stride(2),
+        x_weight.stride(0), x_weight.stride(1),
+        dt_weight.stride(0), dt_weight.stride(1),
+        BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, BLOCK_R=_pad(R), BLOCK_BC=_pad(E - R),
+        BLOCK_D=tiles.block_d, PRECISION=dt_dot_meta(R, x.dtype)[1],
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **LAUNCH_OPTIONS,
+    )
+    return x_dbl, dt
