@@ -8,15 +8,23 @@ two thin products back to back::
     delta = F.linear(dt_low, W_dt)                    # (..., dim), read by ssm.selective_scan
 
 (HF's ``W_dt @ dt_low.transpose(1, 2)`` reaches this pass in the same form: the delta pass
-writes it as the linear.) The pass replaces both products by one ``ssm.x_dt_proj(x, W_x, W_dt)``
-emitted where x_proj was; B and C keep their split of its first output. On CUDA that is one
-kernel instead of two cuBLAS calls, a memset and a copy of dt_low (``kernels/x_dt_proj``).
+writes it as the linear.) mamba_simple's reference path spells dt_proj as a 2-D product on rows,
+``W_dt @ dt_low.t()`` (dim, rows), then reshapes and permutes it to (batch, dim, L); the op's dt
+transposed is that product. The pass replaces both products by one
+``ssm.x_dt_proj(x, W_x, W_dt)`` emitted where x_proj was; B and C keep their split of its first
+output. On CUDA that is one kernel instead of two cuBLAS calls, a memset and a copy of dt_low
+(``kernels/x_dt_proj``).
+
+The scan only anchors the match (this is a Mamba block's Δ): dt_proj is found by following Δ's
+single-input steps that keep its values (views, reshapes, casts), and the rewrite replaces dt_proj
+by an equal value, so those steps and any other user of dt_proj see what they saw.
 
 Soundness: the op computes exactly the two linears (same rounding points), so the rewrite holds
 when
 - dt_proj's input is the first R columns of x_proj's output, through views that give back the
   same tensor (a split's first piece, ``x_dbl[..., :R]``, ``x_dbl.narrow(-1, 0, R)``), and R is
-  W_dt's second dimension;
+  W_dt's second dimension (in the 2-D product form, that input transposed: ``.t()``, ``.T``,
+  ``.transpose(0, 1)``, ``.permute(1, 0)``);
 - neither linear has a bias, and every tensor (x, both weights, both outputs) has one floating
   dtype: no cast or autocast region changes a product's precision;
 - dt is now computed where x_proj ran, earlier than the user's code did, so nothing may write in
@@ -44,11 +52,12 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 class Site(NamedTuple):
     x_proj: torch.fx.Node   # F.linear(x, W_x)
-    dt_proj: torch.fx.Node  # F.linear(dt_low, W_dt)
+    dt_proj: torch.fx.Node  # F.linear(dt_low, W_dt), or W_dt @ dt_low^T on 2-D rows (``rows_product``)
     x: Any
     x_weight: torch.fx.Node
     dt_weight: torch.fx.Node
     nodes: list[torch.fx.Node]  # from dt_low back to x_proj's output, for the record and checks
+    rows_product: bool = False
 
 
 def _linear(node: Any) -> Optional[tuple[Any, Any]]:
@@ -106,15 +115,18 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     delta = scan_args(scan)["delta"]
     if not isinstance(delta, torch.fx.Node):
         return None
-    dt_proj = layout_source(delta, allow_casts=False).base
+    dt_proj = _value_source(delta)
     dt_args = _linear(dt_proj)
+    rows_product = dt_args is None
+    if rows_product:
+        dt_args = _rows_product(dt_proj)
     if dt_args is None:
         return None
     low, dt_weight = dt_args
     if not isinstance(low, torch.fx.Node) or not isinstance(dt_weight, torch.fx.Node):
         return None
     top = layout_source(low, allow_casts=False)
-    if top.perm != tuple(range(len(top.perm))):
+    if top.perm != ((1, 0) if rows_product else tuple(range(len(top.perm)))):
         return None
     columns = _leading_columns(top.base)
     if columns is None:
@@ -149,7 +161,32 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     if writer is not None:
         return (f"{writer.name} writes in place to x_proj's output or dt_proj's weight: dt, computed "
                 "where x_proj runs, would read them at another point than the user's code did")
-    return Site(x_dbl, dt_proj, x, x_weight, dt_weight, nodes)
+    return Site(x_dbl, dt_proj, x, x_weight, dt_weight, nodes, rows_product)
+
+
+def _value_source(node: torch.fx.Node) -> torch.fx.Node:
+    """The first node back from ``node`` that is not a view, reshape or cast of its input: Δ's
+    producer, up to steps that keep its values."""
+    while True:
+        base = layout_source(node).base
+        source = base.args[0] if base.args else None
+        if ((is_method(base, "reshape", "view") or is_call(base, torch.reshape)) and isinstance(source, torch.fx.Node)
+                and isinstance(val(source), torch.Tensor) and isinstance(val(base), torch.Tensor)
+                and val(source).dtype == val(base).dtype):  # not .view(dtype), which reinterprets bits
+            node = source
+            continue
+        return base
+
+
+def _rows_product(node: torch.fx.Node) -> Optional[tuple[Any, Any]]:
+    """``(T, W)`` when ``node`` is ``W @ T`` of two 2-D tensors (mamba_simple's
+    ``dt_proj.weight @ dt.t()``), else None; the caller checks that T is dt_low transposed."""
+    if not is_call(node, operator.matmul, torch.matmul, torch.mm) or len(node.args) != 2 or node.kwargs:
+        return None
+    W, T = node.args
+    if len(shape_of(W) or ()) != 2 or len(shape_of(T) or ()) != 2:
+        return None
+    return T, W
 
 
 def _between(node: torch.fx.Node, stop: torch.fx.Node) -> list[torch.fx.Node]:
@@ -170,12 +207,17 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node, si
         propagate_val(x_dbl)
         dt = graph.call_function(operator.getitem, (op, 1))
         propagate_val(dt)
+        if site.rows_product:
+            # W_dt @ dt_low^T is the op's (rows, dim) dt transposed: the same values, as a view.
+            dt = graph.call_method("t", (dt,))
+            propagate_val(dt)
     site.dt_proj.replace_all_uses_with(dt)
     site.x_proj.replace_all_uses_with(x_dbl)
     graph.erase_node(site.dt_proj)
     graph.erase_node(site.x_proj)
     wx, wdt = val(site.x_weight), val(site.dt_weight)
-    ctx.rewrite(FAMILY, "linear(x_dbl[..., :R], W_dt) of x_dbl = linear(x, W_x)",
+    ctx.rewrite(FAMILY, ("W_dt @ x_dbl[:, :R].t()" if site.rows_product else "linear(x_dbl[..., :R], W_dt)")
+                + " of x_dbl = linear(x, W_x)",
                 [site.x_proj, *site.nodes[1:], site.dt_proj], "ssm.x_dt_proj.default",
                 {"R": wdt.shape[1], "x_dbl_cols": wx.shape[0], "dim": wdt.shape[0], "runs": _runs(site)})
 

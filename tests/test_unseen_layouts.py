@@ -721,7 +721,8 @@ def test_writes_around_down_cast_of_rewritten_scan(fn):
 class SimpleMamba(nn.Module):
     """mamba_ssm ``Mamba.forward`` without the fast path: in_proj as a ``(b l) d`` matmul and a
     transpose to (b, d, l) (channel-innermost), nn.Conv1d sliced, x_proj on ``(b l) d``,
-    ``dt = dt_proj.weight @ dt.t()`` (a 2-D product: not the batched one the Δ pass rewrites),
+    ``dt = dt_proj.weight @ dt.t()`` (a 2-D product: not the batched one the Δ pass rewrites;
+    with x_proj, one ``ssm.x_dt_proj``),
     B and C ``.contiguous()`` in (b, n, l), selective_scan_ref's loop, out_proj on y.mT."""
 
     def __init__(self, d_model=8, d_state=4, d_conv=4, expand=2, dt_rank=2):
@@ -771,7 +772,7 @@ def test_mamba_simple_reference_path_trains(inductor):
     torch._dynamo.reset()
     counters.clear()
     out = torch.compile(model, backend=ssm_compile.backend(inductor=inductor))(h)
-    for family in ("conv1d", "scan_loop", "delta", "skip", "gate"):
+    for family in ("conv1d", "scan_loop", "delta", "skip", "gate", "x_dt_proj"):
         assert counters["ssm"][family] == 1, dict(counters["ssm"])
     assert out.stride() == model(h).stride() and rel_err(out, ref) < TOL[torch.float32]
     grads = torch.autograd.grad(out.sum(), list(model.parameters()))
