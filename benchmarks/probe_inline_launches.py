@@ -2,7 +2,7 @@
 launches handed to inductor (``kernels/inline.py``, the default) and without (the ops called
 whole, as before: the backend option ``inline_launches=False``).
 
-    python benchmarks/probe_inline_launches.py [--lens 512 2048] [--batch 8] [--repeats 3] [--train-len 128]
+    python benchmarks/probe_inline_launches.py [--lens [512 2048 ...]] [--batch 8] [--repeats 3] [--train-len 128]
 
 Rows: the forward at each L (do_bench median, host-launched: where the host is the limit, this
 is what the launches cost), and one AdamW training step at ``--train-len``. The variants run
@@ -15,6 +15,7 @@ import statistics
 import sys
 
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import ssm_compile
 
@@ -27,7 +28,7 @@ VARIANTS = {"inlined (default)": True, "ops whole": False}
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--lens", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--lens", type=int, nargs="*", default=[512, 2048], help="none: no forward rows")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train-len", type=int, default=128, help="0: no training step")
@@ -36,13 +37,19 @@ def main():
     with torch.no_grad():
         for L in args.lens:
             ids = torch.randint(0, VOCAB, (args.batch, L), device="cuda")
-            runs, logits = {}, {}
+            runs, logits, launched = {}, {}, {}
             for name, inline in VARIANTS.items():
                 # A model per variant, so that each compiled graph stays in its own dynamo cache.
                 fn = torch.compile(build(True, torch.bfloat16).eval(),
                                    backend=ssm_compile.backend(inline_launches=inline))
-                logits[name] = fn(ids).logits.float()
+                out, codes = run_and_get_code(fn, ids)
+                logits[name] = out.logits.float()
                 runs[name] = (lambda fn=fn: fn(ids))
+                # What the compiled forward launches: a compile that failed with the launches
+                # inlined falls back (the ops whole, or no rewrites), and must not pass for inlining.
+                code = "\n".join(codes)
+                launched[name] = ", ".join(f"{what} {code.count(what)}" for what in (
+                    "torch.ops.ssm.selective_scan", "torch.ops.ssm.causal_conv1d.", "_causal_conv1d_fwd_rows_kernel"))
             times = {name: [] for name in runs}
             for _ in range(args.repeats):
                 for name, run in runs.items():
@@ -50,7 +57,7 @@ def main():
             diff = (logits["inlined (default)"] - logits["ops whole"]).abs().max().item()
             for name in runs:
                 rows.append([f"forward L={L}", name, f"{statistics.median(times[name]):.3f}",
-                             " ".join(f"{t:.3f}" for t in times[name]), f"{diff:.3g}"])
+                             " ".join(f"{t:.3f}" for t in times[name]), f"{diff:.3g}", launched[name]])
             print(rows[-2], rows[-1], flush=True)
             del runs, logits
             torch.cuda.empty_cache()
@@ -66,8 +73,9 @@ def main():
             times[name].append(median_ms(step))
     for name in steps:
         rows.append([f"train step L={args.train_len}", name, f"{statistics.median(times[name]):.3f}",
-                     " ".join(f"{t:.3f}" for t in times[name]), "-"])
-    table = markdown_table(["what", "variant", "ms (median)", "rounds", "max |logit diff|"], rows)
+                     " ".join(f"{t:.3f}" for t in times[name]), "-", "-"])
+    table = markdown_table(["what", "variant", "ms (median)", "rounds", "max |logit diff|",
+                            "in the forward's code: ssm op calls, kernel launches"], rows)
     head = (f"130m-shaped HF Mamba, batch {args.batch}, bf16, backend ssm without CUDA graphs, "
             f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n")
     print(head + table)

@@ -13,11 +13,13 @@ and launcher, launching through ``torch.library.wrap_triton``, which records eac
 graph. Inductor then compiles those launches into its code. The kernels, their launch sizes and
 their outputs' layouts are the op's, so the result is the same.
 
-Inductor compiles a recorded launch from the kernel's source, resolving the names the kernel
-uses in its module. A kernel that calls a helper imported under another name fails there:
-``causal_conv1d``'s forward kernels call ``silu`` as ``silu_fn``, and on torch 2.11 inlining them
-raised ``NameError('silu_fn is not defined')`` in inductor's compile (run 24), after which the
-backend compiled that graph without its rewrites. So only the decode ops register the rule.
+Inductor compiles a recorded launch from the kernel's source and the sources of the helpers it
+calls, each under its own name. A kernel must therefore call its helpers by their own names, not
+through an import alias: ``causal_conv1d``'s forward kernels called ``silu`` as ``silu_fn``, and on
+torch 2.11 inlining them raised ``NameError('silu_fn is not defined')`` in inductor's compile (run
+24). The decode ops and ``causal_conv1d``'s forward register the rule. The scan forward does not:
+its launch sets ``maxnreg``, a compile option that ``wrap_triton`` does not record, and its speed
+rests on that register cap.
 
 The op stays whole (``mode.__torch_dispatch__``) on CPU; with symbolic sizes, from which a
 launcher cannot choose its tiles; under Triton's interpreter, whose kernels run as NumPy on host

@@ -425,3 +425,85 @@ def test_double_backward_is_refused_by_name():
     (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         dx.sum().backward()
+
+
+# --- the forward's launches handed to inductor (kernels/inline.py) -------------------------------
+
+def _conv_forward_inputs(device, channel_innermost):
+    inputs = make_inputs(2, 64, 40, 4, torch.bfloat16, (True, True, False, channel_innermost), device=device)
+    return inputs["x"], inputs["weight"], inputs["bias"]
+
+
+def _traced_conv_forward(device, channel_innermost):
+    """The forward as AOTAutograd traces it (``FunctionalTensorMode``), on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def forward(x, weight, bias):
+        return torch.ops.ssm.causal_conv1d(x, weight, bias, "silu")
+
+    real = _conv_forward_inputs("cpu", channel_innermost)
+    with FakeTensorMode():
+        args = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in real]
+    gm = make_fx(dispatch_functionalize(forward), tracing_mode="fake")(*args)
+    return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+
+
+_CONV_TRACE_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_causal_conv1d as t
+# The row-streaming kernel's launcher reads the SM count, which a machine without a GPU lacks.
+t.triton_conv.num_sms = lambda index: 132
+t.op.register()
+print(json.dumps({f"{d}/{layout}": t._traced_conv_forward(d, layout == "ci")
+                  for d in ("cuda", "cpu") for layout in ("ci", "lmajor")}))
+"""
+
+
+def test_functionalization_inlines_the_forward_launches():
+    """On CUDA the forward becomes its kernel's wrap_triton launch (the row-streaming kernel for
+    HF's channel-innermost x, the chunk-tile kernel for L-major x); on CPU the op stays. Traced
+    with fake CUDA tensors, so it runs without a GPU; in a subprocess without TRITON_INTERPRET,
+    under which the rule keeps the op whole."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _CONV_TRACE_SCRIPT, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    for layout in ("ci", "lmajor"):
+        assert "triton_kernel_wrapper_functional" in traced[f"cuda/{layout}"], traced
+        assert "ssm.causal_conv1d.default" not in traced[f"cuda/{layout}"], traced
+        assert "ssm.causal_conv1d.default" in traced[f"cpu/{layout}"], traced
+        assert "triton_kernel_wrapper_functional" not in traced[f"cpu/{layout}"], traced
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the tracing test above)")
+@pytest.mark.parametrize("channel_innermost", [True, False], ids=["ci", "lmajor"])
+def test_inductor_launches_the_forward_kernel_itself(channel_innermost):
+    """A training step under inductor on CUDA: the forward kernel is launched from inductor's code,
+    the backward is the op, and both match eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    x, weight, bias = (t.requires_grad_() for t in _conv_forward_inputs("cuda", channel_innermost))
+
+    def step(forward):
+        y = forward(x, weight, bias, "silu")
+        return y, torch.autograd.grad(y.float().square().sum(), (x, weight, bias))
+
+    y_e, grads_e = step(torch.ops.ssm.causal_conv1d)
+    # The backward is compiled when autograd first runs it: inside step, so its code is captured.
+    (y_c, grads_c), codes = run_and_get_code(step, torch.compile(lambda *args: torch.ops.ssm.causal_conv1d(*args)))
+    code = "\n".join(codes)
+    kernel = "_causal_conv1d_fwd_rows_kernel" if channel_innermost else "_causal_conv1d_fwd_kernel"
+    assert kernel in code and "torch.ops.ssm.causal_conv1d.default" not in code
+    assert "causal_conv1d_backward" in code
+    assert torch.equal(y_c, y_e) and y_c.stride() == y_e.stride()
+    for got, want in zip(grads_c, grads_e):
+        assert rel_err(got, want) < 1e-5

@@ -19,6 +19,7 @@ import torch
 from torch import _C
 
 from ..context import refuse_forward_ad, without_autocast
+from ..inline import register_inline
 from ..layout import empty_activation
 from . import cpu, triton_conv
 
@@ -125,6 +126,13 @@ def _fwd_cpu(x, weight, bias=None, activation=None, initial_state=None):
 def _fwd_cuda(x, weight, bias=None, activation=None, initial_state=None):
     _check_args_cached(x, weight, bias, activation, initial_state)
     return triton_conv.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation))
+
+
+def _fwd_traced(x, weight, bias=None, activation=None, initial_state=None):
+    # The forward as a graph records it on CUDA (kernels/inline.py): the full check (the cached
+    # one hashes sizes, which traced tensors may not have), then the launch through wrap_triton.
+    check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    return triton_conv.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation), traced=True)
 
 
 def _bwd_fake(dy, x, weight, bias, activation, initial_state):
@@ -260,6 +268,10 @@ def register() -> torch.library.Library:
     torch.library.register_fake("ssm::causal_conv1d_backward", _bwd_fake, lib=lib)
     lib.impl("causal_conv1d", _fwd_autograd, "Autograd", with_keyset=True)
     lib.impl("causal_conv1d_backward", _bwd_autograd, "Autograd", with_keyset=True)
+    # Compiled on CUDA, the forward is its kernel's launch in inductor's code. The backward stays
+    # an op: its launcher sums partials in several launches, and its host cost is the training
+    # step's, where the GPU time dominates.
+    register_inline(lib, "ssm::causal_conv1d", _fwd_traced)
     return lib
 
 

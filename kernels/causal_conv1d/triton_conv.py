@@ -32,8 +32,7 @@ import triton.language as tl
 
 from ..layout import empty_activation
 from ..partials import sum_partials
-from ..triton_common import LAUNCH_OPTIONS, num_sms
-from ..triton_common import silu as silu_fn
+from ..triton_common import LAUNCH_OPTIONS, launcher, num_sms, silu
 from .cpu import ConvGrads
 
 # Time steps per chunk: 8 bf16/fp16 values are one 16-byte load, and 8 > W-1 for every W.
@@ -201,7 +200,7 @@ def _fwd_out(i: tl.constexpr, prev, cur, w, bias, W: tl.constexpr, SILU: tl.cons
              HAS_BIAS: tl.constexpr):
     acc = _preact(i, prev, cur, cur, w, bias, W, HAS_BIAS)
     if SILU:
-        acc = silu_fn(acc)
+        acc = silu(acc)
     return acc
 
 
@@ -762,37 +761,41 @@ def causal_conv1d_fwd(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     initial_state: Optional[torch.Tensor],
-    silu: bool,
+    silu_on: bool,
+    traced: bool = False,
 ) -> torch.Tensor:
-    """Forward; inputs already validated. Returns y (batch, dim, L) in x's layout and dtype."""
+    """Forward; inputs already validated. Returns y (batch, dim, L) in x's layout and dtype.
+    ``traced``: launch through ``wrap_triton``, for a graph that records it (``kernels/inline.py``)."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
     y = empty_activation(x)
     if not _l_contig(x):
         block_d, num_warps, seg_len = _fwd_rows_tile(x, batch, dim, seqlen)
         grid = (batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, seg_len))
-        _causal_conv1d_fwd_rows_kernel[grid](
+        kernel, options = launcher(_causal_conv1d_fwd_rows_kernel, traced)
+        kernel[grid](
             x, weight, bias, initial_state, y,
             dim, seqlen, seg_len,
             *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_state, 3), *y.stride(),
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
-            W=width, SILU=silu, BLOCK_D=block_d, num_warps=num_warps,
-            **LAUNCH_OPTIONS,
+            W=width, SILU=silu_on, BLOCK_D=block_d, num_warps=num_warps,
+            **options,
         )
         return y
     block_d, nc, num_warps = _fwd_tile(dim)
     # Short sequences: fewer, fully used chunks per tile.
     nc = max(1, min(nc, triton.next_power_of_2(triton.cdiv(seqlen, CHUNK))))
     grid = (batch, triton.cdiv(dim, block_d), triton.cdiv(seqlen, nc * CHUNK))
-    _causal_conv1d_fwd_kernel[grid](
+    kernel, options = launcher(_causal_conv1d_fwd_kernel, traced)
+    kernel[grid](
         x, weight, bias, initial_state, y,
         dim, seqlen,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_state, 3), *y.stride(),
         # Flags as arguments, not @triton.heuristics (which rebuilds a dict of every argument per
         # flag on each launch; see triton_fwd.py).
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
-        W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
-        **LAUNCH_OPTIONS,
+        W=width, SILU=silu_on, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
+        **options,
     )
     return y
 
@@ -803,13 +806,13 @@ def causal_conv1d_bwd(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     initial_state: Optional[torch.Tensor],
-    silu: bool,
+    silu_on: bool,
 ) -> ConvGrads:
     """Backward; inputs already validated. See ``ConvGrads`` for what is returned."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
     if not _l_contig(x):
-        return _causal_conv1d_bwd_rows(dy, x, weight, bias, initial_state, silu)
+        return _causal_conv1d_bwd_rows(dy, x, weight, bias, initial_state, silu_on)
     block_d, nc, num_warps = _bwd_tile(dim)
     nc = max(1, min(nc, triton.next_power_of_2(triton.cdiv(seqlen, CHUNK))))
     n_dblocks, n_lblocks = triton.cdiv(dim, block_d), triton.cdiv(seqlen, nc * CHUNK)
@@ -833,7 +836,7 @@ def causal_conv1d_bwd(
         *_strides(initial_state, 3), *dx.stride(), *dw_part.stride(), *_strides(db_part, 2),
         *_strides(dinit if initial_state is not None else None, 3),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
-        W=width, SILU=silu, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
+        W=width, SILU=silu_on, BLOCK_D=block_d, NC=nc, num_warps=num_warps,
         **LAUNCH_OPTIONS,
     )
     return _summed(dx, dw_part, db_part, dinit, x, weight, bias)
@@ -862,7 +865,7 @@ def _summed(dx, dw_part, db_part, dinit, x, weight, bias) -> ConvGrads:
     return ConvGrads(dx=dx, dweight=dweight, dbias=dbias, dinitial_state=dinit)
 
 
-def _causal_conv1d_bwd_rows(dy, x, weight, bias, initial_state, silu) -> ConvGrads:
+def _causal_conv1d_bwd_rows(dy, x, weight, bias, initial_state, silu_on) -> ConvGrads:
     """The backward for x with unit stride along dim, by the row-streaming kernel."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
@@ -878,7 +881,7 @@ def _causal_conv1d_bwd_rows(dy, x, weight, bias, initial_state, silu) -> ConvGra
         *_strides(initial_state, 3), *dx.stride(), *dw_part.stride(), *_strides(db_part, 2),
         *_strides(dinit if initial_state is not None else None, 3),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
-        W=width, SILU=silu, BLOCK_D=block_d, num_warps=num_warps,
+        W=width, SILU=silu_on, BLOCK_D=block_d, num_warps=num_warps,
         **LAUNCH_OPTIONS,
     )
     return _summed(dx, dw_part, db_part, dinit, x, weight, bias)
