@@ -27,14 +27,13 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.fx
 
+from .delta import LINEAR_TARGETS, MATMUL_TARGETS
 from .fx_utils import (context_refusal, grad_enabled_at, is_call, is_method, propagate_val, scan_args,
                        scan_nodes, shape_of, val)
 from .manager import PassContext, PassManager
 
 FAMILY = "fuse"
 CONV_QUALNAME = "ssm::causal_conv1d"
-MATMUL_TARGETS = (operator.matmul, torch.matmul)
-LINEAR_TARGETS = (torch.nn.functional.linear, torch._C._nn.linear)
 
 
 class DtProj(NamedTuple):
