@@ -586,6 +586,8 @@ def view_perm(node: torch.fx.Node) -> list[int] | None:
     if is_call(node, getattr) and node.args[1] == "mT" and n >= 2:
         ident[-1], ident[-2] = ident[-2], ident[-1]
         return ident
+    if is_call(node, getattr) and node.args[1] == "T":  # every axis reversed (a transpose in 2-D)
+        return ident[::-1]
     if is_method(node, "contiguous"):
         return ident
     return None

@@ -259,7 +259,8 @@ class XDt(nn.Module):
             B, dt, C = x_dbl.split([N, R, N], dim=-1)
         else:
             dt, B, C = x_dbl.split([R, N, N], dim=-1)
-        dt = (self.dt_proj.weight @ dt.t()).reshape(-1, b, L).permute(1, 0, 2)
+        dt_t = dt.T if self.variant == "rows_T" else dt.t()
+        dt = (self.dt_proj.weight @ dt_t).reshape(-1, b, L).permute(1, 0, 2)
         delta = F.softplus(dt + self.dt_proj.bias[:, None])
         B, C = (t.reshape(b, L, N).transpose(1, 2) for t in (B, C))
         # A copy of x_dbl: returning x_dbl itself would return the base of the reshaped B and C,
@@ -267,7 +268,7 @@ class XDt(nn.Module):
         return selective_scan_fn(x.transpose(1, 2), delta, self.A, B, C), x_dbl.clone()
 
 
-@pytest.mark.parametrize("variant", ["split", "slice", "rows"])
+@pytest.mark.parametrize("variant", ["split", "slice", "rows", "rows_T"])
 def test_forms_are_rewritten(variant):
     torch.manual_seed(0)
     model = XDt(variant)
