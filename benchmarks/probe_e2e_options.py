@@ -30,6 +30,8 @@ VARIANTS = {
     "default": {},
     # The two thin products (x_proj, dt_proj) as cuBLAS calls, as before ssm.x_dt_proj.
     "no_x_dt_proj": {"disable": ("x_dt_proj",)},
+    # The conv forward's (and decode ops') launches behind the ops, as before run 25.
+    "ops_whole": {"inline_launches": False},
     "combo_kernels": {"inductor_config": {"combo_kernels": True}},
     "combo_kernels, mixed sizes": {"inductor_config": {"combo_kernels": True, "combo_kernel_allow_mixed_sizes": 2}},
 }
