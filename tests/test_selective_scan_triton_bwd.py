@@ -127,8 +127,8 @@ CASES = [
     Case(dim=5, N=5, L=29),  # N and dim that fill no power-of-two block
     # The chunk-state kernel's wide-N tiles (the forward's): 16 lanes along N; 32 lanes and 4
     # steps per thread.
-    Case(dim=4, N=64, L=20),
-    Case(dim=2, N=256, L=9),
+    Case(dim=2, N=64, L=20),
+    Case(dim=2, N=256, L=5),
     Case(L=70, chunk_size=None),  # the default chunk length, one ragged chunk
     # Default tiles (one channel per step, chunk 128) across a chunk boundary, in 3 slices.
     Case(dim=3, L=200, chunk_size=None, num_splits=3),
@@ -153,7 +153,7 @@ NBLOCK_CASES = [
     nblock(L=1, nb=2),
     # Grouped B/C, 2 slices per group, 2 channels per pass (dB/dC rows added to across passes),
     # 5 columns in blocks of 2 (a ragged last block), prime L.
-    nblock(dim=8, G=2, N=5, L=37, nb=2, num_splits=2, group_d=2),
+    nblock(dim=8, G=2, N=5, L=23, nb=2, num_splits=2, group_d=2),
     nblock(has_D=False, has_z=False, has_bias=False, softplus=False, has_init=False, has_dlast=False, nb=2),
     nblock(has_z=False, has_init=False, nb=2, group_d=1),
     nblock(softplus=False, has_D=False, has_bias=False, has_init=False, N=8, nb=4),
@@ -168,8 +168,8 @@ NBLOCK_CASES = [
     # here runs the default), with groups, column blocks and a ragged tail, so
     # that the clamped prefetch addresses wrap to the group's first channel and the next group's
     # (on a GPU; the interpreter never prefetches).
-    nblock(dim=8, G=2, N=5, L=37, nb=2, num_splits=1, group_d=2, prefetch=2),
-    nblock(dim=8, G=2, N=5, L=37, nb=2, num_splits=1, group_d=2, prefetch=0),
+    nblock(dim=8, G=2, N=5, L=23, nb=2, num_splits=1, group_d=2, prefetch=2),
+    nblock(dim=8, G=2, N=5, L=23, nb=2, num_splits=1, group_d=2, prefetch=0),
 ]
 
 
@@ -187,13 +187,13 @@ SERIAL_CASES = [
     serial(L=1),
     # Grouped B/C (2 blocks of 4 channels per group), N that fills no power of two, prime L, a
     # chunk of 2 sub-chunks.
-    serial(dim=32, G=2, N=5, L=37, chunk_size=8, block_d=8),
-    serial(dim=48, G=2, L=29),  # 24 channels per group: 3 blocks of 8
+    serial(dim=32, G=2, N=5, L=23, chunk_size=8, block_d=8),
+    serial(dim=48, G=2, L=19),  # 24 channels per group: 3 blocks of 8
     # Slices of several blocks, each adding its dB/dC sums to the slice's partial: 3 blocks in
     # slices of 2 and 1; 8 blocks in one slice; 3 blocks of 16 channels on two warps, bf16, a
     # full chunk and a ragged one (the interpreter takes ~50 s for it; 64 channels and L=70
     # took 120 s of CI's time for nothing more).
-    serial(dim=48, G=2, L=29, num_splits=2),
+    serial(dim=48, G=2, L=19, num_splits=2),
     serial(dim=64, L=24, block_d=8, num_splits=1),
     serial(dim=48, N=16, L=40, block_d=16, num_warps=2, num_splits=1, dtype=torch.bfloat16, chunk_size=32),
     serial(has_D=False, has_z=False, has_bias=False, softplus=False, has_init=False, has_dlast=False),
@@ -336,7 +336,7 @@ def test_nblock_deterministic():
     # fixed-order sums of the partials: the same bits every run.
     # bf16 (fp32 carry rows of their own), G = 2, 2 passes of 2 channels per slice, N = 6 in blocks
     # of 4 (one carry, a ragged last block).
-    case = nblock(dim=8, G=2, L=37, N=6, nb=4, num_splits=1, group_d=2, dtype=torch.bfloat16)
+    case = nblock(dim=8, G=2, L=23, N=6, nb=4, num_splits=1, group_d=2, dtype=torch.bfloat16)
     inputs, dy, dlast = make_inputs(case)
     first = run_bwd(case, inputs, dy, dlast)
     second = run_bwd(case, inputs, dy, dlast)
