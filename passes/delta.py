@@ -22,7 +22,7 @@ this pass uses live in ``fx_utils.py``.
 from __future__ import annotations
 
 import operator
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.fx
@@ -146,15 +146,21 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     return DeltaFold(pre, perm, None, None, nodes)
 
 
+def weight_product(node: Any, t_dims: Callable[[int], bool], *targets: Any) -> Optional[tuple[Any, Any]]:
+    """``(W, T)`` when ``node`` is ``W @ T`` (``MATMUL_TARGETS`` and ``targets``) with a 2-D W and
+    a T whose number of dims passes ``t_dims``, else None."""
+    if not is_call(node, *MATMUL_TARGETS, *targets) or len(node.args) != 2 or node.kwargs:
+        return None
+    W, T = node.args
+    if len(shape_of(W) or ()) != 2 or not t_dims(len(shape_of(T) or ())):
+        return None
+    return W, T
+
+
 def _left_weight_product(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
     """``(W, T)`` when ``node`` is ``W @ T`` with a 2-D W and a T of 3 or more dims (HF's
     ``dt_proj.weight @ time_step.transpose(1, 2)``), else None."""
-    if not is_call(node, *MATMUL_TARGETS) or len(node.args) != 2 or node.kwargs:
-        return None
-    W, T = node.args
-    if len(shape_of(W) or ()) != 2 or len(shape_of(T) or ()) < 3:
-        return None
-    return W, T
+    return weight_product(node, lambda dims: dims >= 3)
 
 
 def _as_linear(graph: torch.fx.Graph, W: torch.fx.Node, T: torch.fx.Node) -> torch.fx.Node:

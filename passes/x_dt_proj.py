@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.fx
 
-from .delta import LINEAR_TARGETS
+from .delta import LINEAR_TARGETS, weight_product
 from .fx_utils import (context_refusal, is_call, is_method, layout_source, named_args, node_order,
                        propagate_val, scan_args, scan_nodes, shape_of, val, written_in_place)
 from .manager import PassContext, PassManager
@@ -181,12 +181,8 @@ def _value_source(node: torch.fx.Node) -> torch.fx.Node:
 def _rows_product(node: torch.fx.Node) -> Optional[tuple[Any, Any]]:
     """``(T, W)`` when ``node`` is ``W @ T`` of two 2-D tensors (mamba_simple's
     ``dt_proj.weight @ dt.t()``), else None; the caller checks that T is dt_low transposed."""
-    if not is_call(node, operator.matmul, torch.matmul, torch.mm) or len(node.args) != 2 or node.kwargs:
-        return None
-    W, T = node.args
-    if len(shape_of(W) or ()) != 2 or len(shape_of(T) or ()) != 2:
-        return None
-    return T, W
+    product = weight_product(node, lambda dims: dims == 2, torch.mm)
+    return None if product is None else product[::-1]
 
 
 def _between(node: torch.fx.Node, stop: torch.fx.Node) -> list[torch.fx.Node]:
