@@ -19,11 +19,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_scan import DIM, N, graph_ms, hf_layout, make_inputs, ours  # noqa: E402
 from common import copy_bandwidth_gbs  # noqa: E402
 from ssm_compile.kernels.selective_scan.reference import selective_scan_ref  # noqa: E402
-from ssm_compile.kernels.selective_scan.triton_fwd import scan_fwd_config  # noqa: E402
+from ssm_compile.heuristic import compiled_stats  # noqa: E402
+from ssm_compile.kernels.selective_scan.triton_fwd import scan_fwd_config, selective_scan_fwd_launch  # noqa: E402
 
 CASES = [("bf16", 8, 2048, "hf"), ("fp32", 8, 2048, "hf"), ("bf16", 8, 2048, "dense"),
          ("bf16", 1, 2048, "hf")]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def registers(x, config):
+    """(n_regs, n_spills) of the output launch's kernel as the call compiles it."""
+    compiled = selective_scan_fwd_launch(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
+                                         x["delta_bias"], True, None, False, config=config)[2]
+    return compiled_stats(compiled)
 
 
 def max_error(dtype, layout, config=None):
@@ -62,8 +70,9 @@ def main():
         for label, cfg in variants:
             times = [graph_ms(lambda x: ours(x, cfg), x) for _ in range(args.repeats)]
             err = max_error(dtype, layout, cfg)
+            regs = registers(x, cfg)
             line = (f"| {label} | {dname} | {batch} | {L} | {layout} | {statistics.median(times):.4f} "
-                    f"| {min(times):.4f}-{max(times):.4f} | {err:.1e} | {bw:.0f} |")
+                    f"| {min(times):.4f}-{max(times):.4f} | {err:.1e} | {regs} | {bw:.0f} |")
             print(line, flush=True)
             lines.append(line)
         del x
@@ -73,8 +82,8 @@ def main():
         new = not os.path.exists(path)
         with open(path, "a") as f:
             if new:
-                f.write("| variant | dtype | batch | L | layout | graph ms (median) | range | max rel err | copy GB/s |\n"
-                        "|---|---|---|---|---|---|---|---|---|\n")
+                f.write("| variant | dtype | batch | L | layout | graph ms (median) | range | max rel err "
+                        "| (regs, spills) | copy GB/s |\n|---|---|---|---|---|---|---|---|---|---|\n")
             f.write("\n".join(lines) + "\n")
 
 
