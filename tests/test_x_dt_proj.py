@@ -119,6 +119,86 @@ def test_cuda_op_forward_backward(dtype):
         assert rel_err(got.cpu(), ref) < 4 * TOL[DTYPES[dtype]]
 
 
+# --- the forward handed to inductor (kernels/inline.py) -------------------------------------------
+
+def _traced_x_dt_proj(device, rows):
+    """The forward as AOTAutograd traces it (``FunctionalTensorMode``), on fake tensors of
+    Mamba-130m's x_proj/dt_proj shapes with ``rows`` rows of x."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        x = torch.empty(rows // 512, 1536, 512, dtype=torch.bfloat16, device=device).transpose(1, 2)
+        wx = torch.empty(80, 1536, dtype=torch.bfloat16, device=device)
+        wdt = torch.empty(1536, 48, dtype=torch.bfloat16, device=device)
+    gm = make_fx(dispatch_functionalize(lambda *a: torch.ops.ssm.x_dt_proj(*a)), tracing_mode="fake")(x, wx, wdt)
+    return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+
+
+_X_DT_TRACE_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_x_dt_proj as t
+# supported() reads the device's shared memory, which a machine without a GPU lacks (an H200's).
+t.triton_x_dt_proj._shared_memory = lambda index: 232448
+from ssm_compile.kernels import register_ops
+register_ops()
+print(json.dumps({d: t._traced_x_dt_proj(d, 16384) for d in ("cuda", "cpu")}))
+"""
+
+
+def test_functionalization_inlines_the_forward():
+    """On CUDA, where the op would launch its kernel (16384 rows), the forward becomes the
+    kernel's wrap_triton launch; on CPU the op stays. Traced with fake CUDA tensors in a
+    subprocess without TRITON_INTERPRET (under which the rule keeps the op whole), so it runs
+    without a GPU. (The other CUDA branch, the two products recorded as matmuls, slices a fake
+    CUDA tensor, which a CPU-only torch refuses: the GPU test below covers it.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _X_DT_TRACE_SCRIPT, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    op = "ssm.x_dt_proj.default"
+    assert "triton_kernel_wrapper_functional" in traced["cuda"] and op not in traced["cuda"], traced
+    assert "aten.mm.default" not in traced["cuda"], traced
+    assert op in traced["cpu"] and "triton_kernel_wrapper_functional" not in traced["cpu"], traced
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the tracing test above)")
+@pytest.mark.parametrize("rows", [16384, 4096])
+def test_inductor_launches_the_kernel_or_the_products_itself(rows):
+    """A training step under inductor on CUDA: no op call in the forward's code (the kernel at
+    16384 rows, inductor's matmuls at 4096), values equal to eager's, gradients within tolerance."""
+    from torch._inductor.utils import run_and_get_code
+
+    leaves = [t.requires_grad_() for t in make((rows // 512, 512), 1536, 48, 16, 1536, torch.bfloat16,
+                                                "lmajor", device="cuda")]
+
+    def step(forward):
+        x_dbl, dt = forward(*leaves)
+        loss = x_dbl.float().square().sum() + dt.float().square().sum()
+        return x_dbl, dt, torch.autograd.grad(loss, leaves)
+
+    x_dbl_e, dt_e, grads_e = step(torch.ops.ssm.x_dt_proj)
+    (x_dbl_c, dt_c, grads_c), codes = run_and_get_code(step, torch.compile(lambda *a: torch.ops.ssm.x_dt_proj(*a)))
+    code = "\n".join(codes)
+    assert "torch.ops.ssm.x_dt_proj" not in code
+    assert ("_x_dt_proj_kernel" in code) == (rows >= triton_x_dt_proj.MIN_ROWS)
+    # The kernel is the op's own launch (bitwise); inductor's matmuls may pick other cuBLAS tiles.
+    if rows >= triton_x_dt_proj.MIN_ROWS:
+        assert torch.equal(x_dbl_c, x_dbl_e) and torch.equal(dt_c, dt_e)
+    else:
+        assert rel_err(x_dbl_c, x_dbl_e) < TOL[torch.bfloat16] and rel_err(dt_c, dt_e) < TOL[torch.bfloat16]
+    for got, want in zip(grads_c, grads_e):
+        assert rel_err(got, want) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_opcheck(dtype):
     x, wx, wdt = make((2, 9), 32, 4, 3, 20, DTYPES[dtype], "lmajor")

@@ -8,6 +8,11 @@ computed from the rounded columns, as two ``F.linear`` calls would. Both outputs
 CUDA runs one Triton kernel (``triton_x_dt_proj.py``) where it pays, else the two products;
 CPU runs the two products. The backward is four matmuls in torch (``register_autograd``), so
 AOTAutograd traces it and inductor schedules it like any other matmul.
+
+Compiled on CUDA, the forward is not an op call in inductor's code either (``kernels/inline.py``):
+where the kernel pays, its launch is recorded and inductor launches it; elsewhere the two
+products are recorded as the matmuls they are. Either way the call skips the op's dispatch, which
+costs more host time than the two small products' GPU time at short L and batch 1.
 """
 import functools
 
@@ -15,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..context import refuse_forward_ad, without_autocast
+from ..inline import register_inline
 from . import triton_x_dt_proj
 
 _SCHEMA = "x_dt_proj(Tensor x, Tensor x_weight, Tensor dt_weight) -> (Tensor x_dbl, Tensor dt)"
@@ -69,6 +75,15 @@ def _cuda(x, x_weight, dt_weight):
     return _products(x, x_weight, dt_weight)
 
 
+def _traced(x, x_weight, dt_weight):
+    # The forward as a graph records it on CUDA (kernels/inline.py): the kernel's launch where
+    # the real impl would launch it, else the products; the same values as _cuda.
+    check_x_dt_proj_args(x, x_weight, dt_weight)
+    if triton_x_dt_proj.supported(x, x_weight, dt_weight):
+        return triton_x_dt_proj.x_dt_proj_fwd(x, x_weight, dt_weight, traced=True)
+    return _products(x, x_weight, dt_weight)
+
+
 def _setup_context(ctx, inputs, output):
     x, x_weight, dt_weight = inputs
     ctx.save_for_backward(x, x_weight, dt_weight, output[0])
@@ -104,4 +119,6 @@ def register() -> torch.library.Library:
     lib.impl("x_dt_proj", without_autocast(_cuda, "cuda"), "CUDA")
     torch.library.register_fake("ssm::x_dt_proj", _fake, lib=lib)
     torch.library.register_autograd("ssm::x_dt_proj", _backward, setup_context=_setup_context, lib=lib)
+    # Autocast off as in the real impl: the recorded products must keep the op's dtypes.
+    register_inline(lib, "ssm::x_dt_proj", without_autocast(_traced, "cuda"))
     return lib

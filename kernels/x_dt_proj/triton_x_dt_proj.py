@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import LAUNCH_OPTIONS, dot_acc, dt_dot_meta
+from ..triton_common import dot_acc, dt_dot_meta, launcher
 
 # Where the kernel runs; everywhere else the op runs the two torch products. H200, run 22
 # (benchmarks/bench_x_dt_proj.py, bf16, dim 1536, R 48, N 16): at 16384 rows 35.1 us against
@@ -159,8 +159,10 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def x_dt_proj_fwd(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tensor,
-                  tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel; outputs are contiguous (..., R + 2N) and (..., dim) in x's dtype."""
+                  tiles: Tiles | None = None, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel; outputs are contiguous (..., R + 2N) and (..., dim) in x's dtype.
+
+    ``traced``: launch through ``wrap_triton``, for a graph that records it (``kernels/inline.py``)."""
     x3 = _as_rows(x)
     batch, L, K = x3.shape
     E, R, D = x_weight.shape[0], dt_weight.shape[1], dt_weight.shape[0]
@@ -170,7 +172,8 @@ def x_dt_proj_fwd(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tens
     dt = torch.empty(lead + (D,), device=x.device, dtype=x.dtype)
     M = batch * L
     grid = (triton.cdiv(M, tiles.block_m),)
-    _x_dt_proj_kernel[grid](
+    kernel, options = launcher(_x_dt_proj_kernel, traced)
+    kernel[grid](
         x3, x_weight, dt_weight, x_dbl, dt,
         M, L, K, R, E - R, D,
         x3.stride(0), x3.stride(1), x3.stride(2),
@@ -178,6 +181,6 @@ def x_dt_proj_fwd(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tens
         dt_weight.stride(0), dt_weight.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, BLOCK_R=_pad(R), BLOCK_BC=_pad(E - R),
         BLOCK_D=tiles.block_d, PRECISION=dt_dot_meta(R, x.dtype)[1],
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **LAUNCH_OPTIONS,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **options,
     )
     return x_dbl, dt
