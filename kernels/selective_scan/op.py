@@ -47,6 +47,7 @@ import torch
 from torch import _C
 
 from ..context import refuse_forward_ad, without_autocast
+from ..inline import register_inline
 from ..layout import empty_activation
 from . import cpu
 
@@ -235,6 +236,22 @@ def _selective_scan_impl(
     return y, last_state
 
 
+def _selective_scan_traced(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
+    return_last_state=False,
+):
+    # The forward as a graph records it on CUDA (kernels/inline.py): the full check (the cached
+    # one hashes sizes, which traced tensors may not have), then the launches through wrap_triton.
+    check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    y, last_state = _triton_launchers()[0].selective_scan_fwd(
+        u, delta, A, _grouped(B), _grouped(C), D, z, delta_bias, delta_softplus, initial_state,
+        return_last_state, traced=True,
+    )
+    if last_state is None:
+        last_state = u.new_empty((0,), dtype=cpu.compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state))
+    return y, last_state
+
+
 def _selective_scan_fake(
     u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
     return_last_state=False,
@@ -419,6 +436,10 @@ def register() -> torch.library.Library:
             lib.impl(name, without_autocast(impl, device_key.lower()), device_key)
         torch.library.register_fake(f"ssm::{name}", fake, lib=lib)
         lib.impl(name, autograd, "Autograd", with_keyset=True)
+    # Compiled on CUDA, the forward is its kernel's launch(es) in inductor's code. The backward
+    # stays an op: several launches whose partial sums its launcher reduces, in a training step
+    # where GPU time dominates.
+    register_inline(lib, "ssm::selective_scan", _selective_scan_traced)
     return lib
 
 

@@ -115,7 +115,10 @@ def scan_fwd_config(
       (0.259 -> 0.389 ms) from nothing but that. At 168 the unsplit loop is unchanged (691
       instructions, no local memory); the fp32 split pass reloads 16 B per chunk from L1.
       The cap stays a ceiling now that ptxas needs less: 128 (4 programs per SM) fits
-      without spills but ran slower at batch 8 (384 programs fill 3 per SM anyway).
+      without spills but ran slower at batch 8 (384 programs fill 3 per SM anyway). It also
+      steers ptxas's schedule: uncapped, Triton 3.6 compiles the bf16 HF-layout tile to 133
+      registers and it runs 7.8 % slower (0.2434 against 0.2258 ms), and the fp32 one to the
+      same 163 registers, 1.6 % slower (run 26).
       Narrower programs (1-2 warps) are only chosen when programs < SMs, where occupancy
       does not matter and a cap would only add spills (1 warp: 236 regs uncapped).
     * prefetch: on (batch, dim, L) activations the capped 4-warp tile keeps two chunks of loads
@@ -519,6 +522,7 @@ def selective_scan_fwd(
     return_last_state: bool,
     *,
     config: Optional[ScanFwdConfig] = None,
+    traced: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Selective scan forward with the Triton kernel (inputs already validated by the op).
 
@@ -528,6 +532,8 @@ def selective_scan_fwd(
         initial_state: (batch, dim, N) fp32 or None.
         config: tile override (tests use it to force a time split); default
             ``scan_fwd_config``.
+        traced: launch through ``wrap_triton``, for a graph that records it
+            (``kernels/inline.py``), register cap included (``_recorded_kernel``).
 
     Returns:
         y (batch, dim, L) in u's dtype, and last_state (batch, dim, N) fp32 if
@@ -535,8 +541,28 @@ def selective_scan_fwd(
     """
     y, last_state, _ = selective_scan_fwd_launch(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state,
-        config=config)
+        config=config, traced=traced)
     return y, last_state
+
+
+@functools.lru_cache(maxsize=None)
+def _recorded_kernel(num_warps: int, max_registers: Optional[int]):
+    """The kernel as a launch that a graph records (``wrap_triton``) takes it, with the launch's
+    warps and register cap.
+
+    ``wrap_triton`` records kernel arguments, launch sizes, num_warps and num_stages, not
+    ``maxnreg``, and the cap is worth 2-8 % of the kernel's time (``scan_fwd_config``). So the
+    kernel goes in as a one-config ``triton.autotune`` whose config carries the cap among its
+    keyword arguments: inductor's generated code re-creates each config from a dict
+    (``config_from_dict``), which takes ``maxnreg`` from the dict as a compile option, and
+    Triton's own launch of a config passes it to the compile the same way. Cached, so that
+    every launch of one (warps, cap) is the same kernel object to inductor.
+    """
+    from torch.library import wrap_triton
+
+    options = {} if max_registers is None else {"maxnreg": max_registers}
+    return wrap_triton(triton.autotune(configs=[triton.Config(options, num_warps=num_warps)], key=[])(
+        _selective_scan_fwd_kernel))
 
 
 def selective_scan_fwd_launch(
@@ -554,6 +580,7 @@ def selective_scan_fwd_launch(
     *,
     dt_weight: Optional[torch.Tensor] = None,
     config: Optional[ScanFwdConfig] = None,
+    traced: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], object]:
     """``selective_scan_fwd``, optionally with the dt projection fused, and the compiled kernel.
 
@@ -602,15 +629,23 @@ def selective_scan_fwd_launch(
     if plan.n_segments > 1:
         seg_a = torch.empty((2, plan.n_segments - 1, batch, dim, N), dtype=torch.float32,
                             device=u.device)
-        seg_a, seg_b = seg_a[0], seg_a[1]
+        # unbind rather than indexing: a CPU-only torch refuses to index a fake CUDA tensor,
+        # and the tracing tests record this launch on one.
+        seg_a, seg_b = seg_a.unbind(0)
 
     z_strides = z.stride() if z is not None else (0, 0, 0)
     h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0)
     D_stride = D.stride(0) if D is not None else 0
     bias_stride = delta_bias.stride(0) if delta_bias is not None else 0
 
+    if traced:
+        kernel, options = _recorded_kernel(config.num_warps, config.max_registers), {}
+    else:
+        kernel = _selective_scan_fwd_kernel
+        options = dict(num_warps=config.num_warps, maxnreg=config.max_registers, **LAUNCH_OPTIONS)
+
     def launch(segment_totals: bool, grid: Tuple[int, int, int]):
-        return _selective_scan_fwd_kernel[grid](
+        return kernel[grid](
             u, delta, A, B, C, D, z, delta_bias, initial_state,
             y, last_state, seg_a, seg_b, dt_weight,
             batch, dim, L, N, dims_per_group, plan.seg_len, dt_rank,
@@ -622,16 +657,15 @@ def selective_scan_fwd_launch(
             HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
             HAS_INIT=initial_state is not None, STORE_LAST=last_state is not None,
             TIME_SPLIT=seg_a is not None, PREFETCH=config.prefetch,
-            DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision,
-            num_warps=config.num_warps, maxnreg=config.max_registers,
-            **LAUNCH_OPTIONS,
+            DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision, **options,
         )
 
     # Triton launches on the current device; make that u's (e.g. u on cuda:1). The context
-    # manager is skipped in the common case, where it would only add host time.
-    switch = u.is_cuda and u.device.index != torch.cuda.current_device()
+    # manager is skipped in the common case, where it would only add host time, and for a
+    # recorded launch, whose device the generated code sets.
+    switch = not traced and u.is_cuda and u.device.index != torch.cuda.current_device()
     with torch.cuda.device(u.device) if switch else contextlib.nullcontext():
         if seg_a is not None:
             launch(True, plan.grid_totals)
         compiled = launch(False, plan.grid)
-    return y, last_state, compiled if u.is_cuda else None
+    return y, last_state, compiled if u.is_cuda and not traced else None
