@@ -37,8 +37,10 @@ class SSMOptions:
             which keeps the ssm ops but nothing else is compiled: useful for debugging).
         mode: an inductor mode (``"reduce-overhead"`` turns on CUDA graphs, e.g. for decode).
         inductor_config: inductor config patches, applied on top of ``mode``'s.
-        inline_launches: on CUDA, hand the Triton launches of the decode ops and of
-            ``causal_conv1d``'s forward to inductor's generated code (``kernels/inline.py``);
+        inline_launches: on CUDA, hand the Triton launches of the decode ops, of the
+            forwards of ``causal_conv1d`` and ``selective_scan`` and of ``x_dt_proj`` (its
+            kernel, or its two matmuls where the op would run those) to inductor's generated
+            code (``kernels/inline.py``);
             ``False`` keeps each op whole, with its own dispatch and launcher (to compare, or to
             bisect).
     """

@@ -413,3 +413,258 @@ def test_time_split_is_two_launches(monkeypatch):
         out, ref = run_both(inputs, config=config)
         check(out, ref, torch.float32)
         assert len(launches) == expected, (config, launches)
+
+
+# --- the forward's launches handed to inductor (kernels/inline.py) -------------------------------
+
+def test_recorded_kernel_carries_the_register_cap_through_inductor():
+    """The launch a graph records is a one-config autotune whose config holds the cap among its
+    keyword arguments; inductor writes each config into its generated code as a dict
+    (``config_to_dict``) and re-creates it from there (``config_from_dict``): the cap must come
+    back as the config's ``maxnreg``, a compile option, and leave the kernel's arguments."""
+    from torch._inductor.runtime.triton_heuristics import config_from_dict, config_to_dict
+
+    from ssm_compile.kernels.selective_scan import triton_fwd
+
+    for cap in (168, None):
+        recorded = triton_fwd._recorded_kernel(4, cap)
+        recorded = getattr(recorded, "kernel", recorded)  # the interpreter gets the autotuner itself
+        (config,) = recorded.configs
+        assert recorded.fn is triton_fwd._selective_scan_fwd_kernel
+        compiled = config_from_dict(config_to_dict(config))
+        assert (compiled.maxnreg, compiled.num_warps, compiled.kwargs) == (cap, 4, {})
+        # Triton's own launch of the config (a graph run without inductor) passes it the same way.
+        assert config.all_kwargs().get("maxnreg") == cap
+    assert triton_fwd._recorded_kernel(4, 168) is triton_fwd._recorded_kernel(4, 168)
+
+
+def _traced_graph(device, batch, L):
+    """The forward as AOTAutograd traces it (``FunctionalTensorMode``) on fake tensors laid out as
+    HF Mamba-130m hands them to the scan."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    dim, N = 1536, 16
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    with FakeTensorMode():
+        # Views of bigger buffers, built by their strides (a CPU-only torch cannot slice a fake
+        # CUDA tensor): z the second half of in_proj's output, B and C columns of x_proj's.
+        u, delta = (torch.empty(batch, L, dim, **bf16).transpose(1, 2) for _ in range(2))
+        z = torch.empty_strided((batch, dim, L), (L * 2 * dim, 1, 2 * dim), **bf16)
+        B, C = (torch.empty_strided((batch, N, L), (L * 80, 1, 80), **bf16) for _ in range(2))
+        A, D, bias = torch.empty(dim, N, device=device), torch.empty(dim, device=device), torch.empty(dim, device=device)
+
+    def forward(u, delta, A, B, C, D, z, bias):
+        return torch.ops.ssm.selective_scan(u, delta, A, B, C, D, z, bias, True, None, True)
+
+    return make_fx(dispatch_functionalize(forward), tracing_mode="fake")(u, delta, A, B, C, D, z, bias)
+
+
+def _traced_scan_forward(device, batch, L):
+    """``_traced_graph``'s recorded launches and each one's config."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    gm = _traced_graph(device, batch, L)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    configs = []
+    for n in gm.graph.nodes:
+        if "triton_kernel_wrapper" in str(n.target):
+            (config,) = kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).configs
+            configs.append([config.num_warps, config.kwargs.get("maxnreg"), n.kwargs["kwargs"]["SEGMENT_TOTALS"]])
+    return {"targets": sorted(set(targets)), "launches": configs}
+
+
+_SCAN_TRACE_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_selective_scan_triton_fwd as t
+from ssm_compile.kernels.selective_scan import triton_fwd
+# The launcher reads the SM count, which a machine without a GPU lacks (an H200's).
+triton_fwd.num_sms = lambda index: 132
+from ssm_compile.kernels import register_ops
+register_ops()
+print(json.dumps({f"{d}/{b}": t._traced_scan_forward(d, b, 2048) for d in ("cuda", "cpu") for b in (8, 1)}))
+"""
+
+
+def test_functionalization_inlines_the_forward_launches():
+    """On CUDA the forward becomes its kernel's wrap_triton launches, each with the launcher's
+    warps and register cap: one launch at batch 8, two (segment totals, then outputs) for batch
+    1's time split. On CPU the op stays. Traced with fake CUDA tensors in a subprocess without
+    TRITON_INTERPRET (under which the rule keeps the op whole), so it runs without a GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _SCAN_TRACE_SCRIPT, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    op = "ssm.selective_scan.default"
+    for batch in (8, 1):
+        cuda, cpu = traced[f"cuda/{batch}"], traced[f"cpu/{batch}"]
+        assert op not in cuda["targets"] and "triton_kernel_wrapper_functional" in cuda["targets"], traced
+        assert op in cpu["targets"] and not cpu["launches"], traced
+        config = scan_fwd_config(batch, 1536, 2048, 16, 1536, 132, True, True)
+        expected = [[config.num_warps, config.max_registers, False]]
+        if config.n_segments > 1:
+            expected.insert(0, [config.num_warps, config.max_registers, True])
+        assert cuda["launches"] == expected, (batch, config, traced)
+    assert traced["cuda/8"]["launches"] == [[4, 168, False]]
+    assert len(traced["cuda/1"]["launches"]) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the tracing test above)")
+@pytest.mark.parametrize("batch, L", [(8, 256), (1, 2048)], ids=["B8-capped", "B1-time-split"])
+def test_inductor_launches_the_forward_kernel_itself(batch, L):
+    """A training step under inductor on CUDA: the forward kernel is launched from inductor's
+    code with the launcher's register cap, the backward is the op, and both match eager
+    (the forward bit for bit: the same kernel with the same compile options)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from ssm_compile.kernels import register_ops
+
+    register_ops()
+    dim, N = 1536, 16
+    g = torch.Generator().manual_seed(0)
+    raw = {k: torch.randn(*s, generator=g) for k, s in dict(
+        u=(batch, L, dim), delta=(batch, L, dim), xz=(batch, L, 2 * dim), x_dbl=(batch, L, 80)).items()}
+    leaves = dict(
+        u=raw["u"].to("cuda", torch.bfloat16).transpose(1, 2).requires_grad_(),
+        delta=(raw["delta"] * 0.5 - 1).to("cuda", torch.bfloat16).transpose(1, 2).requires_grad_(),
+        xz=raw["xz"].to("cuda", torch.bfloat16).requires_grad_(),
+        x_dbl=raw["x_dbl"].to("cuda", torch.bfloat16).requires_grad_(),
+        A=(-torch.exp(torch.randn(dim, N, generator=g) * 0.5)).cuda().requires_grad_(),
+        D=torch.randn(dim, generator=g).cuda().requires_grad_(),
+        bias=(torch.randn(dim, generator=g) * 0.3).cuda().requires_grad_(),
+    )
+
+    def forward(u, delta, xz, x_dbl, A, D, bias):
+        z = xz.transpose(1, 2)[:, dim:]
+        B, C = x_dbl[..., 48:64].transpose(1, 2), x_dbl[..., 64:].transpose(1, 2)
+        return torch.ops.ssm.selective_scan(u, delta, A, B, C, D, z, bias, True, None, False)[0]
+
+    def step(fn):
+        y = fn(*leaves.values())
+        return y, torch.autograd.grad(y.float().square().sum(), tuple(leaves.values()))
+
+    y_e, grads_e = step(forward)
+    (y_c, grads_c), codes = run_and_get_code(step, torch.compile(forward))
+    code = "\n".join(codes)
+    config = scan_fwd_config(batch, dim, L, N, dim, torch.cuda.get_device_properties(0).multi_processor_count,
+                             True, True)
+    assert "_selective_scan_fwd_kernel" in code and "torch.ops.ssm.selective_scan.default" not in code
+    assert "selective_scan_backward" in code
+    if config.max_registers is not None:
+        assert f"'maxnreg': {config.max_registers}" in code, config
+    assert torch.equal(y_c, y_e) and y_c.stride() == y_e.stride()
+    # The backward op may get inductor's layouts for dy and the saved activations, so its sums
+    # can run in another order: the 16-bit gradients then differ by roundings.
+    for got, want in zip(grads_c, grads_e):
+        assert rel_err(got, want) < TOL[got.dtype], (got.dtype, rel_err(got, want))
+
+
+_MEMO_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+class Sm90:
+    # torch's access analysis compiles a recorded kernel to TTIR for the active GPU target;
+    # a machine without a GPU has no driver, so stand in an H200's target.
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cuda")
+
+
+triton.runtime.driver.set_active(Sm90())
+from torch._higher_order_ops import triton_kernel_wrap
+from ssm_compile.kernels import inline, register_ops
+from ssm_compile.kernels.selective_scan import triton_fwd
+import test_selective_scan_triton_fwd as t
+
+triton_fwd.num_sms = lambda index: 132
+name = next(n for n in inline._ANALYSES if hasattr(triton_kernel_wrap, n))
+analysed = []
+original = getattr(triton_kernel_wrap, name)
+
+
+def counted(kernel, *args, **kwargs):
+    analysed.append(getattr(kernel, "fn", kernel).fn.__name__)
+    return original(kernel, *args, **kwargs)
+
+
+setattr(triton_kernel_wrap, name, counted)
+register_ops()  # installs the memo around `counted`
+
+
+def to_clone(batch):
+    gm = t._traced_graph("cuda", batch, 2048)
+    return [sorted(n.kwargs["tensors_to_clone"]) for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+
+
+runs = [to_clone(8) for _ in range(3)] + [to_clone(1) for _ in range(2)]
+print(json.dumps({"runs": runs, "analysed": analysed}))
+"""
+
+
+def test_access_analysis_of_a_recorded_launch_is_done_once():
+    """torch's read/write analysis of a recorded scan launch (a TTIR compile, 0.3-0.4 s) runs once
+    per distinct launch, not once per layer and stage; the kept answer is the one it computed
+    (what the traced graph clones is the same every time, and is the outputs only, so the
+    analysis ran rather than failing into "every input is written"). Runs without a GPU: a
+    subprocess without TRITON_INTERPRET and with an sm_90 target standing in for a driver."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _MEMO_SCRIPT, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    runs, analysed = result["runs"], result["analysed"]
+    assert runs[0] == runs[1] == runs[2] and runs[3] == runs[4], runs
+    # Batch 8: one launch, which writes y and the last state (the trace asks for it); batch 1:
+    # the segment totals' launch writes the composites, the output launch y and the last state.
+    assert runs[0] == [["last_ptr", "y_ptr"]], runs
+    assert runs[3] == [["seg_a_ptr", "seg_b_ptr"], ["last_ptr", "y_ptr"]], runs
+    # One analysis for batch 8's launch, two for batch 1's (totals and output passes differ).
+    assert analysed == ["_selective_scan_fwd_kernel"] * 3, analysed
+
+
+def test_access_analysis_memo_keys_only_this_packages_kernels():
+    """Kernels from elsewhere are analysed as torch analyses them (no key), and a key holds what
+    the analysis reads: dtypes, not shapes; values of the other arguments."""
+    import types
+
+    from ssm_compile.kernels import inline
+
+    # Stand-ins with a JITFunction's ``module`` (under the interpreter the kernels have none).
+    foreign = types.SimpleNamespace(module="some_other_package.kernels")
+    assert inline._analysis_key(foreign, {"x_ptr": torch.empty(2), "n": 3}, ({},), {}) is None
+    kernel = types.SimpleNamespace(module="ssm_compile.kernels.selective_scan.triton_fwd")
+    key = inline._analysis_key(kernel, {"u_ptr": torch.empty(4, 5), "L": 7}, ({},), {})
+    assert key == inline._analysis_key(kernel, {"u_ptr": torch.empty(9), "L": 7}, ({},), {})
+    assert key != inline._analysis_key(kernel, {"u_ptr": torch.empty(9, dtype=torch.bfloat16), "L": 7}, ({},), {})
+    assert key != inline._analysis_key(kernel, {"u_ptr": torch.empty(9), "L": 8}, ({},), {})
+    # A launch with num_warps gets a new one-config autotuner around the kernel each time: the
+    # same key, unless the config's keyword arguments (which the analysis reads) differ.
+    def wrapped(**config_kwargs):
+        return types.SimpleNamespace(fn=kernel, configs=[triton.Config(config_kwargs, num_warps=4)])
+
+    args = {"u_ptr": torch.empty(9), "L": 7}
+    assert inline._analysis_key(wrapped(), args, ({},), {}) == inline._analysis_key(wrapped(), args, ({},), {})
+    assert inline._analysis_key(wrapped(), args, ({},), {}) != inline._analysis_key(wrapped(maxnreg=168), args, ({},), {})
+    # TMA descriptor metadata, or an argument the key cannot hold: analysed every time.
+    assert inline._analysis_key(kernel, {"u_ptr": torch.empty(9)}, ({"u_ptr": ("stable", ())},), {}) is None
+    assert inline._analysis_key(kernel, {"u_ptr": object()}, ({},), {}) is None
