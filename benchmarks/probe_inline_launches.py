@@ -49,7 +49,9 @@ def main():
                 # inlined falls back (the ops whole, or no rewrites), and must not pass for inlining.
                 code = "\n".join(codes)
                 launched[name] = ", ".join(f"{what} {code.count(what)}" for what in (
-                    "torch.ops.ssm.selective_scan", "torch.ops.ssm.causal_conv1d.", "_causal_conv1d_fwd_rows_kernel"))
+                    "torch.ops.ssm.selective_scan.", "_selective_scan_fwd_kernel", "'maxnreg': 168",
+                    "torch.ops.ssm.causal_conv1d.", "_causal_conv1d_fwd_rows_kernel",
+                    "torch.ops.ssm.x_dt_proj.", "_x_dt_proj_kernel"))
             times = {name: [] for name in runs}
             for _ in range(args.repeats):
                 for name, run in runs.items():

@@ -1,0 +1,70 @@
+"""Cold compile time of the 130m-shaped HF Mamba forward under backend="ssm", with the ops'
+launches inlined (the default) and with the ops whole (``inline_launches=False``).
+
+    python benchmarks/probe_compile_time.py [--len 512] [--batch 8] [--variants inlined whole]
+
+Each variant runs in a subprocess of its own with empty inductor and Triton caches, so both
+compile every kernel from scratch; the figure is the first call's wall time (dynamo, the passes,
+AOTAutograd, inductor, the Triton compiles and the run), as ``bench_e2e.py``'s compile column.
+Appends to $OUT/probe_compile_time.md.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_CHILD = """
+import json, sys, time
+import torch
+import ssm_compile
+sys.path.insert(0, sys.argv[1])
+from bench_e2e import VOCAB, build
+inline, batch, L = sys.argv[2] == "inlined", int(sys.argv[3]), int(sys.argv[4])
+model = build(True, torch.bfloat16).eval()
+ids = torch.randint(0, VOCAB, (batch, L), device="cuda")
+fn = torch.compile(model, backend=ssm_compile.backend(inline_launches=inline))
+with torch.no_grad():
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(ids)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    fn(ids)
+    torch.cuda.synchronize()
+print(json.dumps({"first_call_s": first, "second_call_s": time.perf_counter() - start}))
+"""
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--variants", nargs="+", default=["inlined", "whole"], choices=["inlined", "whole"])
+    args = p.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    rows = []
+    for variant in args.variants:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                       TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            out = subprocess.run([sys.executable, "-c", _CHILD, here, variant, str(args.batch), str(args.len)],
+                                 env=env, capture_output=True, text=True)
+        if out.returncode:
+            rows.append(f"| {variant} | failed: {out.stderr.strip().splitlines()[-1][:200]} | |")
+        else:
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(f"| {variant} | {r['first_call_s']:.1f} | {r['second_call_s'] * 1e3:.1f} |")
+        print(rows[-1], flush=True)
+    text = (f"130m-shaped HF Mamba forward, batch {args.batch}, L {args.len}, bf16, backend ssm, cold caches\n\n"
+            "| launches | first call s (compile) | second call ms |\n|---|---|---|\n" + "\n".join(rows) + "\n")
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "probe_compile_time.md"), "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
