@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import TOL, TRITON_DEVICE, in_layout_of, rel_err
+from utils import TOL, TRITON_DEVICE, in_layout_of, rel_err, traced_without_interpreter
 
 from ssm_compile.kernels.causal_conv1d import op, reference, triton_conv
 from ssm_compile.kernels.causal_conv1d.op import causal_conv1d_fn
@@ -467,16 +467,7 @@ def test_functionalization_inlines_the_forward_launches():
     HF's channel-innermost x, the chunk-tile kernel for L-major x); on CPU the op stays. Traced
     with fake CUDA tensors, so it runs without a GPU; in a subprocess without TRITON_INTERPRET,
     under which the rule keeps the op whole."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _CONV_TRACE_SCRIPT, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    traced = traced_without_interpreter(_CONV_TRACE_SCRIPT)
     for layout in ("ci", "lmajor"):
         assert "triton_kernel_wrapper_functional" in traced[f"cuda/{layout}"], traced
         assert "ssm.causal_conv1d.default" not in traced[f"cuda/{layout}"], traced

@@ -9,7 +9,7 @@ from ssm_compile.kernels import inline
 from ssm_compile.kernels.decode import op as decode_op
 from ssm_compile.kernels.decode import triton_decode
 from ssm_compile.kernels.decode.reference import causal_conv1d_update_ref, selective_state_update_ref
-from utils import TOL, rel_err
+from utils import TOL, rel_err, traced_without_interpreter
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -429,16 +429,7 @@ def test_functionalization_inlines_the_cuda_launches():
     and launches itself; on CPU and under the interpreter the op stays (symbolic sizes: the
     CUDA test below). Traced with fake CUDA tensors, so it runs without a GPU; in a subprocess
     without TRITON_INTERPRET, which this process's kernels were imported under on CPU."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    traced = traced_without_interpreter(_TRACE_SCRIPT)
     ops = {"ssm.causal_conv1d_update.default", "ssm.selective_state_update.default"}
     assert "triton_kernel_wrapper_functional" in traced["cuda"]
     assert not ops & set(traced["cuda"]), traced["cuda"]

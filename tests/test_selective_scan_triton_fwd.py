@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from utils import TOL, rel_err
+from utils import TOL, rel_err, traced_without_interpreter
 
 from ssm_compile.kernels.selective_scan.reference import selective_scan_ref
 from ssm_compile.kernels.selective_scan.triton_fwd import (
@@ -493,16 +493,7 @@ def test_functionalization_inlines_the_forward_launches():
     warps and register cap: one launch at batch 8, two (segment totals, then outputs) for batch
     1's time split. On CPU the op stays. Traced with fake CUDA tensors in a subprocess without
     TRITON_INTERPRET (under which the rule keeps the op whole), so it runs without a GPU."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _SCAN_TRACE_SCRIPT, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    traced = traced_without_interpreter(_SCAN_TRACE_SCRIPT)
     op = "ssm.selective_scan.default"
     for batch in (8, 1):
         cuda, cpu = traced[f"cuda/{batch}"], traced[f"cpu/{batch}"]
@@ -622,16 +613,7 @@ def test_access_analysis_of_a_recorded_launch_is_done_once():
     (what the traced graph clones is the same every time, and is the outputs only, so the
     analysis ran rather than failing into "every input is written"). Runs without a GPU: a
     subprocess without TRITON_INTERPRET and with an sm_90 target standing in for a driver."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _MEMO_SCRIPT, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = traced_without_interpreter(_MEMO_SCRIPT)
     runs, analysed = result["runs"], result["analysed"]
     assert runs[0] == runs[1] == runs[2] and runs[3] == runs[4], runs
     # Batch 8: one launch, which writes y and the last state (the trace asks for it); batch 1:

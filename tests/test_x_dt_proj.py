@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from utils import TOL, TRITON_DEVICE, MinimalMambaBlock, PassCapture, perturbed, rel_err
+from utils import TOL, TRITON_DEVICE, MinimalMambaBlock, PassCapture, perturbed, rel_err, traced_without_interpreter
 
 from ssm_compile.kernels.x_dt_proj import triton_x_dt_proj
 from ssm_compile.kernels.x_dt_proj.reference import x_dt_proj_ref as reference
@@ -154,16 +154,7 @@ def test_functionalization_inlines_the_forward():
     subprocess without TRITON_INTERPRET (under which the rule keeps the op whole), so it runs
     without a GPU. (The other CUDA branch, the two products recorded as matmuls, slices a fake
     CUDA tensor, which a CPU-only torch refuses: the GPU test below covers it.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _X_DT_TRACE_SCRIPT, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    traced = traced_without_interpreter(_X_DT_TRACE_SCRIPT)
     op = "ssm.x_dt_proj.default"
     assert "triton_kernel_wrapper_functional" in traced["cuda"] and op not in traced["cuda"], traced
     assert "aten.mm.default" not in traced["cuda"], traced

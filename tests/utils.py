@@ -160,3 +160,20 @@ def scan_y(u, delta, A, B, C):
         h = dA[:, :, i] * h + dBu[:, :, i]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
     return torch.stack(ys, dim=2)
+
+
+def traced_without_interpreter(script: str):
+    """Run ``script`` (given the tests' folder as ``sys.argv[1]``) in a fresh interpreter without
+    TRITON_INTERPRET, under which the ops' inline rule keeps them whole, and return the JSON value
+    its last output line prints. The tracing tests record launches on fake CUDA tensors there,
+    which needs no GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
