@@ -32,8 +32,8 @@ generated code turns back into the compile option (``triton_fwd._recorded_kernel
 What a recorded launch costs at compile time: torch works out which of a kernel's tensors it
 reads and writes by compiling the kernel to TTIR and walking it, once when functionalization
 records the launch and again at each stage after (AOTAutograd's passes, inductor's lowering),
-for every launch, though 24 layers launch the same kernel with the same arguments (upstream
-pytorch#193227 records the answer once). For the scan and conv kernels that is 0.27-0.37 s an
+for every launch, though 24 layers launch the same kernel with the same arguments (the open
+upstream pull request pytorch#193227 would record the answer once). For the scan and conv kernels that is 0.27-0.37 s an
 analysis (Triton 3.9, sm_90), and on the H200 the 130m forward's cold compile took 65 s with
 the launches inlined against 26 s with the ops whole (run 26, ``benchmarks/probe_compile_time.py``).
 ``memoize_access_analysis`` keeps each answer for this package's kernels: the analysis reads
