@@ -27,7 +27,7 @@ cap (H200, Triton 3.6, batch 8, L=2048, HF's layout, run 26: uncapped bf16 0.243
 0.2258 ms at 133 against 161 registers, fp32 0.2381 against 0.2343 ms at 163 both;
 ``benchmarks/bench_scan_variants.py --caps 0,128``). Its launcher therefore records the kernel as
 a one-config ``triton.autotune`` with the cap in the config's keyword arguments, which inductor's
-generated code turns back into the compile option (``triton_fwd._recorded_kernel``).
+generated code turns back into the compile option (``triton_common.launcher``).
 
 What a recorded launch costs at compile time: torch works out which of a kernel's tensors it
 reads and writes by compiling the kernel to TTIR and walking it, once when functionalization
@@ -98,7 +98,8 @@ _MAX_MEMO = 4096
 def _analysis_value(v: Any) -> Any:
     """What the access analysis reads of one launch argument (``_NOT_KEYED`` if it cannot be
     keyed): a tensor's dtype (the analysis replaces every tensor with a 2-element one of that
-    dtype), 2 for a symbolic size (the analysis' own stand-in), a plain value as it is."""
+    dtype), one marker for every symbolic size (the analysis puts 2 in for each), a plain value
+    as it is."""
     if isinstance(v, torch.Tensor):
         return ("tensor", v.dtype)
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):

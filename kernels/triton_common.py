@@ -1,6 +1,7 @@
 """Triton device functions shared by the forward and backward kernels."""
 import functools
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -18,21 +19,36 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", 
 # tested tolerances were all measured with it on, so they ask for it rather than inherit a
 # default. (The interpreter ignores compile options.)
 LAUNCH_OPTIONS = {"enable_fp_fusion": True}
+_UNCAPPED = {**LAUNCH_OPTIONS, "maxnreg": None}
 
 
-def launcher(kernel, traced: bool):
-    """(what to launch, extra launch options): ``kernel`` with LAUNCH_OPTIONS, or for a launch
-    that a graph records (``kernels/inline.py``) its ``wrap_triton`` wrapper without them.
+def launcher(kernel, traced: bool, max_registers: Optional[int] = None):
+    """(what to launch, extra launch options): ``kernel`` with LAUNCH_OPTIONS and the register
+    cap ``max_registers`` (Triton's ``maxnreg``; None = ptxas's choice), or for a launch that a
+    graph records (``kernels/inline.py``) its ``wrap_triton`` wrapper without them.
 
-    wrap_triton takes only kernel arguments and launch sizes, so inductor compiles a recorded
-    launch with Triton's defaults, whose FMA contraction is on through Triton 3.9, as
-    LAUNCH_OPTIONS asks.
+    wrap_triton records kernel arguments, launch sizes, num_warps and num_stages, so inductor
+    compiles a recorded launch with Triton's defaults otherwise, whose FMA contraction is on
+    through Triton 3.9, as LAUNCH_OPTIONS asks. It drops ``maxnreg``, and the scan forward's cap
+    is worth 2-8 % of its time even where ptxas needs fewer registers (``scan_fwd_config``). So
+    a capped kernel is recorded as a one-config ``triton.autotune`` whose config carries the cap
+    among its keyword arguments (``_capped``): inductor's generated code re-creates each config
+    from a dict (``config_from_dict``), which takes ``maxnreg`` from the dict as a compile
+    option, and Triton's own launch of a config passes it to the compile the same way. The
+    launch's num_warps goes into that config as wrap_triton puts it into any launch's.
     """
     if traced:
         from torch.library import wrap_triton
 
-        return wrap_triton(kernel), {}
-    return kernel, LAUNCH_OPTIONS
+        return wrap_triton(kernel if max_registers is None else _capped(kernel, max_registers)), {}
+    return kernel, _UNCAPPED if max_registers is None else {**LAUNCH_OPTIONS, "maxnreg": max_registers}
+
+
+@functools.lru_cache(maxsize=None)
+def _capped(kernel, max_registers: int):
+    """``kernel`` as a one-config autotune carrying ``maxnreg`` (see ``launcher``); cached, so that
+    every capped launch of a kernel is the same object to inductor."""
+    return triton.autotune(configs=[triton.Config({"maxnreg": max_registers})], key=[])(kernel)
 
 
 @functools.cache

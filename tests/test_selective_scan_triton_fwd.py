@@ -418,24 +418,27 @@ def test_time_split_is_two_launches(monkeypatch):
 # --- the forward's launches handed to inductor (kernels/inline.py) -------------------------------
 
 def test_recorded_kernel_carries_the_register_cap_through_inductor():
-    """The launch a graph records is a one-config autotune whose config holds the cap among its
-    keyword arguments; inductor writes each config into its generated code as a dict
+    """A capped launch that a graph records is a one-config autotune whose config holds the cap
+    among its keyword arguments; inductor writes each config into its generated code as a dict
     (``config_to_dict``) and re-creates it from there (``config_from_dict``): the cap must come
-    back as the config's ``maxnreg``, a compile option, and leave the kernel's arguments."""
+    back as the config's ``maxnreg``, a compile option, and leave the kernel's arguments. A launch
+    that is not recorded passes the cap as the option itself."""
     from torch._inductor.runtime.triton_heuristics import config_from_dict, config_to_dict
 
+    from ssm_compile.kernels import triton_common
     from ssm_compile.kernels.selective_scan import triton_fwd
 
+    kernel = triton_fwd._selective_scan_fwd_kernel
+    recorded = triton_common._capped(kernel, 168)
+    (config,) = recorded.configs
+    assert recorded.fn is kernel
+    compiled = config_from_dict(config_to_dict(config))
+    assert (compiled.maxnreg, compiled.kwargs) == (168, {})
+    # Triton's own launch of the config (a graph run without inductor) passes it the same way.
+    assert config.all_kwargs().get("maxnreg") == 168
+    assert triton_common._capped(kernel, 168) is recorded
     for cap in (168, None):
-        recorded = triton_fwd._recorded_kernel(4, cap)
-        recorded = getattr(recorded, "kernel", recorded)  # the interpreter gets the autotuner itself
-        (config,) = recorded.configs
-        assert recorded.fn is triton_fwd._selective_scan_fwd_kernel
-        compiled = config_from_dict(config_to_dict(config))
-        assert (compiled.maxnreg, compiled.num_warps, compiled.kwargs) == (cap, 4, {})
-        # Triton's own launch of the config (a graph run without inductor) passes it the same way.
-        assert config.all_kwargs().get("maxnreg") == cap
-    assert triton_fwd._recorded_kernel(4, 168) is triton_fwd._recorded_kernel(4, 168)
+        assert triton_common.launcher(kernel, False, cap)[1]["maxnreg"] == cap
 
 
 def _traced_graph(device, batch, L):

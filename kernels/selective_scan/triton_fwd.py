@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost, empty_activation
-from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, num_sms, project_dt, silu, softplus
+from ..triton_common import LOG2E, dt_dot_meta, launcher, linear_combine, num_sms, project_dt, silu, softplus
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
 # scan_fwd_config): 65536 / (3 * 128) = 170.7, rounded down to ptxas's allocation granule of 8.
@@ -533,7 +533,7 @@ def selective_scan_fwd(
         config: tile override (tests use it to force a time split); default
             ``scan_fwd_config``.
         traced: launch through ``wrap_triton``, for a graph that records it
-            (``kernels/inline.py``), register cap included (``_recorded_kernel``).
+            (``kernels/inline.py``), register cap included (``triton_common.launcher``).
 
     Returns:
         y (batch, dim, L) in u's dtype, and last_state (batch, dim, N) fp32 if
@@ -543,26 +543,6 @@ def selective_scan_fwd(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state,
         config=config, traced=traced)
     return y, last_state
-
-
-@functools.lru_cache(maxsize=None)
-def _recorded_kernel(num_warps: int, max_registers: Optional[int]):
-    """The kernel as a launch that a graph records (``wrap_triton``) takes it, with the launch's
-    warps and register cap.
-
-    ``wrap_triton`` records kernel arguments, launch sizes, num_warps and num_stages, not
-    ``maxnreg``, and the cap is worth 2-8 % of the kernel's time (``scan_fwd_config``). So the
-    kernel goes in as a one-config ``triton.autotune`` whose config carries the cap among its
-    keyword arguments: inductor's generated code re-creates each config from a dict
-    (``config_from_dict``), which takes ``maxnreg`` from the dict as a compile option, and
-    Triton's own launch of a config passes it to the compile the same way. Cached, so that
-    every launch of one (warps, cap) is the same kernel object to inductor.
-    """
-    from torch.library import wrap_triton
-
-    options = {} if max_registers is None else {"maxnreg": max_registers}
-    return wrap_triton(triton.autotune(configs=[triton.Config(options, num_warps=num_warps)], key=[])(
-        _selective_scan_fwd_kernel))
 
 
 def selective_scan_fwd_launch(
@@ -638,11 +618,7 @@ def selective_scan_fwd_launch(
     D_stride = D.stride(0) if D is not None else 0
     bias_stride = delta_bias.stride(0) if delta_bias is not None else 0
 
-    if traced:
-        kernel, options = _recorded_kernel(config.num_warps, config.max_registers), {}
-    else:
-        kernel = _selective_scan_fwd_kernel
-        options = dict(num_warps=config.num_warps, maxnreg=config.max_registers, **LAUNCH_OPTIONS)
+    kernel, options = launcher(_selective_scan_fwd_kernel, traced, config.max_registers)
 
     def launch(segment_totals: bool, grid: Tuple[int, int, int]):
         return kernel[grid](
@@ -657,7 +633,7 @@ def selective_scan_fwd_launch(
             HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
             HAS_INIT=initial_state is not None, STORE_LAST=last_state is not None,
             TIME_SPLIT=seg_a is not None, PREFETCH=config.prefetch,
-            DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision, **options,
+            DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision, num_warps=config.num_warps, **options,
         )
 
     # Triton launches on the current device; make that u's (e.g. u on cuda:1). The context
