@@ -226,10 +226,17 @@ def _selective_scan_impl(
 ):
     state_dtype = _checked_state_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     _check_device(u)
-    launcher = _triton_launchers()[0] if u.is_cuda else cpu
+    return _forward(_triton_launchers()[0] if u.is_cuda else cpu, state_dtype, u, delta, A, B, C, D, z,
+                    delta_bias, delta_softplus, initial_state, return_last_state)
+
+
+def _forward(launcher, state_dtype, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
+             return_last_state, **launch_options):
+    """The launcher's forward on checked inputs, with the (0,) placeholder for a last state
+    that was not asked for."""
     y, last_state = launcher.selective_scan_fwd(
         u, delta, A, _grouped(B), _grouped(C), D, z, delta_bias, delta_softplus, initial_state,
-        return_last_state,
+        return_last_state, **launch_options,
     )
     if last_state is None:
         last_state = u.new_empty((0,), dtype=state_dtype)
@@ -243,13 +250,9 @@ def _selective_scan_traced(
     # The forward as a graph records it on CUDA (kernels/inline.py): the full check (the cached
     # one hashes sizes, which traced tensors may not have), then the launches through wrap_triton.
     check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    y, last_state = _triton_launchers()[0].selective_scan_fwd(
-        u, delta, A, _grouped(B), _grouped(C), D, z, delta_bias, delta_softplus, initial_state,
-        return_last_state, traced=True,
-    )
-    if last_state is None:
-        last_state = u.new_empty((0,), dtype=cpu.compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state))
-    return y, last_state
+    state_dtype = cpu.compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    return _forward(_triton_launchers()[0], state_dtype, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                    initial_state, return_last_state, traced=True)
 
 
 def _selective_scan_fake(

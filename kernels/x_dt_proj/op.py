@@ -67,21 +67,18 @@ def _cpu(x, x_weight, dt_weight):
     return _products(x, x_weight, dt_weight)
 
 
-def _cuda(x, x_weight, dt_weight):
+def _cuda(x, x_weight, dt_weight, traced=False):
+    # traced: the forward as a graph records it (kernels/inline.py), the kernel's launch through
+    # wrap_triton where it runs, else the products recorded as matmuls.
     check_x_dt_proj_args(x, x_weight, dt_weight)
     refuse_forward_ad("ssm::x_dt_proj", x, x_weight, dt_weight)
     if triton_x_dt_proj.supported(x, x_weight, dt_weight):
-        return triton_x_dt_proj.x_dt_proj_fwd(x, x_weight, dt_weight)
+        return triton_x_dt_proj.x_dt_proj_fwd(x, x_weight, dt_weight, traced=traced)
     return _products(x, x_weight, dt_weight)
 
 
 def _traced(x, x_weight, dt_weight):
-    # The forward as a graph records it on CUDA (kernels/inline.py): the kernel's launch where
-    # the real impl would launch it, else the products; the same values as _cuda.
-    check_x_dt_proj_args(x, x_weight, dt_weight)
-    if triton_x_dt_proj.supported(x, x_weight, dt_weight):
-        return triton_x_dt_proj.x_dt_proj_fwd(x, x_weight, dt_weight, traced=True)
-    return _products(x, x_weight, dt_weight)
+    return _cuda(x, x_weight, dt_weight, traced=True)
 
 
 def _setup_context(ctx, inputs, output):
