@@ -69,12 +69,13 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def write_out(name: str, text: str) -> None:
-    """Print the table and, when the device tool's $OUT is set, keep a copy there."""
+def write_out(name: str, text: str, append: bool = False) -> None:
+    """Print the table and, when the device tool's $OUT is set, keep a copy there (``append``:
+    after what earlier runs of the same call left in it)."""
     print(text, flush=True)
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, name), "w") as f:
+        with open(os.path.join(out, name), "a" if append else "w") as f:
             f.write(text + "\n")
 
 

@@ -30,7 +30,7 @@ import ssm_compile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import VOCAB, build  # noqa: E402
 from bench_scan import hf_layout, make_inputs, ours  # noqa: E402
-from common import markdown_table  # noqa: E402
+from common import markdown_table, write_out  # noqa: E402
 
 
 def sampled(fn, seconds: float) -> tuple[float, float, float, int]:
@@ -108,10 +108,7 @@ def main():
     text = (f"{torch.cuda.get_device_name()}, bf16, batch {args.batch}, L {args.len}, scan in HF's layout; "
             f"the model: 130m-shaped HF Mamba, backend ssm with CUDA graphs\n\n{table}\n\n"
             f"scan kernel inside the model's forward (profiler, 5 forwards): {in_model:.4f} ms a call\n")
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "probe_clocks.md"), "a") as f:
-            f.write(text + "\n")
+    write_out("probe_clocks.md", text, append=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_out  # noqa: E402
+
 _CHILD = """
 import json, sys, time
 import torch
@@ -60,10 +63,7 @@ def main():
         print(rows[-1], flush=True)
     text = (f"130m-shaped HF Mamba forward, batch {args.batch}, L {args.len}, bf16, backend ssm, cold caches\n\n"
             "| launches | first call s (compile) | second call ms |\n|---|---|---|\n" + "\n".join(rows) + "\n")
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "probe_compile_time.md"), "a") as f:
-            f.write(text + "\n")
+    write_out("probe_compile_time.md", text, append=True)
 
 
 if __name__ == "__main__":
