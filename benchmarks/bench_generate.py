@@ -5,7 +5,8 @@ Measures, per configuration and batch size:
 - decode tokens/s: greedy single-token steps continuing from that prefill.
 
 Configurations: ``eager`` (HF's torch fallbacks), ``inductor`` (``torch.compile`` default),
-``ssm`` (``backend="ssm"``), ``ssm-ops`` (the same with the decode ops kept whole rather than
+``ssm`` (``backend="ssm"``), ``ssm-py`` (the same with inductor's Python wrapper instead of the
+C++ one that the backend picks on CUDA), ``ssm-ops`` (the decode ops kept whole rather than
 inlined into inductor's code) and ``ssm-cg`` (``ssm_compile.backend(mode="reduce-overhead")``,
 CUDA graphs). Every configuration gets the same pre-allocated cache (``static_cache``): HF marks
 cache tensors static only when they are created outside compiled code, which CUDA graphs need,
@@ -55,6 +56,8 @@ def make_forward(model, name):
         return torch.compile(model.forward)
     if name == "ssm":
         return torch.compile(model.forward, backend="ssm")
+    if name == "ssm-py":
+        return torch.compile(model.forward, backend=ssm_compile.backend(cpp_wrapper=False))
     if name == "ssm-ops":
         # The decode ops kept whole, launched through their own op layer and Triton's run():
         # the path before the ops' launches were handed to inductor (kernels/inline.py).

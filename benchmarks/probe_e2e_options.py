@@ -1,7 +1,7 @@
 """The 130m-shaped HF Mamba forward under backend="ssm" with CUDA graphs, once per set of backend
 options, to decide whether an option is worth making a default.
 
-    python benchmarks/probe_e2e_options.py [--len 2048] [--batch 8] [--repeats 3] [--variants NAME ...] [--train]
+    python benchmarks/probe_e2e_options.py [--len 2048] [--batch 8] [--repeats 3] [--variants NAME ...] [--train] [--host]
 
 Per variant: the forward's median time from CUDA-graph replay, the GPU kernels (and memsets) one
 forward launches with their summed GPU time (a profile of the same options without CUDA graphs),
@@ -9,9 +9,12 @@ and the largest logit difference against the first variant (the default). That d
 clears an option when it is 0: the random bf16 model amplifies any change of rounding (eager
 bf16 against its own fp32 twin: relative error ~0.95, bench_e2e.py), so a large one is a reason
 to look, not a verdict. Variants run interleaved, ``--repeats`` rounds, so that drift
-of the machine does not favour one. Appends a table to $OUT/probe_e2e_options.md when OUT is set.
+of the machine does not favour one. ``--host`` times the forward launched from Python instead
+of replayed from a CUDA graph (where the forward is host-bound, L=512, options that change the
+launches' host cost show only there). Appends a table to $OUT/probe_e2e_options.md when OUT is set.
 """
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -33,6 +36,10 @@ VARIANTS = {
     # The conv forward's (and decode ops') launches behind the ops, as before run 25.
     "ops_whole": {"inline_launches": False},
     "combo_kernels": {"inductor_config": {"combo_kernels": True}},
+    # Inductor's C++ wrapper forced on (the launches go out from compiled code, not Python).
+    "cpp_wrapper": {"cpp_wrapper": True},
+    # The default picks the C++ wrapper on CUDA without CUDA graphs (run 27); this turns it off.
+    "no_cpp_wrapper": {"cpp_wrapper": False},
     "combo_kernels, mixed sizes": {"inductor_config": {"combo_kernels": True, "combo_kernel_allow_mixed_sizes": 2}},
 }
 # name -> the scan backward's tiles (``triton_bwd.choose_tiles`` overrides) in place of the
@@ -66,12 +73,34 @@ def with_bwd_tiles(step, tiles):
     return run
 
 
-def kernels_per_forward(model, ids, options) -> tuple[int, float]:
-    """(GPU kernels + memsets, their summed GPU ms) of one forward, profiled without CUDA graphs."""
+class FallbackCount(logging.Handler):
+    """Counts the ssm backend's warnings while active: a compile that fell back (the launches
+    kept in the ops, or the rewrites dropped) must not pass for the option it was asked for."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += 1
+        print(f"ssm warning: {record.getMessage()[:300]}", flush=True)
+
+    def __enter__(self):
+        logging.getLogger("ssm_compile").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("ssm_compile").removeHandler(self)
+
+
+def kernels_per_forward(model, ids, options, fn=None) -> tuple[int, float]:
+    """(GPU kernels + memsets, their summed GPU ms) of one forward, profiled without CUDA graphs
+    (``fn``: the model already compiled that way)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch._dynamo.reset()
-    fn = torch.compile(model, backend=ssm_compile.backend(**options))
+    if fn is None:
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend=ssm_compile.backend(**options))
     fn(ids)
     fn(ids)
     torch.cuda.synchronize()
@@ -115,6 +144,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train", action="store_true",
                    help="time a training step (forward, backward, AdamW) per variant instead")
+    p.add_argument("--host", action="store_true",
+                   help="time the forward launched from Python, without CUDA graphs")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS) + list(BWD_VARIANTS),
                    help="which variants to run (the first is the reference for the logit difference); "
                         f"{', '.join(BWD_VARIANTS)} with --train only")
@@ -126,18 +157,24 @@ def main():
     variants = {name: VARIANTS[name] for name in args.variants}
     model = build(True, torch.bfloat16).eval()
     ids = torch.randint(0, VOCAB, (args.batch, args.len), device="cuda")
-    compiled, outputs, times, counts = {}, {}, {name: [] for name in variants}, {}
+    compiled, outputs, times, counts, fallbacks = {}, {}, {name: [] for name in variants}, {}, {}
     with torch.no_grad():
         for name, options in variants.items():
-            counts[name] = kernels_per_forward(model, ids, options)
+            if not args.host:
+                counts[name] = kernels_per_forward(model, ids, options)
             torch._dynamo.reset()
-            fn = torch.compile(model, backend=ssm_compile.backend(mode="reduce-overhead", **options))
+            mode = None if args.host else "reduce-overhead"
+            with FallbackCount() as fallbacks[name]:
+                fn = torch.compile(model, backend=ssm_compile.backend(mode=mode, **options))
 
-            def run(fn=fn):
-                torch.compiler.cudagraph_mark_step_begin()
-                return fn(ids)
+                def run(fn=fn):
+                    if not args.host:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    return fn(ids)
 
-            run()
+                run()
+            if args.host:
+                counts[name] = kernels_per_forward(model, ids, options, fn)
             outputs[name] = run().logits.float().clone()
             compiled[name] = run
             print(f"{name}: {counts[name][0]} GPU kernels and memsets, {counts[name][1]:.3f} ms summed",
@@ -148,9 +185,11 @@ def main():
     first = next(iter(variants))
     rows = [[name, f"{statistics.median(times[name]):.3f}", " ".join(f"{t:.3f}" for t in times[name]),
              counts[name][0], f"{counts[name][1]:.3f}",
-             f"{(outputs[name] - outputs[first]).abs().max().item():.2e}"] for name in variants]
-    table = markdown_table(["variant", "CUDA-graph ms (median)", "rounds", "kernels + memsets",
-                            "their GPU ms", f"max |logits - {first}|"], rows)
+             f"{(outputs[name] - outputs[first]).abs().max().item():.2e}", fallbacks[name].count]
+            for name in variants]
+    timing = "host-launched ms (median)" if args.host else "CUDA-graph ms (median)"
+    table = markdown_table(["variant", timing, "rounds", "kernels + memsets",
+                            "their GPU ms", f"max |logits - {first}|", "ssm warnings"], rows)
     print(table)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "probe_e2e_options.md"), "a") as f:
