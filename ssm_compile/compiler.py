@@ -174,6 +174,18 @@ def _forward_ad_active() -> bool:
     return forward_ad._current_level >= 0
 
 
+def _auto_cpp_wrapper(options: SSMOptions, example_inputs) -> bool:
+    """Auto's choice for one rewritten graph: the C++ wrapper where the graph runs on CUDA and
+    no CUDA graphs are asked for (CUDA graphs already take the launches off the host, and the
+    C++ wrapper would turn them off under inductor's graph partition)."""
+    import torch._inductor.config as inductor_config
+
+    if not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
+        return False
+    patches = options.config_patches()
+    return not patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
+
+
 class SSMBackend:
     """A configured ``ssm`` backend: ``backend(gm, example_inputs) -> compiled callable``.
 
@@ -214,7 +226,7 @@ class SSMBackend:
         from torch._inductor.compile_fx import compile_fx
 
         if not ctx.rewrites:
-            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm, self.options))
         compiled, error = self._compile_rewritten(compile_fx, pm, gm, example_inputs)
         if error is None:
             return compiled
@@ -225,30 +237,39 @@ class SSMBackend:
         log.warning("ssm backend: compiling the rewritten graph raised %s: %s; this graph is "
                     "compiled without ssm rewrites", type(error).__name__, error)
         log.debug("ssm backend: compile failure traceback", exc_info=error)
-        return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm))
+        return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm, self.options))
 
     def _compile_rewritten(self, compile_fx, pm, gm: torch.fx.GraphModule,
                            example_inputs) -> tuple[Callable[..., Any] | None, Exception | None]:
         """(the compiled rewritten graph, None), or (None, the exception its compile raised).
 
-        A graph holding ops whose launches AOTAutograd hands to inductor (kernels/inline.py) is
-        retried with the ops whole before it counts as failed: inductor compiles an inlined
-        launch from the kernel's source, which kernels/inline.py says can trip, and the ops
-        whole keep the rewrites.
+        Before it counts as failed, the compile is retried without what this backend chose on
+        its own: the C++ wrapper where auto turned it on (it needs a host C++ toolchain, and
+        compiles the launches differently), then, for a graph holding ops whose launches
+        AOTAutograd hands to inductor (kernels/inline.py), with the ops whole: inductor compiles
+        an inlined launch from the kernel's source, which kernels/inline.py says can trip, and
+        the ops whole keep the rewrites.
         """
         options = self.options
+        if options.cpp_wrapper is None:
+            options = dataclasses.replace(options, cpp_wrapper=_auto_cpp_wrapper(options, example_inputs))
         while True:
             try:
                 with _backward_compiled_now(), _launches_kept_in_ops(options):
-                    return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm)), None
+                    return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm, options)), None
             except torch._dynamo.exc.RestartAnalysis:
                 raise  # dynamo's own control flow, not a failure
             except Exception as e:  # noqa: BLE001  (see _run_passes: never fail what runs eagerly)
-                if not (options.inline_launches and _holds_inlined_ops(gm)):
+                if options.cpp_wrapper and self.options.cpp_wrapper is None:
+                    log.warning("ssm backend: compiling with the C++ wrapper raised %s: %s; retrying "
+                                "without it (cpp_wrapper=False)", type(e).__name__, e)
+                    options = dataclasses.replace(options, cpp_wrapper=False)
+                elif options.inline_launches and _holds_inlined_ops(gm):
+                    log.warning("ssm backend: compiling with the ops' launches inlined raised %s: %s; retrying "
+                                "with the ops whole (inline_launches=False)", type(e).__name__, e)
+                    options = dataclasses.replace(options, inline_launches=False)
+                else:
                     return None, e
-                log.warning("ssm backend: compiling with the ops' launches inlined raised %s: %s; retrying "
-                            "with the ops whole (inline_launches=False)", type(e).__name__, e)
-                options = dataclasses.replace(options, inline_launches=False)
 
     def _forward_ad_graph(self, pm, gm: torch.fx.GraphModule, before: str) -> Callable[..., Any]:
         """Dynamo's graph as it is, run eagerly: under a forward-AD dual level the ssm ops (no
@@ -265,11 +286,14 @@ class SSMBackend:
                                       options=dict(pm.options)))
         return gm.forward
 
-    def config_patches(self, pm) -> dict[str, Any]:
-        """Inductor config patches for one compile, with the pass manager's cache-key pass."""
+    def config_patches(self, pm, options: SSMOptions) -> dict[str, Any]:
+        """Inductor config patches for one compile with ``options`` (``cpp_wrapper`` None: off,
+        auto being decided per rewritten graph), with the pass manager's cache-key pass."""
         import torch._inductor.config as inductor_config
 
-        patches = self.options.config_patches()
+        patches = options.config_patches()
+        if options.cpp_wrapper is not None:
+            patches["cpp_wrapper"] = options.cpp_wrapper
         inner = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
         patches["post_grad_custom_post_pass"] = pm.cache_key_pass(inner)
         return patches

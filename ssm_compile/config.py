@@ -43,6 +43,13 @@ class SSMOptions:
             code (``kernels/inline.py``);
             ``False`` keeps each op whole, with its own dispatch and launcher (to compare, or to
             bisect).
+        cpp_wrapper: inductor's C++ wrapper (the generated code launches the kernels from C++
+            instead of Python). ``None`` (auto) turns it on for a rewritten graph with CUDA
+            inputs unless CUDA graphs are asked for (with inductor's graph partition, the
+            default, the C++ wrapper would turn them off): launched from Python, the 130m
+            forward at batch 8, L=512 is host-bound, and the C++ wrapper halves its time
+            (benchmarks/RESULTS.md, run 27). A compile that fails with the auto choice is
+            retried without it. ``True`` / ``False``: on / off for every graph.
     """
 
     fuse: str = "auto"
@@ -53,6 +60,7 @@ class SSMOptions:
     # Left out of the hash (a dict isn't hashable) but not out of equality.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
     inline_launches: bool = True
+    cpp_wrapper: bool | None = None
 
     def __post_init__(self) -> None:
         if self.fuse not in FUSE_MODES:
@@ -71,6 +79,13 @@ class SSMOptions:
             raise TypeError("ssm backend option 'inductor_config' must be a dict of inductor config patches, "
                             f"got {type(self.inductor_config).__name__}")
         _check_inductor_config(self.inductor_config)
+        if self.cpp_wrapper is not None and not isinstance(self.cpp_wrapper, bool):
+            raise TypeError(f"ssm backend option 'cpp_wrapper' must be None (auto) or a bool, "
+                            f"got {type(self.cpp_wrapper).__name__}")
+        if "cpp_wrapper" in self.inductor_config:
+            # One switch, so that auto never has to guess which of two settings the user meant.
+            raise ValueError("set the C++ wrapper with the ssm backend option 'cpp_wrapper', "
+                             "not through 'inductor_config'")
         object.__setattr__(self, "inductor_config", dict(self.inductor_config))
 
     @property

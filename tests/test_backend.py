@@ -98,8 +98,10 @@ def test_options_defaults_and_ordering():
     ({"mode": "reduce-overhead", "inductor": False}, ValueError, "needs inductor=True"),
     ({"not_an_option": 1}, ValueError, "unknown ssm backend option(s) ['not_an_option']"),
     ({"inductor_config": [("max_autotune", True)]}, TypeError, "'inductor_config' must be a dict"),
+    ({"cpp_wrapper": "auto"}, TypeError, "'cpp_wrapper' must be None (auto) or a bool"),
+    ({"inductor_config": {"cpp_wrapper": True}}, ValueError, "with the ssm backend option 'cpp_wrapper'"),
 ], ids=["fuse", "passes", "disable-str", "inductor-type", "mode", "mode-without-inductor", "unknown-key",
-        "inductor_config-type"])
+        "inductor_config-type", "cpp_wrapper-type", "cpp_wrapper-as-inductor-config"])
 def test_option_validation(kwargs, exc, message):
     with pytest.raises(exc) as info:
         backend(**kwargs)
@@ -120,7 +122,7 @@ def test_uuid_reaches_inductor_cache_key():
 
     configured = backend(passes=("conv1d",))
     pm = configured.pass_manager()
-    patches = configured.config_patches(pm)
+    patches = configured.config_patches(pm, configured.options)
     key_pass = patches["post_grad_custom_post_pass"]
     assert isinstance(key_pass, CustomGraphPass) and key_pass.uuid() == pm.uuid()
     # What inductor's FX graph cache hashes for this config slot is our uuid (the helper's name
@@ -336,6 +338,75 @@ def test_inline_launches_option(monkeypatch):
     with _launches_kept_in_ops(SSMOptions(inline_launches=False)):
         assert not inline.inlines((), (), {})
     assert inline.inlines((), (), {})
+
+
+def test_auto_cpp_wrapper_choice():
+    """Auto turns the C++ wrapper on for a graph with CUDA inputs (faked here: the choice reads
+    only the inputs' devices), and leaves it off on the CPU and wherever CUDA graphs are asked
+    for, by mode or by config (it would turn them off). An explicit choice reaches inductor's
+    patches as it is; auto adds nothing there itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ssm_compile.compiler import _auto_cpp_wrapper
+
+    with FakeTensorMode():
+        on_cuda = [torch.empty(2, 3, device="cuda"), 4]
+    on_cpu = [torch.empty(2, 3), 4]
+    assert _auto_cpp_wrapper(SSMOptions(), on_cuda)
+    assert not _auto_cpp_wrapper(SSMOptions(), on_cpu)
+    assert not _auto_cpp_wrapper(SSMOptions.from_kwargs(mode="reduce-overhead"), on_cuda)
+    assert not _auto_cpp_wrapper(SSMOptions(inductor_config={"triton.cudagraphs": True}), on_cuda)
+    assert _auto_cpp_wrapper(SSMOptions.from_kwargs(mode="max-autotune-no-cudagraphs"), on_cuda)
+    configured = backend(cpp_wrapper=False)
+    pm = configured.pass_manager()
+    assert configured.config_patches(pm, configured.options)["cpp_wrapper"] is False
+    assert "cpp_wrapper" not in configured.config_patches(pm, SSMOptions())
+    assert SSMOptions.from_kwargs(options={"cpp_wrapper": True}).cpp_wrapper is True
+
+
+def test_failed_auto_cpp_wrapper_compile_retries_without_it(caplog, monkeypatch):
+    """If inductor fails on a rewritten graph with the C++ wrapper that auto chose (a machine
+    without a host compiler, say), the backend compiles it again without the wrapper and keeps
+    the rewrites; an explicit ``cpp_wrapper=True`` is the user's and is not second-guessed."""
+    import logging
+
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from ssm_compile import compiler
+
+    real, calls = compile_fx_module.compile_fx, []
+
+    def fails_with_cpp_wrapper(gm, *a, config_patches=None, **k):
+        calls.append((config_patches or {}).get("cpp_wrapper"))
+        if calls[-1]:
+            raise RuntimeError("no C++ compiler, on purpose")
+        return real(gm, *a, config_patches=config_patches, **k)
+
+    def block(x, w):
+        x = torch.nn.functional.conv1d(x, w, padding=w.shape[-1] - 1, groups=x.shape[1])[..., :x.shape[-1]]
+        return torch.nn.functional.silu(x)
+
+    monkeypatch.setattr(compiler, "_auto_cpp_wrapper", lambda options, example_inputs: True)
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fails_with_cpp_wrapper)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 6, 11, generator=g), torch.randn(6, 1, 4, generator=g)
+    torch._dynamo.reset()
+    counters.clear()
+    with caplog.at_level(logging.WARNING, logger="ssm_compile"):
+        y = torch.compile(block, backend="ssm", fullgraph=True)(x, w)
+    assert counters["ssm"]["conv1d"] == 1
+    # (compile_fx then calls itself once its patches are applied, without patches: the None)
+    assert calls[:2] == [True, False], calls
+    assert "retrying without it (cpp_wrapper=False)" in caplog.text and "without ssm rewrites" not in caplog.text
+    torch.testing.assert_close(y, block(x, w))
+
+    calls.clear()
+    torch._dynamo.reset()
+    # Forced on, it stays on through the ops-whole retry and the graph without rewrites, so the
+    # failure is the user's to see (plain inductor with the C++ wrapper would fail the same).
+    with pytest.raises(Exception, match="no C\\+\\+ compiler, on purpose"):
+        torch.compile(block, backend=backend(cpp_wrapper=True), fullgraph=True)(x, w)
+    assert calls == [True, True, True], calls
 
 
 def test_failed_inlined_compile_retries_with_the_ops_whole(caplog, monkeypatch):
