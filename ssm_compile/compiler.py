@@ -175,12 +175,18 @@ def _forward_ad_active() -> bool:
 
 
 def _auto_cpp_wrapper(options: SSMOptions, example_inputs) -> bool:
-    """Auto's choice for one rewritten graph: the C++ wrapper where the graph runs on CUDA and
-    no CUDA graphs are asked for (CUDA graphs already take the launches off the host, and the
-    C++ wrapper would turn them off under inductor's graph partition)."""
+    """Auto's choice for one rewritten graph: the C++ wrapper where the graph runs on CUDA, is
+    compiled for inference, and no CUDA graphs are asked for (CUDA graphs already take the
+    launches off the host, and the C++ wrapper would turn them off under inductor's graph
+    partition). A graph AOTAutograd will differentiate (grad mode on and an input that requires
+    grad, its own test) keeps the Python wrapper: the C++ one has not been measured on the GPU
+    with a backward (benchmarks/RESULTS.md, run 27)."""
     import torch._inductor.config as inductor_config
 
-    if not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if not any(x.device.type == "cuda" for x in tensors):
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return False
     patches = options.config_patches()
     return not patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)

@@ -44,8 +44,8 @@ class SSMOptions:
             ``False`` keeps each op whole, with its own dispatch and launcher (to compare, or to
             bisect).
         cpp_wrapper: inductor's C++ wrapper (the generated code launches the kernels from C++
-            instead of Python). ``None`` (auto) turns it on for a rewritten graph with CUDA
-            inputs unless CUDA graphs are asked for (with inductor's graph partition, the
+            instead of Python). ``None`` (auto) turns it on for a rewritten inference graph
+            (no backward) with CUDA inputs unless CUDA graphs are asked for (with inductor's graph partition, the
             default, the C++ wrapper would turn them off): launched from Python, the 130m
             forward at batch 8, L=512 is host-bound, and the C++ wrapper halves its time
             (benchmarks/RESULTS.md, run 27). A compile that fails with the auto choice is

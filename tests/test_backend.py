@@ -341,9 +341,10 @@ def test_inline_launches_option(monkeypatch):
 
 
 def test_auto_cpp_wrapper_choice():
-    """Auto turns the C++ wrapper on for a graph with CUDA inputs (faked here: the choice reads
-    only the inputs' devices), and leaves it off on the CPU and wherever CUDA graphs are asked
-    for, by mode or by config (it would turn them off). An explicit choice reaches inductor's
+    """Auto turns the C++ wrapper on for an inference graph with CUDA inputs (faked here: the
+    choice reads only the inputs' devices and flags), and leaves it off on the CPU, for a graph
+    with a backward, and wherever CUDA graphs are asked for, by mode or by config (it would
+    turn them off). An explicit choice reaches inductor's
     patches as it is; auto adds nothing there itself."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -357,6 +358,13 @@ def test_auto_cpp_wrapper_choice():
     assert not _auto_cpp_wrapper(SSMOptions.from_kwargs(mode="reduce-overhead"), on_cuda)
     assert not _auto_cpp_wrapper(SSMOptions(inductor_config={"triton.cudagraphs": True}), on_cuda)
     assert _auto_cpp_wrapper(SSMOptions.from_kwargs(mode="max-autotune-no-cudagraphs"), on_cuda)
+    # A graph AOTAutograd will differentiate keeps the Python wrapper; under no_grad it is
+    # an inference graph whatever its inputs' flags.
+    with FakeTensorMode():
+        trained = [torch.empty(2, 3, device="cuda", requires_grad=True), torch.empty(3, device="cuda")]
+    assert not _auto_cpp_wrapper(SSMOptions(), trained)
+    with torch.no_grad():
+        assert _auto_cpp_wrapper(SSMOptions(), trained)
     configured = backend(cpp_wrapper=False)
     pm = configured.pass_manager()
     assert configured.config_patches(pm, configured.options)["cpp_wrapper"] is False
