@@ -257,8 +257,9 @@ class SSMBackend:
         the ops whole keep the rewrites.
         """
         options = self.options
-        if options.cpp_wrapper is None:
-            options = dataclasses.replace(options, cpp_wrapper=_auto_cpp_wrapper(options, example_inputs))
+        if options.cpp_wrapper is None and _auto_cpp_wrapper(options, example_inputs):
+            # Where auto says no, nothing is patched: inductor's own setting (the user's) stands.
+            options = dataclasses.replace(options, cpp_wrapper=True)
         while True:
             try:
                 with _backward_compiled_now(), _launches_kept_in_ops(options):

@@ -45,11 +45,13 @@ class SSMOptions:
             bisect).
         cpp_wrapper: inductor's C++ wrapper (the generated code launches the kernels from C++
             instead of Python). ``None`` (auto) turns it on for a rewritten inference graph
-            (no backward) with CUDA inputs unless CUDA graphs are asked for (with inductor's graph partition, the
-            default, the C++ wrapper would turn them off): launched from Python, the 130m
-            forward at batch 8, L=512 is host-bound, and the C++ wrapper halves its time
-            (benchmarks/RESULTS.md, run 27). A compile that fails with the auto choice is
-            retried without it. ``True`` / ``False``: on / off for every graph.
+            (no backward) with CUDA inputs unless CUDA graphs are asked for (with inductor's
+            graph partition, the default, the C++ wrapper would turn them off), and otherwise
+            leaves inductor's own setting alone: launched from Python, the 130m forward at
+            batch 8, L=512 is host-bound, and the C++ wrapper halves its time, for about a
+            minute more of cold compile (benchmarks/RESULTS.md, run 27). A compile that fails
+            with auto's choice is retried without it. ``True`` / ``False``: on / off for every
+            graph.
     """
 
     fuse: str = "auto"

@@ -369,6 +369,35 @@ def test_auto_cpp_wrapper_choice():
     pm = configured.pass_manager()
     assert configured.config_patches(pm, configured.options)["cpp_wrapper"] is False
     assert "cpp_wrapper" not in configured.config_patches(pm, SSMOptions())
+
+
+def test_auto_cpp_wrapper_leaves_inductors_own_setting(monkeypatch):
+    """Where auto says no (a CPU graph here), the compile gets no cpp_wrapper patch, so a user's
+    own ``torch._inductor.config.cpp_wrapper`` stands; where it says yes, the patch is True."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from ssm_compile import compiler
+
+    seen = []
+
+    def record(gm, *a, config_patches=None, **k):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", record)
+    x, w = torch.randn(2, 6, 11), torch.randn(6, 1, 4)
+
+    def block(x, w):
+        return torch.nn.functional.silu(
+            torch.nn.functional.conv1d(x, w, padding=3, groups=6)[..., :x.shape[-1]])
+
+    torch._dynamo.reset()
+    torch.compile(block, backend="ssm", fullgraph=True)(x, w)
+    assert "cpp_wrapper" not in seen[0], seen
+    monkeypatch.setattr(compiler, "_auto_cpp_wrapper", lambda options, example_inputs: True)
+    torch._dynamo.reset()
+    torch.compile(block, backend="ssm", fullgraph=True)(x, w)
+    assert seen[1]["cpp_wrapper"] is True, seen
     assert SSMOptions.from_kwargs(options={"cpp_wrapper": True}).cpp_wrapper is True
 
 
