@@ -1,7 +1,9 @@
-"""Cold compile time of the 130m-shaped HF Mamba forward under backend="ssm", with the ops'
-launches inlined (the default) and with the ops whole (``inline_launches=False``).
+"""Cold compile time of the 130m-shaped HF Mamba forward under backend="ssm": the default
+("inlined": the ops' launches in inductor's code and, since run 27, inductor's C++ wrapper), the
+same with the Python wrapper ("python", ``cpp_wrapper=False``), and the ops whole with the Python
+wrapper ("whole", ``inline_launches=False, cpp_wrapper=False``, the pre-run-25 code path).
 
-    python benchmarks/probe_compile_time.py [--len 512] [--batch 8] [--variants inlined whole]
+    python benchmarks/probe_compile_time.py [--len 512] [--batch 8] [--variants inlined python whole]
 
 Each variant runs in a subprocess of its own with empty inductor and Triton caches, so both
 compile every kernel from scratch; the figure is the first call's wall time (dynamo, the passes,
@@ -24,10 +26,11 @@ import torch
 import ssm_compile
 sys.path.insert(0, sys.argv[1])
 from bench_e2e import VOCAB, build
-inline, batch, L = sys.argv[2] == "inlined", int(sys.argv[3]), int(sys.argv[4])
+options = json.loads(sys.argv[2])
+batch, L = int(sys.argv[3]), int(sys.argv[4])
 model = build(True, torch.bfloat16).eval()
 ids = torch.randint(0, VOCAB, (batch, L), device="cuda")
-fn = torch.compile(model, backend=ssm_compile.backend(inline_launches=inline))
+fn = torch.compile(model, backend=ssm_compile.backend(**options))
 with torch.no_grad():
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -41,11 +44,19 @@ print(json.dumps({"first_call_s": first, "second_call_s": time.perf_counter() - 
 """
 
 
+# variant -> backend options
+VARIANTS = {
+    "inlined": {},
+    "python": {"cpp_wrapper": False},
+    "whole": {"inline_launches": False, "cpp_wrapper": False},
+}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--variants", nargs="+", default=["inlined", "whole"], choices=["inlined", "whole"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = p.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     rows = []
@@ -53,7 +64,8 @@ def main():
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                        TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-            out = subprocess.run([sys.executable, "-c", _CHILD, here, variant, str(args.batch), str(args.len)],
+            out = subprocess.run([sys.executable, "-c", _CHILD, here, json.dumps(VARIANTS[variant]),
+                                  str(args.batch), str(args.len)],
                                  env=env, capture_output=True, text=True)
         if out.returncode:
             rows.append(f"| {variant} | failed: {out.stderr.strip().splitlines()[-1][:200]} | |")
