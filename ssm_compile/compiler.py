@@ -294,13 +294,11 @@ class SSMBackend:
         return gm.forward
 
     def config_patches(self, pm, options: SSMOptions) -> dict[str, Any]:
-        """Inductor config patches for one compile with ``options`` (``cpp_wrapper`` None: off,
-        auto being decided per rewritten graph), with the pass manager's cache-key pass."""
+        """Inductor config patches for one compile with ``options`` (the backend's, or those with
+        auto's choices made for one graph), with the pass manager's cache-key pass."""
         import torch._inductor.config as inductor_config
 
         patches = options.config_patches()
-        if options.cpp_wrapper is not None:
-            patches["cpp_wrapper"] = options.cpp_wrapper
         inner = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
         patches["post_grad_custom_post_pass"] = pm.cache_key_pass(inner)
         return patches

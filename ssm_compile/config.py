@@ -97,11 +97,14 @@ class SSMOptions:
         return tuple(name for name in PASS_NAMES if name in chosen and name not in self.disable)
 
     def config_patches(self) -> dict[str, Any]:
-        """Inductor config patches: the mode's, then the explicit ones on top."""
+        """Inductor config patches: the mode's, then the explicit ones on top, then
+        ``cpp_wrapper`` where it is decided (None, auto not yet decided for a graph: no patch)."""
         import torch._inductor
 
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
         patches.update(self.inductor_config)
+        if self.cpp_wrapper is not None:
+            patches["cpp_wrapper"] = self.cpp_wrapper
         return patches
 
     def pass_options(self) -> dict[str, Any]:

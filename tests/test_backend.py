@@ -385,18 +385,14 @@ def test_auto_cpp_wrapper_leaves_inductors_own_setting(monkeypatch):
         return gm.forward
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", record)
-    x, w = torch.randn(2, 6, 11), torch.randn(6, 1, 4)
-
-    def block(x, w):
-        return torch.nn.functional.silu(
-            torch.nn.functional.conv1d(x, w, padding=3, groups=6)[..., :x.shape[-1]])
+    x, w, b = conv_inputs()
 
     torch._dynamo.reset()
-    torch.compile(block, backend="ssm", fullgraph=True)(x, w)
+    torch.compile(conv_silu, backend="ssm", fullgraph=True)(x, w, b)
     assert "cpp_wrapper" not in seen[0], seen
     monkeypatch.setattr(compiler, "_auto_cpp_wrapper", lambda options, example_inputs: True)
     torch._dynamo.reset()
-    torch.compile(block, backend="ssm", fullgraph=True)(x, w)
+    torch.compile(conv_silu, backend="ssm", fullgraph=True)(x, w, b)
     assert seen[1]["cpp_wrapper"] is True, seen
     assert SSMOptions.from_kwargs(options={"cpp_wrapper": True}).cpp_wrapper is True
 
@@ -419,30 +415,25 @@ def test_failed_auto_cpp_wrapper_compile_retries_without_it(caplog, monkeypatch)
             raise RuntimeError("no C++ compiler, on purpose")
         return real(gm, *a, config_patches=config_patches, **k)
 
-    def block(x, w):
-        x = torch.nn.functional.conv1d(x, w, padding=w.shape[-1] - 1, groups=x.shape[1])[..., :x.shape[-1]]
-        return torch.nn.functional.silu(x)
-
     monkeypatch.setattr(compiler, "_auto_cpp_wrapper", lambda options, example_inputs: True)
     monkeypatch.setattr(compile_fx_module, "compile_fx", fails_with_cpp_wrapper)
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(2, 6, 11, generator=g), torch.randn(6, 1, 4, generator=g)
+    x, w, b = conv_inputs()
     torch._dynamo.reset()
     counters.clear()
     with caplog.at_level(logging.WARNING, logger="ssm_compile"):
-        y = torch.compile(block, backend="ssm", fullgraph=True)(x, w)
+        y = torch.compile(conv_silu, backend="ssm", fullgraph=True)(x, w, b)
     assert counters["ssm"]["conv1d"] == 1
     # (compile_fx then calls itself once its patches are applied, without patches: the None)
     assert calls[:2] == [True, False], calls
     assert "retrying without it (cpp_wrapper=False)" in caplog.text and "without ssm rewrites" not in caplog.text
-    torch.testing.assert_close(y, block(x, w))
+    torch.testing.assert_close(y, conv_silu(x, w, b))
 
     calls.clear()
     torch._dynamo.reset()
     # Forced on, it stays on through the ops-whole retry and the graph without rewrites, so the
     # failure is the user's to see (plain inductor with the C++ wrapper would fail the same).
     with pytest.raises(Exception, match="no C\\+\\+ compiler, on purpose"):
-        torch.compile(block, backend=backend(cpp_wrapper=True), fullgraph=True)(x, w)
+        torch.compile(conv_silu, backend=backend(cpp_wrapper=True), fullgraph=True)(x, w, b)
     assert calls == [True, True, True], calls
 
 
