@@ -18,6 +18,7 @@ import logging
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -100,7 +101,8 @@ def kernels_per_forward(model, ids, options, fn=None) -> tuple[int, float]:
 
     if fn is None:
         torch._dynamo.reset()
-        fn = torch.compile(model, backend=ssm_compile.backend(**options))
+        # The Python wrapper: the same kernels as the C++ one (run 27), a minute less to compile.
+        fn = torch.compile(model, backend=ssm_compile.backend(**{"cpp_wrapper": False, **options}))
     fn(ids)
     fn(ids)
     torch.cuda.synchronize()
@@ -115,22 +117,26 @@ def train_rounds(args, variants):
     """One AdamW step of the model in train mode per variant (no CUDA graphs, as bench_e2e's
     training row), interleaved ``--repeats`` rounds; each variant trains its own copy."""
     ids = torch.randint(0, VOCAB, (args.batch, args.len), device="cuda")
-    steps, times = {}, {name: [] for name in variants}
+    steps, times, fallbacks, compile_s = {}, {name: [] for name in variants}, {}, {}
     for name in variants:
         torch._dynamo.reset()
         net = build(True, torch.bfloat16).train()
         step = train_step_ms(net, torch.compile(net, backend=ssm_compile.backend(**VARIANTS.get(name, {}))), ids)
         if name in BWD_VARIANTS:
             step = with_bwd_tiles(step, BWD_VARIANTS[name])
-        step()
+        with FallbackCount() as fallbacks[name]:
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            compile_s[name] = time.perf_counter() - t0
         steps[name] = step
-        print(f"{name}: compiled", flush=True)
+        print(f"{name}: compiled in {compile_s[name]:.1f} s", flush=True)
     for _ in range(args.repeats):
         for name, step in steps.items():
             times[name].append(median_ms(step))
-    rows = [[name, f"{statistics.median(times[name]):.2f}", " ".join(f"{t:.2f}" for t in times[name])]
-            for name in variants]
-    table = markdown_table(["variant", "train step ms (median)", "rounds"], rows)
+    rows = [[name, f"{statistics.median(times[name]):.2f}", " ".join(f"{t:.2f}" for t in times[name]),
+             f"{compile_s[name]:.1f}", fallbacks[name].count] for name in variants]
+    table = markdown_table(["variant", "train step ms (median)", "rounds", "first step s", "ssm warnings"], rows)
     print(table)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "probe_e2e_options.md"), "a") as f:

@@ -179,8 +179,10 @@ def _auto_cpp_wrapper(options: SSMOptions, example_inputs) -> bool:
     compiled for inference, and no CUDA graphs are asked for (CUDA graphs already take the
     launches off the host, and the C++ wrapper would turn them off under inductor's graph
     partition). A graph AOTAutograd will differentiate (grad mode on and an input that requires
-    grad, its own test) keeps the Python wrapper: the C++ one has not been measured on the GPU
-    with a backward (benchmarks/RESULTS.md, run 27)."""
+    grad, its own test) keeps the Python wrapper: there the C++ one took the host-bound training
+    step (130m, batch 8, L=128) from 77.9 to 66.9 ms but its first step from 45 to 187 s, and
+    at training lengths the step is GPU-bound, so the wait would buy little (benchmarks/RESULTS.md,
+    run 28); ``cpp_wrapper=True`` asks for it."""
     import torch._inductor.config as inductor_config
 
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]

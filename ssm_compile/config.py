@@ -48,10 +48,11 @@ class SSMOptions:
             (no backward) with CUDA inputs unless CUDA graphs are asked for (with inductor's
             graph partition, the default, the C++ wrapper would turn them off), and otherwise
             leaves inductor's own setting alone: launched from Python, the 130m forward at
-            batch 8, L=512 is host-bound, and the C++ wrapper halves its time, for about a
-            minute more of cold compile (benchmarks/RESULTS.md, run 27). A compile that fails
-            with auto's choice is retried without it. ``True`` / ``False``: on / off for every
-            graph.
+            batch 8, L=512 is host-bound, and the C++ wrapper halves its time (run 27), and
+            batch-1 decode runs 1.8x faster (run 28), for a cold compile of 104 s instead of
+            35 s (run 28; benchmarks/RESULTS.md). Training graphs are left alone: see
+            ``compiler._auto_cpp_wrapper``. A compile that fails with auto's choice is retried
+            without it. ``True`` / ``False``: on / off for every graph.
     """
 
     fuse: str = "auto"
