@@ -2,6 +2,7 @@
 Mamba's in_proj view): (BLOCK_D, num_warps, seg_len) against the launcher's choice.
 
     python benchmarks/sweep_conv_rows.py [--batch 8] [--len 2048] [--dtype bf16] [--bwd]
+                                         [--blocks 256 512] [--warps 2 4] [--segs 64 128]
 
 GPU time per call from a CUDA graph (``common.graph_ms``), as a fraction of the copy bandwidth
 on the minimal bytes (forward: read x, write y; ``--bwd``, the backward with dy in HF's layout:
@@ -24,6 +25,9 @@ def main():
     p.add_argument("--len", type=int, default=2048)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--bwd", action="store_true", help="the backward (dx, dweight, dbias) instead")
+    p.add_argument("--blocks", type=int, nargs="+", default=[128, 256, 512, 1024], help="BLOCK_D values")
+    p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--segs", type=int, nargs="+", default=[32, 64, 128, 256], help="seg_len values")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     bw = copy_bandwidth_gbs()
@@ -54,7 +58,7 @@ def main():
     default = original(x, args.batch, DIM, args.len)
     rows = []
     for block_d, warps, seg in itertools.chain(
-            [default], itertools.product((128, 256, 512, 1024), (1, 2, 4, 8), (32, 64, 128, 256))):
+            [default], itertools.product(args.blocks, args.warps, args.segs)):
         if block_d * (2 if dtype == torch.bfloat16 else 4) < warps * 32 * 4:
             continue  # fewer than 4 bytes per thread
         if args.bwd and block_d > 2 * warps * 32:

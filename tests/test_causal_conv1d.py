@@ -314,7 +314,7 @@ def test_torch_compile_fullgraph():
 # The kernels shape their tiles by x's unit-stride axis, and Triton lays each load out along
 # its tensor's: x as HF Mamba passes it (the x half of the (batch, L, 2*dim) in_proj output,
 # transposed: unit stride along dim; the forward streams rows over time segments, which L130 and
-# L70 split into 3 and 2 or more segments, so the halo and initial_state cross segment starts, with
+# L70 split into 5 segments each, so the halo and initial_state cross segment starts, with
 # W=8 at L70; the backward's segments are longer, test_triton_rows_backward_flags crosses them),
 # dy with unit stride along dim, and L-contiguous x long enough for two 256-step tiles, split over two
 # backward programs (D8) or looped over by one (D40: more channel blocks than the interpreter's

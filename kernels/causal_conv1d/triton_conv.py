@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..layout import empty_activation
 from ..partials import sum_partials
-from ..triton_common import LAUNCH_OPTIONS, launcher, num_sms, silu
+from ..triton_common import LAUNCH_OPTIONS, launcher, num_sms, sigmoid_approx, silu
 from .cpu import ConvGrads
 
 # Time steps per chunk: 8 bf16/fp16 values are one 16-byte load, and 8 > W-1 for every W.
@@ -200,7 +200,12 @@ def _fwd_out(i: tl.constexpr, prev, cur, w, bias, W: tl.constexpr, SILU: tl.cons
              HAS_BIAS: tl.constexpr):
     acc = _preact(i, prev, cur, cur, w, bias, W, HAS_BIAS)
     if SILU:
-        acc = silu(acc)
+        # The MUFU exp2 and reciprocal (1 ulp) instead of libdevice exp and IEEE division: the
+        # row kernel runs at ~3/4 of copy bandwidth with spare bytes, and fewer instructions per
+        # element moved it closer (H200, run 29, batch 8, L=2048, dim 1536, HF's layout:
+        # bf16 32.2 -> 30.9 us, fp32 60.8 -> 58.6 us). The chunk-tile kernel (L-contiguous x)
+        # shares this function; it was not timed.
+        acc = silu(acc, True)
     return acc
 
 
@@ -216,7 +221,9 @@ def _dpre(i: tl.constexpr, prev, cur, nxt, dy, w, bias, W: tl.constexpr, SILU: t
             # The pre-activation is recomputed from registers rather than saved by the forward:
             # saving it would cost an activation-sized write and read.
             p = _preact(i, prev, cur, nxt, w, bias, W, HAS_BIAS)
-            s = tl.sigmoid(p)
+            # MUFU exp2 and reciprocal, as the forward's silu (_fwd_out): the rows backward ran
+            # 69.7 -> 63.1 us in bf16, 84.0 -> 82.4 us in fp32 (H200, run 29, same shape).
+            s = sigmoid_approx(p)
             dp = dp * s * (1.0 + p * (1.0 - s))
     else:
         dp = tl.zeros_like(dy[0])
@@ -727,13 +734,15 @@ def _rows_plan(batch: int, dim: int, seqlen: int, sms: int, longest: int, min_pe
 
 def _fwd_rows_tile(x: torch.Tensor, batch: int, dim: int, seqlen: int) -> tuple:
     """(BLOCK_D, num_warps, seg_len) of the row-streaming forward (x with unit stride on dim)."""
-    # Measured on the H200 (benchmarks/sweep_conv_rows.py, B8 L2048 dim 1536 bf16, RESULTS.md
-    # run 16): rows of 256 channels over 4 warps (2 bf16 per thread) and 32-64-step segments
-    # ran 32.4-32.8 us (73 % of copy bandwidth); 512-channel rows over 2 warps with 64 steps,
-    # 38.3 us; segments of 128 or more steps 38-150 us. Many short segments keep many rows in
-    # flight; a segment re-reads W-1 halo rows, < 5 % of its bytes at 64 steps.
+    # Measured on the H200 (benchmarks/sweep_conv_rows.py, B8 L2048 dim 1536, RESULTS.md runs
+    # 16 and 29): rows of 256 channels over 4 warps (2 bf16 per thread) and 32-64-step segments
+    # ran 32.4-32.8 us in bf16 (73 % of copy bandwidth); 512-channel rows over 2 warps with 64
+    # steps, 38.3 us; segments of 128 or more steps 38-150 us. Many short segments keep many
+    # rows in flight. Run 29 (with the fast silu): 32 steps equal 64 in bf16 (30.8 / 30.9 us) and
+    # beat them in fp32 (55.6 / 58.6 us, 85 / 81 %), though each segment re-reads W-1 halo
+    # rows (~9 % of its bytes at 32 steps).
     sms = num_sms(x.device.index) if x.is_cuda else 1
-    return _rows_plan(batch, dim, seqlen, sms, longest=64, min_per_sm=4)
+    return _rows_plan(batch, dim, seqlen, sms, longest=32, min_per_sm=4)
 
 
 def _bwd_tile(dim: int) -> tuple:
