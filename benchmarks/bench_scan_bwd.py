@@ -325,6 +325,33 @@ def layouts_table(notes):
     return markdown_table(["shape", "dtype", "activation layout", "tiles", "bwd ms", "graph ms", "max rel diff"], rows)
 
 
+def caps_table(notes, caps):
+    """The backward with the default tiles, the serial chunk kernel compiled under each register
+    cap (``Tiles.max_registers``; 0 = none) at 8 and 4 steps a thread: fewer registers let more
+    one-warp programs share an SM (255 -> 8, 200 -> 10, 168 -> 12 warps) at the cost of spills.
+    L-major activations, GPU time from CUDA-graph replay, and the chunk kernel's share."""
+    rows = []
+    for batch, L in ((8, 2048), (1, 2048)):
+        for dname in ("fp32", "bf16"):
+            x, dy = make_inputs(batch, L, DTYPES[dname])
+            ref = bwd_call(x, dy)()
+            for steps in (8, 4) if batch > 1 else (8,):
+                for cap in caps:
+                    cfg = dict(variant="serial", steps=steps, max_registers=cap or None)
+                    try:
+                        diff = max_rel_diff(bwd_call(x, dy, **cfg)(), ref)
+                        split = chunk_kernel_ms(bwd_call(x, dy, **cfg))
+                        rows.append([f"B{batch} L{L}", dname, steps, cap or "-", graph_ms(bwd_call(x, dy, **cfg)),
+                                     f"{split:.3f}", f"{diff:.1e}"])
+                        print(rows[-1], flush=True)
+                    except Exception as e:  # noqa: BLE001 - one failing cap must not stop the table
+                        notes.append(f"caps {batch} {L} {dname} steps {steps} cap {cap}: {type(e).__name__}: {e}")
+            del x, dy, ref
+            torch.cuda.empty_cache()
+    return markdown_table(["shape", "dtype", "steps", "maxnreg", "bwd graph ms", "chunk kernel ms",
+                           "max rel diff"], rows)
+
+
 def fwd_bwd_table(notes, start, baselines):
     rows = []
     try:
@@ -362,6 +389,18 @@ def fwd_bwd_table(notes, start, baselines):
     return markdown_table(["impl", "dtype", "batch", "L", "fwd+bwd ms", "peak MiB", "first call s"], rows)
 
 
+def chunk_kernel_ms(call) -> float:
+    """GPU ms per call of the serial chunk kernel in ``call`` (a backward), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if "chunk_bwd_serial" in e.key) / 5 / 1000
+
+
 def kernel_split(notes, dname="fp32", tiles=None, batch=8, L=2048):
     """Per-kernel CUDA time of one backward (which of the kernels dominates)."""
     try:
@@ -395,6 +434,9 @@ def main():
     p.add_argument("--sweep-batch", type=int, default=8, help="batch of the sweep's shape (L=2048)")
     p.add_argument("--layouts", action="store_true",
                    help="only the activation-layout table (L-major against channel-innermost, ~1 min)")
+    p.add_argument("--caps", type=int, nargs="*", default=None,
+                   help="only the register-cap table of the default tiles: these maxnreg values "
+                        "(0: none), with steps 8 and 4")
     args = p.parse_args()
     start = time.time()
     notes = []
@@ -411,6 +453,12 @@ def main():
     emit(f"# selective-scan backward ({props.name}, torch {torch.__version__}, "
          f"triton {__import__('triton').__version__})",
          f"dim {DIM}, N {N}, z + delta_bias + softplus + D. Device copy bandwidth: {copy_gbs:.0f} GB/s.")
+    if args.caps is not None:
+        emit("## Register caps of the serial chunk kernel", caps_table(notes, args.caps or [0, 200, 168]))
+        if notes:
+            emit("## Notes", "\n".join(f"- {n}" for n in notes))
+        write_out("bench_scan_bwd_caps.md", "\n\n".join(parts))
+        return
     if args.layouts:
         emit("## Activation layouts", layouts_table(notes))
         if notes:

@@ -48,6 +48,7 @@ class Case:
     steps: Optional[int] = None  # "serial": consecutive steps per thread
     prefetch: Optional[int] = None  # "nblock": next channel's rows into 0 none, 1 L1, 2 L2 (GPU only)
     stage: Optional[bool] = None  # "serial": run on L-major copies of channel-innermost activations
+    max_registers: Optional[int] = None  # "serial": ptxas's register cap (GPU only; spills, same values)
     # Scale of the raw delta: large values test softplus past its threshold and decays that
     # underflow to exactly 0.
     delta_scale: float = 1.0
@@ -62,7 +63,7 @@ class Case:
             f"-{k}{v}" for k, v in (("T", self.chunk_size), ("S", self.num_splits), ("BD", self.block_d),
                                     ("W", self.num_warps), ("", self.variant), ("NB", self.nb),
                                     ("GD", self.group_d), ("ST", self.steps), ("PF", self.prefetch),
-                                    ("stage", self.stage), ("x", self.delta_scale))
+                                    ("stage", self.stage), ("R", self.max_registers), ("x", self.delta_scale))
             if v not in (None, 1.0)
         )
         return f"B{self.batch}-D{self.dim}-L{self.L}-N{self.N}-G{self.G}-{dt}-{flags or 'bare'}{extra}"
@@ -111,7 +112,7 @@ def run_bwd(case: Case, inputs, dy, dlast):
         inputs["z"], inputs["delta_bias"], case.softplus, inputs["initial_state"],
         tiles=dict(chunk=case.chunk_size, num_splits=case.num_splits, block_d=case.block_d,
                    num_warps=case.num_warps, variant=case.variant, nb=case.nb, group_d=case.group_d,
-                   steps=case.steps, prefetch=case.prefetch, stage=case.stage),
+                   steps=case.steps, prefetch=case.prefetch, stage=case.stage, max_registers=case.max_registers),
     )
 
 
@@ -204,6 +205,9 @@ SERIAL_CASES = [
     serial(dim=12, G=3, dtype=torch.float16, has_z=False, L=37),  # 4 channels per group
     serial(dim=40, G=2, L=21, block_d=8, num_splits=2),  # 20 channels a group: a ragged last block
     serial(L=70, steps=8, chunk_size=64, N=16),  # 8 steps per thread
+    # Under a register cap ptxas spills (run 29 measured it slower at every cap); the values
+    # must not change.
+    serial(L=70, steps=8, chunk_size=64, N=16, max_registers=168),
     # Several warps per program (on a GPU: the sums over channels cross warps).
     serial(dim=32, N=16, L=24, num_warps=2),
 ]
@@ -430,9 +434,11 @@ def test_choose_tiles_nblock_whole_waves(batch, dim, L, G, sms, monkeypatch):
                                           (dict(variant="serial", block_d=3), "block_d.*power of two"),
                                           (dict(variant="serial", steps=3), "steps"),
                                           (dict(variant="serial", chunk=256), "chunk"),
-                                          (dict(variant="nblock", stage=False), "stage=False")],
+                                          (dict(variant="nblock", stage=False), "stage=False"),
+                                          (dict(variant="nblock", max_registers=168), "max_registers needs"),
+                                          (dict(variant="serial", max_registers=300), "max_registers must")],
                          ids=["variant", "nb", "nblock-block_d", "serial-partials", "serial-block_d", "serial-steps",
-                              "serial-chunk", "nblock-unstaged"])
+                              "serial-chunk", "nblock-unstaged", "nblock-cap", "serial-cap-range"])
 def test_bad_tiles_name_field(tiles, match):
     from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles
 

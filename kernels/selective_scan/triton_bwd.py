@@ -1081,6 +1081,8 @@ class Tiles(NamedTuple):
     # "serial": run on L-major copies of channel-innermost activations (as the other variants
     # always do). None: from _STAGE_MIN_CELLS (chunk, batch, group) cells on (see choose_tiles).
     stage: Optional[bool] = None
+    # "serial": the register cap handed to ptxas (Triton's ``maxnreg``); None = ptxas's choice.
+    max_registers: Optional[int] = None
 
 
 _VARIANTS = ("column", "nblock", "serial")
@@ -1165,8 +1167,13 @@ def choose_tiles(batch: int, dim: int, L: int, N: int, G: int, device: torch.dev
             variant = "nblock" if n_chunks * batch * G >= _STAGE_MIN_CELLS else "column"
     if variant not in _VARIANTS:
         raise ValueError(f"selective_scan_bwd: tiles variant must be one of {_VARIANTS}, got {variant!r}")
+    max_registers = overrides.get("max_registers")
+    if max_registers is not None and not (isinstance(max_registers, int) and 32 <= max_registers <= 255):
+        raise ValueError(f"selective_scan_bwd: tiles max_registers must be an int in [32, 255], got {max_registers!r}")
     if variant == "serial":
         return _serial_tiles(batch, dim_per_group, L, N, G, sms, overrides)
+    if max_registers is not None:
+        raise ValueError(f"selective_scan_bwd: tiles max_registers needs variant 'serial' (variant {variant!r})")
     if overrides.get("stage") is False:
         raise ValueError(f"selective_scan_bwd: tiles stage=False needs variant 'serial' (variant {variant!r} "
                          "reads L-major rows only)")
@@ -1293,7 +1300,10 @@ def _serial_tiles(batch: int, dim_per_group: int, L: int, N: int, G: int, sms: i
         # Whole waves of resident programs (rounded down, as for "nblock"), no more slices than
         # that: each slice's dB/dC partial costs a write in the chunk kernel and a read in the
         # final sum, ~4 MB a slice at batch 8, L=2048, N=16.
-        splits = _slices_for_waves(_SERIAL_WAVES, _SERIAL_WARPS_PER_SM * sms // num_warps, cells)
+        max_registers = overrides.get("max_registers")
+        # A register cap lets more one-warp programs share an SM (64K registers, 32 a warp's row).
+        resident = _SERIAL_WARPS_PER_SM if max_registers is None else 65536 // (32 * max_registers)
+        splits = _slices_for_waves(_SERIAL_WAVES, resident * sms // num_warps, cells)
         splits = min(splits, blocks, _max_splits(dim_per_group))
     elif not 1 <= splits <= _max_splits(dim_per_group):
         raise ValueError(f"selective_scan_bwd: tiles num_splits={splits} for variant 'serial' must be in [1, "
@@ -1310,6 +1320,7 @@ def _serial_tiles(batch: int, dim_per_group: int, L: int, N: int, G: int, sms: i
         steps=steps,
         lanes_n=lanes_n,
         stage=cells >= _STAGE_MIN_CELLS if overrides.get("stage") is None else overrides["stage"],
+        max_registers=overrides.get("max_registers"),
     )
 
 
@@ -1472,7 +1483,7 @@ def selective_scan_bwd(
             HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, T=cfg.steps,
             N_PER_THREAD=triton.next_power_of_2(N) // cfg.lanes_n, LANES_N=cfg.lanes_n, CHUNK=cfg.chunk,
             num_warps=cfg.num_warps,
-            **LAUNCH_OPTIONS,
+            **LAUNCH_OPTIONS, **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
         )
     else:
         q_acc, s_acc, y_acc = _column_sum_rows(cfg.nb < N, du, ddelta, dz)
