@@ -119,7 +119,12 @@ def _rcp_approx(x):
     # Measured (H200, Triton 3.6, batch 8, L=2048, run 18): with these in softplus and silu the
     # scan backward ran 2.515 -> 2.372 ms (fp32) and 2.356 -> 2.153 ms (bf16), but the forward
     # scan ran 0.2256 -> 0.2323 ms (bf16, HF's layout) although its chunk loop had 646 -> 600
-    # instructions offline (Triton 3.9). So only the backward kernels pass FAST_MATH.
+    # instructions offline (Triton 3.9). So the scan forward does not pass FAST_MATH; the scan
+    # backward and the conv kernels do (conv: run 29, see causal_conv1d/triton_conv.py).
+    # Run 29 re-measured the forward (0.2250 -> 0.2319 ms) and tried Triton's own approximate
+    # division, tl.fdiv (div.full.f32: MUFU.RCP and a range check, no inline assembly that could
+    # bind ptxas's schedule) in place of this: the forward 0.2330 ms, and the scan backward 1-2.5 %
+    # slower than with this (fp32 1.753 -> 1.771, bf16 1.636 -> 1.676 ms at batch 8, L=2048).
     if _INTERPRETED:
         r = 1.0 / x
     else:
