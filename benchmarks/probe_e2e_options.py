@@ -11,7 +11,8 @@ bf16 against its own fp32 twin: relative error ~0.95, bench_e2e.py), so a large 
 to look, not a verdict. Variants run interleaved, ``--repeats`` rounds, so that drift
 of the machine does not favour one. ``--host`` times the forward launched from Python instead
 of replayed from a CUDA graph (where the forward is host-bound, L=512, options that change the
-launches' host cost show only there). Appends a table to $OUT/probe_e2e_options.md when OUT is set.
+launches' host cost show only there). Appends a table to $OUT/probe_e2e_options.md when OUT is set,
+and writes each variant's kernels by name (count, GPU µs) to $OUT/probe_e2e_kernels_<variant>.md.
 """
 import argparse
 import logging
@@ -94,9 +95,11 @@ class FallbackCount(logging.Handler):
         logging.getLogger("ssm_compile").removeHandler(self)
 
 
-def kernels_per_forward(model, ids, options, fn=None) -> tuple[int, float]:
+def kernels_per_forward(model, ids, options, fn=None, name=None) -> tuple[int, float]:
     """(GPU kernels + memsets, their summed GPU ms) of one forward, profiled without CUDA graphs
-    (``fn``: the model already compiled that way)."""
+    (``fn``: the model already compiled that way). With ``name`` and $OUT set, the per-kernel
+    table (count, summed and mean GPU µs per kernel name) goes to
+    $OUT/probe_e2e_kernels_<name>.md."""
     from torch.profiler import ProfilerActivity, profile
 
     if fn is None:
@@ -110,6 +113,17 @@ def kernels_per_forward(model, ids, options, fn=None) -> tuple[int, float]:
         fn(ids)
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if name and os.environ.get("OUT"):
+        by_name = {}
+        for e in events:
+            count, total = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (count + 1, total + e.device_time)
+        rows = [[k[:90], c, f"{t:.1f}", f"{t / c:.2f}"]
+                for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
+        path = os.path.join(os.environ["OUT"], f"probe_e2e_kernels_{name.replace(' ', '_').replace(',', '')}.md")
+        with open(path, "w") as f:
+            f.write(f"{name}: {len(events)} GPU kernels and memsets, {sum(e.device_time for e in events):.1f} µs\n\n"
+                    + markdown_table(["kernel", "count", "µs", "µs each"], rows) + "\n")
     return len(events), sum(e.device_time for e in events) / 1e3
 
 
@@ -167,7 +181,7 @@ def main():
     with torch.no_grad():
         for name, options in variants.items():
             if not args.host:
-                counts[name] = kernels_per_forward(model, ids, options)
+                counts[name] = kernels_per_forward(model, ids, options, name=name)
             torch._dynamo.reset()
             mode = None if args.host else "reduce-overhead"
             with FallbackCount() as fallbacks[name]:
@@ -180,7 +194,7 @@ def main():
 
                 run()
             if args.host:
-                counts[name] = kernels_per_forward(model, ids, options, fn)
+                counts[name] = kernels_per_forward(model, ids, options, fn, name=name)
             outputs[name] = run().logits.float().clone()
             compiled[name] = run
             print(f"{name}: {counts[name][0]} GPU kernels and memsets, {counts[name][1]:.3f} ms summed",
