@@ -834,7 +834,69 @@ def gated_rnn(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def softplus_per_step(u, delta, A, B, C):
+    """Δ_t = softplus(raw[t]) computed inside the loop: the same function as a softplus of the
+    whole tensor, but Δ is no time slice, and the passes only prove slices (left alone, correct)."""
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        dt = F.softplus(delta[:, :, t])
+        h = torch.exp(dt[..., None] * A) * h + (dt * u[:, :, t])[..., None] * B[:, None, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
+def outputs_in_reverse(u, delta, A, B, C):
+    """The scan runs forwards but step t's output lands at position L-1-t."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = [None] * u.shape[2]
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys[u.shape[2] - 1 - t] = torch.einsum("bdn,bn->bd", h, C[:, :, t])
+    return torch.stack(ys, dim=-1)
+
+
+def one_step_skipped(u, delta, A, B, C):
+    """Step 4 keeps the state (no update) and still reads it out."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        if t != 4:
+            h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
+def lead_B(u, delta, A, B, C):
+    """B one step ahead of Δ and u (B[t+1], wrapping at the end)."""
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        B_next = B[:, :, (t + 1) % u.shape[2]]
+        h = torch.exp(delta[:, :, t, None] * A) * h + delta[:, :, t, None] * B_next[:, None, :] * u[:, :, t, None]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
+def per_batch_A(u, delta, A, B, C):
+    """A that differs per batch row: exp(Δ·A_b) is no exp(Δ ⊗ A) over (dim, state)."""
+    A_b = A * torch.arange(1.0, u.shape[0] + 1.0)[:, None, None]
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = torch.exp(delta[:, :, t, None] * A_b) * h + delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
 NEAR_MISSES = [
+    pytest.param(softplus_per_step, "must be a time slice (Δ)", id="softplus-per-step"),
+    pytest.param(outputs_in_reverse, "not collected exactly once, in time order", id="outputs-in-reverse"),
+    pytest.param(one_step_skipped, "does not repeat step 0's state update", id="one-step-skipped"),
+    pytest.param(lead_B, "reads time 1 where its multiplier reads time 0", id="B[t+1]"),
+    pytest.param(per_batch_A, "not exp of a product Δ·A", id="per-batch-A"),
     pytest.param(tanh_recurrence, "not linear in the previous state", id="tanh"),
     pytest.param(reset_midway, "starts at time index 4, not 0", id="reset-at-L/2"),
     pytest.param(readout_before_update, "lagged readout", id="readout-before-update"),
