@@ -46,7 +46,8 @@ import triton.language as tl
 from ..layout import dim_innermost
 from ..partials import sum_partials
 from ..restride import restride_into
-from ..triton_common import LAUNCH_OPTIONS, LOG2E, linear_combine, num_sms, prefetch, sigmoid_approx, silu, softplus
+from ..triton_common import (LAUNCH_OPTIONS, LOG2E, launcher, linear_combine, num_sms, prefetch, sigmoid_approx,
+                             silu, softplus)
 from .grads import ScanGrads
 from .triton_fwd import _last_step, _load_chunk, _state_tile, _sum_lanes, scan_fwd_config
 
@@ -1295,12 +1296,12 @@ def _serial_tiles(batch: int, dim_per_group: int, L: int, N: int, G: int, sms: i
     num_warps = max(1, min(num_warps, block_d * lanes_n // 32))
     blocks = triton.cdiv(dim_per_group, block_d)
     cells = triton.cdiv(L, chunk) * batch * G
+    max_registers = overrides.get("max_registers")
     splits = overrides.get("num_splits")
     if splits is None:
         # Whole waves of resident programs (rounded down, as for "nblock"), no more slices than
         # that: each slice's dB/dC partial costs a write in the chunk kernel and a read in the
         # final sum, ~4 MB a slice at batch 8, L=2048, N=16.
-        max_registers = overrides.get("max_registers")
         # A register cap lets more one-warp programs share an SM (64K registers, 32 a warp's row).
         resident = _SERIAL_WARPS_PER_SM if max_registers is None else 65536 // (32 * max_registers)
         splits = _slices_for_waves(_SERIAL_WAVES, resident * sms // num_warps, cells)
@@ -1320,7 +1321,7 @@ def _serial_tiles(batch: int, dim_per_group: int, L: int, N: int, G: int, sms: i
         steps=steps,
         lanes_n=lanes_n,
         stage=cells >= _STAGE_MIN_CELLS if overrides.get("stage") is None else overrides["stage"],
-        max_registers=overrides.get("max_registers"),
+        max_registers=max_registers,
     )
 
 
@@ -1473,7 +1474,8 @@ def selective_scan_bwd(
             **LAUNCH_OPTIONS,
         )
     elif cfg.variant == "serial":
-        _chunk_bwd_serial_kernel[(n_chunks, batch, G * num_splits)](
+        kernel, options = launcher(_chunk_bwd_serial_kernel, False, cfg.max_registers)
+        kernel[(n_chunks, batch, G * num_splits)](
             dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part,
             batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
@@ -1483,7 +1485,7 @@ def selective_scan_bwd(
             HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, T=cfg.steps,
             N_PER_THREAD=triton.next_power_of_2(N) // cfg.lanes_n, LANES_N=cfg.lanes_n, CHUNK=cfg.chunk,
             num_warps=cfg.num_warps,
-            **LAUNCH_OPTIONS, **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
+            **options,
         )
     else:
         q_acc, s_acc, y_acc = _column_sum_rows(cfg.nb < N, du, ddelta, dz)
