@@ -337,12 +337,12 @@ def caps_table(notes, caps):
             ref = bwd_call(x, dy)()
             for steps in (8, 4) if batch > 1 else (8,):
                 for cap in caps:
-                    cfg = dict(variant="serial", steps=steps, max_registers=cap or None)
+                    call = bwd_call(x, dy, variant="serial", steps=steps, max_registers=cap or None)
                     try:
-                        diff = max_rel_diff(bwd_call(x, dy, **cfg)(), ref)
-                        split = chunk_kernel_ms(bwd_call(x, dy, **cfg))
-                        rows.append([f"B{batch} L{L}", dname, steps, cap or "-", graph_ms(bwd_call(x, dy, **cfg)),
-                                     f"{split:.3f}", f"{diff:.1e}"])
+                        diff = max_rel_diff(call(), ref)
+                        chunk_ms = sum(ms for name, ms in kernel_ms(call).items() if "chunk_bwd_serial" in name)
+                        rows.append([f"B{batch} L{L}", dname, steps, cap or "-", graph_ms(call),
+                                     f"{chunk_ms:.3f}", f"{diff:.1e}"])
                         print(rows[-1], flush=True)
                     except Exception as e:  # noqa: BLE001 - one failing cap must not stop the table
                         notes.append(f"caps {batch} {L} {dname} steps {steps} cap {cap}: {type(e).__name__}: {e}")
@@ -389,8 +389,8 @@ def fwd_bwd_table(notes, start, baselines):
     return markdown_table(["impl", "dtype", "batch", "L", "fwd+bwd ms", "peak MiB", "first call s"], rows)
 
 
-def chunk_kernel_ms(call) -> float:
-    """GPU ms per call of the serial chunk kernel in ``call`` (a backward), from the profiler."""
+def kernel_ms(call) -> dict[str, float]:
+    """GPU ms per call of ``call`` (a backward) by kernel name, from the profiler (5 calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     call()
@@ -398,22 +398,14 @@ def chunk_kernel_ms(call) -> float:
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if "chunk_bwd_serial" in e.key) / 5 / 1000
+    return {e.key: e.device_time_total / 5 / 1000 for e in prof.key_averages()}
 
 
 def kernel_split(notes, dname="fp32", tiles=None, batch=8, L=2048):
     """Per-kernel CUDA time of one backward (which of the kernels dominates)."""
     try:
-        from torch.profiler import ProfilerActivity, profile
-
         x, dy = make_inputs(batch, L, DTYPES[dname])
-        call = bwd_call(x, dy, **(tiles or {}))
-        call()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                call()
-            torch.cuda.synchronize()
-        rows = [[e.key[:60], e.device_time_total / 5 / 1000] for e in prof.key_averages()]
+        rows = [[name[:60], ms] for name, ms in kernel_ms(bwd_call(x, dy, **(tiles or {}))).items()]
         rows.sort(key=lambda r: -r[1])
         label = f"kernel (B{batch} L{L} {dname}{', ' + str(tiles) if tiles else ''})"
         return markdown_table([label, "ms per backward"], rows[:6])

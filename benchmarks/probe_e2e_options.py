@@ -113,6 +113,7 @@ def kernels_per_forward(model, ids, options, fn=None, name=None) -> tuple[int, f
         fn(ids)
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.device_time for e in events)
     if name and os.environ.get("OUT"):
         by_name = {}
         for e in events:
@@ -122,9 +123,9 @@ def kernels_per_forward(model, ids, options, fn=None, name=None) -> tuple[int, f
                 for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
         path = os.path.join(os.environ["OUT"], f"probe_e2e_kernels_{name.replace(' ', '_').replace(',', '')}.md")
         with open(path, "w") as f:
-            f.write(f"{name}: {len(events)} GPU kernels and memsets, {sum(e.device_time for e in events):.1f} µs\n\n"
+            f.write(f"{name}: {len(events)} GPU kernels and memsets, {total_us:.1f} µs\n\n"
                     + markdown_table(["kernel", "count", "µs", "µs each"], rows) + "\n")
-    return len(events), sum(e.device_time for e in events) / 1e3
+    return len(events), total_us / 1e3
 
 
 def train_rounds(args, variants):
