@@ -14,7 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_scan_fwd import compile_sm90, summarize  # noqa: E402
 
-from ssm_compile.kernels.selective_scan.triton_bwd import _chunk_bwd_serial_kernel  # noqa: E402
+from ssm_compile.kernels.selective_scan.triton_bwd import _PAIR_DC, _chunk_bwd_serial_kernel  # noqa: E402
 
 _ACT_PTRS = ("dy_ptr", "u_ptr", "delta_ptr", "B_ptr", "C_ptr", "z_ptr", "du_ptr", "ddelta_ptr", "dz_ptr")
 _F32_PTRS = ("A_ptr", "D_ptr", "delta_bias_ptr", "hs_ptr", "rs_ptr", "dA_part_ptr", "dB_part_ptr",
@@ -26,7 +26,8 @@ def compile_serial(dtype: str, steps: int, chunk: int, block_d: int, warps: int,
     kern = _chunk_bwd_serial_kernel
     elt = {"bf16": "bf16", "fp32": "fp32"}[dtype]
     consts = dict(DELTA_SOFTPLUS=True, HAS_D=True, HAS_Z=True, HAS_DELTA_BIAS=True, BLOCK_D=block_d, T=steps,
-                  N_PER_THREAD=n // lanes_n, LANES_N=lanes_n, CHUNK=chunk)
+                  N_PER_THREAD=n // lanes_n, LANES_N=lanes_n, CHUNK=chunk,
+                  PAIR_DC=_PAIR_DC)
     ptr_types = {p: f"*{elt}" for p in _ACT_PTRS} | {p: "*fp32" for p in _F32_PTRS}
     acts = ("dy", "u", "delta", "z", "du", "ddelta", "dz")
     unit = [f"stride_{a}_{'l' if layout == 'dense' else 'd'}" for a in acts]

@@ -359,6 +359,25 @@ def test_serial_deterministic():
         assert torch.equal(getattr(first, field), getattr(second, field)), field
 
 
+@pytest.mark.parametrize("paired", [False, True], ids=["halvings", "lane-pairs-first"])
+@pytest.mark.parametrize("case", [serial(dim=40, G=2, L=21, block_d=8, num_splits=2),
+                                  serial(dim=48, N=16, L=40, block_d=16, num_warps=2, num_splits=1,
+                                         dtype=torch.bfloat16, chunk_size=32)], ids=Case.id)
+def test_serial_dC_channel_sum_both_orders(case, paired, monkeypatch):
+    # dC's sum over channels adds lane pairs first on Triton < 3.9 (triton_bwd._PAIR_DC), plain
+    # halvings on 3.9: CI's Triton takes one order, the GPU's the other; both must be right.
+    from ssm_compile.kernels.selective_scan import triton_bwd
+
+    monkeypatch.setattr(triton_bwd, "_PAIR_DC", paired)
+    inputs, dy, dlast = make_inputs(case)
+    ref = reference_grads(case, inputs, dy, dlast)
+    grads = run_bwd(case, inputs, dy, dlast)
+    for name, grad_name in GRAD_NAMES.items():
+        if inputs[name] is not None:
+            tol = TOL[case.dtype] if inputs[name].dtype == case.dtype else TOL[torch.float32]
+            assert rel_err(getattr(grads, grad_name), ref[name]) < tol, grad_name
+
+
 def test_nblock_mixed_dtypes():
     # Each output carries its running sum in place only when it is fp32 itself: here du (bf16)
     # and dz (fp16) get fp32 rows of their own while ddelta (fp32) is its own row.

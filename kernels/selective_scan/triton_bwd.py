@@ -767,8 +767,19 @@ def _with_row(x, i, v, T: tl.constexpr):
     return tl.where(sel, v[None, :, :, :], x)
 
 
+# Triton 3.6-3.8 (not 3.9) place the layout conversion into ``_sum_channels``'s layout for dC
+# (h * g) at the product's inputs, the per-(t, d) rows, B, A and the entry state, which are fewer
+# elements than the product, and then run the decays' exp2 and the state scan a second time in
+# that layout: the backward walk 1269 SASS instructions instead of 970 (sm_90, bf16, L-major,
+# 8 steps, `benchmarks/sass_scan_bwd_serial.py`). Halving the product across lane pairs first
+# makes it the smaller side, and those versions convert it instead: 3.6 1276 -> 1066 bf16,
+# 1255 -> 1038 fp32 (3.7 1263 -> 1024, 3.8 1287 -> 1055); on 3.9 the shuffle would only add
+# instructions (970 -> 1013).
+_PAIR_DC = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9)
+
+
 @triton.jit
-def _sum_channels(x):
+def _sum_channels(x, PAIRS: tl.constexpr):
     """Sum a [T, N_PER_THREAD, BLOCK_D, LANES_N] tile over its channel axis: [T, N_PER_THREAD, LANES_N].
 
     The channels span lanes and warps, where ``tl.sum`` shuffles log2(lanes) times per value
@@ -779,8 +790,13 @@ def _sum_channels(x):
     serial kernel's dB/dC (sm_90, Triton 3.9, bf16, 8 steps, chunk 64, 32 channels, 4 warps):
     backward walk 1665 -> 1026 SASS instructions per 32 elements a thread, SHFL 372 -> 52,
     BAR 46 -> 14 (``benchmarks/sass_scan_bwd_serial.py``).
+
+    PAIRS first adds channel pairs across lanes (one shuffle level), so that the tile moved
+    through shared memory is half the size: see ``_PAIR_DC``.
     """
     tl.static_assert(x.shape[2] <= 1024, "at most 1024 channels per program (32 warps of 32 lanes)")
+    if PAIRS and x.shape[2] > 1:
+        x = tl.sum(tl.reshape(x, [x.shape[0], x.shape[1], x.shape[2] // 2, 2, x.shape[3]]), axis=3)
     x = tl.permute(x, (0, 1, 3, 2))
     for _ in tl.static_range(10):
         if x.shape[3] > 1:
@@ -794,15 +810,17 @@ def _add_block_sum(ptrs, v, mask, blk):
     """Store ``v``, a channel block's dB or dC sums, into the slice's partial; from the second
     block on, add it to what the blocks before stored there.
 
-    A tile may be replicated across threads, and the threads that load an element need not be
-    the ones that store it: the barrier puts every thread's load of this block before any
-    thread's store of it, so no element gets this block's sum twice. (The barrier at the top of
-    each block puts the blocks before's stores ahead of these loads.) A fixed block order keeps
-    the sums deterministic.
+    The adds are relaxed atomics, not a load and a store: a load of the partial would need a
+    barrier against a replicated tile's other stores (the threads that load an element need not
+    be the one that stores it), and a barrier in every sub-chunk of the walk costs time (H200
+    run 30, batch 8 L=2048, with dC's paired sum: chunk kernel 1.078 ms with atomics against
+    1.162 with load, barrier, store, fp32; 1.094 against 1.142 bf16). No two programs share a
+    partial row, the blocks run in a fixed order, and the barrier at the top of each block puts
+    the blocks before's stores and adds ahead of this block's: every element is summed in the
+    same order on every run, the same bits as the load-and-store form.
     """
-    prev = tl.load(ptrs, mask=mask & (blk > 0), other=0.0)
-    tl.debug_barrier()
-    tl.store(ptrs, prev + v, mask=mask)
+    tl.store(ptrs, v, mask=mask & (blk == 0))
+    tl.atomic_add(ptrs, v, mask=mask & (blk > 0), sem="relaxed")
 
 
 @triton.jit
@@ -857,7 +875,7 @@ def _chunk_bwd_serial_kernel(
     DELTA_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_DELTA_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr, T: tl.constexpr, N_PER_THREAD: tl.constexpr, LANES_N: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, PAIR_DC: tl.constexpr,
 ):
     """A chunk's gradients with time inside each thread: both scans are serial chains.
 
@@ -877,7 +895,9 @@ def _chunk_bwd_serial_kernel(
     32 channels, 4 warps: backward walk 52.0 -> 29.6 SASS instructions per element in bf16,
     51.5 -> 29.1 in fp32, 55.6 -> 32.3 on channel-innermost bf16 with its 72 B of spills down to
     8). H200 run 23 (Triton 3.6), batch 8 L=2048 L-major fp32 with one warp and 16 slices:
-    1.365 ms for this kernel, against 1.827 for "nblock"'s chunk kernel.
+    1.365 ms for this kernel, against 1.827 for "nblock"'s chunk kernel; run 30, with dC's
+    channel sum paired so that Triton 3.6 stops computing the states twice (``_PAIR_DC``):
+    1.078 ms fp32, 1.094 ms bf16 (1.354 / 1.274 before).
     """
     pid_c = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
@@ -909,8 +929,8 @@ def _chunk_bwd_serial_kernel(
     d_start = pid_s * dim_per_split
     n_blocks = tl.cdiv(tl.minimum(dim_per_split, dim_per_group - d_start), BLOCK_D)
     for blk in range(0, n_blocks):
-        # The previous block's stores to the slice's dB/dC rows reach this block's loads of them
-        # (``_add_block_sum``) whichever threads made them.
+        # The previous blocks' stores and adds to the slice's dB/dC rows come before this
+        # block's adds (``_add_block_sum``) whichever threads made them: a fixed order.
         tl.debug_barrier()
         offs_dl = d_start + blk * BLOCK_D + tl.arange(0, BLOCK_D)
         offs_d = pid_g * dim_per_group + offs_dl
@@ -938,7 +958,8 @@ def _chunk_bwd_serial_kernel(
 
         # Forward walk: the state entering each sub-chunk, row k of h_in.
         h_in = tl.zeros([SUB, N_PER_THREAD, BLOCK_D, LANES_N], dtype=tl.float32)
-        for k in range(0, n_sub):
+        # (The last sub-chunk's exit state is not needed: the walk stops one short.)
+        for k in range(0, n_sub - 1):
             h_in = _with_row(h_in, k, h, SUB)
             offs_t = t_chunk + k * T + tl.arange(0, T)
             mask_t = offs_t < L
@@ -952,6 +973,7 @@ def _chunk_bwd_serial_kernel(
             b = tl.where(rows == 0, a * h[None, :, :, :] + b, b)
             _, hk = tl.associative_scan((a, b), 0, linear_combine)
             h = _last_step(hk, T)
+        h_in = _with_row(h_in, n_sub - 1, h, SUB)
 
         # Backward walk. x is the carry a_{t+1} * dL/dh_{t+1}: rs holds it for the chunk's last
         # step (dL/dh at the chunk's end from later chunks, their decay included). Padded steps
@@ -992,7 +1014,7 @@ def _chunk_bwd_serial_kernel(
             # contribution h * g, and the pre-gate y for dz.
             hp = hk - b
             bc_ptrs = bc_part + offs_bn[None, :, :] * L + offs_t[:, None, None]  # [T, N_PER_THREAD, LANES_N]
-            _add_block_sum(dC_part_ptr + bc_ptrs, _sum_channels(hk * g4), mask_tn, blk)
+            _add_block_sum(dC_part_ptr + bc_ptrs, _sum_channels(hk * g4, PAIR_DC), mask_tn, blk)
             if HAS_Z:
                 y = _sum_lanes(tl.sum(hk * Cf[:, :, None, :], axis=1), LANES_N) + Dv[None, :] * uf
                 dz = dy * y * sig_z * (1.0 + z * (1.0 - sig_z))
@@ -1009,7 +1031,7 @@ def _chunk_bwd_serial_kernel(
             dA += tl.sum(e * dt4, axis=0)
             q = _sum_lanes(tl.sum(dh * B4, axis=1), LANES_N)  # [T, BLOCK_D]
             s = _sum_lanes(tl.sum(e * A2[None, :, :, :], axis=1), LANES_N)
-            _add_block_sum(dB_part_ptr + bc_ptrs, _sum_channels(dh * dtu4), mask_tn, blk)
+            _add_block_sum(dB_part_ptr + bc_ptrs, _sum_channels(dh * dtu4, False), mask_tn, blk)
 
             du = q * dt
             if HAS_D:
@@ -1484,7 +1506,7 @@ def selective_scan_bwd(
             DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
             HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, T=cfg.steps,
             N_PER_THREAD=triton.next_power_of_2(N) // cfg.lanes_n, LANES_N=cfg.lanes_n, CHUNK=cfg.chunk,
-            num_warps=cfg.num_warps,
+            PAIR_DC=_PAIR_DC, num_warps=cfg.num_warps,
             **options,
         )
     else:

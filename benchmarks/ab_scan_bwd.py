@@ -1,0 +1,59 @@
+"""A/B of the scan backward's kernel code: time the backward under the code now checked out,
+labelled, so that one device call can run it, swap a kernel file, and run it again.
+
+    python benchmarks/ab_scan_bwd.py --label new --tiles '{}' '{"stages_bwd": 2}'
+
+For each tiles override (JSON; '{}' = the default tiles), batch 8 and 1 at L=2048, fp32 and
+bf16, L-major activations: GPU ms of one backward from CUDA-graph replay, the serial chunk
+kernel's ms from the profiler, the largest relative difference from the default tiles' grads,
+and whether two calls give the same bits. Rows are appended to $OUT/ab_scan_bwd.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_scan_bwd import DTYPES, bwd_call, kernel_ms, make_inputs, max_rel_diff  # noqa: E402
+from common import graph_ms, markdown_table  # noqa: E402
+
+
+def same_bits(a, b) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in a._fields if getattr(a, f) is not None)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--label", required=True)
+    p.add_argument("--tiles", nargs="+", default=["{}"])
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 1])
+    args = p.parse_args()
+    rows = []
+    for batch in args.batches:
+        for dname in ("fp32", "bf16"):
+            x, dy = make_inputs(batch, 2048, DTYPES[dname])
+            ref = bwd_call(x, dy)()
+            for text in args.tiles:
+                call = bwd_call(x, dy, **json.loads(text))
+                first, second = call(), call()
+                chunk = sum(ms for name, ms in kernel_ms(call).items() if "chunk_bwd" in name)
+                rows.append([args.label, text, f"B{batch} L2048", dname, f"{graph_ms(call):.4f}", f"{chunk:.4f}",
+                             f"{max_rel_diff(first, ref):.1e}", same_bits(first, second)])
+                print(rows[-1], flush=True)
+            del x, dy, ref
+            torch.cuda.empty_cache()
+    table = markdown_table(["code", "tiles", "shape", "dtype", "bwd graph ms", "chunk kernel ms",
+                            "rel diff from default", "same bits twice"], rows)
+    out = os.path.join(os.environ.get("OUT", "."), "ab_scan_bwd.md")
+    with open(out, "a") as f:
+        f.write(f"## {args.label} ({torch.cuda.get_device_name()}, triton {__import__('triton').__version__})\n\n"
+                f"{table}\n\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
