@@ -1,7 +1,10 @@
 """A/B of the scan backward's kernel code: time the backward under the code now checked out,
 labelled, so that one device call can run it, swap a kernel file, and run it again.
 
-    python benchmarks/ab_scan_bwd.py --label new --tiles '{}' '{"stages_bwd": 2}'
+    python benchmarks/ab_scan_bwd.py --label new --tiles '{}' '{"num_warps": 2}'
+    git show REV:kernels/selective_scan/triton_bwd.py > /tmp/old.py
+    cp kernels/selective_scan/triton_bwd.py /tmp/new.py && cp /tmp/old.py kernels/selective_scan/triton_bwd.py
+    python benchmarks/ab_scan_bwd.py --label old; cp /tmp/new.py kernels/selective_scan/triton_bwd.py
 
 For each tiles override (JSON; '{}' = the default tiles), batch 8 and 1 at L=2048, fp32 and
 bf16, L-major activations: GPU ms of one backward from CUDA-graph replay, the serial chunk
