@@ -21,8 +21,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_scan_bwd import DTYPES, bwd_call, kernel_ms, make_inputs, max_rel_diff  # noqa: E402
-from common import graph_ms, markdown_table  # noqa: E402
+from bench_scan_bwd import DTYPES, bwd_call, make_inputs, tiles_timing  # noqa: E402
+from common import markdown_table  # noqa: E402
 
 
 def same_bits(a, b) -> bool:
@@ -41,11 +41,10 @@ def main():
             x, dy = make_inputs(batch, 2048, DTYPES[dname])
             ref = bwd_call(x, dy)()
             for text in args.tiles:
-                call = bwd_call(x, dy, **json.loads(text))
-                first, second = call(), call()
-                chunk = sum(ms for name, ms in kernel_ms(call).items() if "chunk_bwd" in name)
-                rows.append([args.label, text, f"B{batch} L2048", dname, f"{graph_ms(call):.4f}", f"{chunk:.4f}",
-                             f"{max_rel_diff(first, ref):.1e}", same_bits(first, second)])
+                tiles = json.loads(text)
+                ms, chunk_ms, diff, first = tiles_timing(x, dy, ref, **tiles)
+                rows.append([args.label, text, f"B{batch} L2048", dname, f"{ms:.4f}", f"{chunk_ms:.4f}",
+                             f"{diff:.1e}", same_bits(first, bwd_call(x, dy, **tiles)())])
                 print(rows[-1], flush=True)
             del x, dy, ref
             torch.cuda.empty_cache()

@@ -337,12 +337,10 @@ def caps_table(notes, caps):
             ref = bwd_call(x, dy)()
             for steps in (8, 4) if batch > 1 else (8,):
                 for cap in caps:
-                    call = bwd_call(x, dy, variant="serial", steps=steps, max_registers=cap or None)
                     try:
-                        diff = max_rel_diff(call(), ref)
-                        chunk_ms = sum(ms for name, ms in kernel_ms(call).items() if "chunk_bwd_serial" in name)
-                        rows.append([f"B{batch} L{L}", dname, steps, cap or "-", graph_ms(call),
-                                     f"{chunk_ms:.3f}", f"{diff:.1e}"])
+                        ms, chunk_ms, diff, _ = tiles_timing(x, dy, ref, variant="serial", steps=steps,
+                                                             max_registers=cap or None)
+                        rows.append([f"B{batch} L{L}", dname, steps, cap or "-", ms, f"{chunk_ms:.3f}", f"{diff:.1e}"])
                         print(rows[-1], flush=True)
                     except Exception as e:  # noqa: BLE001 - one failing cap must not stop the table
                         notes.append(f"caps {batch} {L} {dname} steps {steps} cap {cap}: {type(e).__name__}: {e}")
@@ -399,6 +397,15 @@ def kernel_ms(call) -> dict[str, float]:
             call()
         torch.cuda.synchronize()
     return {e.key: e.device_time_total / 5 / 1000 for e in prof.key_averages()}
+
+
+def tiles_timing(x, dy, ref, **tiles):
+    """(GPU ms from CUDA-graph replay, the chunk kernel's ms from the profiler, the largest
+    relative difference from ``ref``'s grads, the grads) of the backward under ``tiles``."""
+    call = bwd_call(x, dy, **tiles)
+    grads = call()
+    chunk_ms = sum(ms for name, ms in kernel_ms(call).items() if "chunk_bwd" in name)
+    return graph_ms(call), chunk_ms, max_rel_diff(grads, ref), grads
 
 
 def kernel_split(notes, dname="fp32", tiles=None, batch=8, L=2048):

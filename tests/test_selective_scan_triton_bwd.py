@@ -349,9 +349,10 @@ def test_nblock_deterministic():
 
 
 def test_serial_deterministic():
-    # One store per (program, step, state) into the dB/dC partials, fixed-order sums: same bits.
-    # Grouped B/C, 3 programs per group, a full chunk and a ragged one.
-    case = serial(dim=48, G=2, L=21, chunk_size=16, steps=4, dtype=torch.bfloat16)
+    # Each program owns its dB/dC partial rows: the first channel block stores there, later
+    # blocks add by atomics in a fixed order; then fixed-order sums: same bits. Grouped B/C,
+    # one slice of three 8-channel blocks per group, a full chunk and a ragged one.
+    case = serial(dim=48, G=2, L=21, chunk_size=16, steps=4, dtype=torch.bfloat16, block_d=8, num_splits=1)
     inputs, dy, dlast = make_inputs(case)
     first = run_bwd(case, inputs, dy, dlast)
     second = run_bwd(case, inputs, dy, dlast)
