@@ -8,10 +8,13 @@ from typing import Optional
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from utils import TOL, rel_err
 
 from ssm_compile.kernels.selective_scan.reference import selective_scan_ref
-from ssm_compile.kernels.selective_scan.triton_bwd import selective_scan_bwd
+from ssm_compile.kernels.selective_scan.triton_bwd import _pick_row, selective_scan_bwd
+from ssm_compile.kernels.triton_common import neg_zero
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Input name -> ScanGrads field.
@@ -377,6 +380,41 @@ def test_serial_dC_channel_sum_both_orders(case, paired, monkeypatch):
         if inputs[name] is not None:
             tol = TOL[case.dtype] if inputs[name].dtype == case.dtype else TOL[torch.float32]
             assert rel_err(getattr(grads, grad_name), ref[name]) < tol, grad_name
+
+
+@triton.jit
+def _pick_rows_kernel(x_ptr, out_ptr, T: tl.constexpr, R: tl.constexpr):
+    offs = tl.arange(0, T)[:, None, None, None] * R + tl.arange(0, R)[None, None, :, None]
+    x = tl.load(x_ptr + offs)  # [T, 1, R, 1]
+    for i in range(0, T):  # a run-time index, as the serial kernel's sub-chunk
+        tl.store(out_ptr + i * R + tl.arange(0, R)[None, :, None], _pick_row(x, i))
+
+
+@pytest.mark.parametrize("T", [1, 2, 8])
+def test_pick_row_every_index(T):
+    # The serial kernel reads each sub-chunk's entry state with it: a wrong bit order in the
+    # select tree would hand a chunk's sub-chunks each other's states.
+    x = torch.randn(T, 4, device=DEVICE)
+    out = torch.empty_like(x)
+    _pick_rows_kernel[(1,)](x, out, T=T, R=4, num_warps=1)
+    assert torch.equal(out, x)
+
+
+@triton.jit
+def _neg_zero_kernel(x_ptr, out_ptr, n):
+    offs = tl.arange(0, 8)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, x + neg_zero(), mask=offs < n)
+    tl.store(out_ptr + n, neg_zero())
+
+
+def test_neg_zero_is_the_identity_of_add():
+    # +0.0 in its place (Triton 3.6's literal -0.0) would turn -0.0 into +0.0 here.
+    x = torch.tensor([-0.0, 0.0, 1.5, -2.0, float("inf")], device=DEVICE)
+    out = torch.empty(len(x) + 1, device=DEVICE)
+    _neg_zero_kernel[(1,)](x, out, len(x), num_warps=1)
+    assert torch.equal(out[:-1].view(torch.int32), x.view(torch.int32))
+    assert out[-1].item() == 0.0 and torch.signbit(out[-1]).item()
 
 
 def test_nblock_mixed_dtypes():

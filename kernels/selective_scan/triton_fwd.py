@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost, empty_activation
-from ..triton_common import LOG2E, dt_dot_meta, launcher, linear_combine, num_sms, project_dt, silu, softplus
+from ..triton_common import LOG2E, dt_dot_meta, launcher, linear_combine, neg_zero, num_sms, project_dt, silu, softplus
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
 # scan_fwd_config): 65536 / (3 * 128) = 170.7, rounded down to ptxas's allocation granule of 8.
@@ -181,7 +181,7 @@ def _last_step(x, CHUNK_T: tl.constexpr):
     identity of +, so with time inside one thread this folds to a register read.
     """
     is_last = (tl.arange(0, CHUNK_T) == CHUNK_T - 1)[:, None, None, None]
-    return tl.sum(tl.where(is_last, x, -0.0), axis=0)
+    return tl.sum(tl.where(is_last, x, neg_zero()), axis=0)
 
 
 @triton.jit
