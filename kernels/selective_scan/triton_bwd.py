@@ -754,7 +754,9 @@ def _row(x, i, T: tl.constexpr):
     """x[i] of a [T, ...] 4-D tile whose axis 0 lives inside each thread.
 
     A masked sum with -0.0 (the exact identity of +; ``neg_zero``): for a compile-time ``i`` it
-    folds to a register read; a run-time ``i`` wants ``_pick_row``.
+    folds to a register read; a run-time ``i`` wants ``_pick_row``. The reverse does not hold:
+    ``_pick_row`` with the adjoint's compile-time rows made Triton 3.6's backward walk 903 ->
+    1014 instructions (fp32; 3.9 unchanged at 860).
     """
     sel = (tl.arange(0, T) == i)[:, None, None, None]
     return tl.sum(tl.where(sel, x, neg_zero()), axis=0)
