@@ -7,9 +7,10 @@ labelled, so that one device call can run it, swap a kernel file, and run it aga
     python benchmarks/ab_scan_bwd.py --label old; cp /tmp/new.py kernels/selective_scan/triton_bwd.py
 
 For each tiles override (JSON; '{}' = the default tiles), batch 8 and 1 at L=2048, fp32 and
-bf16, L-major activations: GPU ms of one backward from CUDA-graph replay, the serial chunk
-kernel's ms from the profiler, the largest relative difference from the default tiles' grads,
-and whether two calls give the same bits. Rows are appended to $OUT/ab_scan_bwd.md.
+bf16, L-major activations: GPU ms of one backward from CUDA-graph replay, the ms of the chunk
+kernel, the chunk-state kernel, the state pass and the partial sums from the profiler, the
+largest relative difference from the default tiles' grads, and whether two calls give the same
+bits. Rows are appended to $OUT/ab_scan_bwd.md.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_scan_bwd import DTYPES, bwd_call, make_inputs, tiles_timing  # noqa: E402
 from common import markdown_table  # noqa: E402
 
+from ssm_compile.kernels.selective_scan import triton_bwd  # noqa: E402
+
 
 def same_bits(a, b) -> bool:
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in a._fields if getattr(a, f) is not None)
@@ -34,7 +37,16 @@ def main():
     p.add_argument("--label", required=True)
     p.add_argument("--tiles", nargs="+", default=["{}"])
     p.add_argument("--batches", type=int, nargs="+", default=[8, 1])
+    p.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
+                   help="module constants of triton_bwd to override, e.g. _PASS_ROWS=16")
     args = p.parse_args()
+    for item in args.set:
+        name, value = item.split("=")
+        if not hasattr(triton_bwd, name):
+            raise SystemExit(f"--set: triton_bwd has no {name}")
+        setattr(triton_bwd, name, int(value))
+    if args.set:
+        args.label += " " + " ".join(args.set)
     rows = []
     for batch in args.batches:
         for dname in ("fp32", "bf16"):
@@ -42,14 +54,18 @@ def main():
             ref = bwd_call(x, dy)()
             for text in args.tiles:
                 tiles = json.loads(text)
-                ms, chunk_ms, diff, first = tiles_timing(x, dy, ref, **tiles)
+                ms, chunk_ms, diff, first, kernels = tiles_timing(x, dy, ref, **tiles)
+                small = [sum(v for name, v in kernels.items() if key in name)
+                         for key in ("_chunk_state_kernel", "_state_pass_kernel", "_sum_partials_kernel")]
                 rows.append([args.label, text, f"B{batch} L2048", dname, f"{ms:.4f}", f"{chunk_ms:.4f}",
-                             f"{diff:.1e}", same_bits(first, bwd_call(x, dy, **tiles)())])
+                             *(f"{v:.4f}" for v in small), f"{diff:.1e}",
+                             same_bits(first, bwd_call(x, dy, **tiles)())])
                 print(rows[-1], flush=True)
             del x, dy, ref
             torch.cuda.empty_cache()
     table = markdown_table(["code", "tiles", "shape", "dtype", "bwd graph ms", "chunk kernel ms",
-                            "rel diff from default", "same bits twice"], rows)
+                            "chunk-state ms", "state pass ms", "partial sums ms", "rel diff from default",
+                            "same bits twice"], rows)
     out = os.path.join(os.environ.get("OUT", "."), "ab_scan_bwd.md")
     with open(out, "a") as f:
         f.write(f"## {args.label} ({torch.cuda.get_device_name()}, triton {__import__('triton').__version__})\n\n"

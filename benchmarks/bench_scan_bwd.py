@@ -338,7 +338,7 @@ def caps_table(notes, caps):
             for steps in (8, 4) if batch > 1 else (8,):
                 for cap in caps:
                     try:
-                        ms, chunk_ms, diff, _ = tiles_timing(x, dy, ref, variant="serial", steps=steps,
+                        ms, chunk_ms, diff, _, _ = tiles_timing(x, dy, ref, variant="serial", steps=steps,
                                                              max_registers=cap or None)
                         rows.append([f"B{batch} L{L}", dname, steps, cap or "-", ms, f"{chunk_ms:.3f}", f"{diff:.1e}"])
                         print(rows[-1], flush=True)
@@ -401,11 +401,13 @@ def kernel_ms(call) -> dict[str, float]:
 
 def tiles_timing(x, dy, ref, **tiles):
     """(GPU ms from CUDA-graph replay, the chunk kernel's ms from the profiler, the largest
-    relative difference from ``ref``'s grads, the grads) of the backward under ``tiles``."""
+    relative difference from ``ref``'s grads, the grads, every kernel's ms by name) of the
+    backward under ``tiles``."""
     call = bwd_call(x, dy, **tiles)
     grads = call()
-    chunk_ms = sum(ms for name, ms in kernel_ms(call).items() if "chunk_bwd" in name)
-    return graph_ms(call), chunk_ms, max_rel_diff(grads, ref), grads
+    kernels = kernel_ms(call)
+    chunk_ms = sum(ms for name, ms in kernels.items() if "chunk_bwd" in name)
+    return graph_ms(call), chunk_ms, max_rel_diff(grads, ref), grads, kernels
 
 
 def kernel_split(notes, dname="fp32", tiles=None, batch=8, L=2048):

@@ -10,6 +10,13 @@ L=2048 (benchmarks/RESULTS.md, run 14), for ~16 MB of reads. Here one launch sum
 
 The order of the additions is fixed by the launch shape (a strided serial sum per row block,
 then ``tl.sum``'s tree over the block), so the result is the same bits on every run.
+
+Each partial gets its own block shape (``_blocks``): up to 64 rows a step, so that a partial of
+many rows is read in a few wide steps by many programs. With one shape for all (8 rows x 256
+columns) the scan backward's dA partial at batch 8, L=2048 (256 rows of 24576 columns) went to
+96 programs of 32 dependent load steps each, and dD's (256 x 1536) to 6 programs, which made
+the launch 0.033 ms for ~60 MB of reads (~14 µs at copy bandwidth); with these blocks it
+takes 0.022 ms (H200 run 32).
 """
 from typing import List, Sequence, Tuple
 
@@ -20,8 +27,16 @@ import triton.language as tl
 from .triton_common import LAUNCH_OPTIONS
 
 MAX_SEGMENTS = 5
-_BLOCK_R = 8
-_BLOCK_M = 256
+# Elements of a program's [rows, columns] block: 32 fp32 accumulators a thread at 4 warps.
+_BLOCK_ELEMS = 4096
+_MAX_BLOCK_R = 64
+_MAX_BLOCK_M = 256
+
+
+def _blocks(rows: int, cols: int) -> Tuple[int, int]:
+    """(rows, columns) of a program's block for a ``rows`` x ``cols`` partial."""
+    block_r = min(triton.next_power_of_2(max(rows, 1)), _MAX_BLOCK_R)
+    return block_r, min(_BLOCK_ELEMS // block_r, _MAX_BLOCK_M, triton.next_power_of_2(max(cols, 1)))
 
 
 @triton.jit
@@ -45,20 +60,21 @@ def _sum_partials_kernel(
     s2, d2, R2, M2, end2,
     s3, d3, R3, M3, end3,
     s4, d4, R4, M4, end4,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+    BR0: tl.constexpr, BM0: tl.constexpr, BR1: tl.constexpr, BM1: tl.constexpr, BR2: tl.constexpr,
+    BM2: tl.constexpr, BR3: tl.constexpr, BM3: tl.constexpr, BR4: tl.constexpr, BM4: tl.constexpr,
 ):
     # Segment k owns programs [end_{k-1}, end_k); an unused segment is empty (end_k = end_{k-1}).
     pid = tl.program_id(0)
     if pid < end0:
-        _sum_rows(s0, d0, R0, M0, pid, BLOCK_R, BLOCK_M)
+        _sum_rows(s0, d0, R0, M0, pid, BR0, BM0)
     elif pid < end1:
-        _sum_rows(s1, d1, R1, M1, pid - end0, BLOCK_R, BLOCK_M)
+        _sum_rows(s1, d1, R1, M1, pid - end0, BR1, BM1)
     elif pid < end2:
-        _sum_rows(s2, d2, R2, M2, pid - end1, BLOCK_R, BLOCK_M)
+        _sum_rows(s2, d2, R2, M2, pid - end1, BR2, BM2)
     elif pid < end3:
-        _sum_rows(s3, d3, R3, M3, pid - end2, BLOCK_R, BLOCK_M)
+        _sum_rows(s3, d3, R3, M3, pid - end2, BR3, BM3)
     elif pid < end4:
-        _sum_rows(s4, d4, R4, M4, pid - end3, BLOCK_R, BLOCK_M)
+        _sum_rows(s4, d4, R4, M4, pid - end3, BR4, BM4)
 
 
 def sum_partials(jobs: Sequence[Tuple[torch.Tensor, int, torch.Size, torch.dtype]]) -> List[torch.Tensor]:
@@ -78,7 +94,7 @@ def sum_partials(jobs: Sequence[Tuple[torch.Tensor, int, torch.Size, torch.dtype
     """
     if not 1 <= len(jobs) <= MAX_SEGMENTS:
         raise ValueError(f"sum_partials: expected 1 to {MAX_SEGMENTS} partials, got {len(jobs)}")
-    args, outs, end = [], [], 0
+    args, outs, end, blocks = [], [], 0, {}
     for partial, reduce_dims, out_shape, out_dtype in jobs:
         if partial.dtype != torch.float32 or not partial.is_contiguous():
             raise ValueError(f"sum_partials: partials must be contiguous fp32, got {partial.dtype} "
@@ -89,11 +105,14 @@ def sum_partials(jobs: Sequence[Tuple[torch.Tensor, int, torch.Size, torch.dtype
             raise ValueError(f"sum_partials: a partial of shape {tuple(partial.shape)} reduced over "
                              f"{reduce_dims} axes cannot give shape {tuple(out_shape)}")
         out = torch.empty(out_shape, dtype=out_dtype, device=partial.device)
-        end += triton.cdiv(cols, _BLOCK_M)
+        k = len(outs)
+        blocks[f"BR{k}"], blocks[f"BM{k}"] = _blocks(rows, cols)
+        end += triton.cdiv(cols, blocks[f"BM{k}"])
         args += [partial, out, rows, cols, end]
         outs.append(out)
-    for _ in range(MAX_SEGMENTS - len(jobs)):
+    for k in range(len(jobs), MAX_SEGMENTS):
         args += [args[0], args[1], 0, 0, end]  # empty segment: never reached
+        blocks[f"BR{k}"], blocks[f"BM{k}"] = 1, 1
     if end:
-        _sum_partials_kernel[(end,)](*args, BLOCK_R=_BLOCK_R, BLOCK_M=_BLOCK_M, num_warps=4, **LAUNCH_OPTIONS)
+        _sum_partials_kernel[(end,)](*args, **blocks, num_warps=4, **LAUNCH_OPTIONS)
     return outs

@@ -14,9 +14,10 @@ def _fp64_total(partial, reduce_dims):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_sums_every_segment_into_its_dtype(dtype):
     g = torch.Generator().manual_seed(0)
-    # Shapes as the scan backward makes them: ragged against the 8-row / 256-column blocks,
-    # one row, one column, and a reduction over two leading axes.
-    shapes = [((3, 5, 37, 16), 2), ((13, 2, 1, 16, 300), 1), ((1, 257), 1), ((9, 1), 1), ((2, 4, 70), 2)]
+    # Shapes as the scan backward makes them, ragged against their blocks (partials._blocks):
+    # rows past the 64 a step takes (two steps, the second ragged), columns past a block, one
+    # row, one column, and a reduction over two leading axes.
+    shapes = [((3, 5, 37, 16), 2), ((13, 2, 1, 16, 300), 1), ((1, 257), 1), ((9, 1), 1), ((2, 50, 70), 2)]
     partials = [torch.randn(shape, generator=g).to(DEVICE) for shape, _ in shapes]
     jobs = [(p, r, p.shape[r:], dtype) for p, (_, r) in zip(partials, shapes)]
     outs = sum_partials(jobs)

@@ -13,7 +13,7 @@ import triton.language as tl
 from utils import TOL, rel_err
 
 from ssm_compile.kernels.selective_scan.reference import selective_scan_ref
-from ssm_compile.kernels.selective_scan.triton_bwd import _pick_row, selective_scan_bwd
+from ssm_compile.kernels.selective_scan.triton_bwd import _pick_row, _state_pass, selective_scan_bwd
 from ssm_compile.kernels.triton_common import neg_zero
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -415,6 +415,44 @@ def test_neg_zero_is_the_identity_of_add():
     _neg_zero_kernel[(1,)](x, out, len(x), num_warps=1)
     assert torch.equal(out[:-1].view(torch.int32), x.view(torch.int32))
     assert out[-1].item() == 0.0 and torch.signbit(out[-1]).item()
+
+
+@pytest.mark.parametrize("n_chunks, dim, N, has_init, has_dlast", [
+    (19, 9, 16, False, False),  # 3 blocks of 8 chunks, the last ragged; a ragged channel block
+    (19, 5, 5, True, True),  # N that fills no power of two: padded states stay untouched
+    (8, 3, 256, True, False),  # one whole block; two warps per program, under one channel
+    (1, 2, 4, False, True),
+], ids=["C19-D9-N16", "C19-D5-N5-h0-dl", "C8-D3-N256-h0", "C1-D2-N4-dl"])
+def test_state_pass_chains_the_chunks(n_chunks, dim, N, has_init, has_dlast):
+    # Every backward at L <= 8 * chunk walks a single block of chunks; this walks several, with
+    # random workspaces against the recurrence written out (fp64).
+    g = torch.Generator().manual_seed(1)
+    batch = 2
+    hs = torch.randn(batch, n_chunks, dim, N, generator=g)
+    rs = torch.randn(batch, n_chunks, dim, N, generator=g)
+    total = torch.rand(batch, n_chunks, dim, generator=g) * 2
+    A = -torch.rand(dim, N, generator=g) - 0.1
+    init = torch.randn(batch, dim, N, generator=g) if has_init else None
+    dlast = torch.randn(batch, dim, N, generator=g) if has_dlast else None
+    decay = torch.exp(A.double() * total.double()[..., None])  # (batch, chunks, dim, N)
+    h = init.double() if has_init else torch.zeros(batch, dim, N, dtype=torch.float64)
+    r = dlast.double() if has_dlast else torch.zeros(batch, dim, N, dtype=torch.float64)
+    h_ref, r_ref = torch.empty_like(decay), torch.empty_like(decay)
+    for c in range(n_chunks):
+        h_ref[:, c] = h
+        h = decay[:, c] * h + hs[:, c].double()
+    for c in reversed(range(n_chunks)):
+        r_ref[:, c] = r
+        r = decay[:, c] * r + rs[:, c].double()
+    dev = dict(device=DEVICE)
+    hs_d, rs_d = hs.to(**dev), rs.to(**dev)
+    dinit = torch.full((batch, dim, N), float("nan"), **dev) if has_init else None
+    _state_pass(A.to(**dev), total.to(**dev), init.to(**dev) if has_init else None,
+                dlast.to(**dev) if has_dlast else None, hs_d, rs_d, dinit)
+    torch.testing.assert_close(hs_d.cpu().double(), h_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rs_d.cpu().double(), r_ref, rtol=1e-5, atol=1e-5)
+    if has_init:
+        torch.testing.assert_close(dinit.cpu().double(), r, rtol=1e-5, atol=1e-5)
 
 
 def test_nblock_mixed_dtypes():

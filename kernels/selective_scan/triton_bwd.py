@@ -62,10 +62,11 @@ _BLOCK_D = 1
 # Consecutive time steps per thread in the chunk kernel's tiles: the serial part of its scans,
 # and one 16 B vector of fp32 per load. Its scans are written out for exactly 4.
 _STEPS = 4
-# (channel, state) pairs per program of the state pass, and the chunks whose loads it issues at
-# once.
-_PASS_BLOCK = 128
-_PASS_ROWS = 8
+# Warps per program of the state pass (each warp owns 4 * 32 (channel, state) pairs, see the
+# kernel), and the chunks whose loads it issues at once. H200 run 32, batch 8, L=2048 (32
+# chunks), inside the backward: 4 rows 0.024 ms, 8 rows 0.026, 16 rows 0.034; 2 warps 0.026.
+_PASS_WARPS = 1
+_PASS_ROWS = 4
 # Resident warps per SM the chunk kernel's grid aims for: its n-loop is a chain of dependent
 # cross-lane scan steps, so throughput scales with the warps a scheduler can switch between
 # (at ~120 registers an SM holds 16 one-warp programs).
@@ -210,9 +211,8 @@ def _chunk_state_kernel(
     A program walks one chunk of CHUNK steps in tiles of CHUNK_T, each thread owning a run of
     consecutive steps of N_PER_THREAD states of one channel (the forward's 4-D tile, same
     loads). The scan of (a, b) = (exp(delta*A), delta*u*B) along time is serial in registers:
-    its b half is the state from zero, and its a half the decay since the tile's start, which
-    with the decay of the tiles before it (exp(A * sum delta), one exp per (d, n) and tile)
-    weighs each step's C*g:
+    its b half is the state from zero, and its a half, started from the decay of the tiles
+    before it (``carry``), the decay since the chunk's start, which weighs each step's C*g:
         h_end   = h after the chunk, from h = 0
         dh_prev = sum_t exp(A * P_t) * C_t * g_t          (P_t = sum_{j<=t} delta_j)
     Until run 21 this kernel summed both in closed form over [channels, chunk] tiles, two exps
@@ -244,6 +244,7 @@ def _chunk_state_kernel(
     t_end = tl.minimum(t_start + CHUNK, L)
     h = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
     acc = tl.zeros((N_PER_THREAD, BLOCK_D, LANES_N), tl.float32)
+    carry = tl.full((N_PER_THREAD, BLOCK_D, LANES_N), 1.0, tl.float32)  # exp(A * P) before the tile
     dt_sum = tl.zeros((BLOCK_D,), tl.float32)
     is_first = (tl.arange(0, CHUNK_T) == 0)[:, None, None, None]
     # One tile of loads ahead, as the forward on channel-innermost activations.
@@ -274,11 +275,16 @@ def _chunk_state_kernel(
         B4, C4 = tl.split(tl.join(Bt.to(tl.float32), Ct.to(tl.float32))[:, :, None, :, :])
         a = tl.exp2(dt4 * A[None, :, :, :])
         b = tl.where(is_first, a * h[None, :, :, :] + dtu4 * B4, dtu4 * B4)
-        decay, hs = tl.associative_scan((a, b), 0, linear_combine)
+        # The first step's decay also carries the tiles' before it: the scan's a half is then
+        # exp(A * P_t) itself. No step's b reads the first a (b_t = a_t * b_{t-1} + b_t), so h
+        # is unchanged by it. Until run 32 the carry was exp2(A * sum of delta so far), an exp
+        # and a product per (d, n) and tile: 152 -> 126 registers (Triton 3.6), and on the H200
+        # at batch 8, L=2048 0.289 -> 0.278 ms fp32, 0.281 -> 0.258 ms bf16.
+        decay, hs = tl.associative_scan((tl.where(is_first, a * carry[None, :, :, :], a), b), 0,
+                                        linear_combine)
         h = _last_step(hs, CHUNK_T)
-        # exp(A * P_t) = exp(A * (sum of the tiles before)) * (decay since the tile's start).
-        before = tl.exp2(A * dt_sum[None, :, None])
-        acc += before * tl.sum(decay * (g4 * C4), axis=0)
+        carry = _last_step(decay, CHUNK_T)
+        acc += tl.sum(decay * (g4 * C4), axis=0)
         dt_sum += tl.sum(dt, axis=0)
         u, delta, z, Bt, Ct = nxt
         g = g_nxt
@@ -297,6 +303,14 @@ def _load_rows(ptr, offs_t, offs_d, mask_d, t_end, stride_d, stride_l):
 
 
 @triton.jit
+def _pass_row(x, j):
+    """Row ``j`` (compile-time) of a [ROWS, BLOCK] tile whose rows live inside each thread: a
+    masked sum with -0.0 that folds to a register read."""
+    sel = (tl.arange(0, x.shape[0]) == j)[:, None]
+    return tl.sum(tl.where(sel, x, neg_zero()), axis=0)
+
+
+@triton.jit
 def _state_pass_kernel(
     # pointers
     A_ptr, total_ptr, init_ptr, dlast_ptr, hs_ptr, rs_ptr, dinit_ptr,
@@ -307,67 +321,73 @@ def _state_pass_kernel(
     stride_init_b, stride_init_d, stride_init_n,
     stride_dlast_b, stride_dlast_d, stride_dlast_n,
     # meta-parameters
-    HAS_INIT: tl.constexpr, HAS_DLAST: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_DLAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """Chain the chunks, in place: hs[c] becomes h entering chunk c, rs[c] dL/dh at its end.
 
-    Each program owns BLOCK (channel, state) pairs of one batch row and walks the chunks
-    forward (h) and backward (dL/dh) ROWS chunks at a time: the loads of a block of chunks are
-    issued together, and the chain across them is a scan along the rows, inside each thread,
-    carried from block to block, instead of one dependent load round trip per chunk. Inside the
-    backward (batch 8, L=2048, H200 run 21, ``benchmarks/ab_state_pass.py``, interleaved) that
-    took the whole backward from 1.967 to 1.947 ms in bf16 and 2.186 to 2.165 in fp32. Alone,
-    with its 25 MB of workspaces left in L2 between replays, either form runs at 2-3.4 TB/s
-    (``bench_chunk_state.py``); the training profile's 0.12 ms a call for the one-chunk walk
-    is not explained by either.
+    Each program owns BLOCK_D channels (BLOCK_N >= N states each) of one batch row and walks
+    the chunks forward (h) and backward (dL/dh) ROWS chunks at a time: the loads of a block of
+    chunks are issued together, then the chain runs row by row. The launcher sizes the tile at
+    4 elements a thread (BLOCK_D * BLOCK_N = 128 * num_warps), so the loads' layout (4
+    consecutive elements a thread, lanes and warps along them) keeps an element's ROWS chunks
+    inside its thread: the chain is one FMA per row in registers, and a thread rewrites only
+    what it read, so no barrier orders the in-place stores. Until run 32 the chain was
+    ``tl.associative_scan`` along the rows, which Triton 3.6 lowered with the rows across lanes
+    and warps (sm_90: 579 loop instructions per block of 8 chunks with 128 SHFL and 12 BAR,
+    against 431 with no SHFL now, under 3.6 and 3.9). H200 (run 32, batch 8, L=2048, inside the backward): 0.053
+    -> 0.024 ms.
     """
     pid_b = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # flat (d, n)
-    mask = offs < dim * N
-    offs_d = offs // N
-    offs_n = offs % N
+    # (d, n) flattened over BLOCK_D whole channels, padded to BLOCK_N states each: with
+    # N = BLOCK_N the workspace rows are contiguous along it.
+    i = tl.arange(0, BLOCK_D * BLOCK_N)
+    offs_d = tl.program_id(1) * BLOCK_D + i // BLOCK_N
+    offs_n = i % BLOCK_N
+    mask = (offs_d < dim) & (offs_n < N)
+    offs = offs_d * N + offs_n
     A2 = tl.load(A_ptr + offs_d * stride_A_d + offs_n * stride_A_n, mask=mask, other=0.0).to(tl.float32) * LOG2E
     if HAS_INIT:
         h = tl.load(init_ptr + pid_b * stride_init_b + offs_d * stride_init_d + offs_n * stride_init_n,
                     mask=mask, other=0.0).to(tl.float32)
     else:
-        h = tl.zeros([BLOCK], dtype=tl.float32)
+        h = tl.zeros([BLOCK_D * BLOCK_N], dtype=tl.float32)
     if HAS_DLAST:
         r = tl.load(dlast_ptr + pid_b * stride_dlast_b + offs_d * stride_dlast_d + offs_n * stride_dlast_n,
                     mask=mask, other=0.0).to(tl.float32)
     else:
-        r = tl.zeros([BLOCK], dtype=tl.float32)
-    ws = pid_b * n_chunks * dim * N + offs
-    ws_ptrs = ws[None, :]
-    total_ptrs = total_ptr + pid_b * n_chunks * dim + offs_d[None, :]
+        r = tl.zeros([BLOCK_D * BLOCK_N], dtype=tl.float32)
+    ws_ptrs = (pid_b * n_chunks * dim * N + offs)[None, :]
+    # The chunks' delta sums are per channel: loaded as [ROWS, BLOCK_D] (contiguous along the
+    # channels) and widened over the states. A load of the full-width tile (not contiguous:
+    # each sum repeats N times) made Triton 3.6 put the rows across lanes.
+    offs_bd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    total_ptrs = total_ptr + pid_b * n_chunks * dim + offs_bd[None, :]
     rows = tl.arange(0, ROWS)[:, None]
     for c0 in range(0, n_chunks, ROWS):
         fwd = c0 + rows  # the h walk's chunks, in order
         rev = n_chunks - 1 - fwd  # the dL/dh walk's
         m = (fwd < n_chunks) & mask[None, :]
+        m_bd = (fwd < n_chunks) & (offs_bd < dim)[None, :]
         # Past the last chunk the steps are the identity (1, 0): a = exp2(0), local = 0.
         h_local = tl.load(hs_ptr + ws_ptrs + fwd * dim * N, mask=m, other=0.0)
         r_local = tl.load(rs_ptr + ws_ptrs + rev * dim * N, mask=m, other=0.0)
-        a_h = tl.exp2(A2[None, :] * tl.load(total_ptrs + fwd * dim, mask=m, other=0.0))
-        a_r = tl.exp2(A2[None, :] * tl.load(total_ptrs + rev * dim, mask=m, other=0.0))
-        # The carry enters the first row (b_0 <- a_0 * carry + b_0): the scanned b is then the
-        # value after each chunk of the block.
-        _, h_after = tl.associative_scan((a_h, tl.where(rows == 0, a_h * h[None, :] + h_local, h_local)),
-                                         0, linear_combine)
-        _, r_after = tl.associative_scan((a_r, tl.where(rows == 0, a_r * r[None, :] + r_local, r_local)),
-                                         0, linear_combine)
-        # Every thread has read its rows before any row is overwritten.
-        tl.debug_barrier()
-        # Row j's "after" is the value entering the next chunk of the walk; the block's last row
-        # is the carry into the next block, whose first chunk it would overwrite before the load.
-        inner = (rows < ROWS - 1) & (fwd + 1 < n_chunks) & mask[None, :]
-        tl.store(hs_ptr + ws_ptrs + (fwd + 1) * dim * N, h_after, mask=inner)
-        tl.store(rs_ptr + ws_ptrs + (rev - 1) * dim * N, r_after, mask=inner)
-        tl.store(hs_ptr + ws + c0 * dim * N, h, mask=mask)
-        tl.store(rs_ptr + ws + (n_chunks - 1 - c0) * dim * N, r, mask=mask)
-        is_last = rows == ROWS - 1
-        h = tl.sum(tl.where(is_last, h_after, neg_zero()), axis=0)
-        r = tl.sum(tl.where(is_last, r_after, neg_zero()), axis=0)
+        t_h = tl.load(total_ptrs + fwd * dim, mask=m_bd, other=0.0)
+        t_r = tl.load(total_ptrs + rev * dim, mask=m_bd, other=0.0)
+        t_h = tl.reshape(tl.broadcast_to(t_h[:, :, None], [ROWS, BLOCK_D, BLOCK_N]), [ROWS, BLOCK_D * BLOCK_N])
+        t_r = tl.reshape(tl.broadcast_to(t_r[:, :, None], [ROWS, BLOCK_D, BLOCK_N]), [ROWS, BLOCK_D * BLOCK_N])
+        a_h = tl.exp2(A2[None, :] * t_h)
+        a_r = tl.exp2(A2[None, :] * t_r)
+        h_in = h_local
+        r_in = r_local
+        for j in tl.static_range(ROWS):
+            # Row j's slot takes the value entering its chunk (in the walk's direction).
+            h_in = tl.where(rows == j, h[None, :], h_in)
+            r_in = tl.where(rows == j, r[None, :], r_in)
+            h = _pass_row(a_h, j) * h + _pass_row(h_local, j)
+            r = _pass_row(a_r, j) * r + _pass_row(r_local, j)
+        tl.store(hs_ptr + ws_ptrs + fwd * dim * N, h_in, mask=m)
+        tl.store(rs_ptr + ws_ptrs + rev * dim * N, r_in, mask=m)
     if HAS_INIT:
         # What is left after chunk 0 is dL/dh_{-1}, the initial state's gradient.
         tl.store(dinit_ptr + pid_b * dim * N + offs, r, mask=mask)
@@ -1418,6 +1438,29 @@ def _in_layout_of(like: Optional[torch.Tensor], grad: Optional[torch.Tensor]) ->
     return restride_into(torch.empty_like(like), grad)
 
 
+def _state_pass(A, total, initial_state, dlast_state, hs, rs, dinit) -> None:
+    """Chains the chunk-state kernel's per-chunk workspaces in place (``_state_pass_kernel``):
+    hs (batch, chunks, dim, N) becomes h entering each chunk, rs dL/dh at each chunk's end, and
+    dinit (when not None) receives dL/d initial_state."""
+    batch, n_chunks, dim, N = hs.shape
+    pass_n = triton.next_power_of_2(N)
+    # 4 elements a thread (see the kernel): one warp covers 128 of a row; N > 128 takes more.
+    pass_warps = max(_PASS_WARPS, pass_n // 128)
+    pass_d = max(1, 128 * pass_warps // pass_n)
+
+    def strides(x):
+        return x.stride() if x is not None else (0,) * 3
+
+    _state_pass_kernel[(batch, triton.cdiv(dim, pass_d))](
+        A, total, initial_state, dlast_state, hs, rs, dinit,
+        dim, N, n_chunks,
+        *A.stride(), *strides(initial_state), *strides(dlast_state),
+        HAS_INIT=initial_state is not None, HAS_DLAST=dlast_state is not None,
+        BLOCK_D=pass_d, BLOCK_N=pass_n, ROWS=_PASS_ROWS, num_warps=pass_warps,
+        **LAUNCH_OPTIONS,
+    )
+
+
 def selective_scan_bwd(
     dy: torch.Tensor,
     dlast_state: Optional[torch.Tensor],
@@ -1496,14 +1539,7 @@ def selective_scan_bwd(
         CHUNK=cfg.chunk, num_warps=st.num_warps, maxnreg=st.max_registers,
         **LAUNCH_OPTIONS,
     )
-    _state_pass_kernel[(batch, triton.cdiv(dim * N, _PASS_BLOCK))](
-        A, total, initial_state, dlast_state, hs, rs, dinit,
-        dim, N, n_chunks,
-        *A.stride(), *strides(initial_state, 3), *strides(dlast_state, 3),
-        HAS_INIT=initial_state is not None, HAS_DLAST=dlast_state is not None,
-        BLOCK=_PASS_BLOCK, ROWS=_PASS_ROWS, num_warps=_PASS_BLOCK // 32,
-        **LAUNCH_OPTIONS,
-    )
+    _state_pass(A, total, initial_state, dlast_state, hs, rs, dinit)
     if cfg.variant == "column":
         _chunk_bwd_kernel[(n_chunks, batch, G * num_splits)](
             dy, u, delta, A, B, C, D, z, delta_bias, hs, rs,
