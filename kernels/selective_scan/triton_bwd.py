@@ -332,7 +332,7 @@ def _state_pass_kernel(
     4 elements a thread (BLOCK_D * BLOCK_N = 128 * num_warps), so the loads' layout (4
     consecutive elements a thread, lanes and warps along them) keeps an element's ROWS chunks
     inside its thread: the chain is one FMA per row in registers, and a thread rewrites only
-    what it read, so no barrier orders the in-place stores. Until run 32 the chain was
+    what it read (one barrier per block guards that, see below). Until run 32 the chain was
     ``tl.associative_scan`` along the rows, which Triton 3.6 lowered with the rows across lanes
     and warps (sm_90: 579 loop instructions per block of 8 chunks with 128 SHFL and 12 BAR;
     now 263 per block of 4, none of them SHFL, under 3.6 and 3.9). H200 (run 32, batch 8,
@@ -388,6 +388,10 @@ def _state_pass_kernel(
             r_in = tl.where(rows == j, r[None, :], r_in)
             h = _pass_row(a_h, j) * h + _pass_row(h_local, j)
             r = _pass_row(a_r, j) * r + _pass_row(r_local, j)
+        # The stores take the loads' layout (Triton 3.6 and 3.9, BLOCK_N = 8, 16, 256), so each
+        # thread overwrites only what it read; the barrier keeps that true should a compiler
+        # convert the stored tile: no thread's store may reach a row another has yet to load.
+        tl.debug_barrier()
         tl.store(hs_ptr + ws_ptrs + fwd * chunk_stride, h_in, mask=m)
         tl.store(rs_ptr + ws_ptrs + rev * chunk_stride, r_in, mask=m)
     if HAS_INIT:
