@@ -303,14 +303,6 @@ def _load_rows(ptr, offs_t, offs_d, mask_d, t_end, stride_d, stride_l):
 
 
 @triton.jit
-def _pass_row(x, j):
-    """Row ``j`` (compile-time) of a [ROWS, BLOCK] tile whose rows live inside each thread: a
-    masked sum with -0.0 that folds to a register read."""
-    sel = (tl.arange(0, x.shape[0]) == j)[:, None]
-    return tl.sum(tl.where(sel, x, neg_zero()), axis=0)
-
-
-@triton.jit
 def _state_pass_kernel(
     # pointers
     A_ptr, total_ptr, init_ptr, dlast_ptr, hs_ptr, rs_ptr, dinit_ptr,
@@ -386,8 +378,8 @@ def _state_pass_kernel(
             # Row j's slot takes the value entering its chunk (in the walk's direction).
             h_in = tl.where(rows == j, h[None, :], h_in)
             r_in = tl.where(rows == j, r[None, :], r_in)
-            h = _pass_row(a_h, j) * h + _pass_row(h_local, j)
-            r = _pass_row(a_r, j) * r + _pass_row(r_local, j)
+            h = _row(a_h, j) * h + _row(h_local, j)
+            r = _row(a_r, j) * r + _row(r_local, j)
         # The stores take the loads' layout (Triton 3.6 and 3.9, BLOCK_N = 8, 16, 256), so each
         # thread overwrites only what it read; the barrier keeps that true should a compiler
         # convert the stored tile: no thread's store may reach a row another has yet to load.
@@ -776,15 +768,19 @@ def _chunk_bwd_nblock_kernel(
 
 
 @triton.jit
-def _row(x, i, T: tl.constexpr):
-    """x[i] of a [T, ...] 4-D tile whose axis 0 lives inside each thread.
+def _row(x, i):
+    """x[i] of a 2-D or 4-D tile whose axis 0 lives inside each thread.
 
     A masked sum with -0.0 (the exact identity of +; ``neg_zero``): for a compile-time ``i`` it
     folds to a register read; a run-time ``i`` wants ``_pick_row``. The reverse does not hold:
     ``_pick_row`` with the adjoint's compile-time rows made Triton 3.6's backward walk 903 ->
     1014 instructions (fp32; 3.9 unchanged at 860).
     """
-    sel = (tl.arange(0, T) == i)[:, None, None, None]
+    sel = tl.arange(0, x.shape[0]) == i
+    if len(x.shape) == 2:
+        sel = sel[:, None]
+    else:
+        sel = sel[:, None, None, None]
     return tl.sum(tl.where(sel, x, neg_zero()), axis=0)
 
 
@@ -1071,9 +1067,9 @@ def _chunk_bwd_serial_kernel(
             dh = g4 * Cf[:, :, None, :]
             for j in tl.static_range(T):
                 i = T - 1 - j
-                dh_i = x + _row(dh, i, T)
+                dh_i = x + _row(dh, i)
                 dh = _with_row(dh, i, dh_i, T)
-                x = _row(a, i, T) * dh_i
+                x = _row(a, i) * dh_i
             e = dh * hp
             dA += tl.sum(e * dt4, axis=0)
             q = _sum_lanes(tl.sum(dh * B4, axis=1), LANES_N)  # [T, BLOCK_D]
@@ -1444,6 +1440,11 @@ def _in_layout_of(like: Optional[torch.Tensor], grad: Optional[torch.Tensor]) ->
     return restride_into(torch.empty_like(like), grad)
 
 
+def _strides(x: Optional[torch.Tensor], n: int):
+    """x's strides, or n zeros for an absent optional tensor (its kernel flag keeps it unread)."""
+    return x.stride() if x is not None else (0,) * n
+
+
 def _state_pass(A, total, initial_state, dlast_state, hs, rs, dinit) -> None:
     """Chains the chunk-state kernel's per-chunk workspaces in place (``_state_pass_kernel``):
     hs (batch, chunks, dim, N) becomes h entering each chunk, rs dL/dh at each chunk's end, and
@@ -1454,13 +1455,10 @@ def _state_pass(A, total, initial_state, dlast_state, hs, rs, dinit) -> None:
     pass_warps = max(_PASS_WARPS, pass_n // 128)
     pass_d = max(1, 128 * pass_warps // pass_n)
 
-    def strides(x):
-        return x.stride() if x is not None else (0,) * 3
-
     _state_pass_kernel[(batch, triton.cdiv(dim, pass_d))](
         A, total, initial_state, dlast_state, hs, rs, dinit,
         dim, N, n_chunks,
-        *A.stride(), *strides(initial_state), *strides(dlast_state),
+        *A.stride(), *_strides(initial_state, 3), *_strides(dlast_state, 3),
         HAS_INIT=initial_state is not None, HAS_DLAST=dlast_state is not None,
         BLOCK_D=pass_d, BLOCK_N=pass_n, ROWS=_PASS_ROWS, num_warps=pass_warps,
         **LAUNCH_OPTIONS,
@@ -1531,14 +1529,11 @@ def selective_scan_bwd(
     dD_part = torch.empty(batch, n_chunks, dim, **f32) if D is not None else None
     ddb_part = torch.empty(batch, n_chunks, dim, **f32) if delta_bias is not None else None
 
-    def strides(x, n):
-        return x.stride() if x is not None else (0,) * n
-
     st = _state_tiles(batch * n_chunks, dim, cfg.chunk, N, dim_per_group, _num_sms(u.device))
     _chunk_state_kernel[(triton.cdiv(dim, st.block_d), batch, n_chunks)](
         u, delta, dy, z, A, B, C, delta_bias, hs, rs, total,
         dim, L, N, n_chunks, dim_per_group,
-        *u.stride(), *delta.stride(), *dy.stride(), *strides(z, 3), *A.stride(), *B.stride(),
+        *u.stride(), *delta.stride(), *dy.stride(), *_strides(z, 3), *A.stride(), *B.stride(),
         *C.stride(),
         DELTA_SOFTPLUS=delta_softplus, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
         BLOCK_D=st.block_d, CHUNK_T=st.chunk_t, N_PER_THREAD=st.n_per_thread, LANES_N=st.lanes_n,
@@ -1552,7 +1547,7 @@ def selective_scan_bwd(
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part,
             batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
             *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
-            *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
+            *_strides(z, 3), *du.stride(), *ddelta.stride(), *_strides(dz, 3),
             DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
             HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, STEPS=_STEPS,
             num_warps=cfg.num_warps,
@@ -1565,7 +1560,7 @@ def selective_scan_bwd(
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part,
             batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits,
             *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
-            *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
+            *_strides(z, 3), *du.stride(), *ddelta.stride(), *_strides(dz, 3),
             DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
             HAS_DELTA_BIAS=delta_bias is not None, BLOCK_D=cfg.block_d, T=cfg.steps,
             N_PER_THREAD=triton.next_power_of_2(N) // cfg.lanes_n, LANES_N=cfg.lanes_n, CHUNK=cfg.chunk,
@@ -1579,8 +1574,8 @@ def selective_scan_bwd(
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, ddb_part, q_acc, s_acc, y_acc,
             batch, dim, L, N, G, n_chunks, dim_per_group, dim_per_split, num_splits, cfg.group_d,
             *dy.stride(), *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
-            *strides(z, 3), *du.stride(), *ddelta.stride(), *strides(dz, 3),
-            *q_acc.stride(), *s_acc.stride(), *strides(y_acc, 3),
+            *_strides(z, 3), *du.stride(), *ddelta.stride(), *_strides(dz, 3),
+            *q_acc.stride(), *s_acc.stride(), *_strides(y_acc, 3),
             DELTA_SOFTPLUS=delta_softplus, HAS_D=D is not None, HAS_Z=z is not None,
             HAS_DELTA_BIAS=delta_bias is not None, NB=cfg.nb, CHUNK=cfg.chunk, STEPS=_STEPS,
             PREFETCH=_prefetch_level(cfg.prefetch, u), num_warps=cfg.num_warps,
