@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_lossless_cast, is_method, propagate_val, storage_of,
-                       written_in_place)
+from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_lossless_cast, is_method, propagate_val,
+                       protects_saved_input, storage_of, written_in_place)
 
 # Views that only relabel axes: they apply to any tensor, and commute with a dtype cast.
 _AXIS_VIEWS = ("transpose", "permute", "t", "unsqueeze", "squeeze")
@@ -73,7 +73,8 @@ def fold_widening_casts_into_ops(gm: torch.fx.GraphModule) -> list[str]:
             # A write to p between the cast and the op would reach the op after the fold; a
             # cast under no_grad feeding an op under grad (or the reverse) cuts a gradient that
             # reading p would not.
-            if written_in_place(graph, [src, cast]) is not None or context_refusal(graph, [cast, op]) is not None:
+            if (written_in_place(graph, [src, cast]) is not None or context_refusal(graph, [cast, op]) is not None
+                    or protects_saved_input(cast)):
                 continue
             if in_args:
                 op.update_arg(i, src)

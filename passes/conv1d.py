@@ -74,12 +74,15 @@ def _same_size(a: Any, b: Any) -> bool:
     return statically_known_true(a == b)
 
 
-def _is_full_slice(index: Any) -> bool:
-    return isinstance(index, slice) and index == slice(None, None, None)
+def _is_full_slice(index: Any, size: Any) -> bool:
+    """``:``, or ``0:size`` (or a stop past it) with step 1: every element of an axis of ``size``."""
+    if not isinstance(index, slice) or index.start not in (None, 0) or index.step not in (None, 1):
+        return False
+    return index.stop is None or (isinstance(index.stop, int) and statically_known_true(index.stop >= size))
 
 
-def _time_slice(index: Any) -> slice | None:
-    """The slice on the last of 3 axes if ``index`` slices nothing else, else None."""
+def _time_slice(index: Any, shape: Any) -> slice | None:
+    """The slice on the last of 3 axes (of sizes ``shape``) if ``index`` slices nothing else, else None."""
     if not isinstance(index, tuple):
         return None
     if index and index[0] is Ellipsis:
@@ -87,10 +90,28 @@ def _time_slice(index: Any) -> slice | None:
             return None
         last = index[1]
     else:
-        if len(index) != 3 or not all(_is_full_slice(i) for i in index[:2]):
+        if len(index) != 3 or not all(_is_full_slice(i, n) for i, n in zip(index[:2], shape[:2])):
             return None
         last = index[2]
     return last if isinstance(last, slice) else None
+
+
+def _is_narrow(node: Any) -> bool:
+    return is_call(node, torch.narrow) or is_method(node, "narrow")
+
+
+def _kept_steps(sliced: torch.fx.Node, shape: Any) -> slice | str:
+    """The steps ``sliced`` keeps of the conv output (``[..., :L]`` or ``narrow(-1, 0, L)``) as a
+    slice, or why it is not a slice of the time axis alone."""
+    if _is_narrow(sliced):
+        a = named_args(sliced, ("input", "dim", "start", "length"))
+        if a.get("dim") not in (2, -1) or not isinstance(a.get("start"), int):
+            return f"narrow{sliced.args[1:]!r} is not a narrowing of the time axis alone"
+        return slice(a["start"], None, None)
+    time = _time_slice(sliced.args[1], shape)
+    if time is None:
+        return f"index {sliced.args[1]!r} is not a slice of the time axis alone"
+    return time
 
 
 def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: dict[str, Any],
@@ -140,9 +161,9 @@ def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: 
         return None
     if sliced is None or len(conv.users) != 1:
         return "the unsliced conv output has other users (or no [..., :L] slice): not a causal conv"
-    time = _time_slice(sliced.args[1])
-    if time is None:
-        return f"index {sliced.args[1]!r} is not a slice of the time axis alone"
+    time = _kept_steps(sliced, val(conv).shape)
+    if isinstance(time, str):
+        return time
     if time.start not in (None, 0) or time.step not in (None, 1):
         return f"slice {time!r} does not start at step 0: not a causal conv"
     out = val(sliced)
@@ -186,7 +207,9 @@ def left_pad_source(node: Any, weight: Any) -> torch.fx.Node | None:
         return None
     pads = torch.fx.node.map_arg(a.get("pad"), val)
     wv = val(weight)
-    if not (isinstance(pads, (tuple, list)) and len(pads) == 2 and isinstance(wv, torch.Tensor) and wv.dim() == 3):
+    # (W-1, 0) pads the time axis; F.pad's further pairs pad the axes before it, and must be zeros.
+    if not (isinstance(pads, (tuple, list)) and len(pads) in (2, 4, 6) and isinstance(wv, torch.Tensor)
+            and wv.dim() == 3 and all(_same_size(p, 0) for p in pads[2:])):
         return None
     # F.pad's value None means 0 for the constant mode.
     if a.get("mode", "constant") != "constant" or a.get("value") not in (None, 0, 0.0):
@@ -253,7 +276,7 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         args = _conv1d_args(conv)
         x, weight = args["input"], args["weight"]
         users = list(conv.users)
-        sliced = users[0] if len(users) == 1 and is_call(users[0], operator.getitem) else None
+        sliced = users[0] if len(users) == 1 and (is_call(users[0], operator.getitem) or _is_narrow(users[0])) else None
         pad = None
         if is_unpadded(args, weight):
             source = left_pad_source(x, weight)

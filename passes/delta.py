@@ -28,8 +28,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .fx_utils import (cast_dtype, context_refusal, is_call, is_method, layout_source, permute_view, propagate_val,
-                       scan_args, named_args, scan_nodes, set_scan_args, shape_of, written_in_place)
+from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_call, is_lossless_cast, is_method, layout_source,
+                       permute_view, propagate_val, scan_args, named_args, scan_nodes, set_scan_args, shape_of,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -67,14 +68,20 @@ def _softplus_default(node: torch.fx.Node) -> Optional[str]:
 
 def _unit_dim_source(node: torch.fx.Node) -> torch.fx.Node:
     """Follow ops that only insert or remove size-1 axes (``b[:, None]``, ``unsqueeze``,
-    ``view``/``reshape`` to the same numel) and float casts back to the first 1-D value. Casts
-    applied to that 1-D value (HF's ``bias.float()``) stay: the op gets the bias as the user
-    cast it."""
+    ``view``/``reshape`` to the same numel) and widening float casts back to the first 1-D
+    value. Casts applied to that 1-D value (HF's ``bias.float()``) stay: the op gets the bias as
+    the user cast it. A rounding cast on the way (``b[:, None].bfloat16()``) stops the walk: it
+    changes the values the op would read, and the op reads any float dtype as fp32 itself, so
+    only a cast it would make anyway may go (not one to fp64, which computes more finely)."""
     while isinstance(node, torch.fx.Node) and len(shape_of(node) or ()) != 1:
         src = node.args[0] if node.args else None
         if not isinstance(src, torch.fx.Node):
             break
-        if cast_dtype(node) is not None:
+        dtype = cast_dtype(node)
+        if dtype is not None:
+            if dtype_of(src) is None or not is_lossless_cast(dtype_of(src), dtype) \
+                    or (dtype == torch.float64 and dtype_of(src) != torch.float64):
+                break
             node = src
             continue
         shape, src_shape = shape_of(node), shape_of(src)

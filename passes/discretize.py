@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import is_call, is_cast, is_method, parse_slice, squeezed_unit_piece, val
+from .fx_utils import is_call, is_cast, is_method, parse_slice, protects_saved_input, squeezed_unit_piece, val
 
 __all__ = [
     "Source",
@@ -228,8 +228,9 @@ class _Evaluator:
             inner = self.term(node.args[0])
             return None if inner is None else dataclasses.replace(inner, sign=-inner.sign)
         if is_cast(node) or (is_method(node, "contiguous", "clone") and len(node.args) == 1 and not node.kwargs):
-            # Same values: the op reads any strides, so the copy is not needed for the scan.
-            return self.term(node.args[0])
+            # Same values: the op reads any strides, so the copy is not needed for the scan,
+            # unless it keeps what the op saves apart from memory the caller may write.
+            return None if protects_saved_input(node) else self.term(node.args[0])
         if is_call(node, *_MUL) or is_method(node, "mul"):
             if len(node.args) != 2 or node.kwargs:
                 return None

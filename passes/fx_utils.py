@@ -816,6 +816,50 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in written if isinstance(a, torch.fx.Node)] + _out_nodes(node)
 
 
+def caller_storages(graph: torch.fx.Graph) -> set:
+    """The storages the caller holds once the graph returns: its inputs' and its outputs'.
+
+    Parameters (leaves that require grad) are left out: one changes between a forward and its
+    backward only by an explicit ``no_grad`` write, an optimiser's, which comes after the backward.
+    Cached on the graph: the passes add no inputs, and their outputs are new tensors.
+    """
+    cached = getattr(graph, "_ssm_caller_storages", None)
+    if cached is not None:
+        return cached
+    storages = set()
+    inputs = [val(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")]
+    if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs):
+        # Nothing the graph reads requires grad: it records no backward, and saves nothing.
+        graph._ssm_caller_storages = storages
+        return storages
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            v = val(node)
+            if isinstance(v, torch.Tensor) and not (v.requires_grad and v.is_leaf):
+                storages.add(storage_of(node))
+        elif node.op == "output":
+            storages.update(storage_of(n) for n in torch.utils._pytree.tree_leaves(node.args)
+                            if isinstance(n, torch.fx.Node))
+    storages.discard(None)
+    graph._ssm_caller_storages = storages
+    return storages
+
+
+def protects_saved_input(copy: torch.fx.Node) -> bool:
+    """Whether ``copy`` (a ``.contiguous()``, ``.clone()`` or cast the user wrote) keeps a tensor an
+    op saves for its backward apart from memory the caller can write before that backward: a
+    graph input's or a returned tensor's, read under grad mode. Eager's backward reads the copy, so
+    a write to the source between the forward and the backward (``x_dbl.mul_(2)`` on a returned
+    ``x_dbl``) cannot reach it. An op made to read the source instead would save a view created
+    inside the compiled graph, which shares no version counter with the caller's tensor: no error,
+    wrong gradients. A rewrite must keep such a copy.
+    """
+    src = copy.args[0] if copy.args else None
+    # The storage test first: it is a set lookup, grad_enabled_at walks the graph.
+    return (isinstance(src, torch.fx.Node) and storage_of(src) in caller_storages(copy.graph)
+            and grad_enabled_at(copy))
+
+
 def storage_of(node: torch.fx.Node) -> StorageWeakRef | None:
     """The (fake) storage ``node``'s value lives in; views of one tensor share it. None if unknown."""
     return storage_of_value(val(node))

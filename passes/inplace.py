@@ -38,7 +38,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import ContextRegions, mutates, propagate_val, storage_of, val, written_args as _written
+from .fx_utils import ContextRegions, mutates, propagate_val, protects_saved_input, storage_of, val, written_args as _written
 
 log = logging.getLogger("ssm_compile")
 
@@ -206,7 +206,8 @@ def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
     elementwise arithmetic: none writes it, returns it, views it or aliases it, so no caller and
     no later write can tell the copy from x. Values and gradients are the same (clone is the
     identity for both), and so are the strides: only a copy with x's own strides goes, so that no
-    later ``view`` that worked on the copy's layout can fail on x's.
+    later ``view`` that worked on the copy's layout can fail on x's. A clone of memory the caller
+    holds stays (``protects_saved_input``): the caller could write x before the backward.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     # (place, storages written) of every in-place write; None for a tensor of unknown memory.
@@ -222,6 +223,8 @@ def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
             continue
         readers = list(node.users)
         if not readers or not all(_is_arithmetic(u) and not _among(storage_of(u), (s_copy, s_src)) for u in readers):
+            continue
+        if protects_saved_input(node):
             continue
         if any(at > order[node] and any(w is None or _among(w, (s_src, s_copy)) for w in written)
                for at, written in writers):

@@ -195,7 +195,12 @@ def _eval_arith(node: torch.fx.Node, env: dict[torch.fx.Node, sympy.Expr]) -> sy
     if node.kwargs:
         raise _Fail(f"the combine calls {node.target} with keyword arguments")
     if key in _SYMPY_BINARY and len(node.args) == 2:
-        return _SYMPY_BINARY[key](_expr_of(node.args[0], env), _expr_of(node.args[1], env))
+        left, right = _expr_of(node.args[0], env), _expr_of(node.args[1], env)
+        if _SYMPY_BINARY[key] is operator.truediv and right.free_symbols:
+            # sympy cancels x / x to 1; the floats do not where x is 0 (a decay that underflowed).
+            raise _Fail("the combine divides by one of its inputs, which algebra would cancel where the "
+                        "floats give NaN (a decay of 0)")
+        return _SYMPY_BINARY[key](left, right)
     if key in _SYMPY_UNARY and len(node.args) == 1:
         return _SYMPY_UNARY[key](_expr_of(node.args[0], env))
     raise _Fail(f"the combine applies {getattr(key, '__name__', key)}, which is not linear-recurrence "

@@ -266,7 +266,8 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
         elif (is_call(n, *_MUL) or is_method(n, "mul")) and not extra_kw and len(a) == 2:
             env[n] = arg(a[0]) * arg(a[1])
         elif (is_call(n, operator.truediv, torch.div) or is_method(n, "div")) and not extra_kw and len(a) == 2:
-            env[n] = arg(a[0]) / arg(a[1])
+            # By a number only: sympy cancels x / x to 1, the floats give NaN where x is 0.
+            env[n] = arg(a[0]) / number(a[1])
         elif (is_call(n, operator.neg, torch.neg) or is_method(n, "neg")) and not extra_kw and len(a) == 1:
             env[n] = -arg(a[0])
         elif (is_call(n, torch.addcmul) or is_method(n, "addcmul")) and len(a) == 3 and extra_kw <= {"value"}:

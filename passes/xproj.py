@@ -10,7 +10,9 @@ argument when the copy's value goes nowhere else.
 Soundness: a copy also protects its consumer from later in-place writes to the source, so a
 copy stays when anything along the way (the split's input, its outputs, the views) or anything
 else sharing the split input's storage (another view of x_proj's output) is mutated in place,
-and when the op argument is one the op itself writes (a decode op's state).
+when the op argument is one the op itself writes (a decode op's state), and when x_proj's output
+is a graph input or a returned tensor under grad mode: the caller may write it before the
+backward, which reads what the op saved (``protects_saved_input``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .fx_utils import context_refusal, is_call, is_method, mutates, written_in_place
+from .fx_utils import context_refusal, is_call, is_method, mutates, protects_saved_input, written_in_place
 from .manager import PassContext, PassManager
 
 FAMILY = "x_proj_split"
@@ -73,6 +75,9 @@ def check_copy_removable(path: list[torch.fx.Node], split: torch.fx.Node) -> str
     last_copy = max(i for i, n in enumerate(path) if _is_copy(n))
     if any(len(n.users) != 1 for n in path[:last_copy + 1]):
         return "a copy (or a view of it) has other users besides the ssm op"
+    if any(protects_saved_input(n) for n in path if _is_copy(n)):
+        return (f"{split.args[0].name} is a graph input or a returned tensor, which the caller may write "
+                "before the backward: the copy keeps what the op saves for it apart")
     aliases = [split.args[0], split, *split.users, *path]
     for node in aliases:
         if isinstance(node, torch.fx.Node) and any(mutates(u) for u in node.users):

@@ -80,7 +80,24 @@ def f_cat_zeros(x, w, b):
     return F.silu(F.conv1d(torch.cat([pad, x], dim=-1), w, b, groups=x.shape[1]))
 
 
+def f_narrow(x, w, b):
+    return F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]).narrow(-1, 0, x.shape[-1]))
+
+
+def f_full_batch_slice(x, w, b):
+    # Slices that keep every batch row and channel are no slices of them.
+    return F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])[0:x.shape[0], :, :x.shape[-1]])
+
+
+def f_pad_all_axes(x, w, b):
+    # F.pad's further (left, right) pairs pad the axes before time; all zero here.
+    return F.silu(F.conv1d(F.pad(x, (w.shape[-1] - 1, 0, 0, 0, 0, 0)), w, b, groups=x.shape[1]))
+
+
 FORMS = {
+    "narrow": (f_narrow, "conv1d[..., :L]+silu", "silu"),
+    "full-batch-slice": (f_full_batch_slice, "conv1d[..., :L]+silu", "silu"),
+    "pad-with-zero-pairs-for-other-axes": (f_pad_all_axes, "pad(W-1, 0)+conv1d+silu", "silu"),
     "F.conv1d+F.silu": (f_functional_silu, "conv1d[..., :L]+silu", "silu"),
     "torch.conv1d-positional+x*sigmoid(x)": (f_positional_sigmoid_no_bias, "conv1d[..., :L]+x*sigmoid(x)", "silu"),
     "no-activation-slice-minus-W": (f_no_activation, "conv1d[..., :L]", None),
@@ -228,7 +245,22 @@ def neg_cat_zeros_short(x, w, b):
     return F.conv1d(torch.cat([pad, x], dim=-1), w, b, groups=x.shape[1])
 
 
+def neg_narrow_from_1(x, w, b):
+    return F.conv1d(x, w, b, padding=3, groups=x.shape[1]).narrow(-1, 1, x.shape[-1])
+
+
+def neg_batch_row_slice(x, w, b):
+    return F.conv1d(x, w, b, padding=3, groups=x.shape[1])[0:1, :, :x.shape[-1]]
+
+
+def neg_pad_batch_too(x, w, b):
+    return F.conv1d(F.pad(x, (3, 0, 0, 0, 1, 0)), w, b, groups=x.shape[1])
+
+
 NEGATIVES = {
+    "narrow-from-1": (neg_narrow_from_1, {}, "does not start at step 0"),
+    "batch-row-slice": (neg_batch_row_slice, {}, "not a slice of the time axis alone"),
+    "pad-batch-too": (neg_pad_batch_too, {}, "not zeros (W-1, 0) on the left only"),
     "groups-1": (neg_not_depthwise, {"w": (DIM, DIM, W)}, "not depthwise"),
     "padding-W-2": (neg_padding_short, {}, "padding 2 is not kernel_size - 1"),
     "padding-same": (neg_padding_same, {}, "padding 'same'"),

@@ -151,6 +151,13 @@ def combine_nonlinear(left, right):
     return a_left * a_right, torch.tanh(a_right * b_left + b_right)
 
 
+def combine_divides(left, right):
+    # Algebra cancels a_l / a_l; the floats give NaN where a decay underflowed to 0.
+    a_left, b_left = left
+    a_right, b_right = right
+    return a_left * a_right, a_right * b_left + b_right * a_left / a_left
+
+
 def combine_quadratic(left, right):
     a_left, b_left = left
     a_right, b_right = right
@@ -382,6 +389,8 @@ NEGATIVE = {
                   ("generic", "pointwise"), ("scan_assoc", "tanh")),
     "quadratic": (functools.partial(hf_selective_scan, combine=combine_quadratic),
                   ("generic", "pointwise"), ("scan_assoc", "combine computes")),
+    "divides": (functools.partial(hf_selective_scan, combine=combine_divides),
+                ("generic", "pointwise"), ("scan_assoc", "divides by one of its inputs")),
     "not_exp_dA": (functools.partial(hf_selective_scan, a_plus_one=True), ("generic", "pointwise"),
                    ("discretization", "exp")),
     "products_used": (functools.partial(hf_selective_scan, return_products=True), ("generic", "pointwise"),
@@ -416,3 +425,6 @@ def test_prove_combine_directly():
     assert scan_assoc.prove_combine(trace(combine_swapped_leaves)) == (1, 0)
     assert "not the linear-recurrence combine" in scan_assoc.prove_combine(trace(combine_wrong_order))
     assert "tanh" in scan_assoc.prove_combine(trace(combine_nonlinear))
+    assert "divides by one of its inputs" in scan_assoc.prove_combine(trace(combine_divides))
+    # By a number it is exact algebra: (2 * b_r) / 2 is b_r.
+    assert scan_assoc.prove_combine(trace(lambda l, r: (l[0] * r[0], r[0] * l[1] + (2 * r[1]) / 2))) == (0, 1)

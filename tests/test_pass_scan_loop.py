@@ -630,7 +630,20 @@ def per_step_other_delta(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def divides_by_the_decay(u, delta, A, B, C):
+    # (a*h*a + b*a) / a is a*h + b in algebra, NaN in floats wherever a decay underflows to 0.
+    deltaA, deltaB_u = _disc(u, delta, A, B)
+    x = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for i in range(u.shape[2]):
+        a = deltaA[:, :, i]
+        x = (a * x * a + deltaB_u[:, :, i] * a) / a
+        ys.append(torch.einsum("bdn,bn->bd", x, C[:, :, i]))
+    return torch.stack(ys, dim=2)
+
+
 NEGATIVE = [
+    pytest.param(divides_by_the_decay, "not a number", id="divides-by-the-decay"),
     pytest.param(previous_input, "adds B_full at time index 8, not 0", id="previous-input"),
     pytest.param(tanh_update, "not linear in the previous state", id="tanh-update"),
     pytest.param(quadratic_update, "not linear in the previous state", id="quadratic-update"),

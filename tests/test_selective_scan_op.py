@@ -341,7 +341,8 @@ def test_opcheck_backward(case, transposed):
     """Includes the gradient layouts: opcheck compares the fake's strides with the real ones."""
     inputs = make_inputs(case)
     if transposed:
-        for name in ("u", "delta", "B", "C", "z"):
+        # A and the initial state too: their gradients are dense whatever their inputs' strides.
+        for name in ("u", "delta", "A", "B", "C", "z", "initial_state"):
             if inputs[name] is not None:
                 inputs[name] = _transposed(inputs[name])
     gen = torch.Generator().manual_seed(3)

@@ -138,8 +138,36 @@ def _triton_decode():
     return triton_decode
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``t`` can reach, [first, last) (PyTorch strides are >= 0)."""
+    first = t.data_ptr()
+    return first, first + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def check_no_overlap(written_name: str, written: torch.Tensor, **read) -> None:
+    """An op that writes ``written`` in place reads each tensor of ``read`` whole, before or after
+    its write as its kernel schedules it: one that shares memory with ``written`` would see either,
+    so it is refused by name. Not part of the cached signature check: it depends on where the
+    tensors live, not on their shapes. Only views of one base can share memory (tensors that
+    alias without being views, built from one storage by hand, are not looked for): the base
+    comparison costs ~0.1 us a tensor on this host-bound path, and the address ranges are read
+    only for views of ``written``'s base."""
+    root = written if written._base is None else written._base
+    for name, t in read.items():
+        if t is None or (t if t._base is None else t._base) is not root:
+            continue
+        if written.numel() == 0 or t.numel() == 0:
+            return
+        w0, w1 = _span(written)
+        r0, r1 = _span(t)
+        if r0 < w1 and w0 < r1:
+            raise ValueError(f"{name} shares memory with {written_name}, which the op updates in place; "
+                             f"pass a copy ({name}.clone())")
+
+
 def _state_update_impl(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     _checked_once(check_selective_state_update_args, state, x, dt, A, B, C, D, z, dt_bias)
+    check_no_overlap("state", state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
     B, C = _grouped(B), _grouped(C)
     if state.is_cuda:
         y = _triton_decode().selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
@@ -157,6 +185,7 @@ def _state_update_fake(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_s
 
 def _conv_update_impl(x, conv_state, weight, bias=None, activation=None):
     _checked_once(check_causal_conv1d_update_args, x, conv_state, weight, bias, activation)
+    check_no_overlap("conv_state", conv_state, x=x, weight=weight, bias=bias)
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
     if x.is_cuda:
         y = _triton_decode().causal_conv1d_update(x3, conv_state, weight, bias, activation)

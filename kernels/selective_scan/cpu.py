@@ -97,8 +97,10 @@ def _prepare(u, A, B, initial_state, cdtype):
     """A and the initial state in the grouped layout, in the compute dtype."""
     batch, dim, _ = u.shape
     groups, nstate = B.shape[1], B.shape[2]
-    # A is a tiny (dim, N) parameter, so reshape's possible copy costs nothing.
-    A5 = A.to(cdtype).reshape(groups, dim // groups, nstate)
+    # A is a tiny (dim, N) parameter, so the copy costs nothing; dense, so that what is computed
+    # from it (dA, the decays, through them the initial state's gradient) is dense whatever A's
+    # strides, as the op's fake impl promises.
+    A5 = A.to(cdtype).reshape(groups, dim // groups, nstate).contiguous()
     if initial_state is None:
         h = torch.zeros(batch, groups, dim // groups, nstate, dtype=cdtype, device=u.device)
     else:
@@ -127,7 +129,7 @@ def selective_scan_fwd(
         if z is not None:
             y_c = y_c * F.silu(_time_major(z, start, end, cdtype))
         _store(y, start, y_c)
-    last_state = h.view(batch, dim, -1) if return_last_state else None
+    last_state = h.view(batch, dim, B.shape[2]) if return_last_state else None
     return y, last_state
 
 
@@ -226,6 +228,6 @@ def selective_scan_bwd(
         dz=dz,
         ddelta_bias=None if delta_bias is None else ddelta_bias.to(delta_bias.dtype),
         dinitial_state=(
-            None if initial_state is None else dh.view(batch, dim, nstate).to(initial_state.dtype)
+            None if initial_state is None else dh.reshape(batch, dim, nstate).to(initial_state.dtype).contiguous()
         ),
     )

@@ -1465,6 +1465,18 @@ def _state_pass(A, total, initial_state, dlast_state, hs, rs, dinit) -> None:
     )
 
 
+def _empty_batch_grads(u, delta, A, B, C, D, z, delta_bias, initial_state) -> ScanGrads:
+    def zeros(t):
+        return None if t is None else torch.zeros_like(t)
+
+    return ScanGrads(
+        du=torch.empty_like(u), ddelta=torch.empty_like(delta), dA=zeros(A), dB=torch.empty_like(B),
+        dC=torch.empty_like(C), dD=zeros(D), dz=None if z is None else torch.empty_like(z),
+        ddelta_bias=zeros(delta_bias),
+        dinitial_state=None if initial_state is None else torch.empty_like(initial_state, dtype=torch.float32),
+    )
+
+
 def selective_scan_bwd(
     dy: torch.Tensor,
     dlast_state: Optional[torch.Tensor],
@@ -1502,6 +1514,9 @@ def selective_scan_bwd(
     promised = dict(du=u, ddelta=delta, dz=z)
     batch, dim, L = u.shape
     G, N = B.shape[1], B.shape[2]
+    if batch == 0:
+        # Nothing to launch (and no grid to size): an empty batch contributes no gradient.
+        return _empty_batch_grads(u, delta, A, B, C, D, z, delta_bias, initial_state)
     dim_per_group = dim // G
     if tiles:
         cfg = choose_tiles(batch, dim, L, N, G, u.device, **tiles)
