@@ -82,8 +82,8 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
         split = node.args[0]
         args = named_args(split, ("tensor", "split_size_or_sections", "dim") if split.op == "call_function"
                           else ("self", "split_size", "dim"))
-        source = split.args[0]
-        sizes = split.args[1] if len(split.args) > 1 else None
+        source = args.get("tensor", args.get("self"))
+        sizes = args.get("split_size_or_sections", args.get("split_size"))
         axis = args.get("dim", 0)
         if not isinstance(source, torch.fx.Node) or not _last_axis(axis, source):
             return None
@@ -105,7 +105,12 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
             return None
         last = items[-1]
         if isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1) and isinstance(last.stop, int):
-            return source, last.stop
+            if last.stop >= 0:
+                return source, last.stop
+            # x_dbl[..., :-2 * N]: the columns left of the last 2N, on a last axis of known width.
+            width = shape_of(source)[-1]
+            if isinstance(width, int) and width + last.stop > 0:
+                return source, width + last.stop
     return None
 
 

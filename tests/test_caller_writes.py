@@ -7,7 +7,8 @@
 * A rounding cast of the dt bias or of D, written on its broadcast view, is part of the function:
   the op must not read the unrounded parameter.
 * The decode ops update their state in place: an input that shares the state's memory is refused
-  by name, never read half-updated.
+  by name, never read half-updated; so is a leaf state that requires grad, as torch's in-place
+  ops refuse one.
 * Empty batches through the scan op and its Triton backward.
 """
 import pytest
@@ -210,6 +211,35 @@ def test_conv_update_refuses_inputs_sharing_the_state():
         ssm_compile.causal_conv1d_update(conv_state[:, :, 2], conv_state, weight)
     y = ssm_compile.causal_conv1d_update(conv_state[:, :, 2].clone(), conv_state, weight)
     assert y.shape == (BATCH, DIM)
+
+
+def test_decode_ops_refuse_a_leaf_state_that_requires_grad():
+    # What torch's own in-place ops do: the write would not be seen by autograd.
+    g = torch.Generator().manual_seed(6)
+    state = torch.randn(BATCH, DIM, N, generator=g).requires_grad_()
+    args = (torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, DIM, generator=g),
+            -torch.rand(DIM, N, generator=g), torch.randn(BATCH, N, generator=g), torch.randn(BATCH, N, generator=g))
+    with pytest.raises(RuntimeError, match=r"leaf Variable that requires grad \(state\)"):
+        ssm_compile.selective_state_update(state, *args)
+    conv_state = torch.randn(BATCH, DIM, 3, generator=g).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"leaf Variable that requires grad \(conv_state\)"):
+        ssm_compile.causal_conv1d_update(torch.randn(BATCH, DIM, generator=g), conv_state, torch.randn(DIM, 4))
+    # Under no_grad it is an ordinary state update, as for torch's in-place ops.
+    with torch.no_grad():
+        before = state.clone()
+        ssm_compile.selective_state_update(state, *args)
+    assert not torch.equal(state, before)
+
+
+def test_conv_update_takes_swish_as_silu():
+    g = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(BATCH, DIM, generator=g), torch.randn(DIM, 4, generator=g)
+    conv_state = torch.randn(BATCH, DIM, 3, generator=g)
+    silu_state, swish_state = conv_state.clone(), conv_state.clone()
+    silu = ssm_compile.causal_conv1d_update(x, silu_state, weight, activation="silu")
+    swish = ssm_compile.causal_conv1d_update(x, swish_state, weight, activation="swish")
+    assert torch.equal(silu, swish) and torch.equal(silu_state, swish_state)
+    assert not torch.equal(silu, ssm_compile.causal_conv1d_update(x, conv_state.clone(), weight))
 
 
 def test_empty_batch_with_last_state():

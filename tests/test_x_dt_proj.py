@@ -304,6 +304,10 @@ class XDt(nn.Module):
             B, dt, C = x_dbl.split([N, R, N], dim=-1)
         elif self.variant == "slice":
             dt, B, C = x_dbl[..., :R], x_dbl[..., R:R + N], x_dbl[..., R + N:]
+        elif self.variant == "slice_from_the_end":
+            dt, B, C = x_dbl[..., :-2 * N], x_dbl[..., -2 * N:-N], x_dbl[..., -N:]
+        elif self.variant == "split_keywords":
+            dt, B, C = torch.split(x_dbl, split_size_or_sections=[R, N, N], dim=-1)
         else:
             dt, B, C = x_dbl.split([R, N, N], dim=-1)
         if self.variant == "written":  # x_dbl written in place after dt_proj read it
@@ -339,7 +343,7 @@ class XDt(nn.Module):
         return selective_scan_fn(x.transpose(1, 2), delta, self.A, B, C), x_dbl.clone()
 
 
-@pytest.mark.parametrize("variant", ["split", "slice", "rows", "rows_T"])
+@pytest.mark.parametrize("variant", ["split", "slice", "slice_from_the_end", "split_keywords", "rows", "rows_T"])
 def test_forms_are_rewritten(variant):
     torch.manual_seed(0)
     model = XDt(variant)

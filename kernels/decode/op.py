@@ -24,7 +24,8 @@ from ..inline import register_inline
 from . import cpu
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ACTIVATIONS = (None, "silu")
+# mamba_ssm and the causal-conv1d package accept "swish" as a synonym of silu, as ssm::causal_conv1d does.
+_ACTIVATIONS = (None, "silu", "swish")
 MAX_N = 256
 MIN_W, MAX_W = 2, 8
 
@@ -183,9 +184,14 @@ def _state_update_fake(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_s
     return x.new_empty(x.shape)
 
 
+def _silu_named(activation):
+    return "silu" if activation == "swish" else activation
+
+
 def _conv_update_impl(x, conv_state, weight, bias=None, activation=None):
     _checked_once(check_causal_conv1d_update_args, x, conv_state, weight, bias, activation)
     check_no_overlap("conv_state", conv_state, x=x, weight=weight, bias=bias)
+    activation = _silu_named(activation)
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
     if x.is_cuda:
         y = _triton_decode().causal_conv1d_update(x3, conv_state, weight, bias, activation)
@@ -209,6 +215,7 @@ def _state_update_traced(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
 
 def _conv_update_traced(x, conv_state, weight, bias=None, activation=None):
     check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
+    activation = _silu_named(activation)
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
     y = _triton_decode().causal_conv1d_update(x3, conv_state, weight, bias, activation, traced=True)
     return y.squeeze(-1) if x.dim() == 2 else y
@@ -235,9 +242,16 @@ class _NoBackward(torch.autograd.Function):
 def _autograd_kernel(op):
     """The ``Autograd``-key kernel of a decode op: a plain redispatch unless a grad is wanted."""
 
+    written = [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
     def kernel(keyset, *args):
         refuse_forward_ad(op.name(), *args)
         if _C.is_grad_enabled() and _C._any_requires_grad(*args):
+            for i in written:
+                if i < len(args) and args[i].requires_grad and args[i].is_leaf:
+                    # What torch's own in-place ops say: the write would be invisible to autograd.
+                    raise RuntimeError(f"{op.name()}: a leaf Variable that requires grad ("
+                                       f"{op._schema.arguments[i].name}) is being used in an in-place operation.")
             return _NoBackward.apply(op, keyset, *args)
         with _C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & _C._after_autograd_keyset, *args)

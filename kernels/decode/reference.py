@@ -61,7 +61,7 @@ def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation: Optio
         window = full[:, :, 1:]
         if bias is not None:
             y = y + bias.double()
-        if activation == "silu":
+        if activation in ("silu", "swish"):
             y = F.silu(y)
         ys.append(y)
     y = torch.stack(ys, dim=-1)
