@@ -125,6 +125,19 @@ def _tensor(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def _records_grad(nodes: list[Any]) -> str | None:
+    """Why the step must stay as written when autograd records through it, or None.
+
+    The decode ops are inference-only (their backward refuses by name): a step whose values
+    require grad, training through an unrolled decode loop say, keeps its own ops."""
+    for n in nodes:
+        t = _tensor(n)
+        if t is not None and t.requires_grad:
+            return (f"{n.name} requires grad: gradients flow through this step, and the decode ops are "
+                    "inference-only")
+    return None
+
+
 def _same(a: Any, b: Any) -> bool:
     # Sizes may be SymInts under dynamic shapes: equal only if provably so.
     return statically_known_true(a == b)
@@ -992,8 +1005,8 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         u, m = found
         last = m["last"]
         # The op runs at the readout, under the grad mode / autocast the step ran under.
-        refusal = context_refusal(graph, [node, u.reader, *m["chain"], m["readout_first"], last, *u.writes],
-                                  last)
+        refusal = (context_refusal(graph, [node, u.reader, *m["chain"], m["readout_first"], last, *u.writes], last)
+                   or _records_grad([*m["chain"], last]))
         if refusal is not None:
             ctx.miss(STATE_FAMILY, refusal, [node])
             continue
@@ -1159,7 +1172,8 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if m is None:
             continue
         last = m["last"]
-        refusal = context_refusal(graph, [cat, m["copy"], m["conv"], last], m["conv"])
+        refusal = (context_refusal(graph, [cat, m["copy"], m["conv"], last], m["conv"])
+                   or _records_grad([cat, m["conv"], last]))
         if refusal is not None:
             ctx.miss(CONV_FAMILY, refusal, [cat])
             continue
@@ -1488,8 +1502,9 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if m is None:
             continue
         last = m["last"]
-        refusal = context_refusal(graph, [node, m["first"], last, *m["nodes"], *m["writes"],
-                                          min(m["cs"].users, key=order.__getitem__)], last)
+        refusal = (context_refusal(graph, [node, m["first"], last, *m["nodes"], *m["writes"],
+                                           min(m["cs"].users, key=order.__getitem__)], last)
+                   or _records_grad([*m["nodes"], last]))
         if refusal is not None:
             ctx.miss(CONV_FAMILY, refusal, [node])
             continue

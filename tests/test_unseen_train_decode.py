@@ -610,3 +610,32 @@ def test_four_step_loop_through_inductor(decode_registered):
     assert rel_err(out, ref) <= TOL[torch.float32]
     for name in ("state", "conv_state"):
         assert rel_err(comp_in[name], eager_in[name]) <= TOL[torch.float32], name
+
+
+def _functional_step(h, x, dt, A, B, C):
+    """A decode step that returns its new state instead of writing it in place."""
+    h = torch.exp(dt[..., None] * A) * h + dt[..., None] * B[:, None] * x[..., None]
+    return (h @ C[..., None]).squeeze(-1), h
+
+
+def test_step_that_records_gradients_keeps_its_ops(decode_registered):
+    # Training through an unrolled decode step: the decode ops have no backward, so the step stays
+    # as written (and is still rewritten where nothing requires grad).
+    g = torch.Generator().manual_seed(11)
+    h, dt = torch.randn(2, 8, 4, generator=g), torch.rand(2, 8, generator=g)
+    A, B, C = -torch.rand(8, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    x = torch.randn(2, 8, generator=g).requires_grad_()
+    ref, = torch.autograd.grad(_functional_step(h, x, dt, A, B, C)[0].sum(), x)
+    torch._dynamo.reset()
+    counters.clear()
+    y, _ = torch.compile(_functional_step, backend=backend(inductor=False))(h, x, dt, A, B, C)
+    grad, = torch.autograd.grad(y.sum(), x)
+    assert counters["ssm"]["state_update"] == 0, dict(counters["ssm"])
+    assert rel_err(grad, ref) < TOL[torch.float32]
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        y, _ = torch.compile(_functional_step, backend=backend(inductor=False))(h, x, dt, A, B, C)
+    assert counters["ssm"]["state_update"] == 1, dict(counters["ssm"])
+    assert rel_err(y, _functional_step(h, x, dt, A, B, C)[0]) < TOL[torch.float32]
+    torch._dynamo.reset()
