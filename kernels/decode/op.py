@@ -153,13 +153,13 @@ def check_no_overlap(written_name: str, written: torch.Tensor, **read) -> None:
     alias without being views, built from one storage by hand, are not looked for): the base
     comparison costs ~0.1 us a tensor on this host-bound path, and the address ranges are read
     only for views of ``written``'s base."""
+    if written.numel() == 0:
+        return
     root = written if written._base is None else written._base
+    w0, w1 = _span(written)
     for name, t in read.items():
-        if t is None or (t if t._base is None else t._base) is not root:
+        if t is None or t.numel() == 0 or (t if t._base is None else t._base) is not root:
             continue
-        if written.numel() == 0 or t.numel() == 0:
-            return
-        w0, w1 = _span(written)
         r0, r1 = _span(t)
         if r0 < w1 and w0 < r1:
             raise ValueError(f"{name} shares memory with {written_name}, which the op updates in place; "
