@@ -143,6 +143,23 @@ def _same(a: Any, b: Any) -> bool:
     return statically_known_true(a == b)
 
 
+def _as_int(size: Any) -> int | None:
+    """``size`` as a Python int: an int, or a SymInt that the shape environment has already pinned
+    to a number (under ``dynamic=True`` a state's width is a SymInt, which its product with a static
+    weight fixes to the weight's width); None for a size that is really symbolic."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()  # reads the shape env's replacements; adds no guard
+    return None
+
+
+def _record(size: Any) -> int | str:
+    """A size for a rewrite record without guarding on it (``int()`` of a SymInt specializes it)."""
+    n = _as_int(size)
+    return n if n is not None else str(size)
+
+
 def _same_shape(a: Any, shape: tuple) -> bool:
     t = _tensor(a)
     return t is not None and t.dim() == len(shape) and all(_same(x, y) for x, y in zip(t.shape, shape))
@@ -1070,7 +1087,8 @@ def _is_suffix(index: Any, total: Any, keep: Any) -> bool:
     s = _last_axis_slice(index)
     if s is None or s.stop is not None or s.step not in (None, 1) or s.start is None:
         return False
-    return _same(s.start, -keep) or _same(s.start, total - keep)
+    start = val(s.start)  # under dynamic shapes ``-state_len`` is a graph node holding a SymInt
+    return isinstance(start, (int, torch.SymInt)) and (_same(start, -keep) or _same(start, total - keep))
 
 
 _CONV1D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -1135,9 +1153,9 @@ def match_conv_update(cat: torch.fx.Node) -> dict[str, Any] | None:
 
 def check_conv_update(m: dict[str, Any]) -> str | None:
     """Widths, dtypes, and that the conv state is touched by nothing else; else why not."""
-    W, S = m["W"], m["S"]
-    if not isinstance(W, int) or not MIN_W <= W <= MAX_W:
-        return f"kernel width W={W} unsupported (the op takes {MIN_W} <= W <= {MAX_W})"
+    W, S = _as_int(m["W"]), m["S"]
+    if W is None or not MIN_W <= W <= MAX_W:
+        return f"kernel width W={m['W']} unsupported (the op takes {MIN_W} <= W <= {MAX_W})"
     if not statically_known_true(S >= W - 1):
         return f"the state holds S={S} inputs, fewer than W-1={W - 1}"
     for name in ("x", "conv_state", "weight", "bias"):
@@ -1190,7 +1208,7 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         last.replace_all_uses_with(result)
         ctx.rewrite(CONV_FAMILY, "cat; copy_(window[-S:]); conv1d(window)[-T:]" + ("+silu" if m["activation"] else ""),
                     [cat, m["copy"], m["conv"], last], "ssm.causal_conv1d_update",
-                    {"W": int(m["W"]), "S": int(m["S"]), "activation": m["activation"], "bias": m["bias"] is not None,
+                    {"W": int(m["W"]), "S": _record(m["S"]), "activation": m["activation"], "bias": m["bias"] is not None,
                      "rounding_casts_dropped": _narrowing(m["casts"])})
         graph.erase_node(m["copy"])
 
@@ -1252,7 +1270,7 @@ def _shifted_window(cat: Any, is_state) -> dict[str, Any] | None:
         raise Miss(f"the new window keeps conv_state[{first.args[1]!r}], not its last inputs")
     if xv is None or xv.dim() != 3 or not _same(xv.shape[2], 1):
         raise Miss(f"the new window appends {None if xv is None else tuple(xv.shape)}, not one input (batch, dim, 1)")
-    dropped = keep.start + S if keep.start < 0 and isinstance(S, int) else keep.start
+    dropped = keep.start + _as_int(S) if keep.start < 0 and _as_int(S) is not None else keep.start
     if dropped != 1:
         raise Miss(f"the window drops {dropped} old inputs but appends 1 new input")
     return dict(cs=cs, S=S, x=_unsqueezed(x3, -1), x3=x3, reads=[first], window=cat)
@@ -1366,9 +1384,10 @@ def _match_full_window_conv(full: torch.fx.Node, cs: torch.fx.Node, x3: torch.fx
             or not _same(w3.shape[1], 1) or not _same(args.get("groups", 1), dim) or not isinstance(padding, int)
             or _single(args.get("stride", 1)) != 1 or _single(args.get("dilation", 1)) != 1):
         return None
-    W, length = w3.shape[2], _tensor(cs).shape[2] + 1
-    if not isinstance(W, int) or not isinstance(length, int):
-        return None
+    W, length = _as_int(w3.shape[2]), _as_int(_tensor(cs).shape[2] + 1)
+    if W is None or length is None:
+        raise Miss(f"the conv state's width {_tensor(cs).shape[2]} or the kernel's {w3.shape[2]} is a dynamic "
+                   "size: the output position whose taps are the last W inputs is not known")
     sel = _single_user(conv)
     index = _as_tuple(sel.args[1]) if sel is not None and is_call(sel, operator.getitem) else ()
     if not (len(index) == 2 and index[0] is Ellipsis or len(index) == 3 and index[:2] == (slice(None), slice(None))):
@@ -1448,12 +1467,14 @@ def match_window_update(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) ->
 
 def check_window_update(m: dict[str, Any]) -> str | None:
     """The weight's taps line up with the window, widths and dtypes the op takes; else why not."""
-    S, W, weight = m["S"], m["W"], _tensor(m["weight"])
+    S, W, weight = m["S"], _as_int(m["W"]), _tensor(m["weight"])
     dim = _tensor(m["cs"]).shape[1]
+    if W is None:
+        return f"kernel width W={m['W']} is not a static size"
     expect = (dim, W) if weight.dim() == 2 else (dim, 1, W)
     if not _same_shape(m["weight"], expect):
         return f"the weight has shape {tuple(weight.shape)}, expected {expect}: one tap per window slot"
-    if not isinstance(W, int) or not MIN_W <= W <= MAX_W:
+    if not MIN_W <= W <= MAX_W:
         return f"kernel width W={W} unsupported (the op takes {MIN_W} <= W <= {MAX_W})"
     if not statically_known_true(S >= W - 1):
         return f"the state holds S={S} inputs, fewer than W-1={W - 1}"
@@ -1540,7 +1561,7 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                     + ("; conv1d(cat(window, x))[t]" if _tensor(m["weight"]).dim() == 3 else "; (window * w).sum(-1)")
                     + ("+b" if m["bias"] is not None else "") + ("+silu" if m["activation"] else ""),
                     [node, last], "ssm.causal_conv1d_update",
-                    {"W": int(m["W"]), "S": int(m["S"]), "activation": m["activation"],
+                    {"W": int(m["W"]), "S": _record(m["S"]), "activation": m["activation"],
                      "bias": m["bias"] is not None, "form": m["form"]})
 
 

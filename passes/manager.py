@@ -176,9 +176,14 @@ class PassManager:
                     log.info("ssm after the rewrites: %s", change)
         return ctx
 
-    def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int]) -> None:
+    def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int], body: bool = False) -> None:
         seen.add(id(gm))
         before = len(ctx.rewrites)
+        if body:
+            # Dynamo dead-code-eliminates its root graph but not a checkpoint body: under dynamic
+            # shapes the body keeps the unused ``x.size()`` / ``size[i]`` / ``s0 == 0`` nodes of
+            # the traced code, which the matchers would take for other users of the scan's values.
+            _eliminate_dead_code(gm)
         # Before the matchers: they refuse every in-place write, and a state the code allocated
         # and updates in place (``h *= dA; h += dBu``) is as much a recurrence as ``h = dA*h + dBu``.
         # Only here, on dynamo's graph: the rewrites read who shares memory with whom from the
@@ -196,7 +201,7 @@ class PassManager:
             gm.recompile()
         for body in _checkpoint_bodies(gm):
             if id(body) not in seen:
-                self._run(body, ctx, seen)
+                self._run(body, ctx, seen, body=True)
 
     def uuid(self) -> str:
         """Hash of the pass package's sources, the pass order and the options, for inductor's

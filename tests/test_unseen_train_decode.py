@@ -639,3 +639,63 @@ def test_step_that_records_gradients_keeps_its_ops(decode_registered):
     assert counters["ssm"]["state_update"] == 1, dict(counters["ssm"])
     assert rel_err(y, _functional_step(h, x, dt, A, B, C)[0]) < TOL[torch.float32]
     torch._dynamo.reset()
+
+
+# --- dynamic sizes: a functional conv step, checkpointed training at a second length ---------
+
+def _recording(fn, dynamic=None):
+    from ssm_compile.compiler import SSMBackend, SSMOptions
+    records = []
+    return torch.compile(fn, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append),
+                         dynamic=dynamic), records
+
+
+def test_functional_window_step_is_rewritten_under_dynamic_shapes():
+    """mamba.py's step conv (the window returned, not written) under ``dynamic=True``: the window's
+    width is a SymInt that its product with the static (dim, W) weight pins to W. Read as a
+    number (no guard added) it is the op's W; before, ``isinstance(W, int)`` refused it."""
+    dim, W = 6, 4
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.cb = nn.Parameter(torch.randn(dim, W)), nn.Parameter(torch.randn(dim))
+
+        def forward(self, x, cs):
+            cs = torch.cat([cs[:, :, 1:], x[:, :, None]], dim=-1)
+            return F.silu((cs * self.w).sum(-1) + self.cb), cs
+
+    step = Step()
+    compiled, records = _recording(step, dynamic=True)
+    x, cs = torch.randn(2, dim), torch.randn(2, dim, W)
+    with torch.no_grad():
+        out, new_cs = compiled(x, cs)
+        ref, ref_cs = step(x, cs)
+    assert rel_err(out, ref) <= TOL[torch.float32] and torch.equal(new_cs, ref_cs)
+    assert [r.family for g in records for r in g.rewrites].count("conv_update") == 1, \
+        [m.reason for g in records for m in g.misses]
+
+
+def test_checkpointed_hf_training_rewrites_every_length():
+    """HF with non-reentrant checkpointing, called at a second length: dynamo recompiles with a
+    symbolic L, and the checkpoint bodies (which dynamo does not dead-code-eliminate) kept unused
+    ``x.size()`` nodes that the scan matcher took for other users of the scan's values. Bodies are
+    now cleaned before the passes: every layer's scan is rewritten at both lengths."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(
+        hidden_size=32, num_hidden_layers=2, state_size=4, vocab_size=64))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    twin = copy.deepcopy(model)
+    compiled, records = _recording(lambda ids: model(ids, labels=ids).loss)
+    for length in (8, 12):
+        ids = torch.randint(0, 64, (2, length))
+        loss, ref = compiled(ids), twin(ids, labels=ids).loss
+        loss.backward()
+        ref.backward()
+        assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert rel_err(p.grad, q.grad) <= 1e-4
+    scans = [r.family for g in records for r in g.rewrites].count("scan_assoc")
+    assert scans == 4, [m.reason for g in records for m in g.misses]   # 2 layers x 2 graphs
