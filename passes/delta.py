@@ -115,7 +115,20 @@ def match_bias(bias_b: Any, pre_shape: tuple, dim_axis: int, dim: int) -> Option
     if full != expected:
         return None
     src = _unit_dim_source(bias_b)
-    return src if shape_of(src) == (dim,) else None
+    # A (dim, 1) parameter (``D = nn.Parameter(torch.ones(dim, 1))``) holds the same dim values in
+    # the same order as a (dim,) one: ``as_vector`` hands the op its reshape.
+    return src if [s for s in (shape_of(src) or ()) if s != 1] == [dim] else None
+
+
+def as_vector(graph: torch.fx.Graph, node: torch.fx.Node, dim: int, before: torch.fx.Node) -> torch.fx.Node:
+    """``node`` (a ``match_bias`` result) as the (dim,) tensor the op reads, reshaped before
+    ``before`` when it has size-1 axes; the reshape is a view, so gradients reach the parameter."""
+    if shape_of(node) == (dim,):
+        return node
+    with graph.inserting_before(before):
+        vector = graph.call_method("reshape", (node, (dim,)))
+        propagate_val(vector)
+    return vector
 
 
 def match_delta(delta: Any) -> DeltaFold | str | None:
@@ -234,7 +247,8 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
         elif product is not None:
             pre = _as_linear(graph, *product)
         new_delta = permute_view(graph, pre, fold.perm)
-    args.update(delta=new_delta, delta_bias=fold.bias, delta_softplus=True)
+    bias = None if fold.bias is None else as_vector(graph, fold.bias, shape_of(new_delta)[1], scan)
+    args.update(delta=new_delta, delta_bias=bias, delta_softplus=True)
     set_scan_args(scan, args)
     pattern = "softplus(linear(x, W, b))" if fold.linear is not None else (
         "softplus(x + bias)" if fold.bias is not None else "softplus(x)")

@@ -53,10 +53,11 @@ import torch.fx
 import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
-from .fx_utils import (HOIST_BLOCKED, ContextRegions, dtype_of, hoist_before, is_call, is_method, node_order, shape_of,
-                       val)
+from .fx_utils import (HOIST_BLOCKED, ContextRegions, dtype_of, hoist_before, is_call, is_method, mutates, node_order,
+                       shape_of, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
+from .scan_inplace import InplaceMiss, find_inplace_scans
 from .scan_loop import emit_or_refusal, emit_selective_scan, mutated, read_through
 
 log = logging.getLogger("ssm_compile")
@@ -74,6 +75,7 @@ _VMAP_DECREMENT = (_predispatch._vmap_decrement_nesting, _functorch_c._vmap_decr
 _ADD_BATCH_DIM = (_predispatch._add_batch_dim, _functorch_c._add_batch_dim)
 _REMOVE_BATCH_DIM = (_predispatch._remove_batch_dim, _functorch_c._remove_batch_dim)
 _ASSOC_HOP = torch.ops.higher_order.associative_scan
+_AUTOGRAD_FUNCTION_HOP = torch.ops.higher_order.autograd_function_apply
 
 _SYMPY_BINARY = {
     operator.mul: operator.mul, torch.mul: operator.mul, "mul": operator.mul,
@@ -536,14 +538,32 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
                  "can be produced by ssm.selective_scan", products)
         return
     t_axis = b_seed.args[1] % len(shape_of(b_seed.args[0]))
-    length = shape_of(b_seed.args[0])[t_axis]
     if (all_states.args[2] % len(shape_of(all_states)) != t_axis
             or a_seed.args[1] % len(shape_of(a_seed.args[0])) != t_axis):
         ctx.miss(FAMILY, "the scan moves time back to another axis than it came from", [all_states])
         return
-    disc = match_discretization(a_seed.args[0], b_seed.args[0], t_axis)
+    decision = {"combine_mode": region.mode}
+    if region.proved_lengths:
+        decision["proved_lengths"] = list(region.proved_lengths)
+    rewrite_states(gm, ctx, a_seed.args[0], b_seed.args[0], t_axis, all_states, region.nodes,
+                   f"associative_scan({region.mode})", decision, dead=products)
+
+
+def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.Node, b_full: torch.fx.Node,
+                   t_axis: int, all_states: torch.fx.Node, scan_nodes: list[torch.fx.Node], pattern: str,
+                   decision: dict[str, Any], dead: list[torch.fx.Node] = (),
+                   written: frozenset[torch.fx.Node] = frozenset()) -> None:
+    """Replace ``all_states`` (the inclusive scan of (a_full, b_full) along ``t_axis``, in
+    b_full's layout, computed by ``scan_nodes``) and its readout with one ``ssm.selective_scan``.
+
+    ``dead`` are other outputs of the scan that nothing uses (erased with it). ``written`` are the
+    scan's own in-place updates (an in-place parallel scan writes the buffer the states are a
+    view of); any other write to what the op would read is refused.
+    """
+    length = shape_of(b_full)[t_axis]
+    disc = match_discretization(a_full, b_full, t_axis)
     if isinstance(disc, str):
-        ctx.miss("discretization", disc, [a_seed.args[0], b_seed.args[0]])
+        ctx.miss("discretization", disc, [a_full, b_full])
         return
     if dtype_of(all_states) == torch.float64 and dtype_of(disc.u.node) != torch.float64:
         # The op accumulates in float32 unless u is float64: states the user computes in float64
@@ -560,19 +580,19 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
     order = node_order(gm.graph)
     # The op reads the sources themselves, at the readout; the user's code read them through the
     # copies and casts the discretization looks through (``A = A.clone(); A.mul_(2)``), earlier.
-    full = {a_seed.args[0], b_seed.args[0]}
+    full = {a_full, b_full}
     sources = {disc.u.node, disc.delta.node, disc.A.node, disc.B.node, readout.C}
     reads = read_through(list(full), sources, order) | full | sources
     readout_nodes = [readout.end, *readout.chain, *readout.nodes]
     reads |= read_through(readout_nodes, {readout.C, all_states}, order) | set(readout_nodes)
-    if mutated(*reads, all_states):
+    if mutated(*reads, all_states, ignore=written):
         ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)
     # The op must run under the grad mode / autocast / functorch state the states and the
     # readout ran under.
     graph = gm.graph
-    replaced = [*region.nodes, *disc.nodes, *readout_nodes, *lasts, all_states]
+    replaced = [*scan_nodes, *disc.nodes, *readout_nodes, *lasts, all_states]
     refusal = ContextRegions(graph).refusal(replaced, anchor)
     if refusal is not None:
         ctx.miss(FAMILY, refusal, [all_states])
@@ -595,14 +615,10 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
     readout.end.replace_all_uses_with(y_user)
     for node in lasts:
         node.replace_all_uses_with(last_user)
-    _erase_dead(graph, [readout.end] + readout.chain + readout.nodes + lasts + [all_states]
-                + products + region.nodes)
-    decision = {"L": _static(length), "N": _static(size["n"]), "combine_mode": region.mode, "layout": "".join(roles),
+    _erase_dead(graph, [readout.end] + readout.chain + readout.nodes + lasts + [all_states] + list(dead) + scan_nodes)
+    decision = {"L": _static(length), "N": _static(size["n"]), **decision, "layout": "".join(roles),
                 "last_state": bool(lasts)}
-    if region.proved_lengths:
-        decision["proved_lengths"] = list(region.proved_lengths)
-    ctx.rewrite(FAMILY, f"associative_scan({region.mode})", region.nodes, "ssm.selective_scan.default",
-                decision)
+    ctx.rewrite(FAMILY, pattern, scan_nodes, "ssm.selective_scan.default", decision)
     ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", disc.nodes, "ssm.selective_scan.default",
                 {"time_invariant_B": disc.time_invariant_B})
     ctx.rewrite("readout", "Σ_n h·C", readout.nodes, "ssm.selective_scan.default",
@@ -647,8 +663,8 @@ def _admissible_lengths(lengths: list[torch.SymInt]) -> tuple[sympy.Symbol, list
     shape_env = lengths[0].node.shape_env
     bounds = shape_env.var_to_range[sym]
     if bool(bounds.upper > bounds.lower + _MAX_LENGTHS):
-        return (f"the time length {sym} ranges over {bounds.lower}..{bounds.upper}; the generic "
-                f"associative_scan is proved length by length, for at most {_MAX_LENGTHS} lengths")
+        return (f"the time length {sym} ranges over {bounds.lower}..{bounds.upper}; a scan whose "
+                f"ops depend on it is proved length by length, for at most {_MAX_LENGTHS} lengths")
     # Guards on other sizes too (batch, dim) are left out: that only admits more lengths, each of
     # which is then proved, so the result stays sound.
     guards = [g.expr for g in shape_env.guards if g.expr.free_symbols == {sym}]
@@ -722,6 +738,37 @@ def scan_assoc_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             ctx.miss(FAMILY, region.failure, region.seeds)
             continue
         _rewrite(gm, ctx, region)
+    for found in find_inplace_scans(gm, _admissible_lengths):
+        # scan_loop, which runs first, read the in-place updates as a loop and said why that is
+        # not one; the in-place scan's own account replaces it.
+        names = {n.name for n in found.nodes}
+        ctx.misses = [m for m in ctx.misses if not (m.family == "scan_loop" and m.nodes and set(m.nodes) <= names)]
+        if isinstance(found, InplaceMiss):
+            ctx.miss(FAMILY, f"in-place parallel scan: {found.reason}", found.seeds)
+            continue
+        written = frozenset(n for n in found.nodes if mutates(n))
+        decision = {"combine_mode": "in-place"}
+        if found.proved_lengths:
+            decision["proved_lengths"] = list(found.proved_lengths)
+        rewrite_states(gm, ctx, found.a_full, found.b_full, found.t_axis, found.states, found.nodes,
+                       "parallel scan (in place)", decision, written=written)
+    _report_scans_in_autograd_functions(gm, ctx)
+
+
+def _report_scans_in_autograd_functions(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """Under grad, dynamo keeps a custom ``autograd.Function`` (mamba.py's PScan) as one HOP with
+    the user's forward and backward as subgraphs. A scan in that forward is not rewritten: the
+    op's gradient would replace the user's backward, which nothing proves equal to it. Say so."""
+    for node in gm.graph.nodes:
+        if not is_call(node, _AUTOGRAD_FUNCTION_HOP) or not node.args:
+            continue
+        body = node.args[0]
+        fwd = getattr(gm, body.target, None) if isinstance(body, torch.fx.Node) and body.op == "get_attr" else None
+        if isinstance(fwd, torch.fx.GraphModule) and find_inplace_scans(fwd, _admissible_lengths):
+            ctx.miss(FAMILY, "an in-place parallel scan inside a custom autograd.Function: its backward is "
+                     "the user's own code, which ssm.selective_scan's gradient would replace, so it is "
+                     "left alone (without grad, e.g. under torch.no_grad(), dynamo inlines the forward "
+                     "and the scan is rewritten)", [node])
 
 
 def register(pm: PassManager) -> None:

@@ -51,6 +51,7 @@ from .discretize import (
 from .fx_utils import (
     ContextRegions,
     is_zeros,
+    named_args,
     storage_of,
     is_call,
     is_cast,
@@ -332,6 +333,27 @@ def _negative_index(node: torch.fx.Node) -> bool:
     return any(isinstance(x, int) and not isinstance(x, bool) and x < 0 for x in index)
 
 
+def _time_prefix_source(node: torch.fx.Node, axis: int) -> torch.fx.Node:
+    """``x`` when ``node`` is a prefix of ``x`` along ``axis`` alone (``x[:, :, :k]``,
+    ``x.narrow(axis, 0, k)``), else ``node``. Step t of the prefix is step t of ``x``, so a loop
+    over the prefix's steps is one over ``x``'s first steps."""
+    vx = val(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(vx, torch.Tensor):
+        return node
+    if is_call(node, torch.narrow) or is_method(node, "narrow"):
+        a = named_args(node, ("input", "dim", "start", "length"))
+        prefix = isinstance(a.get("dim"), int) and a["dim"] % vx.dim() == axis and a.get("start") == 0
+        return node.args[0] if prefix else node
+    if not is_call(node, operator.getitem) or not isinstance(node.args[1], tuple) or len(node.args[1]) > vx.dim():
+        return node
+    for i, item in enumerate(node.args[1]):
+        if not isinstance(item, slice) or item.start not in (None, 0) or item.step not in (None, 1):
+            return node
+        if i != axis and item.stop is not None:
+            return node
+    return node.args[0]
+
+
 def _too_short(name: str, size, L: int) -> str | None:
     """Why the loop's L steps may not all lie on ``name``'s time axis of length ``size``, or None.
 
@@ -476,11 +498,11 @@ def _aliases(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     return name in _ALIASING_OPS
 
 
-def mutated(*nodes: torch.fx.Node) -> bool:
+def mutated(*nodes: torch.fx.Node, ignore: frozenset[torch.fx.Node] = frozenset()) -> bool:
     """The memory of one of ``nodes`` is written in place somewhere in the graph: through the node,
     its base (what it is a view of) or any view of that base, however deep (``A.T.mul_()`` changes
-    A). Nodes with one base share one walk of its views: asking about every time slice of a
-    (batch, dim, L, N) tensor costs one walk, not L."""
+    A), by a node not in ``ignore``. Nodes with one base share one walk of its views: asking about
+    every time slice of a (batch, dim, L, N) tensor costs one walk, not L."""
     roots = set()
     for root in nodes:
         while root.args and isinstance(root.args[0], torch.fx.Node) and _aliases(root, root.args[0]):
@@ -492,7 +514,7 @@ def mutated(*nodes: torch.fx.Node) -> bool:
     while stack:
         n = stack.pop()
         for user in n.users:
-            if _is_inplace(user, n):
+            if _is_inplace(user, n) and user not in ignore:
                 return True
             if user not in seen and _aliases(user, n):
                 seen.add(user)
@@ -821,9 +843,6 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
             return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
         if val(b_base).dim() != 4:
             return "B_full is not a 4-D tensor"
-        short = _too_short("B_full", val(b_base).shape[b_axis], L)
-        if short is not None:
-            return short
     init = None
     if not is_zeros(H):
         if not isinstance(val(H), torch.Tensor) or not _broadcasts_to(val(H).shape, shape):
@@ -861,7 +880,13 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         if rregion is None or step1.intersection(rregion):
             return "the readout of step 0 depends on a later state"
     if not per_step:
-        disc = match_discretization(a_base, b_base, (a_axis, b_axis))
+        # Checked at the loop's own length, which the walk above may have found shorter than
+        # A_full's time axis (``range(L - 3)``).
+        short = _too_short("B_full", val(b_base).shape[b_axis], L)
+        if short is not None:
+            return short
+        disc = match_discretization(_time_prefix_source(a_base, a_axis), _time_prefix_source(b_base, b_axis),
+                                    (a_axis, b_axis))
         if isinstance(disc, str):
             return f"discretization: {disc}"
         # Equal to A_full's length wherever it is concrete; checked for the op's narrowed reads.

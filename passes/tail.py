@@ -31,7 +31,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .delta import ADD_TARGETS, MUL_TARGETS, match_bias
+from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
 from .fx_utils import (HOIST_BLOCKED, cast_dtype, context_refusal, dtype_of, follow_views, hoist_before, inverse,
                        is_call, is_method, layout_source, output_getitem, permute_view, propagate_val, scan_args,
                        scan_nodes, set_scan_args, shape_of, written_in_place)
@@ -213,7 +213,7 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
         ctx.miss("skip", f"{writer.name} writes D or u in place, so the op would read them at another "
                  "point than the user's D·u does", [user])
         return False
-    args["D"] = skip.D
+    args["D"] = as_vector(gm.graph, skip.D, shape_of(chain.top)[chain.perm.index(1)], scan)
     set_scan_args(scan, args)
     chain = _widen_chain(chain, dtype_of(skip.add))
     _replace_with(skip.add, chain.top)

@@ -259,6 +259,20 @@ def inplace_state_chained(u, delta, A, B, C):
     return torch.stack(ys, dim=2)
 
 
+def sliced_prefixes(u, delta, A, B, C):
+    # A_full and B_full cut to the loop's steps after the fact (a narrow and a slice): step t
+    # of either prefix is step t of the whole, so the loop is a scan over the first L - 3 steps.
+    deltaA, deltaB_u = _disc(u, delta, A, B)
+    steps = u.shape[2] - 3
+    deltaA, deltaB_u = deltaA.narrow(2, 0, steps), deltaB_u[:, :, :steps]
+    x = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for i in range(steps):
+        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
+        ys.append(torch.einsum("bdn,bn->bd", x, C[:, :, i]))
+    return torch.stack(ys, dim=2)
+
+
 POSITIVE = [
     pytest.param(hf_loop, "bdl", id="hf-loop"),
     pytest.param(inplace_state, "bdl", id="inplace-state"),
@@ -272,6 +286,7 @@ POSITIVE = [
     pytest.param(copy_buffer, "bdl", id="copy-buffer"),
     pytest.param(per_step, "bdl", id="per-step"),
     pytest.param(per_step_bld, "bld", id="per-step-bld"),
+    pytest.param(sliced_prefixes, "bdl", id="sliced-prefixes"),
 ]
 
 
@@ -642,9 +657,22 @@ def divides_by_the_decay(u, delta, A, B, C):
     return torch.stack(ys, dim=2)
 
 
+def shifted_slice(u, delta, A, B, C):
+    # B_full[:, :, 1:] is not a prefix: step i adds the input of step i + 1.
+    deltaA, deltaB_u = _disc(u, delta, A, B)
+    deltaB_u = deltaB_u[:, :, 1:]
+    x = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for i in range(u.shape[2] - 1):
+        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
+        ys.append(torch.einsum("bdn,bn->bd", x, C[:, :, i]))
+    return torch.stack(ys, dim=2)
+
+
 NEGATIVE = [
     pytest.param(divides_by_the_decay, "not a number", id="divides-by-the-decay"),
     pytest.param(previous_input, "adds B_full at time index 8, not 0", id="previous-input"),
+    pytest.param(shifted_slice, "B_full is not a product", id="shifted-slice"),
     pytest.param(tanh_update, "not linear in the previous state", id="tanh-update"),
     pytest.param(quadratic_update, "not linear in the previous state", id="quadratic-update"),
     pytest.param(scaled_update, "expected A_full[t]*h + B_full[t]", id="scaled-update"),

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
+from test_pass_scan_inplace import _down, _padded_copies, _up_pairs
 from utils import TOL, compile_with_passes, perturbed, rel_err, tiny_falcon_mamba, tiny_jamba
 
 from ssm_compile.compiler import backend
@@ -202,14 +203,29 @@ def selective_scan_seq(x, delta, A, B, C, D, last_state=False):
     return (y, hs[:, -1]) if last_state else y
 
 
-class MambaPyBlock(nn.Module):
-    """mamba.py's ``MambaBlock`` (sequential path); ``bidirectional`` adds its Vim-style backward
-    branch: a second scan over ``xz.flip([1])`` whose output is flipped back."""
+def selective_scan_parallel(x, delta, A, B, C, D):
+    """mamba.py's ``selective_scan`` with its default parallel scan: the states by in-place
+    up/down sweeps over padded copies of exp(Δ·A) and Δ·B·u (test_pass_scan_inplace's sweeps)."""
+    deltaA = torch.exp(delta.unsqueeze(-1) * A)
+    BX = delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+    Ac, Xc, T = _padded_copies(deltaA, BX)
+    _up_pairs(Ac, Xc, T)
+    _down(Ac, Xc, T)
+    hs = Xc.transpose(1, 2)[:, :x.shape[1]]
+    return (hs @ C.unsqueeze(-1)).squeeze(3) + D * x
 
-    def __init__(self, d_model=8, d_state=4, dt_rank=2, inner_layernorms=False, bidirectional=False):
+
+class MambaPyBlock(nn.Module):
+    """mamba.py's ``MambaBlock`` (sequential path, or ``parallel`` for its in-place parallel scan);
+    ``bidirectional`` adds its Vim-style backward branch: a second scan over ``xz.flip([1])``
+    whose output is flipped back."""
+
+    def __init__(self, d_model=8, d_state=4, dt_rank=2, inner_layernorms=False, bidirectional=False,
+                 parallel=False):
         super().__init__()
         ed = 2 * d_model
         self.d_state, self.dt_rank, self.bidirectional = d_state, dt_rank, bidirectional
+        self.scan = selective_scan_parallel if parallel else selective_scan_seq
         self.in_proj = nn.Linear(d_model, 2 * ed, bias=False)
         self.x_proj = nn.Linear(ed, dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(dt_rank, ed, bias=True)
@@ -243,17 +259,18 @@ class MambaPyBlock(nn.Module):
             delta, B, C = (norm(v) for norm, v in zip(self.norms, (delta, B, C)))
         delta = (self.dt_proj.weight @ delta.transpose(1, 2)).transpose(1, 2)
         delta = F.softplus(delta + self.dt_proj.bias)
-        return selective_scan_seq(x, delta, A, B, C, branch.D.float())
+        return self.scan(x, delta, A, B, C, branch.D.float())
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["seq", "parallel"])
 @pytest.mark.parametrize("norms, bidirectional", [(False, False), (True, False), (False, True)],
                          ids=["plain", "inner-layernorms", "bidirectional"])
-def test_mambapy_block(norms, bidirectional):
-    model = perturbed(MambaPyBlock(inner_layernorms=norms, bidirectional=bidirectional))
+def test_mambapy_block(norms, bidirectional, parallel):
+    model = perturbed(MambaPyBlock(inner_layernorms=norms, bidirectional=bidirectional, parallel=parallel))
     x = torch.randn(2, L, 8, generator=torch.Generator().manual_seed(1))
     out, ref = run(model, x)
     branches = 2 if bidirectional else 1
-    assert dict(counters["ssm"]) == expected("scan_loop", branches, conv1d=branches)
+    assert dict(counters["ssm"]) == expected("scan_assoc" if parallel else "scan_loop", branches, conv1d=branches)
     assert_close(out, ref)
 
 
@@ -338,6 +355,68 @@ def test_hand_written_block(a_direct, readout):
     # x_proj -> split -> dt_proj (bias moved into the scan) is one ssm.x_dt_proj.
     assert dict(counters["ssm"]) == expected("scan_loop") | {"x_dt_proj": 1}
     assert_close(out, ref)
+
+
+class ColumnParamBlock(nn.Module):
+    """A (batch, dim, L) block whose D and dt bias are (dim, 1) parameters, broadcast along L as
+    they are (no ``[:, None]``); ``d_shape`` (dim, L) makes D a time-varying skip instead."""
+
+    def __init__(self, d=6, n=4, r=2, d_shape=None):
+        super().__init__()
+        self.n, self.r = n, r
+        self.in_proj = nn.Linear(5, 2 * d)
+        self.x_proj = nn.Linear(d, r + 2 * n, bias=False)
+        self.dt_w = nn.Parameter(torch.randn(d, r) * 0.5)
+        self.dt_b = nn.Parameter(torch.randn(d, 1) * 0.5)
+        self.A_log = nn.Parameter(torch.log(torch.rand(d, n) + 0.5))
+        self.D = nn.Parameter(torch.randn(*(d_shape or (d, 1))))
+        self.out_proj = nn.Linear(d, 5)
+
+    def forward(self, x):
+        u, z = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)
+        u = F.silu(u)
+        dt, B, C = self.x_proj(u.transpose(1, 2)).split([self.r, self.n, self.n], dim=-1)
+        dt = F.softplus(torch.einsum("dr,blr->bdl", self.dt_w, dt) + self.dt_b)
+        A = -torch.exp(self.A_log)
+        h = u.new_zeros(u.shape[0], u.shape[1], self.n)
+        ys = []
+        for t in range(u.shape[2]):
+            h = torch.exp(dt[:, :, t, None] * A) * h + dt[:, :, t, None] * B[:, t, None, :] * u[:, :, t, None]
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        y = torch.stack(ys, dim=-1) + u * self.D
+        return self.out_proj((y * F.silu(z)).transpose(1, 2))
+
+
+def test_column_shaped_D_and_dt_bias_fold_with_their_gradients():
+    """(dim, 1) parameters hold the op's (dim,) vectors: the op gets their reshape (a view), so
+    the forward and the gradients of the (dim, 1) parameters match eager."""
+    torch.manual_seed(0)
+    model = ColumnParamBlock()
+    x = torch.randn(2, L, 5)
+    compiled = torch.compile(model, backend=backend(inductor=False), fullgraph=True)
+    out = compiled(x)
+    assert dict(counters["ssm"]) == expected("scan_loop")
+    ref = model(x)
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, list(model.parameters()), grad)
+    want = torch.autograd.grad(ref, list(model.parameters()), grad)
+    for (name, p), g, w in zip(model.named_parameters(), got, want, strict=True):
+        assert g.shape == p.shape, name
+        assert rel_err(g, w) <= TOL[torch.float32], name
+    report = str(explain(model, x))
+    assert "softplus(x + bias)" in report and "y + u * D" in report
+
+
+def test_time_varying_D_is_not_a_skip():
+    """A (dim, L) D is a per-step weight, not the op's skip: left alone, with the reason."""
+    torch.manual_seed(0)
+    model = ColumnParamBlock(d_shape=(6, L))
+    x = torch.randn(2, L, 5)
+    out, ref = run(model, x)
+    assert_close(out, ref)
+    assert counters["ssm"]["skip"] == 0 and counters["ssm"]["gate"] == 0
+    assert "not a (dim,) vector broadcast along the dim axis 1 of y" in str(explain(model, x))
 
 
 def _disc(u, delta, A, B):

@@ -1,0 +1,278 @@
+"""Parallel scans written as in-place updates of views (mamba.py's PScan style), family scan_assoc.
+
+The scans here are Brent-Kung up-sweep/down-sweep scans over clones (or zero-padded copies) of
+``exp(Δ·A)`` and ``Δ·B·u``, written two ways: with strided slices of the time axis, and with the
+time axis split into pairs by ``view`` (as mamba.py does). The pass must prove them by what they
+compute, rewrite them into ``ssm.selective_scan``, and leave alone, with a reason, in-place code
+that is not the inclusive scan: a suffix scan, a missing level, a reset, a wrong combine.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from utils import TOL, rel_err
+
+from ssm_compile.compiler import SSMBackend, SSMOptions
+
+BATCH, DIM, N = 2, 3, 4
+
+
+def _up(A, X, T):
+    # After the level with stride s, position 2s-1 (mod 2s) holds its block of 2s steps.
+    s = 1
+    while s < T:
+        right, left = slice(2 * s - 1, T, 2 * s), slice(s - 1, T, 2 * s)
+        X[:, :, right].add_(A[:, :, right] * X[:, :, left])
+        A[:, :, right].mul_(A[:, :, left])
+        s *= 2
+
+
+def _down(A, X, T, skip_last=False):
+    # Each block's middle gets the prefix that ends just before it.
+    s = T // 4
+    while s >= (2 if skip_last else 1):
+        dst, src = slice(3 * s - 1, T, 2 * s), slice(2 * s - 1, T - s, 2 * s)
+        X[:, :, dst].add_(A[:, :, dst] * X[:, :, src])
+        A[:, :, dst].mul_(A[:, :, src])
+        s //= 2
+
+
+def _up_pairs(A, X, T):
+    # mamba.py's spelling of the up-sweep: split time into pairs, update the odd half, recurse on it.
+    b, d, _, n = X.shape
+    while T > 1:
+        Ap, Xp = A.view(b, d, T // 2, 2, n), X.view(b, d, T // 2, 2, n)
+        Xp[:, :, :, 1].add_(Ap[:, :, :, 1].mul(Xp[:, :, :, 0]))
+        Ap[:, :, :, 1].mul_(Ap[:, :, :, 0])
+        A, X, T = Ap[:, :, :, 1], Xp[:, :, :, 1], T // 2
+
+
+def _padded_copies(dA, BX):
+    """(B, L, D, N) inputs as (B, D, T, N) copies, T the next power of two (zeros appended)."""
+    L = dA.shape[1]
+    T = 1 << (L - 1).bit_length()
+    if T == L:
+        A, X = dA.clone(), BX.clone()
+    else:
+        A, X = F.pad(dA, (0, 0, 0, 0, 0, T - L)), F.pad(BX, (0, 0, 0, 0, 0, T - L))
+    return A.transpose(1, 2), X.transpose(1, 2), T
+
+
+def block(x, delta, A, B, C, D, sweep="slices", tamper=None):
+    """A mamba.py-style selective scan in (batch, L, dim) with an in-place parallel scan."""
+    L = x.shape[1]
+    dA = torch.exp(delta.unsqueeze(-1) * A)
+    BX = delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+    Ac, Xc, T = _padded_copies(dA, BX)
+    (_up if sweep == "slices" else _up_pairs)(Ac, Xc, T)
+    if tamper == "reset":
+        Xc[:, :, 2].zero_()
+    _down(Ac, Xc, T, skip_last=tamper == "missing-level")
+    hs = Xc.transpose(1, 2)[:, :L]
+    if tamper == "lagged":
+        hs = torch.cat([torch.zeros_like(hs[:, :1]), hs[:, :-1]], dim=1)
+    y = (hs @ C.unsqueeze(-1)).squeeze(-1)
+    return y + D * x
+
+
+def wrong_combine(x, delta, A, B, C, D):
+    # Each right child adds its left sibling scaled by the *left* decay: not the recurrence.
+    L = x.shape[1]
+    Ac, Xc, T = _padded_copies(torch.exp(delta.unsqueeze(-1) * A),
+                               delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1))
+    s = 1
+    while s < T:
+        right, left = slice(2 * s - 1, T, 2 * s), slice(s - 1, T, 2 * s)
+        Xc[:, :, right].add_(Ac[:, :, left] * Xc[:, :, left])
+        Ac[:, :, right].mul_(Ac[:, :, left])
+        s *= 2
+    _down(Ac, Xc, T)
+    y = (Xc.transpose(1, 2)[:, :L] @ C.unsqueeze(-1)).squeeze(-1)
+    return y + D * x
+
+
+def suffix_scan(x, delta, A, B, C, D):
+    # The mirror image (h_t from the steps after t, as a reverse scan's backward uses).
+    L = x.shape[1]
+    Ac, Xc, T = _padded_copies(torch.exp(delta.unsqueeze(-1) * A),
+                               delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1))
+    s = 1
+    while s < T:
+        lo, hi = slice(0, T, 2 * s), slice(s, T, 2 * s)
+        Xc[:, :, lo].add_(Ac[:, :, lo] * Xc[:, :, hi])
+        Ac[:, :, lo].mul_(Ac[:, :, hi])
+        s *= 2
+    y = (Xc.transpose(1, 2)[:, :L] @ C.unsqueeze(-1)).squeeze(-1)
+    return y + D * x
+
+
+def copy_indexed(x, delta, A, B, C, D):
+    # The first level's update goes through list indexing, which copies: in eager it changes
+    # nothing, so the states are not the scan, and a proof that took it for a view would be wrong.
+    L = x.shape[1]
+    Ac, Xc, T = _padded_copies(torch.exp(delta.unsqueeze(-1) * A),
+                               delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1))
+    odd, even = list(range(1, T, 2)), slice(0, T, 2)
+    Xc[:, :, odd].add_(Ac[:, :, 1::2] * Xc[:, :, even])
+    _up(Ac, Xc, T)
+    _down(Ac, Xc, T)
+    y = (Xc.transpose(1, 2)[:, :L] @ C.unsqueeze(-1)).squeeze(-1)
+    return y + D * x
+
+
+def make_inputs(L, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, L, DIM, generator=g)
+    delta = torch.rand(BATCH, L, DIM, generator=g) * 0.5 + 0.05
+    A = -torch.rand(DIM, N, generator=g) - 0.5
+    B = torch.randn(BATCH, L, N, generator=g)
+    C = torch.randn(BATCH, L, N, generator=g)
+    D = torch.randn(DIM, generator=g)
+    return tuple(t.to(dtype) for t in (x, delta, A, B, C, D))
+
+
+def reference(fn, *args, **kwargs):
+    """The same scan as a sequential fp64 loop: h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t."""
+    x, delta, A, B, C, D = (t.double() for t in args)
+    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=torch.float64)
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * B[:, t, None, :] * x[:, t, :, None]
+        ys.append((h * C[:, t, None, :]).sum(-1))
+    return torch.stack(ys, dim=1) + D * x
+
+
+def compile_and_run(fn, *args, **kwargs):
+    records = []
+    compiled = torch.compile(lambda *a: fn(*a, **kwargs),
+                             backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    with torch.no_grad():
+        out = compiled(*args)
+    return out, records
+
+
+@pytest.mark.parametrize("sweep", ["slices", "pairs"])
+@pytest.mark.parametrize("L", [2, 8, 13, 32])
+def test_in_place_scan_is_rewritten(sweep, L):
+    args = make_inputs(L)
+    out, records = compile_and_run(block, *args, sweep=sweep)
+    assert counters["ssm"]["scan_assoc"] == 1, [m.reason for r in records for m in r.misses]
+    assert counters["ssm"]["discretization"] == 1 and counters["ssm"]["readout"] == 1
+    (rewrite,) = [r for r in records[0].rewrites if r.family == "scan_assoc"]
+    assert rewrite.pattern == "parallel scan (in place)" and rewrite.decision["L"] == L
+    # The buffers, the sweeps and the (batch, L, dim, N) states are gone from the graph.
+    assert "add_" not in records[0].after and "selective_scan" in records[0].after
+    assert rel_err(out, reference(block, *args)) <= TOL[torch.float32]
+    # No stale account of the in-place updates as a loop.
+    assert not [m for m in records[0].misses if m.family == "scan_loop"]
+
+
+def test_through_inductor():
+    args = make_inputs(16)
+    with torch.no_grad():
+        out = torch.compile(block, backend="ssm", fullgraph=True)(*args)
+    assert counters["ssm"]["scan_assoc"] == 1
+    assert rel_err(out, reference(block, *args)) <= TOL[torch.float32]
+
+
+NEAR_MISSES = [
+    pytest.param(block, {"tamper": "missing-level"}, "is not the inclusive scan", id="missing-level"),
+    pytest.param(block, {"tamper": "reset"}, "writes the scan's buffers with", id="mid-sequence-reset"),
+    pytest.param(block, {"tamper": "lagged"}, "read outside it through 2 values", id="lagged-states"),
+    pytest.param(wrong_combine, {}, "exactly one multiplier copy and one offset copy", id="wrong-combine"),
+    pytest.param(suffix_scan, {}, "is not the inclusive scan", id="suffix-scan"),
+    pytest.param(copy_indexed, {}, "which copies", id="list-indexed-copy"),
+]
+
+
+@pytest.mark.parametrize("fn, kwargs, reason", NEAR_MISSES)
+def test_near_miss_is_left_alone(fn, kwargs, reason):
+    args = make_inputs(16)
+    out, records = compile_and_run(fn, *args, **kwargs)
+    assert counters["ssm"]["scan_assoc"] == 0
+    reasons = [m.reason for r in records for m in r.misses if m.family == "scan_assoc"]
+    assert any(reason in r for r in reasons), reasons
+    with torch.no_grad():
+        assert rel_err(out, fn(*args, **kwargs)) <= 1e-6
+
+
+def pow2_block(x, delta, A, B, C, D):
+    """Powers of two only, no padding: the sweeps' sizes follow L when dynamo makes it symbolic."""
+    Ac = torch.exp(delta.unsqueeze(-1) * A).clone().transpose(1, 2)
+    Xc = (delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)).clone().transpose(1, 2)
+    _up_pairs(Ac, Xc, x.shape[1])
+    _down(Ac, Xc, x.shape[1])
+    return (Xc.transpose(1, 2) @ C.unsqueeze(-1)).squeeze(-1) + D * x
+
+
+def test_symbolic_length_is_a_miss_with_its_reason():
+    """At a second length dynamo recompiles with a symbolic L. The sweeps are proved at every
+    length the graph's guards admit, and the guards here admit lengths whose pair views fail
+    (they are checked when the graph runs, not by its guards): no proof, and the miss says so."""
+    records = []
+    compiled = torch.compile(pow2_block, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    for L in (16, 32):
+        args = make_inputs(L)
+        with torch.no_grad():
+            out = compiled(*args)
+        assert rel_err(out, reference(pow2_block, *args)) <= TOL[torch.float32]
+    assert [r.family for r in records[0].rewrites].count("scan_assoc") == 1
+    reasons = [m.reason for m in records[-1].misses if m.family == "scan_assoc"]
+    assert any(r.startswith("in-place parallel scan: at ") for r in reasons), reasons
+
+
+class ScanFunction(torch.autograd.Function):
+    """The in-place scan with a hand-written backward (as mamba.py's PScan has): (B, L, D, N) in
+    and out, states H_t = A_t H_{t-1} + X_t."""
+
+    @staticmethod
+    def forward(ctx, dA, BX):
+        Ac, Xc, T = _padded_copies(dA, BX)
+        _up(Ac, Xc, T)
+        _down(Ac, Xc, T)
+        H = Xc.transpose(1, 2)[:, :dA.shape[1]]
+        ctx.save_for_backward(dA, H)
+        return H
+
+    @staticmethod
+    def backward(ctx, grad):
+        dA, H = ctx.saved_tensors
+        # dX_t = g_t + A_{t+1} dX_{t+1}, walked backwards; dA_t = dX_t H_{t-1}.
+        dX = torch.empty_like(grad)
+        carry = torch.zeros_like(grad[:, 0])
+        for t in reversed(range(grad.shape[1])):
+            nxt = dA[:, t + 1] if t + 1 < grad.shape[1] else torch.zeros_like(carry)
+            carry = grad[:, t] + nxt * carry
+            dX[:, t] = carry
+        prev = torch.cat([torch.zeros_like(H[:, :1]), H[:, :-1]], dim=1)
+        return dX * prev, dX
+
+
+def function_block(x, delta, A, B, C, D):
+    H = ScanFunction.apply(torch.exp(delta.unsqueeze(-1) * A), delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1))
+    return (H @ C.unsqueeze(-1)).squeeze(-1) + D * x
+
+
+def test_scan_inside_autograd_function_is_left_alone_with_a_reason():
+    """Under grad the Function stays a HOP holding the user's backward: no rewrite, a reason, and
+    eager's forward and gradients."""
+    args = [t.requires_grad_() for t in make_inputs(13)]
+    records = []
+    compiled = torch.compile(function_block, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    out = compiled(*args)
+    ref = function_block(*args)
+    assert rel_err(ref.detach(), reference(block, *args)) <= TOL[torch.float32]   # the Function is right
+    assert rel_err(out, ref) <= 1e-6
+    grad = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, args, grad), torch.autograd.grad(ref, args, grad), strict=True):
+        assert rel_err(got, want) <= 1e-6
+    assert counters["ssm"]["scan_assoc"] == 0
+    reasons = [m.reason for r in records for m in r.misses if m.family == "scan_assoc"]
+    assert any("inside a custom autograd.Function" in r for r in reasons), reasons
+    # Without grad dynamo inlines the forward, and the scan is the op.
+    with torch.no_grad():
+        counters.clear()
+        torch._dynamo.reset()
+        out = torch.compile(function_block, backend=SSMBackend(SSMOptions(inductor=False)))(*args)
+    assert counters["ssm"]["scan_assoc"] == 1
+    assert rel_err(out, reference(block, *args)) <= TOL[torch.float32]
