@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import copy_bandwidth_gbs, event_median_ms, markdown_table, write_out  # noqa: E402
+from common import copy_bandwidth_gbs, event_median_ms, markdown_table, peak_mib, write_out  # noqa: E402
 from test_pass_scan_inplace import block, reference  # noqa: E402
 
 
@@ -34,15 +34,6 @@ def inputs(batch, L, dim, n, dtype):
     C = torch.randn(batch, L, n, device="cuda", generator=g)
     D = torch.randn(dim, device="cuda", generator=g)
     return tuple(t.to(dtype) for t in (x, delta, A, B, C, D))
-
-
-def peak_mb(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def main():
@@ -69,13 +60,13 @@ def main():
             err = ((out.double().cpu() - ref).norm() / ref.norm()).item() if ref is not None else float("nan")
             with torch.no_grad():
                 ms = event_median_ms(lambda: fn(*xs), warmup=3, iters=15)
-                mb = peak_mb(lambda: fn(*xs))
+                mb = peak_mib(lambda: fn(*xs))
             rows.append([L, name, ms, compile_s, mb, f"{err:.2e}"])
             print(rows[-1], flush=True)
     gbs = copy_bandwidth_gbs()
     text = (f"batch {args.batch}, dim {args.dim}, N {args.n}, fp32, {torch.cuda.get_device_name()}, "
             f"torch {torch.__version__}; copy bandwidth {gbs:.0f} GB/s\n\n"
-            + markdown_table(["L", "backend", "ms", "compile s", "peak MB", "rel err vs fp64 loop"], rows))
+            + markdown_table(["L", "backend", "ms", "compile s", "peak MiB", "rel err vs fp64 loop"], rows))
     write_out("bench_inplace_scan.md", text)
 
 

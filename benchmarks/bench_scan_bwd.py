@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth_gbs, event_median_ms, graph_ms, markdown_table, median_ms, write_out  # noqa: E402
+from common import copy_bandwidth_gbs, event_median_ms, graph_ms, markdown_table, median_ms, peak_mib, write_out  # noqa: E402
 
 from ssm_compile.kernels.selective_scan.triton_bwd import choose_tiles, selective_scan_bwd  # noqa: E402
 
@@ -87,15 +87,6 @@ def bwd_call(x, dy, **tiles):
         dy, None, x["u"], x["delta"], x["A"], B4, C4, x["D"], x["z"], x["delta_bias"], True, None,
         tiles=tiles or None,
     )
-
-
-def peak_mib(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 # --- baselines ----------------------------------------------------------------------------

@@ -62,6 +62,16 @@ def sm_clock_ghz() -> float:
         return 1.98
 
 
+def peak_mib(fn) -> float:
+    """MiB allocated at the peak of one call of ``fn``, above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

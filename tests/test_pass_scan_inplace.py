@@ -58,12 +58,18 @@ def _padded_copies(dA, BX):
     return A.transpose(1, 2), X.transpose(1, 2), T
 
 
+def _copies(x, delta, A, B):
+    return _padded_copies(torch.exp(delta.unsqueeze(-1) * A), delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1))
+
+
+def _readout(Xc, x, C, D):
+    return (Xc.transpose(1, 2)[:, :x.shape[1]] @ C.unsqueeze(-1)).squeeze(-1) + D * x
+
+
 def block(x, delta, A, B, C, D, sweep="slices", tamper=None):
     """A mamba.py-style selective scan in (batch, L, dim) with an in-place parallel scan."""
     L = x.shape[1]
-    dA = torch.exp(delta.unsqueeze(-1) * A)
-    BX = delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
-    Ac, Xc, T = _padded_copies(dA, BX)
+    Ac, Xc, T = _copies(x, delta, A, B)
     (_up if sweep == "slices" else _up_pairs)(Ac, Xc, T)
     if tamper == "reset":
         Xc[:, :, 2].zero_()
@@ -77,9 +83,7 @@ def block(x, delta, A, B, C, D, sweep="slices", tamper=None):
 
 def wrong_combine(x, delta, A, B, C, D):
     # Each right child adds its left sibling scaled by the *left* decay: not the recurrence.
-    L = x.shape[1]
-    Ac, Xc, T = _padded_copies(torch.exp(delta.unsqueeze(-1) * A),
-                               delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1))
+    Ac, Xc, T = _copies(x, delta, A, B)
     s = 1
     while s < T:
         right, left = slice(2 * s - 1, T, 2 * s), slice(s - 1, T, 2 * s)
@@ -87,37 +91,30 @@ def wrong_combine(x, delta, A, B, C, D):
         Ac[:, :, right].mul_(Ac[:, :, left])
         s *= 2
     _down(Ac, Xc, T)
-    y = (Xc.transpose(1, 2)[:, :L] @ C.unsqueeze(-1)).squeeze(-1)
-    return y + D * x
+    return _readout(Xc, x, C, D)
 
 
 def suffix_scan(x, delta, A, B, C, D):
     # The mirror image (h_t from the steps after t, as a reverse scan's backward uses).
-    L = x.shape[1]
-    Ac, Xc, T = _padded_copies(torch.exp(delta.unsqueeze(-1) * A),
-                               delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1))
+    Ac, Xc, T = _copies(x, delta, A, B)
     s = 1
     while s < T:
         lo, hi = slice(0, T, 2 * s), slice(s, T, 2 * s)
         Xc[:, :, lo].add_(Ac[:, :, lo] * Xc[:, :, hi])
         Ac[:, :, lo].mul_(Ac[:, :, hi])
         s *= 2
-    y = (Xc.transpose(1, 2)[:, :L] @ C.unsqueeze(-1)).squeeze(-1)
-    return y + D * x
+    return _readout(Xc, x, C, D)
 
 
 def copy_indexed(x, delta, A, B, C, D):
     # The first level's update goes through list indexing, which copies: in eager it changes
     # nothing, so the states are not the scan, and a proof that took it for a view would be wrong.
-    L = x.shape[1]
-    Ac, Xc, T = _padded_copies(torch.exp(delta.unsqueeze(-1) * A),
-                               delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1))
+    Ac, Xc, T = _copies(x, delta, A, B)
     odd, even = list(range(1, T, 2)), slice(0, T, 2)
     Xc[:, :, odd].add_(Ac[:, :, 1::2] * Xc[:, :, even])
     _up(Ac, Xc, T)
     _down(Ac, Xc, T)
-    y = (Xc.transpose(1, 2)[:, :L] @ C.unsqueeze(-1)).squeeze(-1)
-    return y + D * x
+    return _readout(Xc, x, C, D)
 
 
 def make_inputs(L, dtype=torch.float32, seed=0):
