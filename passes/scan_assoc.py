@@ -349,12 +349,15 @@ class _Interpreter:
     # -- transfer functions ---------------------------------------------------------------
     def _concrete(self, x: Any) -> Any:
         """``x`` with its symbolic sizes (SymInts, or nodes computing them) evaluated at
-        ``self.lengths``; unchanged without an assignment."""
-        if self.lengths is None:
-            return x
+        ``self.lengths``. Without an assignment only the sizes the shape environment has pinned
+        to a number become ints (torch 2.11 leaves such SymInts in checkpoint bodies); the
+        rest stay as they are."""
         if isinstance(x, (list, tuple)):
             return type(x)(self._concrete(e) for e in x)
         v = val(x) if isinstance(x, torch.fx.Node) else x
+        if self.lengths is None:
+            pinned = v.node.maybe_as_int() if isinstance(v, torch.SymInt) else None
+            return x if pinned is None else pinned
         if isinstance(v, torch.SymInt):
             size = v.node.expr.xreplace(self.lengths)
             if not size.is_Integer:
