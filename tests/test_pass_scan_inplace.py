@@ -9,10 +9,13 @@ that is not the inclusive scan: a suffix scan, a missing level, a reset, a wrong
 import pytest
 import torch
 import torch.nn.functional as F
+from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
-from utils import TOL, rel_err
+from utils import TOL, compile_with_passes, rel_err
 
 from ssm_compile.compiler import SSMBackend, SSMOptions
+from ssm_compile.passes import scan_assoc, scan_loop
+from ssm_compile.passes.fx_utils import normalized_graph_str
 
 BATCH, DIM, N = 2, 3, 4
 
@@ -273,3 +276,29 @@ def test_scan_inside_autograd_function_is_left_alone_with_a_reason():
         out = torch.compile(function_block, backend=SSMBackend(SSMOptions(inductor=False)))(*args)
     assert counters["ssm"]["scan_assoc"] == 1
     assert rel_err(out, reference(block, *args)) <= TOL[torch.float32]
+
+
+def test_snapshot_in_place_scan():
+    """scan_loop and scan_assoc alone: the copies, sweeps and states give way to one op reading
+    the sources in (batch, dim, L) views; the D skip stays for the tail pass."""
+    with torch.no_grad():
+        cap, _ = compile_with_passes(block, *make_inputs(12), passes=(scan_loop, scan_assoc))
+    assert [(r.family, r.pattern) for r in cap.ctx.rewrites][0] == ("scan_assoc", "parallel scan (in place)")
+    assert_expected_inline(normalized_graph_str(cap.gm), """\
+%L_A_ = placeholder
+%L_B_ = placeholder
+%L_C_ = placeholder
+%L_D_ = placeholder
+%L_delta_ = placeholder
+%L_x_ = placeholder
+%permute_1 = .permute(%L_x_, (0, 2, 1))
+%permute_2 = .permute(%L_delta_, (0, 2, 1))
+%permute_3 = .permute(%L_C_, (0, 2, 1))
+%permute_4 = .permute(%L_B_, (0, 2, 1))
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%permute_1, %permute_2, %L_A_, %permute_4, %permute_3, None, None, None, False, None, False)
+%getitem_1 = operator.getitem(%selective_scan_1, 0)
+%permute_5 = .permute(%getitem_1, (0, 2, 1))
+%mul_1 = operator.mul(%L_D_, %L_x_)
+%add_1 = operator.add(%permute_5, %mul_1)
+return (%add_1,)
+""")
