@@ -418,7 +418,12 @@ class _Interpreter:
         if node.op in ("call_function", "call_method") and mutates(node):
             raise _Fail(f"{node.name} writes the scan's buffers with {node.target}, which is not "
                         "a linear-recurrence update")
-        # Anything else reads the tracked value as a finished tensor: an exit of the scan.
+        return self._exit(node, group)
+
+    def _exit(self, node: torch.fx.Node, group: _Group) -> None:
+        """``node`` reads the tracked values it takes as finished tensors: the scan's outputs.
+        What they hold now is kept; it may return an alias of a buffer (``contiguous()``,
+        ``.float()`` of fp32), so ``_states`` refuses any update of the buffers after it."""
         for a in node.all_input_nodes:
             v = self.values.get(a)
             if v is not None:
@@ -444,7 +449,10 @@ class _Interpreter:
         op = algebra.mul if is_mul else algebra.add
         return [op(x.buffer.items[p], y.buffer.items[q]) for p, q in zip(pos_x, pos_y)]
 
-    def _binary(self, node: torch.fx.Node, group: _Group, views: list[Optional[_View]]) -> _View:
+    def _binary(self, node: torch.fx.Node, group: _Group, views: list[Optional[_View]]) -> Optional[_View]:
+        if len(node.args) == 2 and not node.kwargs and sum(v is not None for v in views) == 1:
+            # A product with something else (the readout's ``hs * C``) reads the buffer as it is.
+            return self._exit(node, group)
         x, y = self._operands(node, views)
         is_mul = is_method(node, "mul") or is_call(node, *_MUL)
         return self._temp(x, self._combine(node, group, x, y, is_mul), group)
@@ -456,6 +464,13 @@ class _Interpreter:
         positions = _geometry(x, self.t_axis)[1]
         if len(set(positions)) != len(positions):
             raise _Fail(f"{node.name} writes one time position of the scan's buffers twice")
+        if y.buffer is x.buffer:
+            # ``A[s:].mul_(A[:-s])`` reads positions it writes at other indices. Torch refuses
+            # only some such overlaps; where it does not, eager reads values already updated in
+            # an order set by memory layout, not the values before the update assumed here.
+            written = {p: i for i, p in enumerate(positions)}
+            if any(written.get(q, j) != j for j, q in enumerate(_geometry(y, self.t_axis)[1])):
+                raise _Fail(f"{node.name} reads positions of the scan's buffer that it also writes")
         for p, e in zip(positions, results):
             x.buffer.items[p] = e
         group.written.add(id(x.buffer))
@@ -489,11 +504,24 @@ def _states(group: _Group, concrete: Callable[[Any], Any]) -> InplaceScan | str:
     roles = group.roles
     if sorted(roles.values()) != ["a", "b"] or len(group.seeds) != 2:
         return "the in-place scan does not update exactly one multiplier copy and one offset copy"
+    if not group.exits:
+        return "nothing reads the in-place scan's states"
     inside = set(group.nodes)
+    order = {n: i for i, n in enumerate(group.seeds[0].graph.nodes)}
+    first_read = min(order[user] for user, _, _, _ in group.exits)
+    late = [n for n in group.nodes if mutates(n) and order[n] > first_read]
+    if late:
+        return (f"{late[0].name} updates the scan's buffers after they are read outside it (the read may "
+                "be an alias that sees the update)")
     read = {a for _, a, _, _ in group.exits}
-    if len(read) != 1:
-        return f"the in-place scan's buffers are read outside it through {len(read)} values; expected the states alone"
-    (states,) = read
+    # The states, and possibly views of them taken off their time axis (``hs[:, -1]``, the last
+    # state), which the rewrite checks as it does the states' other users.
+    roots = [a for a in read if not (a.args and a.args[0] in read)]
+    if len(roots) != 1:
+        return f"the in-place scan's buffers are read outside it through {len(roots)} values; expected the states alone"
+    (states,) = roots
+    if any(a is not states and a.args[0] is not states for a in read):
+        return "the in-place scan's buffers are read through views of views of the states"
     seed = {r: s for s, r in roles.items()}
     b_full = group.sources[group.seeds.index(seed["b"])]
     a_full = group.sources[group.seeds.index(seed["a"])]
@@ -501,14 +529,16 @@ def _states(group: _Group, concrete: Callable[[Any], Any]) -> InplaceScan | str:
     # Axis k of the states must walk axis k of the copies (B_full's layout), time at every step.
     layout = tuple(k if size > 1 else None for k, size in enumerate(shape))
     want = [("b", 0, t, t) for t in range(shape[group.t_axis])]
-    for user, _, axes, items in group.exits:
+    for user, src, axes, items in group.exits:
+        if src is not states:
+            continue
         if axes != layout or concrete(tuple(shape_of(states))) != shape:
             return "the in-place scan's states are not laid out as B_full"
         if [_Algebra(group).norm(e) for e in items] != want:
             return (f"what {user.name} reads of the in-place scan is not the inclusive scan of "
                     "(A_full, B_full) at every step")
     for n in group.nodes:
-        if n is not states and any(u not in inside for u in n.users):
+        if n not in read and any(u not in inside for u in n.users):
             return f"{n.name}, an intermediate of the in-place scan, is used outside it"
     return InplaceScan(a_full, b_full, group.t_axis, states, group.nodes)
 

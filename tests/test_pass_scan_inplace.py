@@ -69,8 +69,9 @@ def _readout(Xc, x, C, D):
     return (Xc.transpose(1, 2)[:, :x.shape[1]] @ C.unsqueeze(-1)).squeeze(-1) + D * x
 
 
-def block(x, delta, A, B, C, D, sweep="slices", tamper=None):
-    """A mamba.py-style selective scan in (batch, L, dim) with an in-place parallel scan."""
+def block(x, delta, A, B, C, D, sweep="slices", tamper=None, readout="matmul", last_state=False):
+    """A mamba.py-style selective scan in (batch, L, dim) with an in-place parallel scan; the
+    readout by matmul or by product and sum, optionally with the last state returned too."""
     L = x.shape[1]
     Ac, Xc, T = _copies(x, delta, A, B)
     (_up if sweep == "slices" else _up_pairs)(Ac, Xc, T)
@@ -80,8 +81,15 @@ def block(x, delta, A, B, C, D, sweep="slices", tamper=None):
     hs = Xc.transpose(1, 2)[:, :L]
     if tamper == "lagged":
         hs = torch.cat([torch.zeros_like(hs[:, :1]), hs[:, :-1]], dim=1)
-    y = (hs @ C.unsqueeze(-1)).squeeze(-1)
-    return y + D * x
+    if tamper == "write-after-read":
+        # contiguous() of a contiguous tensor is the tensor itself: the update below reaches h.
+        hs = hs.contiguous()
+        Xc[:, :, 3].mul_(Ac[:, :, 3])
+    if readout == "matmul":
+        y = (hs @ C.unsqueeze(-1)).squeeze(-1)
+    else:
+        y = (hs * C.unsqueeze(2)).sum(-1)
+    return (y + D * x, hs[:, -1]) if last_state else y + D * x
 
 
 def wrong_combine(x, delta, A, B, C, D):
@@ -117,6 +125,18 @@ def copy_indexed(x, delta, A, B, C, D):
     Xc[:, :, odd].add_(Ac[:, :, 1::2] * Xc[:, :, even])
     _up(Ac, Xc, T)
     _down(Ac, Xc, T)
+    return _readout(Xc, x, C, D)
+
+
+def overlapping_sweeps(x, delta, A, B, C, D):
+    # Hillis-Steele with each level in place: ``A[s:].mul_(A[:-s])`` reads what it writes. Torch
+    # does not refuse this overlap for these strides, and eager then reads updated values.
+    Ac, Xc, T = _copies(x, delta, A, B)
+    s = 1
+    while s < T:
+        Xc[:, :, s:].add_(Ac[:, :, s:] * Xc[:, :, :-s])
+        Ac[:, :, s:].mul_(Ac[:, :, :-s])
+        s *= 2
     return _readout(Xc, x, C, D)
 
 
@@ -167,6 +187,19 @@ def test_in_place_scan_is_rewritten(sweep, L):
     assert not [m for m in records[0].misses if m.family == "scan_loop"]
 
 
+@pytest.mark.parametrize("readout", ["matmul", "mulsum"])
+def test_last_state_and_product_readout(readout):
+    """mamba.py returning ``hs[:, -1]`` beside y, and the readout as ``(hs * C).sum(-1)``."""
+    args = make_inputs(13)
+    (y, last), records = compile_and_run(block, *args, readout=readout, last_state=True)
+    assert counters["ssm"]["scan_assoc"] == 1, [m.reason for r in records for m in r.misses]
+    (rewrite,) = [r for r in records[0].rewrites if r.family == "scan_assoc"]
+    assert rewrite.decision["last_state"]
+    with torch.no_grad():
+        ref_y, ref_last = block(*(a.double() for a in args), readout=readout, last_state=True)
+    assert rel_err(y, ref_y) <= TOL[torch.float32] and rel_err(last, ref_last) <= TOL[torch.float32]
+
+
 def test_through_inductor():
     args = make_inputs(16)
     with torch.no_grad():
@@ -182,6 +215,9 @@ NEAR_MISSES = [
     pytest.param(wrong_combine, {}, "exactly one multiplier copy and one offset copy", id="wrong-combine"),
     pytest.param(suffix_scan, {}, "is not the inclusive scan", id="suffix-scan"),
     pytest.param(copy_indexed, {}, "which copies", id="list-indexed-copy"),
+    pytest.param(block, {"tamper": "write-after-read"}, "after they are read outside it", id="write-after-read"),
+    pytest.param(overlapping_sweeps, {}, "reads positions of the scan's buffer that it also writes",
+                 id="overlapping-in-place"),
 ]
 
 
