@@ -381,10 +381,7 @@ class _Interpreter:
         # Indexing with lists or bools copies (a write to the copy leaves the buffer as it was),
         # and so does a reshape that cannot view; ``view(dtype)`` reinterprets the bytes.
         if is_call(node, operator.getitem):
-            index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if any(isinstance(i, bool) or not isinstance(i, (int, slice, type(None), type(Ellipsis)))
-                   for i in index):
-                raise _Fail(f"{node.name} indexes the scan's buffers with {args[1]!r}, which copies")
+            _check_basic_index(node, args[1])
         method = node.target if node.op == "call_method" else None
         if method == "reshape" or node.target is torch.reshape:
             out = val(node)
@@ -413,12 +410,47 @@ class _Interpreter:
             return self._apply_view(node, first)
         if is_method(node, "mul_", "add_") or is_call(node, operator.imul, operator.iadd):
             return self._in_place(node, group, views)
+        if is_call(node, operator.setitem) or is_method(node, "copy_"):
+            return self._copy(node, group, views)
         if is_method(node, "mul", "add") or is_call(node, *_MUL, *_ADD):
             return self._binary(node, group, views)
         if node.op in ("call_function", "call_method") and mutates(node):
             raise _Fail(f"{node.name} writes the scan's buffers with {node.target}, which is not "
                         "a linear-recurrence update")
         return self._exit(node, group)
+
+    def _copy(self, node: torch.fx.Node, group: _Group, views: list[Optional[_View]]) -> None:
+        """``x[index] = v`` and ``x.copy_(v)`` from another tracked tensor of the same shape and
+        axes: the entries move. (``x[r] += y`` reaches the graph as an in-place add on the view
+        and a setitem of that view onto itself, which changes nothing.)"""
+        if node.kwargs or len(node.args) != (3 if is_call(node, operator.setitem) else 2):
+            raise _Fail(f"{node.name} writes the scan's buffers with {node.target} in a form the proof does not follow")
+        target, value = views[0], views[-1]
+        if target is None or value is None:
+            raise _Fail(f"{node.name} writes something else than the scan's own values into its buffers")
+        if is_call(node, operator.setitem):
+            index = self.concrete(node.args[1])
+            _check_basic_index(node, index)
+            target = _View(target.buffer, [operator.getitem(c, index) for c in target.coords], group)
+        if target.coords[0].shape != value.coords[0].shape:
+            raise _Fail(f"{node.name} copies a differently shaped value into the scan's buffers")
+        roles_t, pos_t = _geometry(target, self.t_axis)
+        roles_v, pos_v = _geometry(value, self.t_axis)
+        if roles_t != roles_v:
+            raise _Fail(f"{node.name} copies into the scan's buffers with the axes in another order")
+        # No value: the node is part of the scan (erased with it, and a write _states orders).
+        group.nodes.append(node)
+        if value.buffer is target.buffer:
+            if pos_v == pos_t:
+                return None
+            raise _Fail(f"{node.name} copies one part of a scan buffer onto another")
+        if len(set(pos_t)) != len(pos_t):
+            raise _Fail(f"{node.name} writes one time position of the scan's buffers twice")
+        items = [value.buffer.items[q] for q in pos_v]
+        for p, e in zip(pos_t, items):
+            target.buffer.items[p] = e
+        group.written.add(id(target.buffer))
+        return None
 
     def _exit(self, node: torch.fx.Node, group: _Group) -> None:
         """``node`` reads the tracked values it takes as finished tensors: the scan's outputs.
@@ -475,6 +507,14 @@ class _Interpreter:
             x.buffer.items[p] = e
         group.written.add(id(x.buffer))
         return x
+
+
+def _check_basic_index(node: torch.fx.Node, index: Any) -> None:
+    """Indexing by ints, slices, None and Ellipsis makes a view; lists, bools and tensors copy
+    (a write to the copy leaves the buffer as it was), so they are refused."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, bool) or not isinstance(i, (int, slice, type(None), type(Ellipsis))) for i in items):
+        raise _Fail(f"{node.name} indexes the scan's buffers with {index!r}, which copies")
 
 
 def _updated_in_place(seeds: list[torch.fx.Node], limit: int = 10_000) -> bool:

@@ -40,6 +40,26 @@ def _down(A, X, T, skip_last=False):
         s //= 2
 
 
+def _up_setitem(A, X, T):
+    # The same up-sweep with augmented assignment on indexed views (a setitem in the graph).
+    s = 1
+    while s < T:
+        right, left = slice(2 * s - 1, T, 2 * s), slice(s - 1, T, 2 * s)
+        X[:, :, right] += A[:, :, right] * X[:, :, left]
+        A[:, :, right] *= A[:, :, left]
+        s *= 2
+
+
+def _down_copied(A, X, T):
+    # The down-sweep computed out of place, each level copied back into the buffers.
+    s = T // 4
+    while s >= 1:
+        dst, src = slice(3 * s - 1, T, 2 * s), slice(2 * s - 1, T - s, 2 * s)
+        X[:, :, dst].copy_(X[:, :, dst] + A[:, :, dst] * X[:, :, src])
+        A[:, :, dst] = A[:, :, dst] * A[:, :, src]
+        s //= 2
+
+
 def _up_pairs(A, X, T):
     # mamba.py's spelling of the up-sweep: split time into pairs, update the odd half, recurse on it.
     b, d, _, n = X.shape
@@ -74,10 +94,17 @@ def block(x, delta, A, B, C, D, sweep="slices", tamper=None, readout="matmul", l
     readout by matmul or by product and sum, optionally with the last state returned too."""
     L = x.shape[1]
     Ac, Xc, T = _copies(x, delta, A, B)
-    (_up if sweep == "slices" else _up_pairs)(Ac, Xc, T)
+    {"slices": _up, "pairs": _up_pairs, "setitem": _up_setitem, "copied": _up}[sweep](Ac, Xc, T)
     if tamper == "reset":
         Xc[:, :, 2].zero_()
-    _down(Ac, Xc, T, skip_last=tamper == "missing-level")
+    if tamper == "assigned-reset":
+        Xc[:, :, 2] = 0.0
+    if tamper == "shifted-copy":
+        Xc[:, :, 1:3] = Xc[:, :, 0:2].clone()
+    if sweep == "copied":
+        _down_copied(Ac, Xc, T)
+    else:
+        _down(Ac, Xc, T, skip_last=tamper == "missing-level")
     hs = Xc.transpose(1, 2)[:, :L]
     if tamper == "lagged":
         hs = torch.cat([torch.zeros_like(hs[:, :1]), hs[:, :-1]], dim=1)
@@ -171,7 +198,7 @@ def compile_and_run(fn, *args, **kwargs):
     return out, records
 
 
-@pytest.mark.parametrize("sweep", ["slices", "pairs"])
+@pytest.mark.parametrize("sweep", ["slices", "pairs", "setitem", "copied"])
 @pytest.mark.parametrize("L", [2, 8, 13, 32])
 def test_in_place_scan_is_rewritten(sweep, L):
     args = make_inputs(L)
@@ -211,6 +238,10 @@ def test_through_inductor():
 NEAR_MISSES = [
     pytest.param(block, {"tamper": "missing-level"}, "is not the inclusive scan", id="missing-level"),
     pytest.param(block, {"tamper": "reset"}, "writes the scan's buffers with", id="mid-sequence-reset"),
+    pytest.param(block, {"tamper": "assigned-reset"}, "writes something else than the scan's own values",
+                 id="assigned-reset"),
+    pytest.param(block, {"tamper": "shifted-copy"}, "writes something else than the scan's own values",
+                 id="shifted-copy"),
     pytest.param(block, {"tamper": "lagged"}, "read outside it through 2 values", id="lagged-states"),
     pytest.param(wrong_combine, {}, "exactly one multiplier copy and one offset copy", id="wrong-combine"),
     pytest.param(suffix_scan, {}, "is not the inclusive scan", id="suffix-scan"),
