@@ -105,15 +105,20 @@ def last_state_index(node: torch.fx.Node, states: torch.fx.Node, t_axis: int, le
     return True
 
 
-def split_state_users(states: torch.fx.Node, roles: tuple[str, ...], t_axis: int, length: int
+def split_state_users(states: torch.fx.Node, roles: tuple[str, ...], t_axis: int, length: int,
+                      producers: frozenset[torch.fx.Node] = frozenset()
                       ) -> tuple[Readout, list[torch.fx.Node]] | str:
     """Every user of ``states`` must be the one readout Σ_n h·C or a view of the last state:
     nothing else may see the (batch, dim, time, state) tensor the op never materialises.
+    ``producers`` are users that compute the states (an in-place scan's updates of its own
+    buffer), replaced with them.
 
     Returns (the readout, the last-state views) or the reason the states cannot be replaced.
     """
     readouts, lasts = [], []
     for user in states.users:
+        if user in producers:
+            continue
         if last_state_index(user, states, t_axis, length):
             lasts.append(user)
             continue

@@ -575,7 +575,12 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
                  "would accumulate in float32", [all_states])
         return
     roles = disc.b_roles
-    users = split_state_users(all_states, roles, t_axis, length)
+    # An in-place scan's own updates and views of its buffer use the states node too; those
+    # whose every user is in the scan are replaced with it (a view read outside, ``hs[:, -1]``,
+    # is not one of them: it must be a last state).
+    inside = set(scan_nodes)
+    producers = frozenset(n for n in scan_nodes if all(u in inside for u in n.users))
+    users = split_state_users(all_states, roles, t_axis, length, producers)
     if isinstance(users, str):
         ctx.miss("readout", users, [all_states])
         return

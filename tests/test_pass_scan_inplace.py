@@ -119,6 +119,16 @@ def block(x, delta, A, B, C, D, sweep="slices", tamper=None, readout="matmul", l
     return (y + D * x, hs[:, -1]) if last_state else y + D * x
 
 
+def unsliced_block(x, delta, A, B, C, D):
+    """Sweeps along axis 1 of the (batch, L, dim, N) clones themselves (L a power of two), and
+    the readout of the clone itself: the states' other users are the sweeps."""
+    Ac = torch.exp(delta.unsqueeze(-1) * A).clone()
+    Xc = (delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)).clone()
+    _up(Ac.transpose(1, 2), Xc.transpose(1, 2), x.shape[1])
+    _down(Ac.transpose(1, 2), Xc.transpose(1, 2), x.shape[1])
+    return (Xc @ C.unsqueeze(-1)).squeeze(-1) + D * x
+
+
 def wrong_combine(x, delta, A, B, C, D):
     # Each right child adds its left sibling scaled by the *left* decay: not the recurrence.
     Ac, Xc, T = _copies(x, delta, A, B)
@@ -212,6 +222,13 @@ def test_in_place_scan_is_rewritten(sweep, L):
     assert rel_err(out, reference(block, *args)) <= TOL[torch.float32]
     # No stale account of the in-place updates as a loop.
     assert not [m for m in records[0].misses if m.family == "scan_loop"]
+
+
+def test_scan_of_the_clone_itself():
+    args = make_inputs(16)
+    out, records = compile_and_run(unsliced_block, *args)
+    assert counters["ssm"]["scan_assoc"] == 1, [m.reason for r in records for m in r.misses]
+    assert rel_err(out, reference(unsliced_block, *args)) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("readout", ["matmul", "mulsum"])
