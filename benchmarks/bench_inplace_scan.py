@@ -48,7 +48,7 @@ def main():
     rows = []
     for L in args.lens:
         xs = inputs(args.batch, L, args.dim, args.n, torch.float32)
-        ref = reference(block, *(t.cpu() for t in xs)) if L <= 2048 else None
+        ref = reference(*(t.cpu() for t in xs)) if L <= 2048 else None
         for name in args.backends:
             torch._dynamo.reset()
             fn = block if name == "eager" else torch.compile(block, backend=name)

@@ -75,7 +75,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term
 from .fx_utils import (context_refusal, depthwise_weight, is_call, is_cast, is_method, named_args, node_order,
-                       propagate_val, storage_of, target_name, val, written_args)
+                       pinned_int, propagate_val, storage_of, target_name, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -143,20 +143,9 @@ def _same(a: Any, b: Any) -> bool:
     return statically_known_true(a == b)
 
 
-def _as_int(size: Any) -> int | None:
-    """``size`` as a Python int: an int, or a SymInt that the shape environment has already pinned
-    to a number (under ``dynamic=True`` a state's width is a SymInt, which its product with a static
-    weight fixes to the weight's width); None for a size that is really symbolic."""
-    if isinstance(size, int):
-        return size
-    if isinstance(size, torch.SymInt):
-        return size.node.maybe_as_int()  # reads the shape env's replacements; adds no guard
-    return None
-
-
 def _record(size: Any) -> int | str:
     """A size for a rewrite record without guarding on it (``int()`` of a SymInt specializes it)."""
-    n = _as_int(size)
+    n = pinned_int(size)
     return n if n is not None else str(size)
 
 
@@ -1153,7 +1142,7 @@ def match_conv_update(cat: torch.fx.Node) -> dict[str, Any] | None:
 
 def check_conv_update(m: dict[str, Any]) -> str | None:
     """Widths, dtypes, and that the conv state is touched by nothing else; else why not."""
-    W, S = _as_int(m["W"]), m["S"]
+    W, S = pinned_int(m["W"]), m["S"]
     if W is None or not MIN_W <= W <= MAX_W:
         return f"kernel width W={m['W']} unsupported (the op takes {MIN_W} <= W <= {MAX_W})"
     if not statically_known_true(S >= W - 1):
@@ -1270,7 +1259,7 @@ def _shifted_window(cat: Any, is_state) -> dict[str, Any] | None:
         raise Miss(f"the new window keeps conv_state[{first.args[1]!r}], not its last inputs")
     if xv is None or xv.dim() != 3 or not _same(xv.shape[2], 1):
         raise Miss(f"the new window appends {None if xv is None else tuple(xv.shape)}, not one input (batch, dim, 1)")
-    dropped = keep.start + _as_int(S) if keep.start < 0 and _as_int(S) is not None else keep.start
+    dropped = keep.start + pinned_int(S) if keep.start < 0 and pinned_int(S) is not None else keep.start
     if dropped != 1:
         raise Miss(f"the window drops {dropped} old inputs but appends 1 new input")
     return dict(cs=cs, S=S, x=_unsqueezed(x3, -1), x3=x3, reads=[first], window=cat)
@@ -1384,7 +1373,7 @@ def _match_full_window_conv(full: torch.fx.Node, cs: torch.fx.Node, x3: torch.fx
             or not _same(w3.shape[1], 1) or not _same(args.get("groups", 1), dim) or not isinstance(padding, int)
             or _single(args.get("stride", 1)) != 1 or _single(args.get("dilation", 1)) != 1):
         return None
-    W, length = _as_int(w3.shape[2]), _as_int(_tensor(cs).shape[2] + 1)
+    W, length = pinned_int(w3.shape[2]), pinned_int(_tensor(cs).shape[2] + 1)
     if W is None or length is None:
         raise Miss(f"the conv state's width {_tensor(cs).shape[2]} or the kernel's {w3.shape[2]} is a dynamic "
                    "size: the output position whose taps are the last W inputs is not known")
@@ -1467,7 +1456,7 @@ def match_window_update(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) ->
 
 def check_window_update(m: dict[str, Any]) -> str | None:
     """The weight's taps line up with the window, widths and dtypes the op takes; else why not."""
-    S, W, weight = m["S"], _as_int(m["W"]), _tensor(m["weight"])
+    S, W, weight = m["S"], pinned_int(m["W"]), _tensor(m["weight"])
     dim = _tensor(m["cs"]).shape[1]
     if W is None:
         return f"kernel width W={m['W']} is not a static size"

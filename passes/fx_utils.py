@@ -295,6 +295,18 @@ def normalized_graph_str(gm: torch.fx.GraphModule | torch.fx.Graph, with_meta: b
     return "\n".join(lines) + "\n"
 
 
+def pinned_int(size: Any) -> int | None:
+    """``size`` as a Python int: an int, or a SymInt that the shape environment has already pinned
+    to a number (under dynamic shapes a size that a static one fixes, e.g. a conv window's width
+    by its product with a static weight; torch 2.11 also leaves such SymInts in checkpoint
+    bodies); None for a size that is really symbolic. Reading it adds no guard."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()
+    return None
+
+
 def time_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
     """``(base, axis, index)`` if ``node`` selects one index along one axis of ``base``.
 

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
 from .fx_utils import (HOIST_BLOCKED, ContextRegions, dtype_of, hoist_before, is_call, is_method, mutates, node_order,
-                       shape_of, val)
+                       pinned_int, shape_of, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
@@ -356,7 +356,7 @@ class _Interpreter:
             return type(x)(self._concrete(e) for e in x)
         v = val(x) if isinstance(x, torch.fx.Node) else x
         if self.lengths is None:
-            pinned = v.node.maybe_as_int() if isinstance(v, torch.SymInt) else None
+            pinned = pinned_int(v) if isinstance(v, torch.SymInt) else None
             return x if pinned is None else pinned
         if isinstance(v, torch.SymInt):
             size = v.node.expr.xreplace(self.lengths)
@@ -554,14 +554,13 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
 
 def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.Node, b_full: torch.fx.Node,
                    t_axis: int, all_states: torch.fx.Node, scan_nodes: list[torch.fx.Node], pattern: str,
-                   decision: dict[str, Any], dead: list[torch.fx.Node] = (),
-                   written: frozenset[torch.fx.Node] = frozenset()) -> None:
+                   decision: dict[str, Any], dead: list[torch.fx.Node] = ()) -> None:
     """Replace ``all_states`` (the inclusive scan of (a_full, b_full) along ``t_axis``, in
     b_full's layout, computed by ``scan_nodes``) and its readout with one ``ssm.selective_scan``.
 
-    ``dead`` are other outputs of the scan that nothing uses (erased with it). ``written`` are the
-    scan's own in-place updates (an in-place parallel scan writes the buffer the states are a
-    view of); any other write to what the op would read is refused.
+    ``dead`` are other outputs of the scan that nothing uses (erased with it). The scan's own
+    in-place updates (an in-place parallel scan writes the buffer the states are a view of) go
+    with it; any other write to what the op would read is refused.
     """
     length = shape_of(b_full)[t_axis]
     disc = match_discretization(a_full, b_full, t_axis)
@@ -593,7 +592,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     reads = read_through(list(full), sources, order) | full | sources
     readout_nodes = [readout.end, *readout.chain, *readout.nodes]
     reads |= read_through(readout_nodes, {readout.C, all_states}, order) | set(readout_nodes)
-    if mutated(*reads, all_states, ignore=written):
+    if mutated(*reads, all_states, ignore=frozenset(n for n in scan_nodes if mutates(n))):
         ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)
@@ -754,12 +753,11 @@ def scan_assoc_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if isinstance(found, InplaceMiss):
             ctx.miss(FAMILY, f"in-place parallel scan: {found.reason}", found.seeds)
             continue
-        written = frozenset(n for n in found.nodes if mutates(n))
         decision = {"combine_mode": "in-place"}
         if found.proved_lengths:
             decision["proved_lengths"] = list(found.proved_lengths)
         rewrite_states(gm, ctx, found.a_full, found.b_full, found.t_axis, found.states, found.nodes,
-                       "parallel scan (in place)", decision, written=written)
+                       "parallel scan (in place)", decision)
     _report_scans_in_autograd_functions(gm, ctx)
 
 

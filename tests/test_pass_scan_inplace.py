@@ -188,8 +188,8 @@ def make_inputs(L, dtype=torch.float32, seed=0):
     return tuple(t.to(dtype) for t in (x, delta, A, B, C, D))
 
 
-def reference(fn, *args, **kwargs):
-    """The same scan as a sequential fp64 loop: h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t."""
+def reference(*args):
+    """The inputs' scan as a sequential fp64 loop: h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t."""
     x, delta, A, B, C, D = (t.double() for t in args)
     h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=torch.float64)
     ys = []
@@ -219,7 +219,7 @@ def test_in_place_scan_is_rewritten(sweep, L):
     assert rewrite.pattern == "parallel scan (in place)" and rewrite.decision["L"] == L
     # The buffers, the sweeps and the (batch, L, dim, N) states are gone from the graph.
     assert "add_" not in records[0].after and "selective_scan" in records[0].after
-    assert rel_err(out, reference(block, *args)) <= TOL[torch.float32]
+    assert rel_err(out, reference(*args)) <= TOL[torch.float32]
     # No stale account of the in-place updates as a loop.
     assert not [m for m in records[0].misses if m.family == "scan_loop"]
 
@@ -228,7 +228,7 @@ def test_scan_of_the_clone_itself():
     args = make_inputs(16)
     out, records = compile_and_run(unsliced_block, *args)
     assert counters["ssm"]["scan_assoc"] == 1, [m.reason for r in records for m in r.misses]
-    assert rel_err(out, reference(unsliced_block, *args)) <= TOL[torch.float32]
+    assert rel_err(out, reference(*args)) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("readout", ["matmul", "mulsum"])
@@ -249,7 +249,7 @@ def test_through_inductor():
     with torch.no_grad():
         out = torch.compile(block, backend="ssm", fullgraph=True)(*args)
     assert counters["ssm"]["scan_assoc"] == 1
-    assert rel_err(out, reference(block, *args)) <= TOL[torch.float32]
+    assert rel_err(out, reference(*args)) <= TOL[torch.float32]
 
 
 NEAR_MISSES = [
@@ -299,7 +299,7 @@ def test_symbolic_length_is_a_miss_with_its_reason():
         args = make_inputs(L)
         with torch.no_grad():
             out = compiled(*args)
-        assert rel_err(out, reference(pow2_block, *args)) <= TOL[torch.float32]
+        assert rel_err(out, reference(*args)) <= TOL[torch.float32]
     assert [r.family for r in records[0].rewrites].count("scan_assoc") == 1
     reasons = [m.reason for m in records[-1].misses if m.family == "scan_assoc"]
     assert any(r.startswith("in-place parallel scan: at ") for r in reasons), reasons
@@ -345,7 +345,7 @@ def test_scan_inside_autograd_function_is_left_alone_with_a_reason():
     compiled = torch.compile(function_block, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
     out = compiled(*args)
     ref = function_block(*args)
-    assert rel_err(ref.detach(), reference(block, *args)) <= TOL[torch.float32]   # the Function is right
+    assert rel_err(ref.detach(), reference(*args)) <= TOL[torch.float32]   # the Function is right
     assert rel_err(out, ref) <= 1e-6
     grad = torch.randn_like(ref)
     for got, want in zip(torch.autograd.grad(out, args, grad), torch.autograd.grad(ref, args, grad), strict=True):
@@ -359,7 +359,7 @@ def test_scan_inside_autograd_function_is_left_alone_with_a_reason():
         torch._dynamo.reset()
         out = torch.compile(function_block, backend=SSMBackend(SSMOptions(inductor=False)))(*args)
     assert counters["ssm"]["scan_assoc"] == 1
-    assert rel_err(out, reference(block, *args)) <= TOL[torch.float32]
+    assert rel_err(out, reference(*args)) <= TOL[torch.float32]
 
 
 def test_snapshot_in_place_scan():
