@@ -25,8 +25,13 @@ def dim_innermost(t: torch.Tensor) -> bool:
 
 
 def empty_activation(ref: torch.Tensor) -> torch.Tensor:
-    """A new dense tensor of ``ref``'s (batch, dim, L) shape and dtype, in ``ref``'s layout (see above)."""
+    """A new dense tensor of ``ref``'s (batch, dim, L) shape and dtype, in ``ref``'s layout (see above).
+
+    Allocated with its strides rather than as a transpose: an op output that is a view counts, for
+    autograd, as one of several views a function returned, and the caller's in-place write to it
+    (``ys[:, 3] = 0`` on the buffer the op's y replaced) would raise.
+    """
     batch, dim, seqlen = ref.shape
     if dim_innermost(ref):
-        return torch.empty((batch, seqlen, dim), dtype=ref.dtype, device=ref.device).transpose(1, 2)
+        return torch.empty_strided((batch, dim, seqlen), (seqlen * dim, 1, dim), dtype=ref.dtype, device=ref.device)
     return torch.empty((batch, dim, seqlen), dtype=ref.dtype, device=ref.device)

@@ -516,44 +516,111 @@ def view_source(node: torch.fx.Node, roles: Sequence[str]) -> Source:
     return Source(t.factors[0].node, tuple(role[lab] for lab in leaf))
 
 
+def _unit_axis_source(node: Any) -> tuple[torch.fx.Node, list[int]] | None:
+    """``x`` and the positions j at which ``node`` is ``x`` with one size-1 axis inserted:
+    ``x.unsqueeze(j)``, ``x[:, :, None]``, or a ``view`` / ``reshape`` whose shape only adds a 1.
+
+    A view may admit several j (next to another size-1 axis); they give the same values, so the
+    caller may take whichever fits its roles.
+    """
+    if not isinstance(node, torch.fx.Node) or not node.args:
+        return None
+    x = node.args[0]
+    if not (isinstance(x, torch.fx.Node) and isinstance(val(x), torch.Tensor)
+            and isinstance(val(node), torch.Tensor)):
+        return None
+    rank = val(x).dim()
+    if (is_call(node, torch.unsqueeze) or is_method(node, "unsqueeze")) and len(node.args) == 2:
+        j = node.args[1]
+        return (x, [j % (rank + 1)]) if isinstance(j, int) else None
+    if is_call(node, operator.getitem):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if index.count(None) != 1 or index.count(Ellipsis) > 1:
+            return None
+        if Ellipsis in index:
+            e = index.index(Ellipsis)
+            index = index[:e] + (slice(None),) * (rank + 1 - len(index)) + index[e + 1:]
+        full = slice(None)
+        if len(index) > rank + 1 or any(i is not None and i != full for i in index):
+            return None
+        return x, [index.index(None)]
+    if is_method(node, "reshape", "view") or is_call(node, torch.reshape):
+        xs, vs = val(x).shape, val(node).shape
+        if len(vs) != rank + 1:
+            return None
+        js = [j for j in range(rank + 1) if statically_known_true(vs[j] == 1)
+              and all(statically_known_true(a == b) for a, b in zip(xs, vs[:j] + vs[j + 1:]))]
+        return (x, js) if js else None
+    return None
+
+
+def _broadcast_unit_axis(node: Any) -> tuple[torch.fx.Node, list[int]] | None:
+    """``node`` broadcasts one inserted size-1 axis of a tensor to H copies, as ``expand``,
+    ``broadcast_to``, or ``repeat`` / ``tile`` with every other count 1 (a copy, the same
+    values): the inserting node's source and the candidate positions of that axis."""
+    if not isinstance(node, torch.fx.Node) or not node.args:
+        return None
+    inner = node.args[0]
+    unit = _unit_axis_source(inner)
+    if unit is None:
+        return None
+    if is_method(node, "expand") or is_call(node, torch.broadcast_to):
+        # expand may only grow size-1 axes; the inserted one is among them, and the reshape's
+        # shape check pins which axes grew.
+        return unit
+    if is_method(node, "repeat", "tile"):
+        reps = node.args[1:]
+        if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)):
+            reps = tuple(reps[0])
+        if node.kwargs or len(reps) != val(inner).dim():
+            return None
+        x, js = unit
+        ones = [i for i, r in enumerate(reps) if statically_known_true(val(r) == 1)]
+        js = [j for j in js if set(ones) >= set(range(len(reps))) - {j}]
+        return (x, js) if js else None
+    return None
+
+
 def _expand_reshape_group(node: torch.fx.Node, roles: Sequence[str]) -> Source | None:
-    """Undo einops' ``repeat(x, "b g n l -> b (g h) n l")``, which dynamo traces as
-    ``x.unsqueeze(k + 1).expand(..., H, ...).reshape(..., G * H, ...)`` (mamba_ssm's
-    ``selective_scan_ref`` spells grouped B/C this way).
+    """Undo a group broadcast spelled as a new axis: einops' ``repeat(x, "b g n l -> b (g h) n l")``,
+    which dynamo traces as ``x.unsqueeze(k + 1).expand(..., H, ...).reshape(..., G * H, ...)``
+    (mamba_ssm's ``selective_scan_ref``), and VMamba's ``selective_scan_torch``,
+    ``B.view(b, K, 1, N, L).repeat(1, 1, H, 1, 1).view(b, K * H, N, L)``; any mix of the
+    insertion, broadcast and merge spellings that ``_unit_axis_source``, ``_broadcast_unit_axis``
+    and a row-major reshape / flatten admit.
 
     Only the new axis right *after* the group axis k gives channel d = g·H + h, i.e. group d // H;
     the op's rule. ``"(h g)"`` (the new axis before k) tiles the groups, channel d reading group
     d % G: a different function, so it is refused here.
     """
-    if not ((is_method(node, "reshape", "view") or is_call(node, torch.reshape)) and node.args):
+    if not ((is_method(node, "reshape", "view", "flatten") or is_call(node, torch.reshape, torch.flatten))
+            and node.args):
         return None
     expand = node.args[0]
-    if not (is_method(expand, "expand") and isinstance(expand, torch.fx.Node)):
+    found = _broadcast_unit_axis(expand)
+    if found is None:
         return None
-    unsq = expand.args[0]
-    if not ((is_call(unsq, torch.unsqueeze) or is_method(unsq, "unsqueeze")) and len(unsq.args) == 2):
-        return None
-    x, j = unsq.args
-    if not (isinstance(x, torch.fx.Node) and isinstance(j, int) and isinstance(val(x), torch.Tensor)):
-        return None
+    x, js = found
+    # A row-major reshape is determined by its target shape alone, so checking the shapes below
+    # checks the merge, whichever op spelled it.
     xs, es, out = val(x).shape, val(expand).shape, val(node).shape
     if len(xs) != len(roles) or len(out) != len(roles) or len(es) != len(xs) + 1:
         return None
-    j %= len(es)
-    k = j - 1
-    if k < 0 or roles[k] != "d":
-        return None
-    # Only the new axis is broadcast; the reshape keeps every other axis and merges (G, H) into
-    # one, which for a row-major reshape with the same leading and trailing sizes is exactly the
-    # merge of axes k and k + 1.
-    if not all(statically_known_true(es[i if i < j else i + 1] == xs[i]) for i in range(len(xs))):
-        return None
-    if not all(statically_known_true(out[i] == xs[i]) for i in range(len(xs)) if i != k):
-        return None
-    if not statically_known_true(out[k] == xs[k] * es[j]):
-        return None
-    g_roles = tuple(roles[:k]) + ("g",) + tuple(roles[k + 1:])
-    return view_source(x, g_roles)
+    for j in js:
+        k = j - 1
+        if k < 0 or roles[k] != "d":
+            continue
+        # Only the new axis is broadcast; the reshape keeps every other axis and merges (G, H)
+        # into one.
+        if not all(statically_known_true(es[i if i < j else i + 1] == xs[i]) for i in range(len(xs))):
+            continue
+        if not all(statically_known_true(out[i] == xs[i]) for i in range(len(xs)) if i != k):
+            continue
+        if not statically_known_true(out[k] == xs[k] * es[j]):
+            continue
+        g_roles = tuple(roles[:k]) + ("g",) + tuple(roles[k + 1:])
+        return view_source(x, g_roles)
+    return None
 
 
 def grouped_source(node: torch.fx.Node, roles: Sequence[str]) -> Source | None:

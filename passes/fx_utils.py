@@ -559,6 +559,29 @@ def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or rank.get(dst, 0) > rank.get(src, 0)
 
 
+def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any]) -> str | None:
+    """Why an op that reads ``inputs`` cannot replace ``nodes``: one of them rounds, or None.
+
+    The ops keep fp32 states (fp64 ones for fp64 inputs) and round once, at their outputs. A
+    narrowing cast among the nodes they replace is a rounding the op does not make. It is
+    accepted only when its dtype holds every value of the op's narrowest floating input: HF's
+    ``ssm_state.to(dtype)`` in a bf16 model, whose inputs are bf16 already, rounds no finer than
+    the inputs were, and the op's fp32 state is at least as accurate as the program's. Rounding
+    finer than that (``h = h.bfloat16()`` each step of an fp32 loop, ``bf16(Δ·B)`` there) is the
+    program's function, which the op would change.
+    """
+    floats = [d for d in (dtype_of(n) for n in inputs) if d in _FLOAT_DTYPES]
+    for n in nodes:
+        if not is_cast(n):
+            continue
+        src, dst = dtype_of(n.args[0]), dtype_of(n)
+        if is_lossless_cast(src, dst) or any(is_lossless_cast(f, dst) for f in floats):
+            continue
+        return (f"{n.name} rounds {src} to {dst}, finer than the op's inputs "
+                f"({', '.join(sorted({str(f) for f in floats}))}): the op keeps its states unrounded")
+    return None
+
+
 def _dims(args: Sequence[Any]) -> list[int]:
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
         return list(args[0])

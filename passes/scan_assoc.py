@@ -53,7 +53,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
-from .fx_utils import (HOIST_BLOCKED, ContextRegions, dtype_of, hoist_before, is_call, is_method, mutates, node_order,
+from .fx_utils import (HOIST_BLOCKED, ContextRegions, dropped_rounding, dtype_of, hoist_before, is_call, is_method, mutates, node_order,
                        pinned_int, shape_of, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
@@ -600,6 +600,10 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     # readout ran under.
     graph = gm.graph
     replaced = [*scan_nodes, *disc.nodes, *readout_nodes, *lasts, all_states]
+    refusal = dropped_rounding([*replaced, *reads], [disc.u.node, disc.delta.node, disc.B.node, readout.C])
+    if refusal is not None:
+        ctx.miss(FAMILY, refusal, [all_states])
+        return
     refusal = ContextRegions(graph).refusal(replaced, anchor)
     if refusal is not None:
         ctx.miss(FAMILY, refusal, [all_states])

@@ -54,6 +54,7 @@ from .fx_utils import (
     named_args,
     storage_of,
     is_call,
+    dropped_rounding,
     is_cast,
     is_method,
     mutates,
@@ -1134,6 +1135,9 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     # The op must run under the grad mode / autocast / functorch state the loop ran under.
     regions = ContextRegions(graph)
     replaced = [*m.loop_nodes, *d.nodes, *m.out.writes]
+    rounding = dropped_rounding(replaced, [d.u.node, d.delta.node, d.B.node, m.C.node])
+    if rounding is not None:
+        return rounding
     anchor = regions.settle(anchor, replaced)
     refusal = regions.refusal(replaced, anchor)
     if refusal is not None:

@@ -305,8 +305,52 @@ def test_einops_grouped_B_C_reach_the_op_as_the_users_groups():
     assert not any(n.op == "call_method" and n.target == "reshape" for n in cap.gm.graph.nodes)
 
 
+def vmamba_groups(t, heads):
+    """VMamba's ``selective_scan_torch``: a unit axis by ``view``, copies by ``repeat``, merged by ``view``."""
+    b, g, n, length = t.shape
+    return t.view(b, g, 1, n, length).repeat(1, 1, heads, 1, 1).view(b, g * heads, n, length)
+
+
+def none_expand_groups(t, heads):
+    b, g, n, length = t.shape
+    return t[:, :, None].expand(b, g, heads, n, length).reshape(b, g * heads, n, length)
+
+
+def unsqueeze_tile_flatten_groups(t, heads):
+    return t.unsqueeze(2).tile(1, 1, heads, 1, 1).flatten(1, 2)
+
+
+def vmamba_groups_tiled(t, heads):
+    """The same ops with the copies before the groups: channel d reads group d % G."""
+    b, g, n, length = t.shape
+    return t.view(b, 1, g, n, length).repeat(1, heads, 1, 1, 1).view(b, g * heads, n, length)
+
+
+@pytest.mark.parametrize("spelling", [vmamba_groups, none_expand_groups, unsqueeze_tile_flatten_groups],
+                         ids=["view-repeat-view", "none-expand-reshape", "unsqueeze-tile-flatten"])
+def test_group_broadcast_spellings_reach_the_op_as_the_users_groups(spelling):
+    """Every spelling of "insert an axis after the groups, broadcast it, merge it" is d // H."""
+    def fn(u, delta, A, B, C):
+        H = u.shape[1] // B.shape[1]
+        return grouped_loop(u, delta, A, spelling(B, H), spelling(C, H))
+
+    args = make_grouped_inputs()
+    cap = PassCapture(scan_loop)
+    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    assert [r.family for r in cap.ctx.rewrites] == list(SCAN)
+    assert_close(out, fn(*args))
+    scan = next(n for n in cap.gm.graph.nodes if n.target == torch.ops.ssm.selective_scan.default)
+    assert scan.args[3].name == "l_b_" and scan.args[4].name == "l_c_"
+
+
+def grouped_vmamba_tiled(u, delta, A, B, C):
+    H = u.shape[1] // B.shape[1]
+    return grouped_loop(u, delta, A, vmamba_groups_tiled(B, H), vmamba_groups_tiled(C, H))
+
+
 @pytest.mark.parametrize("fn, reason", [
     pytest.param(grouped_einops_tiled, "per-channel B is only accepted as a group broadcast", id="einops-(h g)"),
+    pytest.param(grouped_vmamba_tiled, "per-channel B is only accepted as a group broadcast", id="repeat-(h g)"),
     pytest.param(grouped_B_tiled_C_interleaved, "per-channel B is only accepted", id="B-tiled-C-interleaved"),
     pytest.param(grouped_B_interleaved_C_tiled, "per-channel C_t is only accepted", id="B-interleaved-C-tiled"),
     pytest.param(grouped_index_mod, "per-channel B is only accepted", id="index-d%G"),

@@ -1,0 +1,132 @@
+"""Rounding the program makes on purpose is part of its function.
+
+The ops keep fp32 states and round once, at their outputs. A narrowing cast inside what an op
+would replace is only folded when it rounds no finer than the op's inputs already are (HF's
+``ssm_state.to(dtype)`` in a bf16 model, ``test_pass_scan_loop.test_hf_loop_low_precision``);
+``h = h.bfloat16()`` each step of an fp32 loop, or a bf16 round trip of Δ·B there, is left
+alone and ``explain`` says which cast rounds. Each case below was rewritten, and its result
+changed by up to 2e-2, before ``fx_utils.dropped_rounding``.
+"""
+import pytest
+import torch
+from torch._higher_order_ops.associative_scan import associative_scan
+
+from ssm_compile.compiler import SSMBackend, SSMOptions
+from test_pass_scan_inplace import _down, _padded_copies, _up
+
+
+def bf16_round_trip(t):
+    return t.bfloat16().float()
+
+
+def loop(dA, dBu, C, state_cast=lambda h: h):
+    h = torch.zeros(dA.shape[0], dA.shape[2], dA.shape[3], dtype=dA.dtype)
+    ys = []
+    for t in range(dA.shape[1]):
+        h = state_cast(dA[:, t] * h + dBu[:, t])
+        ys.append((h * C[:, t, None, :]).sum(-1))
+    return torch.stack(ys, 1)
+
+
+def disc(u, delta, A, B):
+    return torch.exp(delta[..., None] * A), delta[..., None] * B[:, :, None, :] * u[..., None]
+
+
+def state_rounded(cast):
+    def fn(u, delta, A, B, C, D):
+        dA, dBu = disc(u, delta, A, B)
+        return loop(dA, dBu, C, cast) + u * D
+    return fn
+
+
+def dB_rounded_loop(u, delta, A, B, C, D):
+    dA = torch.exp(delta[..., None] * A)
+    dBu = bf16_round_trip(delta[..., None] * B[:, :, None, :]) * u[..., None]
+    return loop(dA, dBu, C) + u * D
+
+
+def dB_rounded_assoc(u, delta, A, B, C, D):
+    dA = torch.exp(delta[..., None] * A)
+    dBu = bf16_round_trip(delta[..., None] * B[:, :, None, :]) * u[..., None]
+    _, h = associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), (dA, dBu), dim=1,
+                            combine_mode="generic")
+    return (h * C[:, :, None, :]).sum(-1) + u * D
+
+
+def dB_rounded_in_place(u, delta, A, B, C, D):
+    """mamba.py's parallel scan on a bf16-rounded copy of Δ·B·u (an fp32 program)."""
+    L = u.shape[1]
+    dA = torch.exp(delta[..., None] * A)
+    BX = bf16_round_trip(delta[..., None] * B[:, :, None, :] * u[..., None])
+    Ac, Xc, T = _padded_copies(dA, BX)
+    _up(Ac, Xc, T)
+    _down(Ac, Xc, T)
+    hs = Xc.transpose(1, 2)[:, :L]
+    return (hs @ C.unsqueeze(-1)).squeeze(-1) + D * u
+
+
+def make_inputs(dtype, L=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, d, n = 2, 4, 3
+    u = torch.randn(b, L, d, generator=g)
+    delta = torch.rand(b, L, d, generator=g) * 0.5 + 0.05
+    A = -(torch.rand(d, n, generator=g) + 0.5)
+    B, C = torch.randn(b, L, n, generator=g), torch.randn(b, L, n, generator=g)
+    D = torch.randn(d, generator=g)
+    return [t.to(dtype) for t in (u, delta, A, B, C, D)]
+
+
+CASES = [
+    pytest.param(state_rounded(lambda h: h.bfloat16()), torch.float32, "rounds torch.float32 to torch.bfloat16",
+                 id="fp32-state-to-bf16"),
+    pytest.param(state_rounded(lambda h: h.half()), torch.float32, "rounds torch.float32 to torch.float16",
+                 id="fp32-state-to-fp16"),
+    pytest.param(state_rounded(bf16_round_trip), torch.float32, "rounds torch.float32 to torch.bfloat16",
+                 id="fp32-state-bf16-round-trip"),
+    pytest.param(state_rounded(lambda h: h.float()), torch.float64, "rounds torch.float64 to torch.float32",
+                 id="fp64-state-to-fp32"),
+    pytest.param(dB_rounded_loop, torch.float32, "rounds torch.float32 to torch.bfloat16", id="loop-dB-rounded"),
+    pytest.param(dB_rounded_assoc, torch.float32, "rounds torch.float32 to torch.bfloat16", id="assoc-dB-rounded"),
+    pytest.param(dB_rounded_in_place, torch.float32, "rounds torch.float32 to torch.bfloat16",
+                 id="in-place-dB-rounded"),
+]
+
+
+@pytest.mark.parametrize("fn, dtype, reason", CASES)
+def test_rounding_the_program_makes_is_kept(fn, dtype, reason):
+    args = make_inputs(dtype)
+    records = []
+    compiled = torch.compile(fn, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    with torch.no_grad():
+        out, ref = compiled(*args), fn(*args)
+    rewrites = [r.family for rec in records for r in rec.rewrites]
+    reasons = [m.reason for rec in records for m in rec.misses]
+    assert not {"scan_loop", "scan_assoc"} & set(rewrites), rewrites
+    assert any(reason in r for r in reasons), reasons
+    # Left alone, the graph runs as written: eager's bits, roundings included.
+    assert torch.equal(out, ref)
+
+
+def test_rounding_no_finer_than_the_inputs_is_folded():
+    """bf16 inputs, fp32 states by promotion, the state rounded back to bf16 for the readout (HF's
+    slow path): the op's unrounded fp32 state is at least as accurate, and it is rewritten."""
+    def fn(u, delta, A, B, C, D):
+        dA = torch.exp(delta[..., None] * A)
+        dBu = delta[..., None].float() * B[:, :, None, :].float() * u[..., None].float()
+        h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
+        ys = []
+        for t in range(u.shape[1]):
+            h = dA[:, t] * h + dBu[:, t]
+            ys.append((h.to(u.dtype) * C[:, t, None, :]).sum(-1))
+        return torch.stack(ys, 1) + u * D
+
+    args = make_inputs(torch.bfloat16)
+    args[2] = args[2].float()  # A = -exp(A_log.float()), as HF computes it
+    records = []
+    compiled = torch.compile(fn, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    with torch.no_grad():
+        out = compiled(*args)
+        exact = fn(*(a.double() for a in args))
+    assert "scan_loop" in [r.family for rec in records for r in rec.rewrites]
+    eager_err = (fn(*args).double() - exact).abs().max()
+    assert (out.double() - exact).abs().max() <= eager_err
