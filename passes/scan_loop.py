@@ -70,7 +70,9 @@ from .manager import PassContext
 from .readout import split_state_users
 
 FAMILY = "scan_loop"
-ONE_STEP = "a one-step loop is left alone"
+ONE_STEP = ("a one-step loop is left alone: the decay is a slice of a tensor with a single time step (a decode "
+            "step, or a sequence stepped one token at a time with each step's values computed on their own, "
+            "which leaves no sequence-long A_full/B_full to scan)")
 NOT_A_CONTRACTION = "the readout is not a contraction of h_t with C_t"
 
 _MUL = (operator.mul, torch.mul)

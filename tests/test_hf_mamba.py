@@ -241,6 +241,7 @@ def test_decode_step_is_rewritten_without_prefill_near_misses():
     # unpadded conv is no causal-conv candidate), and the one-step loop is reported once, not
     # once per product in it.
     from ssm_compile import explain
+    from ssm_compile.passes.scan_loop import ONE_STEP
 
     model = tiny_model(hidden=16, layers=1, state=4, rank=2)
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
@@ -253,5 +254,5 @@ def test_decode_step_is_rewritten_without_prefill_near_misses():
                                               cache_position=torch.tensor([6])).logits,
                          ids[:, -1:], copy.deepcopy(cache))
     assert sorted(r.family for r in report.rewrites) == ["conv_update", "state_update"]
-    assert [(m.family, m.reason) for m in report.misses] == [("scan_loop", "a one-step loop is left alone")]
+    assert [(m.family, m.reason) for m in report.misses] == [("scan_loop", ONE_STEP)]
     assert rel_err(report.output, step_ref) <= TOL[torch.float32]
