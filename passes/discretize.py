@@ -832,7 +832,9 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
         return f"B_full is not a product Δ·B·u (found {n} factors)"
     deltas = [f for f in bt.factors if f.node is fd.node]
     if not deltas:
-        return "B_full does not use the same Δ as A_full"
+        names = ", ".join(f.node.name for f in bt.factors)
+        return (f"B_full is a product of ({names}), none of which is A_full's Δ ({fd.node.name}): not the "
+                "Δ·B·u of the Euler discretisation (exact ZOH's (exp(Δ·A) - 1) / A · B, or another Δ?)")
     b_out = bt.out_labels()
     if len(set(b_out)) != 4:
         return "B_full's axes are not four distinct indices"
