@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import operator
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -102,6 +103,19 @@ def _fake_mode(values: Iterable[Any]):
     return next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
 
 
+class _DropFakeTypeErrorLog(logging.Filter):
+    """FakeTensorMode logs every TypeError an op raises, with its traceback, at ERROR level. An ssm
+    op's fake impl raises one when it refuses inputs (A in bf16); the pass turns that into a
+    near-miss that ``explain`` reports, so the traceback would only look like a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "fake tensor raised TypeError"
+
+
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+_DROP_FAKE_TYPE_ERROR = _DropFakeTypeErrorLog()
+
+
 def propagate_val(node: torch.fx.Node) -> Any:
     """Compute and record ``node``'s fake value by running its target on its inputs' fake values.
 
@@ -114,14 +128,18 @@ def propagate_val(node: torch.fx.Node) -> Any:
     mode = _fake_mode(flat)
     if mode is None:
         raise RuntimeError(f"propagate_val: no fake inputs found for node {node.name!r}")
-    with mode:
-        if node.op == "call_function":
-            out = node.target(*args, **kwargs)
-        elif node.op == "call_method":
-            self_arg, *rest = args
-            out = getattr(self_arg, node.target)(*rest, **kwargs)
-        else:
-            raise RuntimeError(f"propagate_val: cannot run a {node.op} node ({node.name!r})")
+    _FAKE_LOG.addFilter(_DROP_FAKE_TYPE_ERROR)
+    try:
+        with mode:
+            if node.op == "call_function":
+                out = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                self_arg, *rest = args
+                out = getattr(self_arg, node.target)(*rest, **kwargs)
+            else:
+                raise RuntimeError(f"propagate_val: cannot run a {node.op} node ({node.name!r})")
+    finally:
+        _FAKE_LOG.removeFilter(_DROP_FAKE_TYPE_ERROR)
     set_val(node, out)
     return out
 

@@ -276,6 +276,8 @@ BAD_INPUTS = {  # name: (inputs, error, message regex)
         r"^initial_state: expected dtype",
     ),
     "bias-device": (_bad(bias=torch.randn(6, device="meta")), ValueError, r"^bias: .*device cpu"),
+    "x-None": (_bad(x=None), TypeError, r"^x: expected a Tensor, got NoneType"),
+    "weight-None": (_bad(weight=None), TypeError, r"^weight: expected a Tensor, got NoneType"),
 }
 
 

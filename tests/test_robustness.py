@@ -812,3 +812,30 @@ def test_checkpointed_layers_are_restored_too(monkeypatch):
     assert not counters["ssm"] and any("simulated failure" in r for r in miss_reasons(records))
     assert all("torch.ops.ssm" not in g.after for g in records)
     check_grads(model, compiled)
+
+
+def test_op_refusing_its_inputs_is_a_quiet_near_miss(caplog):
+    """A bf16 A (no ``.float()``): the op's fake impl refuses it with a TypeError, which the pass
+    records as a near-miss. FakeTensorMode also logs that TypeError with its traceback at ERROR
+    level, which looked like a crash on every compile; only the near-miss remains."""
+    from ssm_compile import explain
+
+    def scan(u, delta, A, B, C):
+        dA = torch.exp(delta[..., None] * A)
+        dBu = delta[..., None] * B[:, :, None, :] * u[..., None]
+        h = torch.zeros(u.shape[0], u.shape[2], A.shape[1], dtype=u.dtype)
+        ys = []
+        for t in range(u.shape[1]):
+            h = dA[:, t] * h + dBu[:, t]
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        return torch.stack(ys, 1)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 6, 4, generator=g), torch.rand(2, 6, 4, generator=g), -torch.rand(4, 3, generator=g) - 0.5,
+            torch.randn(2, 6, 3, generator=g), torch.randn(2, 6, 3, generator=g)]
+    args = [a.bfloat16() for a in args]
+    with caplog.at_level(logging.ERROR, logger="torch._subclasses.fake_tensor"):
+        report = explain(scan, *args)
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses.fake_tensor")]
+    assert any("A must have a dtype" in m.reason for m in report.misses), report.format(graphs=False)
+    assert torch.equal(report.output, scan(*args))

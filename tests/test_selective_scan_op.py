@@ -430,6 +430,9 @@ BAD_INPUTS = [
     _bad_case("C-meta", _to_meta("C"), RuntimeError, r"\bC is on meta while u is on cpu"),
     _bad_case("u-meta", _to_meta("u"), RuntimeError, r"delta is on cpu while u is on meta"),
     _bad_case("initial_state-meta", _to_meta("initial_state"), RuntimeError, r"initial_state is on meta"),
+    # None for a required tensor reached our checks as an AttributeError naming no argument.
+    _bad_case("u-None", lambda i: {"u": None}, TypeError, r"\bu must be a Tensor, got NoneType"),
+    _bad_case("C-None", lambda i: {"C": None}, TypeError, r"\bC must be a Tensor, got NoneType"),
     # Caught by the dispatcher's schema check before any of our code runs.
     _bad_case("D-list", lambda i: {"D": [1.0] * 4}, RuntimeError, r"for argument 'D'"),
 ]

@@ -82,6 +82,10 @@ def check_causal_conv1d_args(
     initial_state: Optional[torch.Tensor],
 ) -> None:
     """Raise ValueError/TypeError naming the argument if the inputs break the op's contract."""
+    for name, t, required in (("x", x, True), ("weight", weight, True), ("bias", bias, False),
+                              ("initial_state", initial_state, False)):
+        if not (isinstance(t, torch.Tensor) or (t is None and not required)):
+            raise TypeError(f"{name}: expected a Tensor{'' if required else ' or None'}, got {type(t).__name__}")
     if x.dim() != 3 or x.numel() == 0:
         raise ValueError(
             f"x: expected a non-empty (batch, dim, seqlen) tensor, got shape {tuple(x.shape)}"

@@ -128,6 +128,11 @@ def check_selective_scan_inputs(
         "u": u, "delta": delta, "A": A, "B": B, "C": C, "D": D, "z": z,
         "delta_bias": delta_bias, "initial_state": initial_state,
     }
+    for name, t in tensors.items():
+        required = name in ("u", "delta", "A", "B", "C")
+        if not (isinstance(t, torch.Tensor) or (t is None and not required)):
+            raise TypeError(f"selective_scan: {name} must be a Tensor{'' if required else ' or None'}, "
+                            f"got {type(t).__name__}")
     device = u.device
     for name, t in tensors.items():
         if t is not None and t.device != device:
