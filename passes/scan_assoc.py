@@ -411,6 +411,11 @@ class _Interpreter:
             region.saw_combine = True
             raise _Fail("the scan runs in reverse (reverse=True flips time); ssm.selective_scan "
                         "scans forward")
+        if is_method(node, "size") and isinstance(args[0], (Seq, Stacked)):
+            # vmap reads the batch size of each combine level (``child.size(0)``); dynamo records
+            # the read when the size is a SymInt, even one pinned to a number (a dynamic batch
+            # with L specialised). A size is no value of the scan.
+            return None
         if is_call(node, operator.getitem) and isinstance(args[0], HopOut):
             return args[0].outs[args[1]]
         if (is_call(node, torch.movedim) or is_method(node, "movedim")) and isinstance(args[0], Seq):

@@ -298,6 +298,19 @@ def test_generic_dynamic_length_is_proved_at_every_admitted_length():
     assert "batch_dim" not in normalized_graph_str(cap.gm)
 
 
+@pytest.mark.parametrize("length", [2, 3, 5], ids=lambda n: f"L{n}")
+def test_generic_form_with_a_dynamic_batch(length):
+    """``dynamic=True`` at these lengths specialises L but keeps the batch symbolic: vmap then
+    reads each combine level's size (``child.size(0)``), a pinned SymInt dynamo records as a node.
+    That read used to stop the proof (HF generate's first dynamic prefill kept its layer 0 scan,
+    and its cached state's storage offset then cost a recompile)."""
+    cap = Captured(fold=True)
+    fn = torch.compile(functools.partial(hf_selective_scan, mode="generic"), backend=cap, dynamic=True)
+    args = make_inputs(length)
+    check_close(fn(*args), reference(hf_selective_scan, *args))
+    assert counters["ssm"]["scan_assoc"] == counters["stats"]["unique_graphs"] == 1, cap.ctx.misses
+
+
 def test_generic_dynamic_length_with_too_many_lengths_is_a_miss(monkeypatch):
     # When the guards leave more lengths than the pass will enumerate, the scan stays as it is
     # and the miss says why.
