@@ -1,7 +1,17 @@
 import logging
 import os
+import sys
+from pathlib import Path
 
-import torch
+# `python -m pytest` from the repository root puts the root on sys.path, and there the top-level
+# kernels/ folder (installed as ssm_compile.kernels) shadows Hugging Face's `kernels` package,
+# which transformers (5.25 installs it) imports: "cannot import name 'CUDAProperties' from
+# 'kernels'". The package is importable through its install, so the root is dropped here, before
+# any test module imports transformers.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import torch  # noqa: E402
 
 # On a CPU-only machine the Triton kernels run under the interpreter. This must be set before
 # any @triton.jit decorator runs, so it happens here, before the test modules import kernels.

@@ -293,18 +293,6 @@ def grouped_index_mod(u, delta, A, B, C):
     return grouped_loop(u, delta, A, B[:, idx], C[:, idx])
 
 
-def test_einops_grouped_B_C_reach_the_op_as_the_users_groups():
-    args = make_grouped_inputs()
-    cap = PassCapture(scan_loop)
-    out = torch.compile(grouped_einops, backend=cap, fullgraph=True)(*args)
-    assert [r.family for r in cap.ctx.rewrites] == list(SCAN)
-    assert_close(out, grouped_einops(*args))
-    scan = next(n for n in cap.gm.graph.nodes if n.target == torch.ops.ssm.selective_scan.default)
-    # B and C go in as the (batch, G, N, L) tensors: no (batch, dim, N, L) repeat is left.
-    assert scan.args[3].name == "l_b_" and scan.args[4].name == "l_c_"
-    assert not any(n.op == "call_method" and n.target == "reshape" for n in cap.gm.graph.nodes)
-
-
 def vmamba_groups(t, heads):
     """VMamba's ``selective_scan_torch``: a unit axis by ``view``, copies by ``repeat``, merged by ``view``."""
     b, g, n, length = t.shape
@@ -326,10 +314,11 @@ def vmamba_groups_tiled(t, heads):
     return t.view(b, 1, g, n, length).repeat(1, heads, 1, 1, 1).view(b, g * heads, n, length)
 
 
-@pytest.mark.parametrize("spelling", [vmamba_groups, none_expand_groups, unsqueeze_tile_flatten_groups],
-                         ids=["view-repeat-view", "none-expand-reshape", "unsqueeze-tile-flatten"])
+@pytest.mark.parametrize("spelling", [repeat_groups, vmamba_groups, none_expand_groups, unsqueeze_tile_flatten_groups],
+                         ids=["einops", "view-repeat-view", "none-expand-reshape", "unsqueeze-tile-flatten"])
 def test_group_broadcast_spellings_reach_the_op_as_the_users_groups(spelling):
-    """Every spelling of "insert an axis after the groups, broadcast it, merge it" is d // H."""
+    """Every spelling of "insert an axis after the groups, broadcast it, merge it" is d // H:
+    einops' ``repeat(t, 'b g n l -> b (g h) n l')`` as dynamo traces it, VMamba's, and mixes."""
     def fn(u, delta, A, B, C):
         H = u.shape[1] // B.shape[1]
         return grouped_loop(u, delta, A, spelling(B, H), spelling(C, H))
@@ -340,7 +329,10 @@ def test_group_broadcast_spellings_reach_the_op_as_the_users_groups(spelling):
     assert [r.family for r in cap.ctx.rewrites] == list(SCAN)
     assert_close(out, fn(*args))
     scan = next(n for n in cap.gm.graph.nodes if n.target == torch.ops.ssm.selective_scan.default)
+    # B and C go in as the (batch, G, N, L) tensors: no (batch, dim, N, L) copy or view is left.
     assert scan.args[3].name == "l_b_" and scan.args[4].name == "l_c_"
+    assert not any(n.op == "call_method" and n.target in ("reshape", "repeat", "tile", "expand")
+                   for n in cap.gm.graph.nodes)
 
 
 def grouped_vmamba_tiled(u, delta, A, B, C):
