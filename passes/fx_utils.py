@@ -196,6 +196,12 @@ def ndim_of(node: Any) -> int | None:
     return v.dim() if isinstance(v, torch.Tensor) else None
 
 
+def same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two size (or stride) tuples are equal, SymInts only where provably so (no guard
+    is added)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
 def shape_of(node: Any) -> tuple | None:
     v = val(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import ContextRegions, mutates, propagate_val, protects_saved_input, storage_of, val, written_args as _written
+from .fx_utils import (ContextRegions, mutates, propagate_val, protects_saved_input, same_sizes, storage_of, val,
+                       written_args as _written)
 
 log = logging.getLogger("ssm_compile")
 
@@ -51,11 +51,6 @@ _METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "addcmul
 def _among(storage: Any, storages: Any) -> bool:
     # StorageWeakRef compares by its C pointer and cannot be compared with None.
     return storage is not None and any(storage == other for other in storages if other is not None)
-
-
-def _same(a: Any, b: Any) -> bool:
-    # Sizes and strides may be SymInts under dynamic shapes: equal only if provably so.
-    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _out_of_place(node: torch.fx.Node) -> tuple[str, Any] | None:
@@ -149,7 +144,7 @@ def _functionalize(graph: torch.fx.Graph) -> list[str]:
                 log.debug("ssm in-place write %s kept: %s", w.name, e)
                 ok = False
             if ok and not (isinstance(out, torch.Tensor) and out.dtype == val(root).dtype
-                           and _same(out.shape, val(root).shape)):
+                           and same_sizes(out.shape, val(root).shape)):
                 ok = False
             replaced[w] = new
             if not ok:
@@ -219,7 +214,7 @@ def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
         src = node.args[0]
         s_src, s_copy = storage_of(src), storage_of(node)
         a, c = val(src), val(node)
-        if s_src is None or s_copy is None or a.dtype != c.dtype or not _same(a.stride(), c.stride()):
+        if s_src is None or s_copy is None or a.dtype != c.dtype or not same_sizes(a.stride(), c.stride()):
             continue
         readers = list(node.users)
         if not readers or not all(_is_arithmetic(u) and not _among(storage_of(u), (s_copy, s_src)) for u in readers):
@@ -236,10 +231,79 @@ def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
     return changes
 
 
+def _write_through_staging_clones(graph: torch.fx.Graph) -> list[str]:
+    """Write ``x`` itself where the code stages its new value in a clone of it:
+
+        n = x.clone(); ...reads of n...; n.copy_(v); x.copy_(n)   ->   ...reads of x...; x.copy_(v)
+
+    transformers 5.25 updates a cached recurrent state this way in its decode step (the clone
+    keeps the cache's old state for a recorded history, and ``update_recurrent_state`` copies the
+    new one back), and the decode pass, like eager code before 5.25, expects the state read and
+    then written once.
+
+    Sound when the clone is x's exact copy (dtype, strides), every other reader of n (or of a view
+    of n) runs before ``n.copy_(v)`` and writes nothing, and nothing writes x's memory between
+    the clone and ``x.copy_(n)`` nor reads it between the two copies: then the readers see x's
+    value as they saw n's, and x ends with v cast to its dtype, as it did through n. Both copies
+    must run in one grad mode / autocast / functorch region, and their results must be unused.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writers = [(order[n], [storage_of(a) for a in _written(n)]) for n in graph.nodes if mutates(n)]
+    regions = ContextRegions(graph)
+    changes: list[str] = []
+    for node in list(graph.nodes):
+        if not _is_clone(node) or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        src = node.args[0]
+        s_src, s_copy = storage_of(src), storage_of(node)
+        a, c = val(src), val(node)
+        if s_src is None or s_copy is None or a.dtype != c.dtype or not same_sizes(a.stride(), c.stride()):
+            continue
+        stage = [u for u in node.users if _is_copy(u) and u.args[0] is node and u.args[1] is not node]
+        back = [u for u in node.users if _is_copy(u) and u.args[0] is src and u.args[1] is node]
+        if len(stage) != 1 or len(back) != 1 or stage[0].users or back[0].users:
+            continue
+        (w1,), (w2,) = stage, back
+        if not order[node] < order[w1] < order[w2] or regions.refusal([w1, w2], w1) is not None:
+            continue
+        readers = [u for u in node.users if u not in (w1, w2)]
+        # A view of n, or ``n.float()`` on an fp32 n (which returns n itself), is n too: its
+        # readers count as n's.
+        seen, stack, ok = set(), list(readers), True
+        while stack and ok:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            ok = order[u] < order[w1] and not mutates(u)
+            if _among(storage_of(u), (s_copy,)):
+                stack.extend(u.users)
+        if not ok:
+            continue
+        if any(order[node] < at < order[w2] and any(w is None or _among(w, (s_src,)) for w in written)
+               for at, written in writers):
+            continue
+        between = [n for n in graph.nodes if order[w1] < order[n] < order[w2]]
+        if any(_among(storage_of(i), (s_src,)) for n in between for i in n.all_input_nodes):
+            continue
+        for u in readers:
+            u.replace_input_with(node, src)
+        w1.update_arg(0, src)
+        graph.erase_node(w2)
+        graph.erase_node(node)
+        changes.append(f"{node.name} (a clone of {src.name} copied back by {w2.name}) written as {src.name}")
+    return changes
+
+
+def _is_copy(node: torch.fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "copy_" and len(node.args) == 2
+            and not node.kwargs.get("non_blocking", False))
+
+
 def rewrite_local_writes(gm: torch.fx.GraphModule) -> list[str]:
-    """Both rewrites of this module on ``gm`` (writes, then the clones they leave unguarded);
-    returns what changed."""
-    changes = _functionalize(gm.graph) + _drop_unobserved_clones(gm.graph)
+    """The rewrites of this module on ``gm`` (staging clones, writes, then the clones they leave
+    unguarded); returns what changed."""
+    changes = _write_through_staging_clones(gm.graph) + _functionalize(gm.graph) + _drop_unobserved_clones(gm.graph)
     if changes:
         gm.graph.lint()
         gm.recompile()

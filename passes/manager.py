@@ -19,6 +19,7 @@ from .fx_utils import mutates
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import rewrite_local_writes
 from .layout import output_layouts, settle_layouts
+from .pieces import read_single_cats, read_whole_pieces
 
 log = logging.getLogger("ssm_compile")
 
@@ -169,7 +170,8 @@ class PassManager:
         if ctx.rewrites:
             # Innermost first: a subgraph's outputs are what its caller's graph reads.
             for module, layouts in reversed(list(zip(modules, traced))):
-                folds = fold_round_trip_casts(module) + fold_widening_casts_into_ops(module)
+                folds = (read_single_cats(module, same_strides=False) + fold_round_trip_casts(module)
+                         + fold_widening_casts_into_ops(module))
                 if folds:
                     _eliminate_dead_code(module)
                 for change in folds + settle_layouts(module, layouts):
@@ -188,7 +190,7 @@ class PassManager:
         # and updates in place (``h *= dA; h += dBu``) is as much a recurrence as ``h = dA*h + dBu``.
         # Only here, on dynamo's graph: the rewrites read who shares memory with whom from the
         # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
-        for change in rewrite_local_writes(gm):
+        for change in rewrite_local_writes(gm) + read_whole_pieces(gm) + read_single_cats(gm):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:
             fn(gm, ctx)

@@ -48,3 +48,21 @@ def quiet_ssm_log():
     logger.setLevel(logging.ERROR)
     yield
     logger.setLevel(level)
+
+
+@pytest.fixture
+def hf_checkpointing_traceable():
+    """transformers 5.25's checkpointed layers under dynamo, with any backend (plain inductor and
+    "eager" too): its output-capturing ``CompileableContextVar`` is mutated inside the checkpoint,
+    dynamo graph-breaks at every checkpointed layer ("HOP: Unsafe side effect") and runs the
+    layers eagerly, so no backend sees them. Torch's hint for that break is the flag set here,
+    which a user of 5.25 who compiles a checkpointed model must set too (README). Earlier
+    transformers need nothing, and get nothing, so the tests see what their users see."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < (5, 25):
+        yield
+        return
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        yield

@@ -802,7 +802,7 @@ def test_a_failing_pass_through_inductor_and_backward(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
-def test_checkpointed_layers_are_restored_too(monkeypatch):
+def test_checkpointed_layers_are_restored_too(monkeypatch, hf_checkpointing_traceable):
     from ssm_compile.passes import fuse
 
     def broken(gm, ctx):

@@ -53,7 +53,7 @@ def batches(vocab=37, L=12):
 
 @pytest.mark.parametrize("use_assoc, checkpointing", [(False, False), (True, False), (True, True)],
                          ids=["loop", "assoc", "assoc-gradient-checkpointing"])
-def test_hf_mamba_training_parity(use_assoc, checkpointing):
+def test_hf_mamba_training_parity(use_assoc, checkpointing, hf_checkpointing_traceable):
     # With gradient checkpointing dynamo puts every layer in a checkpoint subgraph; the passes
     # rewrite inside it (without that, a checkpointed layer kept its (batch, dim, L, N) tensors).
     torch._dynamo.reset()

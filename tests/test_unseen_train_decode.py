@@ -309,7 +309,7 @@ def tiny_zamba():
     (lambda: tiny_jamba(64), 2, 2),
     (tiny_zamba, 12, 6),
 ], ids=["falcon-mamba", "jamba", "zamba"])
-def test_hf_gradient_checkpointing(make, scans, convs):
+def test_hf_gradient_checkpointing(make, scans, convs, hf_checkpointing_traceable):
     eager = make().train()
     eager.gradient_checkpointing_enable()
     compiled = copy.deepcopy(eager)
@@ -676,7 +676,7 @@ def test_functional_window_step_is_rewritten_under_dynamic_shapes():
         [m.reason for g in records for m in g.misses]
 
 
-def test_checkpointed_hf_training_rewrites_every_length():
+def test_checkpointed_hf_training_rewrites_every_length(hf_checkpointing_traceable):
     """HF with non-reentrant checkpointing, called at a second length: dynamo recompiles with a
     symbolic L, and the checkpoint bodies (which dynamo does not dead-code-eliminate) kept unused
     ``x.size()`` nodes that the scan matcher took for other users of the scan's values. Bodies are

@@ -1,0 +1,120 @@
+"""Before the rewrites: a split piece that is the whole tensor is that tensor, and so is a cat of
+one tensor.
+
+transformers 5.25's ``mamba_scan_forward`` cuts every scan input in two before the scan,
+``torch.tensor_split(x, [L - k], dim)``, where k is the number of recurrent states the cache asks
+to keep (0 unless it records them). With k = 0 the first piece is all of x, and the scan reads
+``tensor_split(time_step, [L], 2)[0]`` where earlier versions read ``time_step``. The piece computes
+nothing, but a matcher that follows a value back to its producer (x_dt_proj finds dt_proj behind
+Δ) stops at the split. Other Mamba code does the same with ``torch.split(x, [L, 0])`` or a
+``chunk(1)``.
+
+A piece whose fake value has x's sizes, strides and storage offset is a view with x's exact
+metadata: every read and every in-place write through it touches the same elements as through
+x, and autograd routes its gradient to x unchanged. So its users can read x instead. Only
+statically known equalities count (no guard is added on a symbolic size); anything else, a
+piece that is part of x, or an x of unknown shape, is left as it is.
+
+The same function then joins what it split, ``torch.cat(all_outputs, dim=2)``, with one output
+when no state is kept: a copy of the scan's output, on the path from the gate to out_proj.
+(Inductor drops a one-input cat itself, but only after our passes, and the ``inductor=False``
+path of ``explain`` would run the copy.) Reading x where the code read ``cat([x])`` differs only
+in memory: the result aliases x. So it is done only when nothing else reads x, x's memory is not
+the caller's (not a graph input or output, no view of one), nothing in the graph writes in place
+at all to x's or the cat's memory (or to memory of unknown origin), and the cat's strides are x's
+(or, after the rewrites, the layout pass will mend what relies on them: ``read_single_cats``).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .fx_utils import is_call, is_method, mutates, same_sizes, storage_of, val, written_args
+
+_SPLIT_FUNCTIONS = (torch.tensor_split, torch.split, torch.functional.split, torch.split_with_sizes, torch.chunk,
+                    torch.hsplit, torch.vsplit, torch.dsplit)
+_SPLIT_METHODS = ("tensor_split", "split", "split_with_sizes", "chunk", "hsplit", "vsplit", "dsplit")
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+def _whole(piece: torch.fx.Node) -> torch.fx.Node | None:
+    """The split's input when ``piece`` (``split(x, ...)[i]``) is all of it, else None."""
+    if not is_call(piece, operator.getitem) or not isinstance(piece.args[1], int):
+        return None
+    split = piece.args[0]
+    if not (is_call(split, *_SPLIT_FUNCTIONS) or is_method(split, *_SPLIT_METHODS)):
+        return None
+    source = split.args[0] if split.args else split.kwargs.get("input", split.kwargs.get("tensor"))
+    if not isinstance(source, torch.fx.Node):
+        return None
+    p, x = val(piece), val(source)
+    if not isinstance(p, torch.Tensor) or not isinstance(x, torch.Tensor) or p.dtype != x.dtype:
+        return None
+    if not (same_sizes(p.shape, x.shape) and same_sizes(p.stride(), x.stride())
+            and statically_known_true(p.storage_offset() == x.storage_offset())):
+        return None
+    return source
+
+
+def read_whole_pieces(gm: torch.fx.GraphModule) -> list[str]:
+    """Point the users of every whole piece at the split's input; a line per piece.
+
+    The piece, and its split once no piece is read, are erased here rather than left to
+    dead-code elimination: the matchers count a value's users (the delta pass folds dt_proj's
+    product into the scan only when nothing else reads it), and a dead split still counts.
+    """
+    changes = []
+    for node in list(gm.graph.nodes):
+        source = _whole(node)
+        if source is None:
+            continue
+        split = node.args[0]
+        node.replace_all_uses_with(source)
+        gm.graph.erase_node(node)
+        if not split.users:
+            gm.graph.erase_node(split)
+        changes.append(f"{node.name} is all of {source.name}: its users read {source.name}")
+    return changes
+
+
+def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> list[str]:
+    """Replace ``cat([x])`` by x where no one can tell them apart (module docstring); a line each.
+
+    ``same_strides=False`` is for the pass manager's cleanup after the rewrites, which
+    ``settle_layouts`` follows: there x is typically an op output in the op's layout (HF's
+    associative_scan path leaves a non-contiguous y, so the cat could not go before the
+    rewrites), and the strides the code after the cat relies on (its ``.view`` calls, the graph's
+    outputs) are mended there as for any op output.
+    """
+    graph = gm.graph
+    caller = {storage_of(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    caller.update(storage_of(n) for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node))
+    written = [storage_of(w) for n in graph.nodes if mutates(n) for w in written_args(n)]
+    changes = []
+    for cat in list(graph.nodes):
+        if not is_call(cat, *_CATS) or not cat.args or not isinstance(cat.args[0], (list, tuple)):
+            continue
+        if len(cat.args[0]) != 1 or not isinstance(cat.args[0][0], torch.fx.Node):
+            continue
+        (x,) = cat.args[0]
+        c, v = val(cat), val(x)
+        s_x, s_c = storage_of(x), storage_of(cat)
+        if not isinstance(c, torch.Tensor) or not isinstance(v, torch.Tensor) or s_x is None or s_c is None:
+            continue
+        if list(x.users) != [cat] or c.dtype != v.dtype or not same_sizes(c.shape, v.shape):
+            continue
+        if same_strides and not same_sizes(c.stride(), v.stride()):
+            continue
+        if any(s_x == other for other in caller if other is not None):
+            continue
+        if any(w is None or w == s_x or w == s_c for w in written):
+            continue
+        cat.replace_all_uses_with(x)
+        graph.erase_node(cat)
+        changes.append(f"{cat.name} is a cat of {x.name} alone: its users read {x.name}")
+    return changes
