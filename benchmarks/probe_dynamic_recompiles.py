@@ -4,8 +4,11 @@ backend: tells a torch version's own specialisation apart from one the ssm passe
     python benchmarks/probe_dynamic_recompiles.py [--bisect]   # --bisect: also each pass alone
     TORCH_LOGS=dynamic python benchmarks/probe_dynamic_recompiles.py --only conv1d   # where guards come from
 
-Why: ``tests/test_robustness.py::test_dynamic_shapes_compile_once`` compiles once on torch 2.13
-and four times on the H200's torch 2.11 (run 35), with and without that session's changes.
+Why: ``tests/test_robustness.py::test_dynamic_shapes_compile_once`` compiled once on torch 2.13
+and four times on the H200's torch 2.11 (run 35). The bisection put it in the layout pass's fake
+re-run; run 36 found the cause (torch 2.11's C++ ``F.linear`` reading sizes as ints outside the
+Python dispatcher) and fixed it (``passes/fx_utils.fake_dispatch``): 1 graph in every row on
+torch 2.11 (CPU, run 36).
 """
 import sys
 from pathlib import Path

@@ -15,6 +15,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -116,6 +117,15 @@ _FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 _DROP_FAKE_TYPE_ERROR = _DropFakeTypeErrorLog()
 
 
+def fake_dispatch() -> Any:
+    """The dispatch dynamo runs its fake values under (``get_fake_value``): the Python dispatcher,
+    through which composite ops (``F.linear``, ``matmul``) take their SymInt-aware decompositions.
+    Without it, torch 2.11's C++ linear reads a 3-D input's sizes as ints on its fast path, and
+    each read adds a guard pinning batch and L: a graph compiled under ``dynamic=True`` would
+    recompile for every shape. Every fake run of the passes goes through here."""
+    return enable_python_dispatcher()
+
+
 def propagate_val(node: torch.fx.Node) -> Any:
     """Compute and record ``node``'s fake value by running its target on its inputs' fake values.
 
@@ -130,7 +140,7 @@ def propagate_val(node: torch.fx.Node) -> Any:
         raise RuntimeError(f"propagate_val: no fake inputs found for node {node.name!r}")
     _FAKE_LOG.addFilter(_DROP_FAKE_TYPE_ERROR)
     try:
-        with mode:
+        with mode, fake_dispatch():
             if node.op == "call_function":
                 out = node.target(*args, **kwargs)
             elif node.op == "call_method":

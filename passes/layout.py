@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           UnsupportedOperatorException)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
-from .fx_utils import (inverse, is_call, is_method, mutates, node_order, set_val, storage_of, storage_of_value, val,
+from .fx_utils import (fake_dispatch, inverse, is_call, is_method, mutates, node_order, set_val, storage_of, storage_of_value, val,
                        written_args)
 
 try:
@@ -272,7 +272,7 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None]) 
         return []
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     interp = _Propagate(gm)
-    with mode, torch.set_grad_enabled(torch.is_grad_enabled()):
+    with mode, fake_dispatch(), torch.set_grad_enabled(torch.is_grad_enabled()):
         inputs = [_fresh_input(v) for v in values]
         try:
             outputs = interp.run(*inputs)

@@ -239,16 +239,11 @@ class MambaSsmStyleBlock(nn.Module):
 SHAPES = [(2, 9), (2, 17), (2, 33), (3, 33)]
 
 
-# Torch 2.11 (the H200's): after the conv1d or xproj rewrite, the layout pass's fake re-run of the
-# graph (passes/layout.py, settle_layouts) adds guards pinning batch and L inside the fake dispatch
-# of one node (Eq(L, 9), Eq(batch, 2)): one graph per shape, and mark_dynamic raises
-# ConstraintViolationError (benchmarks/probe_dynamic_recompiles.py, RESULTS run 35). Torch 2.13
-# adds none. Marked, not skipped: strict, so a fix shows up as an unexpected pass.
-_PINS_SIZES = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
-
-
-@pytest.mark.xfail(_PINS_SIZES, strict=True, reason="torch < 2.13 pins batch and L in the layout pass's "
-                   "fake re-run (see the comment above)")
+# On torch 2.11 (the H200's) this compiled once per shape until the passes ran their fake values
+# under the Python dispatcher, as dynamo does (fx_utils.fake_dispatch): without it, the layout
+# pass's fake re-run of x_proj's F.linear took torch 2.11's C++ fast path, which reads the input's
+# sizes as ints and so added guards Eq(batch, 2) and Eq(L, 9) (RESULTS run 35), and mark_dynamic
+# raised ConstraintViolationError. Torch 2.13's path reads SymInts.
 @pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
 def test_dynamic_shapes_compile_once(how):
     ssm_compile.register_ops()
