@@ -653,10 +653,16 @@ def test_two_configurations_in_one_process_keep_their_own_code(fresh_inductor_ca
     assert rel_err(first(x, w, b), ref) <= TOL[torch.float32] and counters["ssm"]["conv1d"] == 1
     misses = counters["inductor"]["fxgraph_cache_miss"]
     assert misses >= 1
-    # A second function object compiles afresh; same options: its graph is served from the cache.
-    same = torch.compile(lambda *a: conv_silu(*a), backend=backend(passes=("conv1d",)))
+    # The same function compiled afresh (dynamo's caches dropped) with the same options: its graph
+    # is served from the cache. (Not through a wrapper such as ``lambda *a``: torch 2.11's dynamo
+    # orders a wrapper's graph inputs differently, a graph the cache rightly keys apart.)
+    torch._dynamo.reset()
+    same = torch.compile(conv_silu, backend=backend(passes=("conv1d",)))
     torch.testing.assert_close(same(x, w, b), ref)
-    assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == misses
+    # Torch 2.13 counts the hit in the FX graph cache; torch 2.11 may serve it from AOTAutograd's
+    # cache, which sits in front of it (and keys on the same graph, our uuid included).
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    assert hits >= 1 and counters["inductor"]["fxgraph_cache_miss"] == misses
     # Other options: the graph inductor receives differs (no ssm op), and so does the key.
     other = torch.compile(lambda *a: conv_silu(*a), backend=backend(disable={"conv1d"}))
     torch.testing.assert_close(other(x, w, b), ref)
