@@ -264,6 +264,9 @@ def _write_through_staging_clones(graph: torch.fx.Graph) -> list[str]:
         if len(stage) != 1 or len(back) != 1 or stage[0].users or back[0].users:
             continue
         (w1,), (w2,) = stage, back
+        # ``S.copy_(v)`` with v a view of S (``n.copy_(S.flip(-1))``) would copy S onto itself.
+        if _among(storage_of(w1.args[1]), (s_src,)):
+            continue
         if not order[node] < order[w1] < order[w2] or regions.refusal([w1, w2], w1) is not None:
             continue
         readers = [u for u in node.users if u not in (w1, w2)]

@@ -253,9 +253,19 @@ def staged_read_between_copies(state, x, dt, A, B, C, D, z, dt_bias):
     return (state @ C[..., None]).squeeze(-1) + old
 
 
+def staged_from_the_state_itself(state, x, dt, A, B, C, D, z, dt_bias):
+    """The staged value is a view of S: written to S directly it would overlap its own source."""
+    nxt = state.clone()
+    y = (nxt @ C[..., None]).squeeze(-1)
+    nxt.copy_(state[:, :1].expand_as(state))
+    state.copy_(nxt)
+    return y
+
+
 @pytest.mark.parametrize("fn, rewritten", [
     (staged, True), (staged_read_after_write, False), (staged_read_between_copies, False),
-], ids=["staged", "clone-read-after-write", "state-read-between-copies"])
+    (staged_from_the_state_itself, False),
+], ids=["staged", "clone-read-after-write", "state-read-between-copies", "staged-view-of-the-state"])
 def test_staged_state_update(fn, rewritten, step_inputs):
     eager_in = {k: v.clone() for k, v in step_inputs.items()}
     comp_in = {k: v.clone() for k, v in step_inputs.items()}
