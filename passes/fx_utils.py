@@ -1161,6 +1161,30 @@ def context_refusal(graph: torch.fx.Graph, nodes: Iterable[Any], anchor: torch.f
     return ContextRegions(graph).refusal(nodes, anchor)
 
 
+# In-place changes of a tensor's sizes, strides or offset: after one, a node's fake value shows the
+# metadata of the graph's end, not of the point where the node is read.
+METADATA_MUTATIONS = frozenset({"t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_",
+                                "as_strided_", "resize_", "resize_as_", "set_", "detach_", "requires_grad_"})
+
+
+def reads_alike_to_autograd(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether reading ``source`` where the code read ``node`` (a view or copy of it with the same
+    values) gives autograd the same graph: ``node`` and ``source`` run in one grad-mode /
+    functorch region, and where grad mode is off at ``node`` (which then holds no history),
+    ``source`` holds none either."""
+    nodes = [n for n in (source, node) if n.op not in ("placeholder", "get_attr")]
+    if ContextRegions(node.graph).refusal(nodes) is not None:
+        return False
+    value = val(source)
+    return grad_enabled_at(node) or not (isinstance(value, torch.Tensor) and value.requires_grad)
+
+
+def metadata_mutated(node: torch.fx.Node) -> bool:
+    """Whether some node changes ``node``'s sizes, strides or offset in place (``y.t_()``)."""
+    return any(u.op == "call_method" and u.target in METADATA_MUTATIONS and u.args and u.args[0] is node
+               for u in node.users)
+
+
 def grad_enabled_at(node: torch.fx.Node) -> bool:
     """Whether grad mode may be on where ``node`` runs: the mode the graph is compiled under,
     changed by the ``_set_grad_enabled(flag)`` nodes before it. Any other boundary that is not

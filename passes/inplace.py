@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from .fx_utils import (ContextRegions, mutates, propagate_val, protects_saved_input, same_sizes, storage_of, val,
-                       written_args as _written)
+from .fx_utils import (ContextRegions, mutates, propagate_val, protects_saved_input, reads_alike_to_autograd, same_sizes,
+                       storage_of, val, written_args as _written)
 
 log = logging.getLogger("ssm_compile")
 
@@ -200,8 +200,9 @@ def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
     tensor of unknown memory counts as one), and every reader of the copy is out-of-place
     elementwise arithmetic: none writes it, returns it, views it or aliases it, so no caller and
     no later write can tell the copy from x. Values and gradients are the same (clone is the
-    identity for both), and so are the strides: only a copy with x's own strides goes, so that no
-    later ``view`` that worked on the copy's layout can fail on x's. A clone of memory the caller
+    identity for both, unless the clone is made under ``no_grad`` of an x with history:
+    ``reads_alike_to_autograd``), and so are the strides: only a copy with x's own strides goes,
+    so that no later ``view`` that worked on the copy's layout can fail on x's. A clone of memory the caller
     holds stays (``protects_saved_input``): the caller could write x before the backward.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -219,7 +220,7 @@ def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
         readers = list(node.users)
         if not readers or not all(_is_arithmetic(u) and not _among(storage_of(u), (s_copy, s_src)) for u in readers):
             continue
-        if protects_saved_input(node):
+        if protects_saved_input(node) or not reads_alike_to_autograd(node, src):
             continue
         if any(at > order[node] and any(w is None or _among(w, (s_src, s_copy)) for w in written)
                for at, written in writers):
@@ -245,7 +246,8 @@ def _write_through_staging_clones(graph: torch.fx.Graph) -> list[str]:
     of n) runs before ``n.copy_(v)`` and writes nothing, and nothing writes x's memory between
     the clone and ``x.copy_(n)`` nor reads it between the two copies: then the readers see x's
     value as they saw n's, and x ends with v cast to its dtype, as it did through n. Both copies
-    must run in one grad mode / autocast / functorch region, and their results must be unused.
+    must run in one grad mode / autocast / functorch region with the clone, and their results must
+    be unused; a clone made under ``no_grad`` of an x with history is not x to autograd.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     writers = [(order[n], [storage_of(a) for a in _written(n)]) for n in graph.nodes if mutates(n)]
@@ -267,7 +269,8 @@ def _write_through_staging_clones(graph: torch.fx.Graph) -> list[str]:
         # ``S.copy_(v)`` with v a view of S (``n.copy_(S.flip(-1))``) would copy S onto itself.
         if _among(storage_of(w1.args[1]), (s_src,)):
             continue
-        if not order[node] < order[w1] < order[w2] or regions.refusal([w1, w2], w1) is not None:
+        if (not order[node] < order[w1] < order[w2] or regions.refusal([node, w1, w2], w1) is not None
+                or not reads_alike_to_autograd(node, src)):
             continue
         readers = [u for u in node.users if u not in (w1, w2)]
         # A view of n, or ``n.float()`` on an fp32 n (which returns n itself), is n too: its

@@ -19,10 +19,11 @@ The same function then joins what it split, ``torch.cat(all_outputs, dim=2)``, w
 when no state is kept: a copy of the scan's output, on the path from the gate to out_proj.
 (Inductor drops a one-input cat itself, but only after our passes, and the ``inductor=False``
 path of ``explain`` would run the copy.) Reading x where the code read ``cat([x])`` differs only
-in memory: the result aliases x. So it is done only when nothing else reads x, x's memory is not
-the caller's (not a graph input or output, no view of one), nothing in the graph writes in place
-at all to x's or the cat's memory (or to memory of unknown origin), and the cat's strides are x's
-(or, after the rewrites, the layout pass will mend what relies on them: ``read_single_cats``).
+in memory: the result aliases x. So it is done only when nothing else reads x, x owns its memory
+(no other node views it, offset 0) and that memory is not the caller's, nothing in the graph
+writes in place at all to x's or the cat's memory (or to memory of unknown origin), the cat's
+metadata is not changed in place, both run in one grad mode, and the cat's strides are x's (or,
+after the rewrites, the layout pass will mend what relies on them: ``read_single_cats``).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import is_call, is_method, mutates, same_sizes, storage_of, val, written_args
+from .fx_utils import (is_call, is_method, metadata_mutated, mutates, reads_alike_to_autograd, same_sizes, storage_of,
+                       val, written_args)
 
 _SPLIT_FUNCTIONS = (torch.tensor_split, torch.split, torch.functional.split, torch.split_with_sizes, torch.chunk,
                     torch.hsplit, torch.vsplit, torch.dsplit)
@@ -41,8 +43,15 @@ _SPLIT_METHODS = ("tensor_split", "split", "split_with_sizes", "chunk", "hsplit"
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 
 
-def _whole(piece: torch.fx.Node) -> torch.fx.Node | None:
-    """The split's input when ``piece`` (``split(x, ...)[i]``) is all of it, else None."""
+def _whole(piece: torch.fx.Node, returned: set) -> torch.fx.Node | None:
+    """The split's input when ``piece`` (``split(x, ...)[i]``) is all of it and reading x
+    instead changes nothing a program can see, else None.
+
+    Besides equal metadata that means: the piece is not returned (the caller would get x's
+    tensor object itself, where ``unsqueeze_`` on one would now change the other), neither it nor
+    x has its metadata changed in place (the fake values then show the graph's end, not the
+    point of the read), and autograd sees the same graph (a piece taken under ``no_grad`` of an x
+    with history has none)."""
     if not is_call(piece, operator.getitem) or not isinstance(piece.args[1], int):
         return None
     split = piece.args[0]
@@ -57,7 +66,9 @@ def _whole(piece: torch.fx.Node) -> torch.fx.Node | None:
     if not (same_sizes(p.shape, x.shape) and same_sizes(p.stride(), x.stride())
             and statically_known_true(p.storage_offset() == x.storage_offset())):
         return None
-    return source
+    if piece in returned or metadata_mutated(piece) or metadata_mutated(source):
+        return None
+    return source if reads_alike_to_autograd(piece, source) else None
 
 
 def read_whole_pieces(gm: torch.fx.GraphModule) -> list[str]:
@@ -67,9 +78,11 @@ def read_whole_pieces(gm: torch.fx.GraphModule) -> list[str]:
     dead-code elimination: the matchers count a value's users (the delta pass folds dt_proj's
     product into the scan only when nothing else reads it), and a dead split still counts.
     """
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
     changes = []
     for node in list(gm.graph.nodes):
-        source = _whole(node)
+        source = _whole(node, returned)
         if source is None:
             continue
         split = node.args[0]
@@ -113,6 +126,13 @@ def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> lis
         if any(s_x == other for other in caller if other is not None):
             continue
         if any(w is None or w == s_x or w == s_c for w in written):
+            continue
+        # x must own its memory from offset 0: as a view (``cat([z[1]])``) its offset and its
+        # neighbours would show through ``as_strided`` or a later view of the result.
+        if not statically_known_true(v.storage_offset() == 0) or any(
+                storage_of(n) == s_x for n in graph.nodes if n is not x and n is not cat and storage_of(n) is not None):
+            continue
+        if metadata_mutated(cat) or not reads_alike_to_autograd(cat, x):
             continue
         cat.replace_all_uses_with(x)
         graph.erase_node(cat)

@@ -294,3 +294,105 @@ def test_staging_clone_rewrite_alone(step_inputs):
     assert len(changes) == 1 and "copied back" in changes[0], changes
     copies = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "copy_"]
     assert len(copies) == 1 and copies[0].args[0].op == "placeholder"
+
+
+# --- what an adversarial probe found (run 36): each compiled result must be eager's -----------
+
+def _eager_and_compiled(fn, make):
+    """``fn`` eagerly and compiled (all passes, no inductor) on fresh copies of ``make()``'s
+    inputs; returns ((inputs, out) eager, (inputs, out) compiled)."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        args = make()
+        f = torch.compile(fn, backend=backend(inductor=False), fullgraph=True) if compiled else fn
+        runs.append((args, f(*args)))
+    return runs
+
+
+def _grad_inputs(*shapes, seed=12):
+    def make():
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(*s, generator=g, requires_grad=True) for s in shapes]
+    return make
+
+
+def piece_under_no_grad(x, w):
+    y = x * 2
+    with torch.no_grad():
+        p = y.chunk(1)[0]           # no history: x gets no gradient through p
+    return p * w + x.sum()
+
+
+def cat_under_no_grad(x, w):
+    y = x * 2
+    with torch.no_grad():
+        c = torch.cat([y], 0)
+    return c * w + x.sum()
+
+
+def staging_clone_under_no_grad(x, v, w):
+    S = x * 2
+    with torch.no_grad():
+        n = S.clone()
+    a = n + w
+    n.copy_(v)
+    S.copy_(n)
+    return a + x.sum()
+
+
+def clone_under_no_grad(x, w):
+    with torch.no_grad():
+        c = x.clone()
+    return c + w + x.sum()
+
+
+@pytest.mark.parametrize("fn, nin", [(piece_under_no_grad, 2), (cat_under_no_grad, 2),
+                                     (staging_clone_under_no_grad, 3), (clone_under_no_grad, 2)],
+                         ids=["piece", "cat", "staging-clone", "guard-clone"])
+def test_views_and_copies_made_under_no_grad_keep_their_gradients(fn, nin):
+    (e_in, e_out), (c_in, c_out) = _eager_and_compiled(fn, _grad_inputs(*[(4, 5)] * nin))
+    torch.testing.assert_close(c_out, e_out, rtol=0, atol=0)
+    e_out.sum().backward()
+    c_out.sum().backward()
+    for a, b in zip(c_in, e_in):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def returned_pieces(x):
+    y = x * 2
+    return x.chunk(1)[0], y, torch.split(y, [4, 0])[0]
+
+
+def test_a_returned_piece_stays_its_own_tensor():
+    # Read as x, the returned piece would be x's own tensor object: changing its shape in place
+    # (which a caller may do) would change x's too.
+    (e_in, e_out), (c_in, c_out) = _eager_and_compiled(returned_pieces, lambda: [rand(4, 5, seed=13)])
+    assert c_out[0] is not c_in[0] and c_out[2] is not c_out[1]
+    c_out[0].unsqueeze_(0)
+    c_out[2].t_()
+    assert c_in[0].shape == (4, 5) and c_out[1].shape == (4, 5)
+
+
+def piece_read_after_its_source_is_transposed(x, m):
+    y = x * 2
+    p = y.chunk(1)[0]
+    y.t_()
+    r = p @ m                       # p keeps y's layout from before the t_()
+    y.t_()
+    return r
+
+
+def cat_of_a_view(x):
+    z = x * 2
+    c = torch.cat([z[1]])
+    return c.as_strided((5,), (1,), 0)  # the cat's own memory from offset 0, not z's
+
+
+@pytest.mark.parametrize("fn, make", [
+    (piece_read_after_its_source_is_transposed, lambda: [rand(4, 4, seed=14), rand(4, 4, seed=15)]),
+    (cat_of_a_view, lambda: [rand(3, 5, seed=16)]),
+], ids=["piece-metadata-mutated", "cat-of-a-view"])
+def test_pieces_and_cats_whose_memory_or_metadata_differ(fn, make):
+    (_, e_out), (_, c_out) = _eager_and_compiled(fn, make)
+    torch.testing.assert_close(c_out, e_out, rtol=0, atol=0)
