@@ -193,6 +193,26 @@ def _is_arithmetic(node: torch.fx.Node) -> bool:
             or (node.op == "call_method" and node.target in _ARITHMETIC_METHODS))
 
 
+def _writers(graph: torch.fx.Graph, order: dict) -> list[tuple[int, list]]:
+    """(place, storages written) of every in-place write; None for a tensor of unknown memory."""
+    return [(order[n], [storage_of(a) for a in _written(n)]) for n in graph.nodes if mutates(n)]
+
+
+def _exact_clones(graph: torch.fx.Graph):
+    """``(clone, source, source's storage, clone's storage)`` for every ``clone`` with its
+    source's dtype and strides: the only copies the rewrites below may read as their source (a
+    later ``view`` that worked on the copy's layout then works on the source's)."""
+    for node in list(graph.nodes):
+        if not _is_clone(node) or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        src = node.args[0]
+        s_src, s_copy = storage_of(src), storage_of(node)
+        a, c = val(src), val(node)
+        if s_src is None or s_copy is None or a.dtype != c.dtype or not same_sizes(a.stride(), c.stride()):
+            continue
+        yield node, src, s_src, s_copy
+
+
 def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
     """Make the readers of ``c = x.clone()`` read ``x`` where that cannot change what they see.
 
@@ -206,17 +226,9 @@ def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
     holds stays (``protects_saved_input``): the caller could write x before the backward.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
-    # (place, storages written) of every in-place write; None for a tensor of unknown memory.
-    writers = [(order[n], [storage_of(a) for a in _written(n)]) for n in graph.nodes if mutates(n)]
+    writers = _writers(graph, order)
     changes: list[str] = []
-    for node in list(graph.nodes):
-        if not _is_clone(node) or not isinstance(node.args[0], torch.fx.Node):
-            continue
-        src = node.args[0]
-        s_src, s_copy = storage_of(src), storage_of(node)
-        a, c = val(src), val(node)
-        if s_src is None or s_copy is None or a.dtype != c.dtype or not same_sizes(a.stride(), c.stride()):
-            continue
+    for node, src, s_src, s_copy in _exact_clones(graph):
         readers = list(node.users)
         if not readers or not all(_is_arithmetic(u) and not _among(storage_of(u), (s_copy, s_src)) for u in readers):
             continue
@@ -250,17 +262,10 @@ def _write_through_staging_clones(graph: torch.fx.Graph) -> list[str]:
     be unused; a clone made under ``no_grad`` of an x with history is not x to autograd.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
-    writers = [(order[n], [storage_of(a) for a in _written(n)]) for n in graph.nodes if mutates(n)]
+    writers = _writers(graph, order)
     regions = ContextRegions(graph)
     changes: list[str] = []
-    for node in list(graph.nodes):
-        if not _is_clone(node) or not isinstance(node.args[0], torch.fx.Node):
-            continue
-        src = node.args[0]
-        s_src, s_copy = storage_of(src), storage_of(node)
-        a, c = val(src), val(node)
-        if s_src is None or s_copy is None or a.dtype != c.dtype or not same_sizes(a.stride(), c.stride()):
-            continue
+    for node, src, s_src, s_copy in _exact_clones(graph):
         stage = [u for u in node.users if _is_copy(u) and u.args[0] is node and u.args[1] is not node]
         back = [u for u in node.users if _is_copy(u) and u.args[0] is src and u.args[1] is node]
         if len(stage) != 1 or len(back) != 1 or stage[0].users or back[0].users:
