@@ -1167,13 +1167,14 @@ METADATA_MUTATIONS = frozenset({"t_", "transpose_", "swapdims_", "swapaxes_", "u
                                 "as_strided_", "resize_", "resize_as_", "set_", "detach_", "requires_grad_"})
 
 
-def reads_alike_to_autograd(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+def reads_alike_to_autograd(node: torch.fx.Node, source: torch.fx.Node,
+                            regions: ContextRegions | None = None) -> bool:
     """Whether reading ``source`` where the code read ``node`` (a view or copy of it with the same
     values) gives autograd the same graph: ``node`` and ``source`` run in one grad-mode /
     functorch region, and where grad mode is off at ``node`` (which then holds no history),
-    ``source`` holds none either."""
+    ``source`` holds none either. ``regions``: the graph's, when the caller has them already."""
     nodes = [n for n in (source, node) if n.op not in ("placeholder", "get_attr")]
-    if ContextRegions(node.graph).refusal(nodes) is not None:
+    if (regions or ContextRegions(node.graph)).refusal(nodes) is not None:
         return False
     value = val(source)
     return grad_enabled_at(node) or not (isinstance(value, torch.Tensor) and value.requires_grad)

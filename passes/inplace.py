@@ -227,12 +227,13 @@ def _drop_unobserved_clones(graph: torch.fx.Graph) -> list[str]:
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     writers = _writers(graph, order)
+    regions = ContextRegions(graph)
     changes: list[str] = []
     for node, src, s_src, s_copy in _exact_clones(graph):
         readers = list(node.users)
         if not readers or not all(_is_arithmetic(u) and not _among(storage_of(u), (s_copy, s_src)) for u in readers):
             continue
-        if protects_saved_input(node) or not reads_alike_to_autograd(node, src):
+        if protects_saved_input(node) or not reads_alike_to_autograd(node, src, regions):
             continue
         if any(at > order[node] and any(w is None or _among(w, (s_src, s_copy)) for w in written)
                for at, written in writers):
@@ -275,7 +276,7 @@ def _write_through_staging_clones(graph: torch.fx.Graph) -> list[str]:
         if _among(storage_of(w1.args[1]), (s_src,)):
             continue
         if (not order[node] < order[w1] < order[w2] or regions.refusal([node, w1, w2], w1) is not None
-                or not reads_alike_to_autograd(node, src)):
+                or not reads_alike_to_autograd(node, src, regions)):
             continue
         readers = [u for u in node.users if u not in (w1, w2)]
         # A view of n, or ``n.float()`` on an fp32 n (which returns n itself), is n too: its

@@ -27,6 +27,7 @@ after the rewrites, the layout pass will mend what relies on them: ``read_single
 """
 from __future__ import annotations
 
+import collections
 import operator
 
 import torch
@@ -34,7 +35,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (is_call, is_method, metadata_mutated, mutates, reads_alike_to_autograd, same_sizes, storage_of,
+from .fx_utils import (ContextRegions, is_call, is_method, metadata_mutated, mutates, reads_alike_to_autograd, same_sizes, storage_of,
                        val, written_args)
 
 _SPLIT_FUNCTIONS = (torch.tensor_split, torch.split, torch.functional.split, torch.split_with_sizes, torch.chunk,
@@ -43,7 +44,7 @@ _SPLIT_METHODS = ("tensor_split", "split", "split_with_sizes", "chunk", "hsplit"
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 
 
-def _whole(piece: torch.fx.Node, returned: set) -> torch.fx.Node | None:
+def _whole(piece: torch.fx.Node, returned: set, regions: ContextRegions) -> torch.fx.Node | None:
     """The split's input when ``piece`` (``split(x, ...)[i]``) is all of it and reading x
     instead changes nothing a program can see, else None.
 
@@ -68,7 +69,7 @@ def _whole(piece: torch.fx.Node, returned: set) -> torch.fx.Node | None:
         return None
     if piece in returned or metadata_mutated(piece) or metadata_mutated(source):
         return None
-    return source if reads_alike_to_autograd(piece, source) else None
+    return source if reads_alike_to_autograd(piece, source, regions) else None
 
 
 def read_whole_pieces(gm: torch.fx.GraphModule) -> list[str]:
@@ -80,9 +81,10 @@ def read_whole_pieces(gm: torch.fx.GraphModule) -> list[str]:
     """
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
+    regions = ContextRegions(gm.graph)
     changes = []
     for node in list(gm.graph.nodes):
-        source = _whole(node, returned)
+        source = _whole(node, returned, regions)
         if source is None:
             continue
         split = node.args[0]
@@ -108,6 +110,10 @@ def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> lis
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     caller.update(storage_of(n) for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node))
     written = [storage_of(w) for n in graph.nodes if mutates(n) for w in written_args(n)]
+    # How many nodes hold each storage: x owns its memory when it alone does. (A fold erases the
+    # cat, whose storage is its own, so the counts stay right for the cats after it.)
+    holders = collections.Counter(storage_of(n) for n in graph.nodes)
+    regions = ContextRegions(graph)
     changes = []
     for cat in list(graph.nodes):
         if not is_call(cat, *_CATS) or not cat.args or not isinstance(cat.args[0], (list, tuple)):
@@ -129,10 +135,9 @@ def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> lis
             continue
         # x must own its memory from offset 0: as a view (``cat([z[1]])``) its offset and its
         # neighbours would show through ``as_strided`` or a later view of the result.
-        if not statically_known_true(v.storage_offset() == 0) or any(
-                storage_of(n) == s_x for n in graph.nodes if n is not x and n is not cat and storage_of(n) is not None):
+        if not statically_known_true(v.storage_offset() == 0) or holders[s_x] != 1:
             continue
-        if metadata_mutated(cat) or not reads_alike_to_autograd(cat, x):
+        if metadata_mutated(cat) or not reads_alike_to_autograd(cat, x, regions):
             continue
         cat.replace_all_uses_with(x)
         graph.erase_node(cat)
