@@ -81,6 +81,16 @@ def linear_combine(a1, b1, a2, b2):
 
 
 @triton.jit
+def finite_decay_rate(A):
+    # A = -inf (an overflowed -exp(A_log)) becomes the most negative float, once per program.
+    # The kernels give a padded time step dt = 0, and 0 * -inf = NaN would reach the carried
+    # state; with the finite value the padded step is the identity (exp2(-0) = 1) and every real
+    # step decays to exp2(dt * -3.4e38) = 0, as with -inf. The one difference from eager: a real
+    # step with dt exactly 0 keeps the state where eager's exp(0 * -inf) gives NaN. NaN stays NaN.
+    return tl.where(A == float("-inf"), -3.4028234663852886e38, A)
+
+
+@triton.jit
 def softplus(x, FAST_MATH: tl.constexpr = False):
     # torch.nn.functional.softplus with beta=1, threshold=20 (identity above 20), to fp32
     # rounding. softplus(x) = max(x, 0) + log1p(e) with e = exp(-|x|) in (0, 1], and

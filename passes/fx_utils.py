@@ -978,10 +978,12 @@ _TRANSFORM_EXIT = frozenset({"_grad_decrement_nesting", "_jvp_decrement_nesting"
 # returns no tensor is taken for a setter even when its name is not listed above.
 _STATEFUL_MODULES = ("torch._C", "torch._C._autograd", "torch._C._functorch", "torch.autograd",
                      "torch._functorch", "torch.amp", "torch.cuda.amp", "torch.cpu.amp")
-# Calls of those modules that touch no state a rewrite could cross: nn.Module usage logging, and
-# vmap's nesting (an inlined ``associative_scan``'s combine runs vmapped; vmap changes neither
-# the grad mode nor precision, and the batched values inside a level have other shapes than the
-# values outside, so no match can mix them up).
+# Calls of those modules that touch no grad or autocast state: nn.Module usage logging, and
+# vmap's nesting. vmap changes neither the grad mode nor precision, so it is no boundary of the
+# grad key; but the values inside a level are batched, so ``ContextRegions`` keeps the levels
+# apart on their own: an op may take in or replace a node inside a level only together with the
+# whole level (``scan_assoc`` replacing an inlined ``associative_scan`` combine, which runs
+# vmapped).
 _NEUTRAL_NAMES = frozenset({"_log_api_usage_once", "lazy_load_decompositions", "_vmap_increment_nesting",
                             "_vmap_decrement_nesting", "_add_batch_dim", "_remove_batch_dim"})
 
@@ -1057,6 +1059,8 @@ class ContextRegions:
     ``_enter_autocast`` nodes open at it (plus any unknown autocast setter before it). Nodes with
     equal keys run under the same state, however many boundaries lie between them.
     ``transform`` maps a grad key's first element to the functorch grad/jvp level it lies in.
+    ``vmap_level`` maps each node to the ``_vmap_increment_nesting`` node of the innermost vmap
+    level it runs in (None outside every level; a level's closing node lies outside it).
     """
 
     def __init__(self, graph: torch.fx.Graph):
@@ -1066,8 +1070,16 @@ class ContextRegions:
         self.transform: dict[int, torch.fx.Node | None] = {0: None}
         others, enabled, amp = 0, torch.is_grad_enabled(), ()
         opened: list[torch.fx.Node] = []
+        self.vmap_level: dict[torch.fx.Node, torch.fx.Node | None] = {}
+        vmaps: list[torch.fx.Node] = []
         for i, node in enumerate(graph.nodes):
             self.position[node] = i
+            vmap_call = _target_module_and_name(node)[1] if node.op == "call_function" else ""
+            if vmap_call == "_vmap_decrement_nesting" and vmaps:
+                vmaps.pop()
+            self.vmap_level[node] = vmaps[-1] if vmaps else None
+            if vmap_call == "_vmap_increment_nesting":
+                vmaps.append(node)
             if is_context_boundary(node):
                 self.boundaries.append((i, node))
                 name = _target_module_and_name(node)[1]
@@ -1131,6 +1143,20 @@ class ContextRegions:
         inside = [b for i, b in self.boundaries if lo < i <= hi] or [b for _, b in self.boundaries]
         return _describe(inside[0]) + (f", and {len(inside) - 1} more" if len(inside) > 1 else "")
 
+    def _vmap_refusal(self, nodes: list[torch.fx.Node], anchor: torch.fx.Node | None) -> str | None:
+        # A node inside a vmap level holds a batched value (other sizes than it shows outside);
+        # an op emitted outside the level cannot read it, nor replace it. Only a rewrite that
+        # takes the whole level (its opening node among ``nodes``) may reach inside.
+        members = set(nodes)
+        levels = {self.vmap_level.get(n) for n in nodes}
+        if anchor is not None and anchor.prev in self.vmap_level:
+            levels.add(self.vmap_level[anchor.prev])
+        for level in levels:
+            if level is not None and level not in members:
+                return (f"the matched nodes or the op's place lie inside a vmap level ({_describe(level)}) "
+                        "that the rewrite does not replace whole: the values there are batched")
+        return None
+
     def refusal(self, nodes: Iterable[Any], anchor: torch.fx.Node | None = None) -> str | None:
         """Why an op replacing (or folding, or recomputing at ``anchor``) ``nodes``, inserted before
         ``anchor``, would not compute what they did; None if it would: they and the insertion point
@@ -1138,6 +1164,9 @@ class ContextRegions:
         outside any functorch grad/jvp transform, and the ones autocast changes (matmuls, convs)
         under one autocast state, the insertion point's too when ``anchor`` is given."""
         nodes = [n for n in nodes if isinstance(n, torch.fx.Node)]
+        vmap = self._vmap_refusal(nodes, anchor)
+        if vmap is not None:
+            return vmap
         grad, amp = self._wanted(nodes)
         at = self.at_insertion(anchor) if anchor is not None else None
         for kind, own in enumerate((grad, amp)):

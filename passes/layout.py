@@ -136,8 +136,17 @@ def _fresh_input(value: Any) -> Any:
     # metadata changes such as ``t_()`` included) cannot touch dynamo's example values.
     if not isinstance(value, torch.Tensor):
         return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
-                               requires_grad=value.requires_grad)
+    fresh = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    if not value.requires_grad:
+        return fresh
+    if value.is_leaf or torch._debug_has_internal_overlap(fresh) == 1:
+        return fresh.requires_grad_()
+    # A non-leaf input keeps its history: a caller's activation, or a buffer the graph itself
+    # writes a grad-requiring value into (``cache.copy_(h)``: dynamo's example value carries the
+    # write's history after tracing). In-place writes to it are legal, where on a leaf that
+    # requires grad they raise; a copy from a grad-requiring scalar makes it such a non-leaf and
+    # keeps its strides.
+    return fresh.copy_(torch.zeros((), dtype=value.dtype, device=value.device, requires_grad=True))
 
 
 # Dynamo's graphs switch global state on and off with calls (autocast regions, the vmap levels

@@ -76,6 +76,7 @@ _ADD_BATCH_DIM = (_predispatch._add_batch_dim, _functorch_c._add_batch_dim)
 _REMOVE_BATCH_DIM = (_predispatch._remove_batch_dim, _functorch_c._remove_batch_dim)
 _ASSOC_HOP = torch.ops.higher_order.associative_scan
 _AUTOGRAD_FUNCTION_HOP = torch.ops.higher_order.autograd_function_apply
+_SCAN_HOP = torch.ops.higher_order.scan
 
 _SYMPY_BINARY = {
     operator.mul: operator.mul, torch.mul: operator.mul, "mul": operator.mul,
@@ -768,6 +769,17 @@ def scan_assoc_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         rewrite_states(gm, ctx, found.a_full, found.b_full, found.t_axis, found.states, found.nodes,
                        "parallel scan (in place)", decision)
     _report_scans_in_autograd_functions(gm, ctx)
+    _report_scan_hops(gm, ctx)
+
+
+def _report_scan_hops(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """torch's own ``scan`` higher-order op (``torch._higher_order_ops.scan``) keeps the step
+    function as a subgraph that no pass reads; say so, rather than leave the user guessing."""
+    for node in gm.graph.nodes:
+        if is_call(node, _SCAN_HOP):
+            ctx.miss(FAMILY, "torch's scan higher-order op (torch._higher_order_ops.scan) is not matched: its "
+                     "step function is a subgraph, and only unrolled loops, associative_scan and in-place "
+                     "parallel scans are proved; the recurrence runs as written", [node])
 
 
 def _report_scans_in_autograd_functions(gm: torch.fx.GraphModule, ctx: PassContext) -> None:

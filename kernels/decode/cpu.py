@@ -37,6 +37,9 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) ->
 def causal_conv1d_update(x, conv_state, weight, bias: Optional[torch.Tensor], activation: Optional[str]):
     dim, W = weight.shape
     S, T = conv_state.shape[-1], x.shape[-1]
+    if dim == 0:
+        # No channel: F.conv1d refuses groups=0, and there is no state to roll.
+        return torch.empty_like(x)
     # Only the last W - 1 past inputs reach the output; the rest of the state just rolls.
     window = torch.cat([conv_state[:, :, S - (W - 1):].float(), x.float()], dim=-1)  # [batch, dim, W - 1 + T]
     y = F.conv1d(window, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=dim)

@@ -145,6 +145,19 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return first, first + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
+def _distinct_elements(t: torch.Tensor) -> bool:
+    """Whether the strides provably give every element of ``t`` its own address: with the
+    dimensions sorted by stride, each stride must step past everything the smaller ones reach.
+    That covers every view of a cache a user makes (slices, steps, transposes); a layout that
+    fails it is refused, even one that interleaves without overlapping."""
+    extent = 0
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= extent:
+            return False
+        extent += stride * (size - 1)
+    return True
+
+
 def check_no_overlap(written_name: str, written: torch.Tensor, **read) -> None:
     """An op that writes ``written`` in place reads each tensor of ``read`` whole, before or after
     its write as its kernel schedules it: one that shares memory with ``written`` would see either,
@@ -155,6 +168,12 @@ def check_no_overlap(written_name: str, written: torch.Tensor, **read) -> None:
     only for views of ``written``'s base."""
     if written.numel() == 0:
         return
+    if not written.is_contiguous() and not _distinct_elements(written):
+        # Two of its elements at one address (an expanded batch of one state, say): each would
+        # take whichever update landed last, and the other rows' outputs would read it.
+        raise ValueError(f"{written_name} must not have elements that share memory (strides "
+                         f"{tuple(written.stride())} for shape {tuple(written.shape)}, e.g. from expand); "
+                         f"the op updates it in place; pass {written_name}.contiguous()")
     root = written if written._base is None else written._base
     w0, w1 = _span(written)
     for name, t in read.items():

@@ -116,6 +116,7 @@ def _fused_scan_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, FUSE_DT: tl.constexpr,
     DT_RANK_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,  # as in the level-0 kernel
+    N_RAGGED: tl.constexpr = False,  # as in the level-0 kernel
 ):
     # Same 4-D tile as the level-0 kernel: [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N], time and
     # N_PER_THREAD inside a thread (serial scan, register readout). Do not reorder the axes.
@@ -216,7 +217,10 @@ def _fused_scan_kernel(
         _, hs = tl.associative_scan((a, b), 0, linear_combine)
         h = _last_step(hs, CHUNK_T)
 
-        y = tl.sum(tl.sum(hs * Cf[:, :, None, :], axis=1), axis=2)  # [CHUNK_T, BLOCK_D]
+        prod = hs * Cf[:, :, None, :]
+        if N_RAGGED:  # a padded lane's NaN (from an infinite dt * u) must not reach y
+            prod = tl.where(mask_bn[None, :, None, :], prod, 0.0)
+        y = tl.sum(tl.sum(prod, axis=1), axis=2)  # [CHUNK_T, BLOCK_D]
         if HAS_D:
             y += Dv[None, :] * uf
         if HAS_Z:
@@ -310,6 +314,7 @@ def fused_scan_fwd(
         W=conv_weight.shape[1], CONV_SILU=conv_silu,
         DELTA_SOFTPLUS=delta_softplus,
         DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision,
+        N_RAGGED=max(1, block_n // config.lanes_n) * min(config.lanes_n, block_n) != N,
         num_warps=config.num_warps,
         **LAUNCH_OPTIONS,
     )

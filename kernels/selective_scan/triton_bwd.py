@@ -1465,13 +1465,16 @@ def _state_pass(A, total, initial_state, dlast_state, hs, rs, dinit) -> None:
     )
 
 
-def _empty_batch_grads(u, delta, A, B, C, D, z, delta_bias, initial_state) -> ScanGrads:
+def _empty_grads(u, delta, A, B, C, D, z, delta_bias, initial_state) -> ScanGrads:
+    # No (batch, channel) pair: the per-element gradients are empty, and the sums over them
+    # (dA, dD, ddelta_bias, and dB/dC, which sum over channels and stay non-empty when only
+    # dim is 0) are zeros.
     def zeros(t):
         return None if t is None else torch.zeros_like(t)
 
     return ScanGrads(
-        du=torch.empty_like(u), ddelta=torch.empty_like(delta), dA=zeros(A), dB=torch.empty_like(B),
-        dC=torch.empty_like(C), dD=zeros(D), dz=None if z is None else torch.empty_like(z),
+        du=torch.empty_like(u), ddelta=torch.empty_like(delta), dA=zeros(A), dB=torch.zeros_like(B),
+        dC=torch.zeros_like(C), dD=zeros(D), dz=None if z is None else torch.empty_like(z),
         ddelta_bias=zeros(delta_bias),
         dinitial_state=None if initial_state is None else torch.empty_like(initial_state, dtype=torch.float32),
     )
@@ -1514,9 +1517,13 @@ def selective_scan_bwd(
     promised = dict(du=u, ddelta=delta, dz=z)
     batch, dim, L = u.shape
     G, N = B.shape[1], B.shape[2]
-    if batch == 0:
-        # Nothing to launch (and no grid to size): an empty batch contributes no gradient.
-        return _empty_batch_grads(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if batch == 0 or dim == 0:
+        # Nothing to launch (and no grid to size): no (batch, channel) pair, no gradient.
+        return _empty_grads(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    # The kernels read D and delta_bias at unit stride (they are (dim,) vectors, loaded once a
+    # program); an expanded or sliced parameter is copied, which costs dim elements.
+    D = None if D is None else D.contiguous()
+    delta_bias = None if delta_bias is None else delta_bias.contiguous()
     dim_per_group = dim // G
     if tiles:
         cfg = choose_tiles(batch, dim, L, N, G, u.device, **tiles)

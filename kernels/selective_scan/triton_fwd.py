@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ..layout import dim_innermost, empty_activation
-from ..triton_common import LOG2E, dt_dot_meta, launcher, linear_combine, neg_zero, num_sms, project_dt, silu, softplus
+from ..triton_common import (LOG2E, dt_dot_meta, finite_decay_rate, launcher, linear_combine, neg_zero, num_sms,
+                             project_dt, silu, softplus)
 
 # Registers per thread that let 3 programs of 4 warps share an SM's 64K registers (see
 # scan_fwd_config): 65536 / (3 * 128) = 170.7, rounded down to ptxas's allocation granule of 8.
@@ -307,6 +308,7 @@ def _selective_scan_fwd_kernel(
     # and each chunk's delta is a [CHUNK_T, R] x [R, BLOCK_D] tensor-core product, R padded to
     # this power of two; DOT_PRECISION is tl.dot's input_precision for it.
     DT_RANK_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    N_RAGGED: tl.constexpr = False,  # N < N_PER_THREAD * LANES_N: padded state lanes exist
 ):
     # Every per-element tile is 4-D [CHUNK_T, N_PER_THREAD, BLOCK_D, LANES_N]. Triton's default
     # layout hands the lanes to the fastest dims first (LANES_N, then BLOCK_D) and the warps to
@@ -331,6 +333,7 @@ def _selective_scan_fwd_kernel(
     # issues a single MUFU ex2 per element. Padded n get A = 0 -> a = 1, and B = 0 -> b = 0.
     A = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
                 other=0.0).to(tl.float32) * LOG2E  # [N_PER_THREAD, BLOCK_D, LANES_N]
+    A = finite_decay_rate(A)
     if HAS_DELTA_BIAS:
         delta_bias = tl.load(delta_bias_ptr + offs_d * stride_delta_bias, mask=mask_d,
                              other=0.0).to(tl.float32)
@@ -449,7 +452,12 @@ def _selective_scan_fwd_kernel(
             dt_sum += tl.sum(dt, axis=0)
         else:
             # Sum the per-thread states first (register adds), then the lanes' partial sums.
-            part = tl.sum(hs * C4, axis=1)  # [CHUNK_T, BLOCK_D, LANES_N]
+            prod = hs * C4
+            if N_RAGGED:
+                # A padded lane's state is (+-inf) * 0 = NaN where dt * u is infinite; it must not
+                # reach y (the lane's C is 0, but NaN * 0 is NaN).
+                prod = tl.where(mask_bn[None, :, None, :], prod, 0.0)
+            part = tl.sum(prod, axis=1)  # [CHUNK_T, BLOCK_D, LANES_N]
             y = _sum_lanes(part, LANES_N)
             if HAS_D:
                 y += Dv[None, :] * uf
@@ -633,7 +641,8 @@ def selective_scan_fwd_launch(
             HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
             HAS_INIT=initial_state is not None, STORE_LAST=last_state is not None,
             TIME_SPLIT=seg_a is not None, PREFETCH=config.prefetch,
-            DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision, num_warps=config.num_warps, **options,
+            DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision,
+            N_RAGGED=plan.n_per_thread * plan.lanes_n != N, num_warps=config.num_warps, **options,
         )
 
     # Triton launches on the current device; make that u's (e.g. u on cuda:1). The context
