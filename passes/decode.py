@@ -916,8 +916,8 @@ def check_state_update(m: dict[str, Any]) -> str | None:
         return f"the state is {st.dtype}; the op keeps its state in fp32"
     if u.h is not None and _tensor(u.h).dtype != torch.float32:
         return f"the new state is computed in {_tensor(u.h).dtype}; the op computes it in fp32"
-    if not statically_known_true(N <= MAX_N):
-        return f"N={N} state channels exceed the op's {MAX_N}"
+    if not statically_known_true(1 <= N) or not statically_known_true(N <= MAX_N):
+        return f"N={N} state channels are outside the op's 1..{MAX_N}"
     if len(chan) == 2:
         # Heads are flattened into channels: the op must write the caller's state through a
         # (batch, heads * headdim, N) view, which needs static sizes and mergeable strides.

@@ -253,7 +253,10 @@ STATE_ERRORS = [
     ("state-bf16", lambda kw: kw.update(state=kw["state"].bfloat16()), TypeError, "state must be fp32"),
     ("state-2d", lambda kw: kw.update(state=kw["state"][0]), ValueError, "state must be a"),
     ("N-too-big", lambda kw: kw.update(state=torch.zeros(2, 8, 300), A=torch.zeros(8, 300),
-                                       B=torch.zeros(2, 300), C=torch.zeros(2, 300)), ValueError, "at most 256"),
+                                       B=torch.zeros(2, 300), C=torch.zeros(2, 300)), ValueError, "1 <= N <= 256"),
+    # The scan refuses N = 0, so the decode step must too (it used to return D * x).
+    ("N-zero", lambda kw: kw.update(state=torch.zeros(2, 8, 0), A=torch.zeros(8, 0),
+                                    B=torch.zeros(2, 0), C=torch.zeros(2, 0)), ValueError, "1 <= N <= 256"),
     ("x-shape", lambda kw: kw.update(x=kw["x"][:, :4]), ValueError, "x must have shape"),
     ("dt-int", lambda kw: kw.update(dt=kw["dt"].long()), TypeError, "dt must have dtype"),
     ("A-shape", lambda kw: kw.update(A=kw["A"].t()), ValueError, "A must have shape"),

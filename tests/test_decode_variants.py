@@ -145,6 +145,24 @@ return (%selective_state_update_1,)
 """)
 
 
+def test_state_step_without_states_is_left_alone():
+    # N = 0 is outside the op's range (as it is the scan's): the step must stay eager's, and the
+    # pass must say why rather than fail inside the op's check.
+    g = torch.Generator().manual_seed(1)
+    inp = dict(state=torch.randn(BATCH, DIM, 0), x=torch.randn(BATCH, DIM, generator=g),
+               dt=torch.randn(BATCH, DIM, generator=g), A=-torch.rand(DIM, 0), B=torch.randn(BATCH, 0),
+               C=torch.randn(BATCH, 0), D=torch.randn(DIM, generator=g), z=torch.randn(BATCH, DIM, generator=g),
+               dt_bias=torch.randn(DIM, generator=g))
+
+    def step(**kw):
+        return mamba_ssm_ref(**kw, dt_softplus=True)
+
+    y_e, y_c, _, _, cap = run_step(step, inp)
+    assert not counters["ssm"]
+    assert any("outside the op's 1..256" in r for r in misses(cap, "state_update")), cap.ctx.misses
+    assert torch.equal(y_c, y_e)
+
+
 def mamba_ssm_ref_heads(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     """mamba_ssm's current reference, einops spelled out: a heads axis, state (b, h, p, n), dt
     (b, h, p), A (h, p, n), B/C (b, g, n); 3-D inputs are one head (``unsqueeze(1)``). Per (head,

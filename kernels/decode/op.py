@@ -77,8 +77,10 @@ def check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias) -> N
         raise TypeError(f"state must be fp32 (the recurrent state is kept in fp32 whatever the activation "
                         f"dtype), got {state.dtype}")
     batch, dim, N = state.shape
-    if N > MAX_N:
-        raise ValueError(f"state has N={N} state channels; at most {MAX_N} are supported")
+    if not 1 <= N <= MAX_N:
+        # The same range as ssm.selective_scan: a decode step must not accept a model that the
+        # prefill's scan refuses.
+        raise ValueError(f"state has N={N} state channels; 1 <= N <= {MAX_N} are supported")
     device = state.device
     _check_tensor("x", x, (batch, dim), _ACT_DTYPES, device)
     _check_tensor("dt", dt, (batch, dim), _ACT_DTYPES, device)
