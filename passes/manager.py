@@ -206,14 +206,19 @@ class PassManager:
                 self._run(body, ctx, seen, body=True)
 
     def uuid(self) -> str:
-        """Hash of the pass package's sources, the pass order and the options, for inductor's
-        cache keys. Every module of the package is hashed, not only those that register a pass:
-        the shared matchers (fx_utils, discretize, readout) decide what gets rewritten too."""
+        """Hash of the pass package's sources (and the compile driver's), the pass order and the
+        options, for inductor's cache keys. Every module of the package is hashed, not only those
+        that register a pass: the shared matchers (fx_utils, discretize, readout) decide what gets
+        rewritten too."""
         h = hashlib.sha256()
         for name, _ in self.passes:
             h.update(name.encode())
         package = pathlib.Path(__file__).parent
-        for path in sorted(package.glob("*.py")):
+        # The backend's compile driver too: it sets how AOTAutograd compiles the rewritten graph
+        # (the backward ahead, no donated buffers), which a cached artifact has baked in.
+        from ssm_compile import compiler
+
+        for path in [*sorted(package.glob("*.py")), pathlib.Path(compiler.__file__)]:
             h.update(path.name.encode())
             h.update(path.read_bytes())
         h.update(repr(sorted(self.options.items())).encode())

@@ -135,14 +135,31 @@ def _run_passes(pm, gm: torch.fx.GraphModule, undo: _Undo):
 def _backward_compiled_now():
     """AOTAutograd compiles a graph's backward at its first ``.backward()`` unless told
     otherwise, outside the compile fallback's reach; with rewrites, compile it with the forward,
-    so that a failure there also falls back (the flag is missing on older torch: a no-op)."""
+    so that a failure there also falls back (the flag is missing on older torch: a no-op).
+
+    No saved tensor is donated to that backward. A backward compiled ahead may reuse its saved
+    tensors' memory only if no ``backward()`` keeps the graph, and AOTAutograd raises at a
+    ``backward(retain_graph=True)`` otherwise; a lazily compiled one learns at its first call
+    whether the graph is kept and donates only then, which is why plain inductor (static shapes)
+    accepts ``retain_graph`` and, without this, the rewritten graph did not. Turning
+    ``donated_buffer`` off for the compile would not do: the check runs at backward time
+    against the global flag and counts "not collected" as donated, so the collection itself
+    returns none (where this torch has it)."""
     import contextlib
+    from unittest import mock
 
     import torch._functorch.config as functorch_config
 
     if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         return contextlib.nullcontext()
-    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+    stack = contextlib.ExitStack()
+    stack.enter_context(functorch_config.patch(force_non_lazy_backward_lowering=True))
+    from torch._functorch._aot_autograd import graph_compile
+
+    if hasattr(graph_compile, "collect_bw_donated_buffer_idxs"):
+        stack.enter_context(mock.patch.object(graph_compile, "collect_bw_donated_buffer_idxs",
+                                              lambda *args, **kwargs: []))
+    return stack
 
 
 def _launches_kept_in_ops(options: SSMOptions):

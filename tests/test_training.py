@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
-from utils import MinimalMambaBlock
+from utils import MinimalMambaBlock, perturbed
 
 STEPS = 20
 
@@ -104,3 +104,38 @@ def test_handwritten_block_training_parity():
     for step, (r, g) in enumerate(zip(ref, got)):
         assert abs(r - g) <= 1e-4, f"step {step}: eager {r} vs ssm {g}"
     assert ref[-1] < ref[0]
+
+
+def _block_and_input():
+    torch.manual_seed(0)
+    block = perturbed(MinimalMambaBlock(8))
+    x = torch.randn(2, 10, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    return block, x
+
+
+def test_backward_twice_through_a_retained_graph():
+    # The rewritten graph's backward is compiled with its forward (the compile fallback's
+    # reach); AOTAutograd then raised at backward(retain_graph=True) because that backward
+    # had been handed the saved tensors' memory to reuse. Plain inductor accepts this, so must we.
+    torch._dynamo.reset()
+    counters.clear()
+    block, x = _block_and_input()
+    ref = block(x).pow(2).sum()
+    g_ref, = torch.autograd.grad(ref, x)
+    out = torch.compile(block, backend="ssm")(x).pow(2).sum()
+    assert counters["ssm"]["scan_loop"] == 1, dict(counters["ssm"])
+    out.backward(retain_graph=True)
+    first = x.grad.clone()
+    out.backward()
+    assert (first - g_ref).norm() <= 1e-5 * g_ref.norm()
+    assert torch.allclose(x.grad, 2 * first, rtol=1e-6, atol=0)
+
+
+def test_double_backward_is_refused_as_under_inductor():
+    # Not silently wrong: AOTAutograd's compiled functions have no double backward, and says so.
+    torch._dynamo.reset()
+    block, x = _block_and_input()
+    out = torch.compile(block, backend="ssm")(x).pow(2).sum()
+    g, = torch.autograd.grad(out, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
