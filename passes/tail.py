@@ -161,7 +161,7 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
     other = operands[1] if operands[0] is chain.top else operands[0]
     factors = _binary(other, MUL_TARGETS)
     if factors is None:
-        return None
+        return _skip_after_a_sum(add, u_op)
     top_shape = shape_of(chain.top)
     if shape_of(add) != top_shape:
         return f"the skip broadcasts y from {list(top_shape)} to {list(shape_of(add))}"
@@ -188,6 +188,24 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
             continue
         return Skip(add, D, [add, other])
     return "; ".join(reasons) if reasons else None
+
+
+def _skip_after_a_sum(add: torch.fx.Node, u_op: Any) -> str | None:
+    """Why not, when ``add`` = y + X (X no product) is itself added to a product of the scan's u,
+    as in a bidirectional ``(y_fwd + y_bwd.flip(-1)) + u * D``: the op's D skip is added to y
+    alone, so folding would reassociate the user's sum. None when nothing downstream looks like
+    the skip (the common case: y + X is the residual or another direction's output)."""
+    op_u = layout_source(u_op).base
+    for user in add.users:
+        operands = _binary(user, ADD_TARGETS)
+        if operands is None or add not in operands:
+            continue
+        factors = _binary(operands[1] if operands[0] is add else operands[0], MUL_TARGETS)
+        if factors is not None and any(isinstance(f, torch.fx.Node) and layout_source(f).base is op_u
+                                       for f in factors):
+            return (f"the skip (a product of the scan's u, {user.name}) is added to {add.name} = y + another term, "
+                    "not to y: the op adds D·u to y alone, and folding would reassociate the sum")
+    return None
 
 
 def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> bool:

@@ -753,6 +753,11 @@ TAILS = [
     pytest.param(tail(_sp, lambda y, u, D, z, dt: y + u * D[:, None] + u * D[:, None]), {"delta", "skip"}, None,
                  id="skip-twice"),
     pytest.param(_pre_skip_y_also_returned, {"delta"}, "has other users besides the skip", id="pre-skip-y-returned"),
+    # A bidirectional block's (y_fwd + y_bwd.flip(-1)) + u * D: the skip reaches y through a sum.
+    pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + z) + u * D[:, None]), {"delta"},
+                 "folding would reassociate the sum", id="skip-after-a-sum"),
+    pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + z) * 2.0 + u * D[:, None]), {"delta"}, None,
+                 id="skip-after-a-scaled-sum"),
 ]
 
 
