@@ -12,6 +12,7 @@ autograd formula) and hands the rewritten graph to inductor, which still fuses e
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -19,6 +20,7 @@ import logging
 import pathlib
 import traceback
 from typing import Any, Callable, Mapping
+from unittest import mock
 
 import torch
 
@@ -132,6 +134,7 @@ def _run_passes(pm, gm: torch.fx.GraphModule, undo: _Undo):
         return ctx
 
 
+@contextlib.contextmanager
 def _backward_compiled_now():
     """AOTAutograd compiles a graph's backward at its first ``.backward()`` unless told
     otherwise, outside the compile fallback's reach; with rewrites, compile it with the forward,
@@ -145,29 +148,25 @@ def _backward_compiled_now():
     ``donated_buffer`` off for the compile would not do: the check runs at backward time
     against the global flag and counts "not collected" as donated, so the collection itself
     returns none (where this torch has it)."""
-    import contextlib
-    from unittest import mock
-
     import torch._functorch.config as functorch_config
 
     if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(functorch_config.patch(force_non_lazy_backward_lowering=True))
+        yield
+        return
     from torch._functorch._aot_autograd import graph_compile
 
-    if hasattr(graph_compile, "collect_bw_donated_buffer_idxs"):
-        stack.enter_context(mock.patch.object(graph_compile, "collect_bw_donated_buffer_idxs",
-                                              lambda *args, **kwargs: []))
-    return stack
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(functorch_config.patch(force_non_lazy_backward_lowering=True))
+        if hasattr(graph_compile, "collect_bw_donated_buffer_idxs"):
+            stack.enter_context(mock.patch.object(graph_compile, "collect_bw_donated_buffer_idxs",
+                                                  lambda *args, **kwargs: []))
+        yield
 
 
 def _launches_kept_in_ops(options: SSMOptions):
     """With ``inline_launches=False``, AOTAutograd keeps the ssm ops whole instead of tracing
     their Triton launches (``kernels/inline.py`` reads the flag). It is functorch's own config,
     so AOTAutograd's cache tells the two apart."""
-    import contextlib
-
     import torch._functorch.config as functorch_config
 
     if options.inline_launches or not hasattr(functorch_config, "decompose_custom_triton_ops"):

@@ -302,6 +302,7 @@ def fused_scan_fwd(
     def strides(t, n):
         return t.stride() if t is not None else (0,) * n
 
+    n_per_thread, lanes_n = max(1, block_n // config.lanes_n), min(config.lanes_n, block_n)
     grid = (triton.cdiv(dim, config.block_d), batch)
     compiled = _fused_scan_kernel[grid](
         x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bias, dt_weight, y,
@@ -310,11 +311,11 @@ def fused_scan_fwd(
         *strides(D, 1), *strides(delta_bias, 1), *strides(z, 3),
         *strides(conv_weight, 2), *strides(conv_bias, 1), *strides(dt_weight, 2), *y.stride(),
         BLOCK_D=config.block_d, CHUNK_T=config.chunk_t,
-        N_PER_THREAD=max(1, block_n // config.lanes_n), LANES_N=min(config.lanes_n, block_n),
+        N_PER_THREAD=n_per_thread, LANES_N=lanes_n,
         W=conv_weight.shape[1], CONV_SILU=conv_silu,
         DELTA_SOFTPLUS=delta_softplus,
         DT_RANK_PAD=dt_rank_pad, DOT_PRECISION=dot_precision,
-        N_RAGGED=max(1, block_n // config.lanes_n) * min(config.lanes_n, block_n) != N,
+        N_RAGGED=n_per_thread * lanes_n != N,
         num_warps=config.num_warps,
         **LAUNCH_OPTIONS,
     )
