@@ -38,6 +38,7 @@ __all__ = [
     "index_term",
     "match_discretization",
     "match_step_discretization",
+    "unscanned_discretizations",
     "view_source",
     "grouped_source",
     "product_source",
@@ -1004,3 +1005,31 @@ def _match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node, allow_
     disc = Discretized(u=u_src, delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles), B=B_src,
                        a_roles=virtual, b_roles=virtual, nodes=nodes, negate_A=inner.sign < 0)
     return disc, t0
+
+
+def unscanned_discretizations(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The ``exp(Δ·A)`` nodes left in ``gm`` that materialise a 4-D (batch, dim, time, state) tensor.
+
+    Run after the passes: a recurrence they proved took its ``exp(Δ·A)`` into the op, so one still
+    in the graph feeds a recurrence no scan pass recognised (a Hillis-Steele doubling scan, a
+    cumulative-product closed form, a recurrence computed outside the graph), or a value the user
+    reads directly. The shape test is the proof's own: exp of a product of two factors, one
+    varying over three of the four axes (Δ) and one over the remaining axis and one shared with
+    Δ (A); which of Δ's axes is time does not matter here.
+    """
+    found = []
+    for node in gm.graph.nodes:
+        if not (is_call(node, torch.exp) or is_method(node, "exp")):
+            continue
+        v = val(node)
+        if not isinstance(v, torch.Tensor) or v.dim() != 4:
+            continue
+        term = index_term(node, allow_exp=True, allow_neg=True)
+        inner = term.exp_of if term is not None else None
+        if inner is None or inner.summed or len(inner.factors) != 2 or len(set(term.out_labels())) != 4:
+            continue
+        l0, l1 = (set(term.factor_labels(f)) for f in inner.factors)
+        small, big = sorted((l0, l1), key=len)
+        if len(big) == 3 and len(small) == 2 and len(small & big) == 1 and small | big == set(term.out_labels()):
+            found.append(node)
+    return found

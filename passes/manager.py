@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.utils import counters
 
-from .fx_utils import mutates
+from .discretize import unscanned_discretizations
+from .fx_utils import mutates, val
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import rewrite_local_writes
 from .layout import output_layouts, settle_layouts
@@ -180,7 +181,7 @@ class PassManager:
 
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int], body: bool = False) -> None:
         seen.add(id(gm))
-        before = len(ctx.rewrites)
+        before, misses_before = len(ctx.rewrites), len(ctx.misses)
         if body:
             # Dynamo dead-code-eliminates its root graph but not a checkpoint body: under dynamic
             # shapes the body keeps the unused ``x.size()`` / ``size[i]`` / ``s0 == 0`` nodes of
@@ -201,9 +202,27 @@ class PassManager:
             _eliminate_dead_code(gm)  # recompiles
         else:
             gm.recompile()
+        self._report_unscanned(gm, ctx, before, misses_before)
         for body in _checkpoint_bodies(gm):
             if id(body) not in seen:
                 self._run(body, ctx, seen, body=True)
+
+    @staticmethod
+    def _report_unscanned(gm: torch.fx.GraphModule, ctx: PassContext, rewrites_before: int,
+                          misses_before: int) -> None:
+        """A reason for each ``exp(Δ·A)`` the passes left in ``gm`` that no rewrite or miss of
+        this graph already speaks for: without one, code whose recurrence no scan pass proves
+        (a doubling scan, say) would get an empty ``explain``."""
+        spoken = {name for r in ctx.rewrites[rewrites_before:] for name in r.replaced}
+        spoken |= {name for m in ctx.misses[misses_before:] for name in m.nodes}
+        for node in unscanned_discretizations(gm):
+            if node.name in spoken:
+                continue
+            users = ", ".join(u.name for u in node.users) or "none"
+            ctx.miss("scan", f"exp(Δ·A) at {node.name} materialises a {tuple(val(node).shape)} tensor and no "
+                     f"scan over it was recognised (its users: {users}): the scan passes prove sequential "
+                     "loops, associative_scan and in-place parallel sweeps, so this recurrence runs as "
+                     "written", [node])
 
     def uuid(self) -> str:
         """Hash of the pass package's sources (and the compile driver's), the pass order and the
