@@ -89,3 +89,26 @@ def test_package_level_explain_after_submodule_import():
 
     report = ssm_compile.explain(causal_conv, *inputs())
     assert report.counts == {"conv1d": 1}
+
+
+def test_doubling_scan_gets_a_scan_reason():
+    # An out-of-place Hillis-Steele scan is no pattern the scan passes prove; explain must still
+    # say why its exp(Δ·A) stayed, instead of reporting nothing.
+    def block(x, delta, A, B, C):
+        a = torch.exp(delta.unsqueeze(-1) * A[:, None, :])
+        b = delta.unsqueeze(-1) * B.unsqueeze(1) * x.unsqueeze(-1)
+        s = 1
+        while s < a.shape[2]:
+            b = a * F.pad(b[:, :, :-s], (0, 0, s, 0)) + b
+            a = a * F.pad(a[:, :, :-s], (0, 0, s, 0), value=1.0)
+            s *= 2
+        return (b * C.unsqueeze(1)).sum(-1)
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 4, 8, generator=g), torch.rand(2, 4, 8, generator=g), -torch.rand(4, 3, generator=g),
+            torch.randn(2, 8, 3, generator=g), torch.randn(2, 8, 3, generator=g))
+    report = explain(block, *args)
+    assert not report.rewrites
+    (miss,) = [m for m in report.misses if m.family == "scan"]
+    assert "no scan over it was recognised" in miss.reason and "(2, 4, 8, 3)" in miss.reason
+    torch.testing.assert_close(report.output, block(*args))
