@@ -1121,6 +1121,37 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     )
 
 
+def _paths_from(sources: list[torch.fx.Node], ends: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The nodes on a path from one of ``sources`` to one of ``ends`` (both excluded)."""
+    src, ends_set = set(sources), set(ends)
+    reach: dict[torch.fx.Node, bool] = {}
+
+    def from_source(n: torch.fx.Node) -> bool:
+        stack, order = [n], []
+        while stack:
+            x = stack.pop()
+            if x in reach or x in order:
+                continue
+            order.append(x)
+            stack.extend(a for a in x.all_input_nodes if a not in reach)
+        for x in reversed(order):
+            reach[x] = x in src or any(reach.get(a, False) for a in x.all_input_nodes)
+        return reach[n]
+
+    out = []
+    for e in ends:
+        for a in e.all_input_nodes:
+            if a not in ends_set and a not in src and from_source(a):
+                stack = [a]
+                while stack:
+                    x = stack.pop()
+                    if x in src or x in ends_set or x in out or not reach.get(x, False):
+                        continue
+                    out.append(x)
+                    stack.extend(x.all_input_nodes)
+    return out
+
+
 def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     """Replace the loop by the op; on failure leave the graph as it was and say why."""
     graph = gm.graph
@@ -1137,7 +1168,10 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     # The op must run under the grad mode / autocast / functorch state the loop ran under.
     regions = ContextRegions(graph)
     replaced = [*m.loop_nodes, *d.nodes, *m.out.writes]
-    rounding = dropped_rounding(replaced, [d.u.node, d.delta.node, d.B.node, m.C.node])
+    sources = [d.u.node, d.delta.node, d.B.node, m.C.node]
+    # The op also stands in for what lies between its sources and the loop (casts on C the
+    # readout was proved through): a rounding there is the program's too.
+    rounding = dropped_rounding([*replaced, *_paths_from(sources, m.loop_nodes)], sources)
     if rounding is not None:
         return rounding
     anchor = regions.settle(anchor, replaced)

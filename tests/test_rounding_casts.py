@@ -130,3 +130,30 @@ def test_rounding_no_finer_than_the_inputs_is_folded():
     assert "scan_loop" in [r.family for rec in records for r in rec.rewrites]
     eager_err = (fn(*args).double() - exact).abs().max()
     assert (out.double() - exact).abs().max() <= eager_err
+
+
+def test_rounded_C_of_an_fp32_loop_is_kept():
+    # The loop's readout was proved through C's casts, which the op would have dropped
+    # (run 39 probe: 2.3e-3 off eager). The scan must be left alone, naming the cast.
+    from ssm_compile.report import explain
+
+    b, d, n, L = 2, 6, 4, 7
+
+    def f(u, delta, A, B, C):
+        Cq = C.bfloat16().float()
+        dA = torch.exp(delta.unsqueeze(-1) * A[:, None, :])
+        dBu = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)
+        h = torch.zeros(b, d, n)
+        ys = []
+        for t in range(L):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append((h * Cq[:, None, :, t]).sum(-1))
+        return torch.stack(ys, -1)
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(b, d, L, generator=g), torch.rand(b, d, L, generator=g) + 0.1, -torch.rand(d, n, generator=g) - 0.1,
+            torch.randn(b, n, L, generator=g), torch.randn(b, n, L, generator=g))
+    report = explain(f, *args)
+    assert report.counts["scan_loop"] == 0, report.summary()
+    assert any("rounds torch.float32 to torch.bfloat16" in m.reason for m in report.misses), [m.reason for m in report.misses]
+    torch.testing.assert_close(report.output, f(*args))
