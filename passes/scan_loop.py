@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import sympy
 import torch
@@ -86,14 +86,17 @@ _Emitted = TypeVar("_Emitted")
 # Regions and the structural walk
 # ---------------------------------------------------------------------------------------------
 
-def _between(src: torch.fx.Node, dst: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
-    """Nodes that depend on ``src`` and that ``dst`` depends on (``dst`` included), in graph order.
+def _between(src: torch.fx.Node, dst: torch.fx.Node | Sequence[torch.fx.Node],
+             pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
+    """Nodes that depend on ``src`` and that ``dst`` (a node or several) depends on (``dst``
+    included), in graph order; None when no ``dst`` depends on ``src``.
 
     Only nodes after ``src`` can depend on it, so the backward search stops there: the cost is
     the size of the region, not of the graph.
     """
+    dsts = [dst] if isinstance(dst, torch.fx.Node) else list(dst)
     reach: dict[torch.fx.Node, bool] = {}
-    stack = [dst]
+    stack = list(dsts)
     while stack:
         n = stack[-1]
         if n in reach:
@@ -105,7 +108,7 @@ def _between(src: torch.fx.Node, dst: torch.fx.Node, pos: dict[torch.fx.Node, in
             continue
         stack.pop()
         reach[n] = any(i is src or reach.get(i, False) for i in n.all_input_nodes)
-    if not reach.get(dst):
+    if not any(reach.get(d) for d in dsts):
         return None
     return sorted((n for n, r in reach.items() if r), key=pos.__getitem__)
 
@@ -1121,37 +1124,6 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     )
 
 
-def _paths_from(sources: list[torch.fx.Node], ends: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The nodes on a path from one of ``sources`` to one of ``ends`` (both excluded)."""
-    src, ends_set = set(sources), set(ends)
-    reach: dict[torch.fx.Node, bool] = {}
-
-    def from_source(n: torch.fx.Node) -> bool:
-        stack, order = [n], []
-        while stack:
-            x = stack.pop()
-            if x in reach or x in order:
-                continue
-            order.append(x)
-            stack.extend(a for a in x.all_input_nodes if a not in reach)
-        for x in reversed(order):
-            reach[x] = x in src or any(reach.get(a, False) for a in x.all_input_nodes)
-        return reach[n]
-
-    out = []
-    for e in ends:
-        for a in e.all_input_nodes:
-            if a not in ends_set and a not in src and from_source(a):
-                stack = [a]
-                while stack:
-                    x = stack.pop()
-                    if x in src or x in ends_set or x in out or not reach.get(x, False):
-                        continue
-                    out.append(x)
-                    stack.extend(x.all_input_nodes)
-    return out
-
-
 def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     """Replace the loop by the op; on failure leave the graph as it was and say why."""
     graph = gm.graph
@@ -1171,7 +1143,8 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     sources = [d.u.node, d.delta.node, d.B.node, m.C.node]
     # The op also stands in for what lies between its sources and the loop (casts on C the
     # readout was proved through): a rounding there is the program's too.
-    rounding = dropped_rounding([*replaced, *_paths_from(sources, m.loop_nodes)], sources)
+    feeding = [n for s in sources for n in _between(s, m.loop_nodes, pos) or ()]
+    rounding = dropped_rounding([*replaced, *feeding], sources)
     if rounding is not None:
         return rounding
     anchor = regions.settle(anchor, replaced)
