@@ -4,7 +4,7 @@
 # Each step's full log goes to $OUT/<step>.log; a failing step does not stop the others.
 # The device machine has no package index: test-only wheels it lacks (expecttest) travel in
 # .whl/ (ignored by git; pass it in the device call's `carry`), fetched here with
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl expecttest
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl expecttest pytest-xdist execnet
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +33,10 @@ for s in "$@"; do
                    tests/test_selective_scan_triton_bwd.py tests/test_fused.py tests/test_causal_conv1d.py \
                    tests/test_decode_ops.py tests/test_selective_scan_op.py tests/test_parity_devices.py \
                    tests/test_generate_example.py tests/test_pass_logits.py tests/test_x_dt_proj.py -k "cuda or triton or Triton or gpu or fused" ;;
+        # The whole suite (CPU pass tests, interpreter kernels and CUDA kernels) under the device's
+        # torch/triton/transformers, spread over its cores; needs pytest-xdist and execnet in .whl/.
+        fullsuite) STEP_TIMEOUT=${FULL_TIMEOUT:-540} step fullsuite python3 -m pytest -q -p no:cacheprovider \
+                       -n ${WORKERS:-14} --dist worksteal -rfEs tests ;;
         # Host time per op call with real launches, and cProfile's split of it by function.
         host) step host bash -c 'python3 benchmarks/host_overhead_ops.py --cuda --profile && python3 benchmarks/host_overhead_scan.py --cuda' ;;
         # Nsight Compute on the scan kernels at the headline shape: per kernel the details page

@@ -74,8 +74,9 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term
-from .fx_utils import (context_refusal, depthwise_weight, is_call, is_cast, is_method, named_args, node_order,
-                       pinned_int, propagate_val, storage_of, target_name, val, written_args)
+from .fx_utils import (context_refusal, depthwise_weight, dropped_rounding, is_call, is_cast, is_lossless_cast,
+                       is_method, named_args, node_order, op_region, pinned_int, propagate_val, storage_of,
+                       target_name, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -245,6 +246,22 @@ def _narrowing(casts: list[torch.fx.Node]) -> list[str]:
         if torch.finfo(dst).bits < torch.finfo(src).bits or (dst != src and torch.finfo(dst).bits == 16):
             out.append(f"{c.name}:{src}->{dst}".replace("torch.", ""))
     return out
+
+
+def _rounding_refusal(sources: list[Any], sinks: list[Any], last: torch.fx.Node,
+                      order: dict[torch.fx.Node, int]) -> str | None:
+    """Why the op, reading ``sources`` and standing for ``sinks``, would drop a rounding the step
+    makes (``fx_utils.dropped_rounding``: only one no finer than the op's inputs may go), or None.
+
+    The casts that end the step at ``last`` stay the program's: the op's output is cast to
+    ``last``'s dtype, the same rounding, as long as none of them rounds finer than that dtype.
+    """
+    out_dtype, trailing, node = _tensor(last).dtype, set(), last
+    while is_cast(node) and is_lossless_cast(out_dtype, _tensor(node).dtype):
+        trailing.add(node)
+        node = node.args[0]
+    region = [n for n in op_region(sources, [s for s in sinks if s is not None], order) if n not in trailing]
+    return dropped_rounding(region, sources)
 
 
 def _widen_for(graph: torch.fx.Graph, x: torch.fx.Node, out_dtype: torch.dtype) -> torch.fx.Node:
@@ -946,6 +963,10 @@ def check_state_update(m: dict[str, Any]) -> str | None:
     if x.dtype not in SUPPORTED_DTYPES:
         return f"x has dtype {x.dtype}"
     order, last = m["order"], m["last"]
+    reason = _rounding_refusal([m[name] for name in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias")],
+                               [last, u.h, *u.writes], last, order)
+    if reason is not None:
+        return reason
     reason = _inputs_written({name: m[name] for name in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")},
                              _ancestors(last, u.h, *u.writes), order, order[last])
     if reason is not None:
@@ -1162,6 +1183,10 @@ def check_conv_update(m: dict[str, Any]) -> str | None:
     # The op goes where the conv1d is: it reads x there, and rolls the state there.
     order = node_order(m["cat"].graph)
     end = order[m["conv"]]
+    reason = _rounding_refusal([m["x"], m["conv_state"], m["weight"], m["bias"]], [m["last"], m["copy"]],
+                               m["last"], order)
+    if reason is not None:
+        return reason
     reason = _inputs_written({"x": m["x"], "weight": m["weight"], "bias": m["bias"]},
                              _ancestors(m["last"], m["copy"]), order, end)
     if reason is not None:
@@ -1479,6 +1504,10 @@ def check_window_update(m: dict[str, Any]) -> str | None:
     order = node_order(m["last"].graph)
     end = order[m["last"]]
     scope = _ancestors(m["last"], *m["writes"], m["window"])
+    reason = _rounding_refusal([m["x"] if m["x"] is not None else m["x3"], m["cs"], m["weight"], m["bias"]],
+                               [m["last"], *m["writes"], m["window"]], m["last"], order)
+    if reason is not None:
+        return reason
     reason = _inputs_written({"x": m["x"] if m["x"] is not None else m["x3"], "weight": m["weight"], "bias": m["bias"]},
                              scope, order, end)
     if reason is not None:

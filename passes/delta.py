@@ -28,9 +28,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_call, is_lossless_cast, is_method, layout_source,
-                       permute_view, propagate_val, scan_args, named_args, scan_nodes, set_scan_args, shape_of,
-                       written_in_place)
+from .fx_utils import (behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, is_call,
+                       is_lossless_cast, is_method, layout_source, permute_view, propagate_val, scan_args, named_args,
+                       scan_nodes, set_scan_args, shape_of, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -54,6 +54,7 @@ class DeltaFold(NamedTuple):
     bias: Optional[torch.fx.Node]  # (dim,) node for delta_bias, or None
     linear: Optional[torch.fx.Node]  # F.linear(x, W, b) whose bias moves into the op
     nodes: list[torch.fx.Node]    # the matched nodes, for the record
+    between: list[torch.fx.Node]  # the views and casts around the softplus, replaced as well
 
 
 def _softplus_default(node: torch.fx.Node) -> Optional[str]:
@@ -131,6 +132,15 @@ def as_vector(graph: torch.fx.Graph, node: torch.fx.Node, dim: int, before: torc
     return vector
 
 
+def _walked(node: torch.fx.Node, base: torch.fx.Node) -> list[torch.fx.Node]:
+    """The views and casts ``layout_source`` followed from ``node`` back to ``base``."""
+    out = []
+    while node is not base:
+        out.append(node)
+        node = node.args[0]
+    return out
+
+
 def match_delta(delta: Any) -> DeltaFold | str | None:
     """Prove ``delta`` = views(softplus(views(pre + bias))) with elementwise steps only.
 
@@ -150,20 +160,21 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     perm = tuple(inner.perm[p] for p in top.perm)
     pre = inner.base
     nodes = [softplus]
+    between = [*_walked(delta, softplus), *_walked(named_args(softplus, ("input",))["input"], pre)]
     dim_axis = perm[1]
     dim = shape_of(delta)[1]
     if is_call(pre, *LINEAR_TARGETS):
         bias = named_args(pre, ("input", "weight", "bias")).get("bias")
         if bias is not None and dim_axis == len(shape_of(pre)) - 1 and shape_of(bias) == (dim,):
-            return DeltaFold(pre, perm, bias, pre, nodes + [pre])
+            return DeltaFold(pre, perm, bias, pre, nodes + [pre], between)
     if is_call(pre, *ADD_TARGETS) and len(pre.args) == 2 and not pre.kwargs:
         for x, bias_b in (pre.args, pre.args[::-1]):
             if shape_of(x) != shape_of(pre):
                 continue
             bias = match_bias(bias_b, shape_of(pre), dim_axis, dim)
             if bias is not None:
-                return DeltaFold(x, perm, bias, None, nodes + [pre])
-    return DeltaFold(pre, perm, None, None, nodes)
+                return DeltaFold(x, perm, bias, None, nodes + [pre], between)
+    return DeltaFold(pre, perm, None, None, nodes, between)
 
 
 def weight_product(node: Any, t_dims: Callable[[int], bool], *targets: Any) -> Optional[tuple[Any, Any]]:
@@ -210,6 +221,13 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     if isinstance(fold, str):
         ctx.miss(FAMILY, fold, [scan])
     if not isinstance(fold, DeltaFold):
+        return
+    # The op computes bias add and softplus unrounded: a rounding cast on the way is the
+    # program's unless it rounds no finer than the op's inputs already are.
+    rounding = dropped_rounding([*fold.nodes, *fold.between], behind_lossless_casts(
+        [*(args[k] for k in ("u", "A", "B", "C", "D", "z")), fold.pre, fold.bias]))
+    if rounding is not None:
+        ctx.miss(FAMILY, rounding, [scan])
         return
     graph = gm.graph
     # The op reads the pre-activation (and the bias, the linear's operands) where it runs, not

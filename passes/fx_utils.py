@@ -21,6 +21,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 _CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# ``node.meta`` key marking a cast a rewrite emitted as an op's own output rounding (to the dtype
+# the replaced code produced), as opposed to a cast the user wrote.
+OP_ROUNDING = "ssm_op_rounding"
 
 SCAN_QUALNAME = "ssm::selective_scan"
 SCAN_ARG_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
@@ -614,6 +617,50 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any]) -> str | None:
         return (f"{n.name} rounds {src} to {dst}, finer than the op's inputs "
                 f"({', '.join(sorted({str(f) for f in floats}))}): the op keeps its states unrounded")
     return None
+
+
+def behind_lossless_casts(nodes: Iterable[Any]) -> list[torch.fx.Node]:
+    """``nodes`` and what each is a lossless cast (and view) of: the inputs an op reads, for
+    ``dropped_rounding``, as narrow as the program's own values are (HF's ``hidden_states.float()``
+    of a bf16 model holds bf16 values)."""
+    out = [n for n in nodes if isinstance(n, torch.fx.Node)]
+    return out + [src.base for src in map(layout_source, out) if src.lossless]
+
+
+def op_region(sources: Iterable[Any], sinks: Iterable[torch.fx.Node],
+              pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
+    """What an op that reads ``sources`` and stands for ``sinks`` computes: the nodes that depend
+    on a source and that a sink depends on (sinks included), in graph order.
+
+    What a source is itself computed from (``x_proj`` before B, when u is also a source) is the
+    op's input, not its work, and is left out: a rounding there is in what the op reads. The
+    search stops at the first source, so it costs the size of the region, not of the graph.
+    """
+    srcs = {s for s in sources if isinstance(s, torch.fx.Node)}
+    if not srcs:
+        return []
+    lo = min(pos[s] for s in srcs)
+    upstream: set[torch.fx.Node] = set()
+    stack = list(srcs)
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i not in upstream and pos[i] > lo:
+                upstream.add(i)
+                stack.append(i)
+    reach: dict[torch.fx.Node, bool] = {s: True for s in srcs}
+    stack = [n for n in sinks if isinstance(n, torch.fx.Node)]
+    while stack:
+        n = stack[-1]
+        if n in reach:
+            stack.pop()
+            continue
+        pending = [i for i in n.all_input_nodes if i not in reach and pos[i] > lo]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        reach[n] = any(reach.get(i, False) for i in n.all_input_nodes)
+    return sorted((n for n, r in reach.items() if r and n not in srcs and n not in upstream), key=pos.__getitem__)
 
 
 def _dims(args: Sequence[Any]) -> list[int]:

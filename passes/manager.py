@@ -50,6 +50,8 @@ class PassContext:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
     misses: list[Miss] = dataclasses.field(default_factory=list)
+    # Nodes a near-miss speaks for without naming them (a refused scan's exp(Δ·A)).
+    covered: set[torch.fx.Node] = dataclasses.field(default_factory=set)
 
     def rewrite(self, family: str, pattern: str, replaced: list[torch.fx.Node], emitted: str,
                 decision: dict[str, Any] | None = None) -> None:
@@ -58,8 +60,10 @@ class PassContext:
         counters["ssm"][family] += 1
         log.debug("ssm rewrite %s (%s): %d nodes -> %s", family, pattern, len(names), emitted)
 
-    def miss(self, family: str, reason: str, nodes: list[torch.fx.Node] = ()) -> None:
+    def miss(self, family: str, reason: str, nodes: list[torch.fx.Node] = (),
+             covers: list[torch.fx.Node] = ()) -> None:
         self.misses.append(Miss(family, reason, [n.name for n in nodes]))
+        self.covered.update(covers)
         log.debug("ssm near-miss %s: %s", family, reason)
 
 
@@ -215,8 +219,15 @@ class PassManager:
         (a doubling scan, say) would get an empty ``explain``."""
         spoken = {name for r in ctx.rewrites[rewrites_before:] for name in r.replaced}
         spoken |= {name for m in ctx.misses[misses_before:] for name in m.nodes}
+        # A scan pass that recognised the recurrence and refused it (a rounding cast, a reset)
+        # names a step of it, a few nodes below the exp: that miss already speaks for the exp.
+        scan_misses = {name for m in ctx.misses[misses_before:] if m.family.startswith("scan_") for name in m.nodes}
         for node in unscanned_discretizations(gm):
-            if node.name in spoken:
+            near, frontier = set(), [node]
+            for _ in range(4):
+                frontier = [u for n in frontier for u in n.users if u not in near]
+                near.update(frontier)
+            if node.name in spoken or node in ctx.covered or any(n.name in scan_misses for n in near):
                 continue
             users = ", ".join(u.name for u in node.users) or "none"
             ctx.miss("scan", f"exp(Δ·A) at {node.name} materialises a {tuple(val(node).shape)} tensor and no "

@@ -606,13 +606,11 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     # readout ran under.
     graph = gm.graph
     replaced = [*scan_nodes, *disc.nodes, *readout_nodes, *lasts, all_states]
-    refusal = dropped_rounding([*replaced, *reads], [disc.u.node, disc.delta.node, disc.B.node, readout.C])
+    refusal = (dropped_rounding([*replaced, *reads], [disc.u.node, disc.delta.node, disc.B.node, readout.C])
+               or ContextRegions(graph).refusal(replaced, anchor))
     if refusal is not None:
-        ctx.miss(FAMILY, refusal, [all_states])
-        return
-    refusal = ContextRegions(graph).refusal(replaced, anchor)
-    if refusal is not None:
-        ctx.miss(FAMILY, refusal, [all_states])
+        # The scan was recognised: this miss, not explain's orphaned-exp(Δ·A) one, is the reason.
+        ctx.miss(FAMILY, refusal, [all_states], covers=[a_full, *disc.nodes])
         return
     hoisted = hoist_before(readout.C, anchor, all_states)
     if hoisted is not None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, TypeVar
 
 import sympy
 import torch
@@ -54,7 +54,9 @@ from .fx_utils import (
     named_args,
     storage_of,
     is_call,
+    OP_ROUNDING,
     dropped_rounding,
+    op_region,
     is_cast,
     is_method,
     mutates,
@@ -86,17 +88,14 @@ _Emitted = TypeVar("_Emitted")
 # Regions and the structural walk
 # ---------------------------------------------------------------------------------------------
 
-def _between(src: torch.fx.Node, dst: torch.fx.Node | Sequence[torch.fx.Node],
-             pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
-    """Nodes that depend on ``src`` and that ``dst`` (a node or several) depends on (``dst``
-    included), in graph order; None when no ``dst`` depends on ``src``.
+def _between(src: torch.fx.Node, dst: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
+    """Nodes that depend on ``src`` and that ``dst`` depends on (``dst`` included), in graph order.
 
     Only nodes after ``src`` can depend on it, so the backward search stops there: the cost is
     the size of the region, not of the graph.
     """
-    dsts = [dst] if isinstance(dst, torch.fx.Node) else list(dst)
     reach: dict[torch.fx.Node, bool] = {}
-    stack = list(dsts)
+    stack = [dst]
     while stack:
         n = stack[-1]
         if n in reach:
@@ -108,7 +107,7 @@ def _between(src: torch.fx.Node, dst: torch.fx.Node | Sequence[torch.fx.Node],
             continue
         stack.pop()
         reach[n] = any(i is src or reach.get(i, False) for i in n.all_input_nodes)
-    if not any(reach.get(d) for d in dsts):
+    if not reach.get(dst):
         return None
     return sorted((n for n, r in reach.items() if r), key=pos.__getitem__)
 
@@ -1078,7 +1077,13 @@ def emit_selective_scan(
                  u, delta, A, B, Cv, None, None, None, False, init, want_last)
     y = _node(graph, "call_function", operator.getitem, scan, 0)
     y = permute_view(graph, y, tuple("bdt".index(r) for r in y_roles))
-    y = _cast(graph, y, y_dtype)
+    cast = _cast(graph, y, y_dtype)
+    if cast is not y:
+        # This cast is the op's own output rounding (the readout's dtype: autocast's bf16 einsum,
+        # a bf16 model's readout), not one the user wrote: folding the tail moves it after the
+        # tail (tail._widen_chain), where the op rounds once.
+        cast.meta[OP_ROUNDING] = True
+    y = cast
     last = None
     if want_last:
         last = _node(graph, "call_function", operator.getitem, scan, 1)
@@ -1143,8 +1148,7 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     sources = [d.u.node, d.delta.node, d.B.node, m.C.node]
     # The op also stands in for what lies between its sources and the loop (casts on C the
     # readout was proved through): a rounding there is the program's too.
-    feeding = [n for s in sources for n in _between(s, m.loop_nodes, pos) or ()]
-    rounding = dropped_rounding([*replaced, *feeding], sources)
+    rounding = dropped_rounding([*replaced, *op_region(sources, m.loop_nodes, pos)], sources)
     if rounding is not None:
         return rounding
     anchor = regions.settle(anchor, replaced)

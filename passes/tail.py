@@ -32,9 +32,10 @@ import torch.fx
 import torch.nn.functional as F
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
-from .fx_utils import (HOIST_BLOCKED, cast_dtype, context_refusal, dtype_of, follow_views, hoist_before, inverse,
-                       is_call, is_method, layout_source, output_getitem, permute_view, propagate_val, scan_args,
-                       scan_nodes, set_scan_args, shape_of, written_in_place)
+from .fx_utils import (HOIST_BLOCKED, OP_ROUNDING, behind_lossless_casts, cast_dtype, context_refusal,
+                       dropped_rounding, dtype_of, follow_views, hoist_before, inverse, is_call, is_method,
+                       layout_source, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
+                       set_scan_args, shape_of, written_in_place)
 from .manager import PassContext, PassManager
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
@@ -79,6 +80,22 @@ def _widen_chain(chain: YChain, dtype: torch.dtype) -> YChain:
         propagate_val(node)
         nodes.append(node)
     return YChain(nodes[-1] if nodes else chain.top, chain.perm, nodes)
+
+
+def _widening_refusal(scan: torch.fx.Node, chain: YChain, dtype: torch.dtype, folded: Any) -> str | None:
+    """Why ``_widen_chain(chain, dtype)`` would change the program, or None.
+
+    Retargeting a cast drops the rounding it made. That is only the op's own rounding moved
+    when the scan rewrite emitted the cast for the readout's dtype (``OP_ROUNDING``: an autocast
+    bf16 readout) or, as ``fx_utils.dropped_rounding`` allows, when the cast rounds no finer than
+    the op's inputs (a bf16 model's readout promoted against an fp32 D). ``y.bfloat16().float()``
+    written in an fp32 program rounds finer, and that rounding is the program's.
+    """
+    retargeted = [n for n in chain.nodes if not n.meta.get(OP_ROUNDING)
+                  and (t := cast_dtype(n)) is not None and torch.finfo(t).eps > torch.finfo(dtype).eps]
+    args = scan_args(scan)
+    inputs = behind_lossless_casts([*(args[k] for k in ("u", "delta", "A", "B", "C", "D", "z")), folded])
+    return dropped_rounding(retargeted, inputs)
 
 
 def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
@@ -221,7 +238,8 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if args["D"] is not None:
         ctx.miss("skip", "the scan already has a D", [user])
         return False
-    refusal = _fold_refusal(scan, chain, skip.nodes, skip.D, "D")
+    refusal = (_widening_refusal(scan, chain, dtype_of(skip.add), skip.D)
+               or _fold_refusal(scan, chain, skip.nodes, skip.D, "D"))
     if refusal is not None:
         ctx.miss("skip", refusal, [user])
         return False
@@ -304,7 +322,8 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if args["z"] is not None:
         ctx.miss("gate", "the scan already has a z", [user])
         return False
-    refusal = _fold_refusal(scan, chain, gate.nodes, gate.z, "z")
+    refusal = (_widening_refusal(scan, chain, dtype_of(gate.out), gate.z)
+               or _fold_refusal(scan, chain, gate.nodes, gate.z, "z"))
     if refusal is not None:
         ctx.miss("gate", refusal, [user])
         return False
