@@ -39,6 +39,16 @@ def fresh_dynamo():
 
 
 @pytest.fixture
+def no_opt_einsum(monkeypatch):
+    """Where opt_einsum is installed (the H200 machine has it, CI does not), torch.einsum plans a
+    contraction of three or more operands with it, and its path search does Python arithmetic on
+    the sizes: dynamo specialises the batch and length symbols there, for any backend (plain
+    inductor and "eager" too), and a dynamic batch recompiles. The tests of what the passes do
+    with symbolic sizes use torch's own contraction order, so that they test the passes."""
+    monkeypatch.setattr(torch.backends.opt_einsum, "enabled", False)
+
+
+@pytest.fixture
 def quiet_ssm_log():
     """Only errors from the ``ssm_compile`` logger: a refused rewrite or a fallback logs its
     reason (with the whole failing node); tests that use this read the reasons from ``explain``

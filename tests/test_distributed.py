@@ -75,15 +75,18 @@ def test_ddp_training_step_matches_eager(tmp_path, bucket_cap_mb, monkeypatch):
 
 
 def test_fsdp2_training_step_matches_eager(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     ids = torch.randint(0, 41, (2, 20), generator=torch.Generator().manual_seed(1))
     ref = grads_of(tiny_hf(), ids)
     with process_group(tmp_path):
+        # A CPU mesh: without one, fully_shard moves the model to the GPU where there is one.
+        mesh = init_device_mesh("cpu", (1,))
         model = tiny_hf()
         for layer in model.backbone.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         loss, grads = grads_of(model, ids, run=torch.compile(model, backend="ssm"))
         grads = {n: g.full_tensor() for n, g in grads.items()}
     assert_same_training_step((loss, grads), ref)

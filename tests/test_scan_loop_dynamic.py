@@ -155,6 +155,7 @@ def scan_loop_reasons(record):
 
 # --- tests ------------------------------------------------------------------------------------
 
+@pytest.mark.usefixtures("no_opt_einsum")
 @pytest.mark.parametrize("fn, extra", [
     pytest.param(scan_ref, (0, 0, 5, 0), id="ref-longer-C"),
     pytest.param(per_step, (2, 4, 5, 0), id="per-step-longer-delta-B-C"),

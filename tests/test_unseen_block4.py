@@ -805,6 +805,7 @@ def test_length_equal_to_dim(parts, folded):
     check_block(Block(**parts), x, folded)
 
 
+@pytest.mark.usefixtures("no_opt_einsum")
 def test_dynamic_batch():
     model = Block(conv=conv_left_pad, delta=delta_bias_added_after)
     counters.clear()

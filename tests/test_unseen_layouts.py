@@ -352,6 +352,7 @@ def test_dynamic_view_is_mended():
     assert_like_eager(out, fn(*args))
 
 
+@pytest.mark.usefixtures("no_opt_einsum")
 def test_automatic_dynamic_batch_keeps_eager_strides():
     """A second and third batch size (dynamo's automatic dynamic batch, the default): the batch
     symbol only enters stride 0's size, the strides stay concrete and are restored."""

@@ -231,6 +231,7 @@ def test_mamba_lm_under_autocast():
     assert {f: counters["ssm"][f] for f in SCAN_FAMILIES} == per_layer(3), fired()
 
 
+@pytest.mark.usefixtures("no_opt_einsum")
 def test_dynamic_batch_and_length_inference():
     model = MambaLM().eval()
     fast = torch.compile(model, backend=backend(inductor=False), dynamic=True)
