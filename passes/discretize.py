@@ -29,7 +29,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import is_call, is_cast, is_method, parse_slice, protects_saved_input, squeezed_unit_piece, val
+from .fx_utils import (is_call, is_cast, is_method, parse_slice, protects_saved_input, squeezed_unit_piece, val,
+                       view_perm)
 
 __all__ = [
     "Source",
@@ -793,14 +794,23 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
         return ("A_full and B_full must be 4-D (batch, dim, time, state) in some order, "
                 f"got {va.dim()}-D and {vb.dim()}-D")
 
-    at = index_term(a_full, allow_exp=True, allow_neg=allow_neg)
+    # A permutation of exp(Δ·A) (``exp(...).permute(0, 2, 1, 3)`` to loop over axis 1, pscan's
+    # ``deltaA.transpose(1, 2)``, a ``.contiguous()`` copy) holds the same values: the proof runs
+    # on the exp, and its roles are carried back to a_full's axes (a_full axis i = axis
+    # a_perm[i] of the exp).
+    a_perm, a_views, a_exp = list(range(4)), [], a_full
+    while (sigma := view_perm(a_exp)) is not None:
+        a_perm = [sigma[p] for p in a_perm]
+        a_views.append(a_exp)
+        a_exp = a_exp.args[0]
+    at = index_term(a_exp, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
         return "A_full is not exp(Δ·A)"
     inner = at.exp_of
     if inner.summed or len(inner.factors) != 2:
         return (f"A_full is exp of a product of {len(inner.factors)} factors with {len(inner.summed)} "
                 "summed axes; expected exp(Δ·A)")
-    a_out = at.out_labels()
+    a_out = [at.out_labels()[p] for p in a_perm]
     if len(set(a_out)) != 4:
         return "A_full's axes are not four distinct indices"
     t_lab = a_out[ta % 4]
@@ -879,7 +889,7 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
         B=B_src,
         a_roles=a_roles,
         b_roles=b_roles,
-        nodes=list(dict.fromkeys(at.looked_through + bt.looked_through)),
+        nodes=list(dict.fromkeys(a_views + at.looked_through + bt.looked_through)),
         negate_A=inner.sign < 0,
     )
 

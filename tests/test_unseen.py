@@ -194,11 +194,34 @@ def rolled_B(u, delta, A, B, C):
     return loop(dA, torch.einsum("bdl,bnl,bdl->bdln", delta, B.roll(1, -1), u), C)
 
 
+def _time_major_loop(a, x, C):
+    """The scan over axis 1 of (batch, L, dim, N) decays and inputs."""
+    h = torch.zeros(a.shape[0], a.shape[2], a.shape[3])
+    ys = []
+    for t in range(a.shape[1]):
+        h = a[:, t] * h + x[:, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, -1)
+
+
+def permuted_after_exp(u, delta, A, B, C):
+    """exp(Δ·A) permuted to loop over axis 1 after the exp (run 39's probe: no scan was found)."""
+    dA, dBu = disc(u, delta, A, B)
+    return _time_major_loop(dA.permute(0, 2, 1, 3), dBu.permute(0, 2, 1, 3), C)
+
+
+def transposed_contiguous_after_exp(u, delta, A, B, C):
+    """pscan's ``deltaA.transpose(1, 2)``, as a ``.contiguous()`` copy."""
+    dA, dBu = disc(u, delta, A, B)
+    return _time_major_loop(dA.transpose(1, 2).contiguous(), dBu.transpose(1, 2).contiguous(), C)
+
+
 @pytest.mark.parametrize("fn", [bmm_readout, matmul_index_readout, while_loop, bld_per_step_cat, bld_precomputed_deltaA,
-                                flipped_scan, clamped_delta, last_state_used, rolled_B],
+                                flipped_scan, clamped_delta, last_state_used, rolled_B, permuted_after_exp,
+                                transposed_contiguous_after_exp],
                          ids=["bmm-readout", "matmul-[...,0]-readout", "while-loop", "bld-per-step-cat",
                               "bld-precomputed-deltaA", "flipped-sequence", "clamped-delta", "last-state-used",
-                              "rolled-B"])
+                              "rolled-B", "exp(...).permute", "exp(...).transpose.contiguous"])
 def test_real_style_is_rewritten(fn):
     args = make_inputs()
     report = explain(fn, *args)
