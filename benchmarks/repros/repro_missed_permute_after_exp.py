@@ -3,6 +3,8 @@
 # deltaA.transpose(1, 2)). The same code with the permute applied BEFORE exp is rewritten.
 # Responsible: passes/discretize.py (match_discretization does not look through views of A_full/B_full),
 # and scan_assoc's in-place prover ("states are not laid out as B_full").
+# Run 40: the loop cases (permute / .contiguous() after exp) are rewritten now (discretize.py proves the
+# exp under the permutation); the Kogge-Stone sweep and the 3-D flattened associative_scan are still missed.
 import transformers  # noqa
 import sys; pass  # against the installed package
 import torch, ssm_compile
