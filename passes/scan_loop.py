@@ -133,19 +133,44 @@ def _is_pure(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in _PURE_FUNCTIONS
 
 
+class _SliceBase:
+    """The tensor a time slice reads, as a leaf key holds it: equal to another step's when it is
+    the same node or, where every step recomputes it alike (``C.float()[:, None, :, t]``), the
+    same loop invariant. Only a differing node is keyed structurally, so the common case (one
+    tensor sliced by every step) costs nothing more; step 0's node is the one used."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: torch.fx.Node):
+        self.node = node
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _SliceBase):
+            return False
+        if self.node is other.node:
+            return True
+        mine = _leaf_key(self.node, 0, 1)
+        return mine[0] == "inv" and mine == _leaf_key(other.node, 0, 1)
+
+    def __hash__(self) -> int:
+        return 0
+
+
 def _leaf_key(node: torch.fx.Node, t: int, depth: int = 0) -> tuple:
     """How a leaf of step ``t`` is compared with step 0's.
 
-    A time slice is keyed by (base, axis, index - t); a small computation on time slices (e.g.
-    ``C[:, i].unsqueeze(-1)``) by its op and its inputs' keys; so is a loop-invariant value that
-    every step recomputes with deterministic ops from graph values nobody writes in place ("inv").
+    A time slice is keyed by (base, axis, index - t), the base being one node in every step or a
+    loop invariant each step recomputes alike (``_SliceBase``); a small computation on time
+    slices (e.g. ``C[:, i].unsqueeze(-1)``) by its op and its inputs' keys; so is a loop-invariant
+    value that every step recomputes with deterministic ops from graph values nobody writes in
+    place ("inv").
     Anything else must be the very same node in every step — keying it structurally would equate
     two ``randn`` calls.
     """
     ts = time_slice(node)
     if ts is not None:
         base, axis, idx = ts
-        return ("slice", base, axis, idx - t)
+        return ("slice", _SliceBase(base), axis, idx - t)
     if depth < 6 and node.op in ("call_function", "call_method"):
         kinds: dict[torch.fx.Node, str] = {}
 
@@ -764,7 +789,8 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     """
     key0 = _leaf_key(a0, 0)
     per_step = key0[0] == "op"
-    base, axis = _key_slices(key0)[0][1:3]
+    first = _key_slices(key0)[0]
+    base, axis = first[1].node, first[2]
     # The loop has as many steps as the sliced tensor's time axis is long; when that length is a
     # symbol (a tensor the loop indexes but does not range over, after dynamo's recompile at a
     # new length), the steps are counted below instead, and every source is checked to be long
@@ -1274,7 +1300,7 @@ def _reaches_exp(node: torch.fx.Node, depth: int) -> bool:
 
 
 def _key_slices(key: Any) -> list[tuple]:
-    """The ("slice", base, axis, index) entries inside a leaf key."""
+    """The ("slice", base, axis, index) entries inside a leaf key (base a ``_SliceBase``)."""
     if isinstance(key, tuple):
         if key and key[0] == "slice":
             return [key]

@@ -216,12 +216,24 @@ def transposed_contiguous_after_exp(u, delta, A, B, C):
     return _time_major_loop(dA.transpose(1, 2).contiguous(), dBu.transpose(1, 2).contiguous(), C)
 
 
+def recomputed_each_step(u, delta, A, B, C):
+    """Each step recomputes the whole cast C before slicing its own step: a loop invariant, the
+    same values every step (run 40: was "does not repeat step 0's")."""
+    dA, dBu = disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for i in range(u.shape[2]):
+        h = dA[:, :, i] * h + dBu[:, :, i]
+        ys.append(torch.einsum("bdn,bn->bd", h, C.double().float()[:, :, i]))
+    return torch.stack(ys, dim=2)
+
+
 @pytest.mark.parametrize("fn", [bmm_readout, matmul_index_readout, while_loop, bld_per_step_cat, bld_precomputed_deltaA,
                                 flipped_scan, clamped_delta, last_state_used, rolled_B, permuted_after_exp,
-                                transposed_contiguous_after_exp],
+                                transposed_contiguous_after_exp, recomputed_each_step],
                          ids=["bmm-readout", "matmul-[...,0]-readout", "while-loop", "bld-per-step-cat",
                               "bld-precomputed-deltaA", "flipped-sequence", "clamped-delta", "last-state-used",
-                              "rolled-B", "exp(...).permute", "exp(...).transpose.contiguous"])
+                              "rolled-B", "exp(...).permute", "exp(...).transpose.contiguous", "recomputed-each-step"])
 def test_real_style_is_rewritten(fn):
     args = make_inputs()
     report = explain(fn, *args)
@@ -588,7 +600,41 @@ def a_t_inputs():
     return make_inputs() + (-torch.rand(L, DIM, N, generator=torch.Generator().manual_seed(2)) - 0.5,)
 
 
+def _recomputed_C_readout(make_C):
+    def fn(u, delta, A, B, C):
+        dA, dBu = disc(u, delta, A, B)
+        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+        ys = []
+        for i in range(u.shape[2]):
+            h = dA[:, :, i] * h + dBu[:, :, i]
+            ys.append(torch.einsum("bdn,bn->bd", h, make_C(C, i)[:, :, i]))
+        return torch.stack(ys, dim=2)
+    return fn
+
+
+def _C_written_mid_loop(C, i):
+    if i == 3:
+        C.mul_(2.0)  # the loop's C changes at step 3: later steps read other values
+    return C.float()
+
+
+@pytest.mark.parametrize("make_C", [lambda C, i: C + 1e-3 * torch.randn_like(C), _C_written_mid_loop],
+                         ids=["C-noised-per-step", "C-written-mid-loop"])
+def test_recomputed_C_that_changes_is_left_alone(make_C):
+    # A C each step recomputes is one loop invariant only when it is computed alike from values
+    # nobody writes: fresh noise per step, or a C written part-way, must keep the loop as written.
+    fn = _recomputed_C_readout(make_C)
+    args = make_inputs()
+    report = explain(fn, *(a.clone() for a in args))
+    assert not scan_families(report), report.format(graphs=False)
+    assert any("does not repeat step 0's" in m.reason for m in report.misses), report.format(graphs=False)
+    if make_C is _C_written_mid_loop:
+        assert torch.equal(report.output, fn(*(a.clone() for a in args)))
+
+
 LOOK_ALIKES = [
+    pytest.param(_recomputed_C_readout(lambda C, i: C * (1.0 + i)), "does not repeat step 0's",
+                 id="C-scaled-per-step"),
     pytest.param(euler_decay, "A_full is not exp(Δ·A)", id="1+dt*A"),
     pytest.param(sigmoid_decay, "A_full is not exp(Δ·A)", id="sigmoid(dt*A)"),
     pytest.param(exp2_decay, "A_full is not exp(Δ·A)", id="exp2(dt*A)"),
