@@ -968,7 +968,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         sources["initial state"] = init
     for name, node in sources.items():
         if mutated(node):
-            return f"{name} is mutated in place"
+            # ``mutated`` follows shared memory: B and C split from one x_proj output are both
+            # "mutated" when either is written, so the message says it may be through another view.
+            return f"{name} is mutated in place (it, or a view sharing its memory, is written)"
     if mutated(*disc.nodes):
         return "a value between the sources and A_full/B_full is mutated in place"
     # The loop may read a source through a copy the passes look through (``A = A.clone()``) that
