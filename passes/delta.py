@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .fx_utils import (behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, is_call,
                        is_lossless_cast, is_method, layout_source, permute_view, propagate_val, scan_args, named_args,
-                       scan_nodes, set_scan_args, shape_of, written_in_place)
+                       scan_nodes, set_scan_args, shape_of, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -132,15 +132,6 @@ def as_vector(graph: torch.fx.Graph, node: torch.fx.Node, dim: int, before: torc
     return vector
 
 
-def _walked(node: torch.fx.Node, base: torch.fx.Node) -> list[torch.fx.Node]:
-    """The views and casts ``layout_source`` followed from ``node`` back to ``base``."""
-    out = []
-    while node is not base:
-        out.append(node)
-        node = node.args[0]
-    return out
-
-
 def match_delta(delta: Any) -> DeltaFold | str | None:
     """Prove ``delta`` = views(softplus(views(pre + bias))) with elementwise steps only.
 
@@ -160,7 +151,7 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     perm = tuple(inner.perm[p] for p in top.perm)
     pre = inner.base
     nodes = [softplus]
-    between = [*_walked(delta, softplus), *_walked(named_args(softplus, ("input",))["input"], pre)]
+    between = [*view_chain(delta, softplus), *view_chain(named_args(softplus, ("input",))["input"], pre)]
     dim_axis = perm[1]
     dim = shape_of(delta)[1]
     if is_call(pre, *LINEAR_TARGETS):

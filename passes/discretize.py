@@ -29,8 +29,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (is_call, is_cast, is_method, parse_slice, protects_saved_input, squeezed_unit_piece, val,
-                       view_perm)
+from .fx_utils import (is_call, is_cast, is_method, layout_source, parse_slice, protects_saved_input,
+                       squeezed_unit_piece, val, view_chain)
 
 __all__ = [
     "Source",
@@ -798,11 +798,8 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
     # ``deltaA.transpose(1, 2)``, a ``.contiguous()`` copy) holds the same values: the proof runs
     # on the exp, and its roles are carried back to a_full's axes (a_full axis i = axis
     # a_perm[i] of the exp).
-    a_perm, a_views, a_exp = list(range(4)), [], a_full
-    while (sigma := view_perm(a_exp)) is not None:
-        a_perm = [sigma[p] for p in a_perm]
-        a_views.append(a_exp)
-        a_exp = a_exp.args[0]
+    a_exp, a_perm, _ = layout_source(a_full, allow_casts=False)
+    a_views = view_chain(a_full, a_exp)
     at = index_term(a_exp, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
         return "A_full is not exp(Δ·A)"

@@ -740,6 +740,16 @@ def layout_source(node: torch.fx.Node, allow_casts: bool = True) -> Layout:
     return Layout(node, tuple(perm), lossless)
 
 
+def view_chain(node: torch.fx.Node, stop: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes from ``node`` back to (not including) ``stop`` along first arguments: the views
+    and casts ``layout_source`` followed to its ``base``."""
+    chain = []
+    while node is not stop:
+        chain.append(node)
+        node = node.args[0]
+    return chain
+
+
 def inverse(perm: Sequence[int]) -> list[int]:
     inv = [0] * len(perm)
     for i, p in enumerate(perm):

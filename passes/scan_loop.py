@@ -89,27 +89,9 @@ _Emitted = TypeVar("_Emitted")
 # ---------------------------------------------------------------------------------------------
 
 def _between(src: torch.fx.Node, dst: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
-    """Nodes that depend on ``src`` and that ``dst`` depends on (``dst`` included), in graph order.
-
-    Only nodes after ``src`` can depend on it, so the backward search stops there: the cost is
-    the size of the region, not of the graph.
-    """
-    reach: dict[torch.fx.Node, bool] = {}
-    stack = [dst]
-    while stack:
-        n = stack[-1]
-        if n in reach:
-            stack.pop()
-            continue
-        pending = [i for i in n.all_input_nodes if i not in reach and i is not src and pos[i] > pos[src]]
-        if pending:
-            stack.extend(pending)
-            continue
-        stack.pop()
-        reach[n] = any(i is src or reach.get(i, False) for i in n.all_input_nodes)
-    if not reach.get(dst):
-        return None
-    return sorted((n for n, r in reach.items() if r), key=pos.__getitem__)
+    """Nodes that depend on ``src`` and that ``dst`` depends on (``dst`` included), in graph
+    order (``fx_utils.op_region`` of one source); None when ``dst`` does not depend on ``src``."""
+    return op_region([src], [dst], pos) or None
 
 
 # Deterministic ops that read nothing but their arguments: a loop-invariant value that code

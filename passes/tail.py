@@ -58,6 +58,12 @@ def follow_y(y: torch.fx.Node) -> YChain:
     return YChain(*follow_views(y))
 
 
+def _rounds_coarser(node: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """``node`` is a cast to a less precise dtype than ``dtype``: one ``_widen_chain`` retargets."""
+    target = cast_dtype(node)
+    return target is not None and torch.finfo(target).eps > torch.finfo(dtype).eps
+
+
 def _widen_chain(chain: YChain, dtype: torch.dtype) -> YChain:
     """Retarget the chain's casts to a less precise dtype than ``dtype`` (the tail's) to ``dtype``.
 
@@ -70,8 +76,7 @@ def _widen_chain(chain: YChain, dtype: torch.dtype) -> YChain:
     graph = chain.top.graph
     nodes = []
     for node in chain.nodes:
-        target = cast_dtype(node)
-        if target is not None and torch.finfo(target).eps > torch.finfo(dtype).eps:
+        if _rounds_coarser(node, dtype):
             with graph.inserting_after(node):
                 wide = graph.call_method("to", (node.args[0], dtype))
             node.replace_all_uses_with(wide)
@@ -91,8 +96,7 @@ def _widening_refusal(scan: torch.fx.Node, chain: YChain, dtype: torch.dtype, fo
     the op's inputs (a bf16 model's readout promoted against an fp32 D). ``y.bfloat16().float()``
     written in an fp32 program rounds finer, and that rounding is the program's.
     """
-    retargeted = [n for n in chain.nodes if not n.meta.get(OP_ROUNDING)
-                  and (t := cast_dtype(n)) is not None and torch.finfo(t).eps > torch.finfo(dtype).eps]
+    retargeted = [n for n in chain.nodes if _rounds_coarser(n, dtype) and not n.meta.get(OP_ROUNDING)]
     args = scan_args(scan)
     inputs = behind_lossless_casts([*(args[k] for k in ("u", "delta", "A", "B", "C", "D", "z")), folded])
     return dropped_rounding(retargeted, inputs)

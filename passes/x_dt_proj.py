@@ -41,7 +41,7 @@ import torch.fx
 
 from .delta import LINEAR_TARGETS, weight_product
 from .fx_utils import (context_refusal, is_call, is_method, layout_source, named_args, node_order,
-                       propagate_val, scan_args, scan_nodes, shape_of, val, written_in_place)
+                       propagate_val, scan_args, scan_nodes, shape_of, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "x_dt_proj"
@@ -155,7 +155,7 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     if len(dtypes) != 1:
         return (f"x_proj/dt_proj mix dtypes ({', '.join(sorted(str(d) for d in dtypes))}): a cast or an "
                 "autocast region sets a product's precision, which the op would not reproduce")
-    nodes = [x_dbl, top.base, *_between(low, top.base)]
+    nodes = [x_dbl, top.base, *view_chain(low, top.base)]
     refusal = context_refusal(scan.graph, [x_dbl, *nodes, dt_proj], anchor=x_dbl)
     if refusal is not None:
         return refusal
@@ -188,15 +188,6 @@ def _rows_product(node: torch.fx.Node) -> Optional[tuple[Any, Any]]:
     ``dt_proj.weight @ dt.t()``), else None; the caller checks that T is dt_low transposed."""
     product = weight_product(node, lambda dims: dims == 2, torch.mm)
     return None if product is None else product[::-1]
-
-
-def _between(node: torch.fx.Node, stop: torch.fx.Node) -> list[torch.fx.Node]:
-    """The view nodes from ``node`` back to (not including) ``stop``."""
-    chain = []
-    while node is not stop:
-        chain.append(node)
-        node = node.args[0]
-    return chain
 
 
 def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node, site: Site) -> None:

@@ -102,6 +102,21 @@ def loop(dA, dBu, C):
     return torch.stack(ys, dim=2)
 
 
+def scan_with(update=lambda a_t, h, x_t: a_t * h + x_t,
+              readout=lambda h, C, t: torch.einsum("bdn,bn->bd", h, C[:, :, t])):
+    """``scan_y`` with its state update ``update(dA_t, h, dBu_t)`` or its readout
+    ``readout(h, C, t)`` written another way."""
+    def fn(u, delta, A, B, C):
+        dA, dBu = disc(u, delta, A, B)
+        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+        ys = []
+        for t in range(u.shape[2]):
+            h = update(dA[:, :, t], h, dBu[:, :, t])
+            ys.append(readout(h, C, t))
+        return torch.stack(ys, dim=2)
+    return fn
+
+
 def scan_y(u, delta, A, B, C):
     return loop(*disc(u, delta, A, B), C)
 
@@ -216,16 +231,9 @@ def transposed_contiguous_after_exp(u, delta, A, B, C):
     return _time_major_loop(dA.transpose(1, 2).contiguous(), dBu.transpose(1, 2).contiguous(), C)
 
 
-def recomputed_each_step(u, delta, A, B, C):
-    """Each step recomputes the whole cast C before slicing its own step: a loop invariant, the
-    same values every step (run 40: was "does not repeat step 0's")."""
-    dA, dBu = disc(u, delta, A, B)
-    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
-    ys = []
-    for i in range(u.shape[2]):
-        h = dA[:, :, i] * h + dBu[:, :, i]
-        ys.append(torch.einsum("bdn,bn->bd", h, C.double().float()[:, :, i]))
-    return torch.stack(ys, dim=2)
+# Each step recomputes the whole cast C before slicing its own step: a loop invariant, the same
+# values every step (run 40: was "does not repeat step 0's").
+recomputed_each_step = scan_with(readout=lambda h, C, t: torch.einsum("bdn,bn->bd", h, C.double().float()[:, :, t]))
 
 
 @pytest.mark.parametrize("fn", [bmm_readout, matmul_index_readout, while_loop, bld_per_step_cat, bld_precomputed_deltaA,
@@ -499,27 +507,12 @@ def readout_C_batch_flipped(u, delta, A, B, C):
 
 def step_with(update):
     """A scan whose state update is ``update(dA_t, h, dBu_t)``."""
-    def fn(u, delta, A, B, C):
-        dA, dBu = disc(u, delta, A, B)
-        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
-        ys = []
-        for t in range(u.shape[2]):
-            h = update(dA[:, :, t], h, dBu[:, :, t])
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-        return torch.stack(ys, dim=2)
-    return fn
+    return scan_with(update=update)
 
 
 def readout_with(readout):
-    def fn(u, delta, A, B, C):
-        dA, dBu = disc(u, delta, A, B)
-        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
-        ys = []
-        for t in range(u.shape[2]):
-            h = dA[:, :, t] * h + dBu[:, :, t]
-            ys.append(readout(h, C[:, :, t]))
-        return torch.stack(ys, dim=2)
-    return fn
+    """A scan whose readout is ``readout(h, C_t)``."""
+    return scan_with(readout=lambda h, C, t: readout(h, C[:, :, t]))
 
 
 def injected_state_midway(u, delta, A, B, C):
@@ -601,15 +594,8 @@ def a_t_inputs():
 
 
 def _recomputed_C_readout(make_C):
-    def fn(u, delta, A, B, C):
-        dA, dBu = disc(u, delta, A, B)
-        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
-        ys = []
-        for i in range(u.shape[2]):
-            h = dA[:, :, i] * h + dBu[:, :, i]
-            ys.append(torch.einsum("bdn,bn->bd", h, make_C(C, i)[:, :, i]))
-        return torch.stack(ys, dim=2)
-    return fn
+    """A scan whose step t reads C as ``make_C(C, t)``, recomputed every step."""
+    return scan_with(readout=lambda h, C, t: torch.einsum("bdn,bn->bd", h, make_C(C, t)[:, :, t]))
 
 
 def _C_written_mid_loop(C, i):
