@@ -804,9 +804,73 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
     if at is None or at.exp_of is None:
         return "A_full is not exp(Δ·A)"
     inner = at.exp_of
-    if inner.summed or len(inner.factors) != 2:
+    a_out = [at.out_labels()[p] for p in a_perm]
+    if inner.summed or len(inner.factors) < 2:
         return (f"A_full is exp of a product of {len(inner.factors)} factors with {len(inner.summed)} "
                 "summed axes; expected exp(Δ·A)")
+    if len(set(a_out)) != 4:
+        return "A_full's axes are not four distinct indices"
+    t_lab = a_out[ta % 4]
+    if len(inner.factors) == 2:
+        return _prove(a_full, b_full, ta, tb, a_perm, a_views, at, ())
+    # More factors: Δ or A is itself a product the user computed (Δ·mask for padded steps,
+    # softplus(dt)·scale, A·scale). Each side must be one graph value that is exactly the product
+    # of its factors (``_product_node``); the proof then runs with those values as leaves, so
+    # B_full must use the same Δ value and no arithmetic is regrouped.
+    first = None
+    for stops in _exponent_groupings(at, inner, t_lab):
+        ast = index_term(a_exp, stops, allow_exp=True, allow_neg=allow_neg)
+        found = _prove(a_full, b_full, ta, tb, a_perm, a_views, ast, stops)
+        if not isinstance(found, str):
+            return found
+        first = first or found
+    return first or (f"A_full is exp of a product of {len(inner.factors)} factors, and no graph value holds "
+                     "the time-varying ones (Δ) apart from the others (A); expected exp(Δ·A)")
+
+
+def _product_node(term: IndexTerm, group: list[Factor]) -> torch.fx.Node | None:
+    """A node the evaluator looked through whose value is exactly the product of ``group``'s
+    factors (no sum, no exp, no sign); None if there is none."""
+    ids = {id(f) for f in group}
+    for node, terms in term.parts.items():
+        for t in terms:
+            if (not t.summed and t.exp_of is None and t.sign == 1 and len(t.factors) == len(ids)
+                    and {id(f) for f in t.factors} == ids):
+                return node
+    return None
+
+
+def _exponent_groupings(at: IndexTerm, inner: IndexTerm, t_lab: int):
+    """Ways to read exp's product of three or more factors as exp(Δ·A), each as the graph values
+    to stop at: factors with the time axis go to Δ; the others (A, and a per-channel or scalar
+    scale that may belong to either side) are tried on both sides, as few as 2**3 ways."""
+    timed = [f for f in inner.factors if t_lab in at.factor_labels(f)]
+    free = [f for f in inner.factors if t_lab not in at.factor_labels(f)]
+    if not timed or not free or len(free) > 3:
+        return
+    for sides in itertools.product((0, 1), repeat=len(free)):
+        d_group = timed + [f for f, s in zip(free, sides) if s == 0]
+        a_group = [f for f, s in zip(free, sides) if s == 1]
+        if not a_group:
+            continue
+        stops = []
+        for group in (d_group, a_group):
+            if len(group) > 1:
+                node = _product_node(at, group)
+                if node is None:
+                    break
+                stops.append(node)
+        else:
+            yield tuple(stops)
+
+
+def _prove(a_full: torch.fx.Node, b_full: torch.fx.Node, ta: int, tb: int, a_perm, a_views: list,
+           at: IndexTerm | None, stops: tuple[torch.fx.Node, ...]) -> Discretized | str:
+    """The proof of ``_match_discretization`` once exp's product has two factors, Δ and A
+    (``stops``: the graph values that are Δ or A, evaluated as leaves on both sides)."""
+    if at is None or at.exp_of is None or len(at.exp_of.factors) != 2 or at.exp_of.summed:
+        return "A_full is not exp(Δ·A)"
+    inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]
     if len(set(a_out)) != 4:
         return "A_full's axes are not four distinct indices"
@@ -834,7 +898,7 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
     if A_roles is None or sorted(A_roles) != ["d", "n"]:
         return "A_full: A must have exactly the axes (dim, state)"
 
-    bt = index_term(b_full)
+    bt = index_term(b_full, stops)
     if bt is None or bt.summed or len(bt.factors) < 3:
         n = 0 if bt is None else len(bt.factors)
         return f"B_full is not a product Δ·B·u (found {n} factors)"

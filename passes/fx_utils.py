@@ -614,8 +614,9 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any]) -> str | None:
         src, dst = dtype_of(n.args[0]), dtype_of(n)
         if is_lossless_cast(src, dst) or any(is_lossless_cast(f, dst) for f in floats):
             continue
-        return (f"{n.name} rounds {src} to {dst}, finer than the op's inputs "
-                f"({', '.join(sorted({str(f) for f in floats}))}): the op keeps its states unrounded")
+        return (f"{n.name} rounds {src} to {dst}, which cannot hold every value of the op's inputs "
+                f"({', '.join(sorted({str(f) for f in floats}))}): the op would not make this rounding, "
+                "it keeps its states unrounded")
     return None
 
 

@@ -1,0 +1,173 @@
+"""Δ (or A) that is itself a product the user computed: exp(Δ·A) with three or more factors.
+
+Padded batches are the common case: code that wants padded steps to be identity steps (state
+carried, nothing added) multiplies Δ by the padding mask, ``dt = softplus(dt) * mask[:, None]``,
+so that exp(0·A) = 1 and 0·B·u = 0. A per-channel scale on Δ or on A is the same shape of
+program. The discretisation is still exp(Δ·A), Δ·B·u with one Δ, as long as a single graph value
+holds the masked Δ and both sides use it; ``discretize._exponent_groupings`` finds that value and
+the proof runs with it as a leaf. Look-alikes where the two sides do not share that value (the
+mask or scale only inside the exp) are a different recurrence and stay as written.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._higher_order_ops.associative_scan import associative_scan
+from utils import TOL, rel_err
+
+from ssm_compile.report import explain
+
+BATCH, DIM, N, L = 2, 6, 4, 9
+SCAN = ("discretization", "readout")
+pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+
+
+def make_inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    u = torch.randn(BATCH, DIM, L, generator=g)
+    dt = torch.randn(BATCH, DIM, L, generator=g)
+    A = -torch.rand(DIM, N, generator=g) - 0.5
+    B = torch.randn(BATCH, N, L, generator=g)
+    C = torch.randn(BATCH, N, L, generator=g)
+    # Left padding in row 0, a hole in row 1: the state must pass through both unchanged.
+    mask = torch.ones(BATCH, L)
+    mask[0, :3] = 0
+    mask[1, 5] = 0
+    scale = torch.rand(DIM, generator=g) + 0.5
+    return tuple(x.to(dtype) for x in (u, dt, A, B, C, mask, scale))
+
+
+def loop(dA, dBu, C):
+    h = dA.new_zeros(dA.shape[0], dA.shape[1], dA.shape[3])
+    ys = []
+    for t in range(dA.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, -1)
+
+
+def euler(delta, A, B, u):
+    return torch.exp(delta[..., None] * A[None, :, None, :]), (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+
+
+# --- rewritten -----------------------------------------------------------------------------------
+
+def masked_by_mul(u, dt, A, B, C, mask, scale):
+    return loop(*euler(F.softplus(dt) * mask[:, None, :], A, B, u), C)
+
+
+def masked_by_where(u, dt, A, B, C, mask, scale):
+    return loop(*euler(torch.where(mask[:, None, :] > 0, F.softplus(dt), 0.0), A, B, u), C)
+
+
+def masked_u_and_delta(u, dt, A, B, C, mask, scale):
+    m = mask[:, None, :]
+    return loop(*euler(F.softplus(dt) * m, A, B, u * m), C) * m
+
+
+def delta_scaled_per_channel(u, dt, A, B, C, mask, scale):
+    return loop(*euler(F.softplus(dt) * scale[:, None], A, B, u), C)
+
+
+def A_scaled_per_channel(u, dt, A, B, C, mask, scale):
+    delta = F.softplus(dt)
+    As = A * scale[:, None]
+    return loop(torch.exp(delta[..., None] * As[None, :, None, :]), (delta * u)[..., None] * B.transpose(1, 2)[:, None], C)
+
+
+def masked_negated_exp_A_log(u, dt, A, B, C, mask, scale):
+    """exp(-Δ·exp(A_log)) with a masked Δ: the sign is looked through as well."""
+    A_log = torch.log(-A)
+    delta = F.softplus(dt) * mask[:, None, :]
+    dA = torch.exp(-delta[..., None] * torch.exp(A_log)[None, :, None, :])
+    return loop(dA, (delta * u)[..., None] * B.transpose(1, 2)[:, None], C)
+
+
+def masked_step_form(u, dt, A, B, C, mask, scale):
+    """Discretised inside the loop from time slices of the masked Δ."""
+    delta = F.softplus(dt) * mask[:, None, :]
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    for t in range(L):
+        h = torch.exp(delta[:, :, t, None] * A) * h + (delta[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, -1)
+
+
+def masked_associative_scan(u, dt, A, B, C, mask, scale):
+    dA, dBu = euler(F.softplus(dt) * mask[:, None, :], A, B, u)
+
+    def combine(left, right):
+        return left[0] * right[0], right[0] * left[1] + right[1]
+
+    _, h = associative_scan(combine, (dA, dBu), dim=2, combine_mode="generic")
+    return (h * C.transpose(1, 2)[:, None]).sum(-1)
+
+
+REWRITTEN = [masked_by_mul, masked_by_where, masked_u_and_delta, delta_scaled_per_channel, A_scaled_per_channel,
+             masked_negated_exp_A_log, masked_step_form, masked_associative_scan]
+
+
+@pytest.mark.parametrize("fn", REWRITTEN, ids=[f.__name__ for f in REWRITTEN])
+def test_product_delta_or_A_is_rewritten(fn):
+    args = make_inputs()
+    report = explain(fn, *args)
+    scans = report.counts.get("scan_loop", 0) + report.counts.get("scan_assoc", 0)
+    assert scans == 1 and all(report.counts.get(f) == 1 for f in SCAN), report.format(graphs=False)
+    ref = fn(*(x.double() for x in args))
+    assert rel_err(report.output, ref) <= TOL[torch.float32]
+
+
+def test_padded_steps_carry_the_state_through_the_compiled_op():
+    """The point of the mask: the state after a padded prefix is the state of the unpadded
+    sequence. Checked on the compiled function's output, against the fp64 loop, with gradients
+    through the mask's product reaching dt."""
+    u, dt, A, B, C, mask, scale = make_inputs()
+    report = explain(masked_by_mul, u, dt, A, B, C, mask, scale)
+    assert report.counts.get("scan_loop") == 1, report.format(graphs=False)
+    dt = dt.requires_grad_()
+    out = torch.compile(masked_by_mul, backend="ssm", fullgraph=True)(u, dt, A, B, C, mask, scale)
+    dt64 = dt.detach().double().requires_grad_()
+    ref = masked_by_mul(u.double(), dt64, A.double(), B.double(), C.double(), mask.double(), scale.double())
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    g = torch.randn_like(ref)
+    out.backward(g.float())
+    ref.backward(g)
+    assert rel_err(dt.grad, dt64.grad) <= 1e-4
+    # Padded steps had Δ = 0: no gradient reaches their dt through the mask.
+    assert torch.all(dt.grad[0, :, :3] == 0) and torch.all(dt.grad[1, :, 5] == 0)
+    # Row 0's prefix is padding: its outputs from t = 3 on are those of the unpadded suffix.
+    tail = masked_by_mul(*(x[:1, ..., 3:] if x.dim() == 3 else x for x in (u, dt.detach(), A, B, C)),
+                         mask[:1, 3:], scale)
+    torch.testing.assert_close(out[:1, :, 3:], tail, rtol=1e-5, atol=1e-5)
+
+
+# --- look-alikes: left alone ---------------------------------------------------------------------
+
+def mask_only_in_the_exp(u, dt, A, B, C, mask, scale):
+    """The mask decays the state but B·u uses the unmasked Δ: not one Δ on both sides."""
+    delta = F.softplus(dt)
+    dA = torch.exp((delta * mask[:, None, :])[..., None] * A[None, :, None, :])
+    return loop(dA, (delta * u)[..., None] * B.transpose(1, 2)[:, None], C)
+
+
+def scale_only_in_the_exp(u, dt, A, B, C, mask, scale):
+    delta = F.softplus(dt)
+    dA = torch.exp((delta * scale[:, None])[..., None] * A[None, :, None, :])
+    return loop(dA, (delta * u)[..., None] * B.transpose(1, 2)[:, None], C)
+
+
+def squared_mask_in_the_exp(u, dt, A, B, C, mask, scale):
+    """exp(Δ·m·m·A) with B·u on Δ·m: equal for a 0/1 mask, not for a soft one; left alone."""
+    delta = F.softplus(dt) * mask[:, None, :]
+    dA = torch.exp((delta * mask[:, None, :])[..., None] * A[None, :, None, :])
+    return loop(dA, (delta * u)[..., None] * B.transpose(1, 2)[:, None], C)
+
+
+@pytest.mark.parametrize("fn", [mask_only_in_the_exp, scale_only_in_the_exp, squared_mask_in_the_exp],
+                         ids=["mask-only-in-exp", "scale-only-in-exp", "mask-twice-in-exp"])
+def test_delta_that_differs_between_the_two_sides_is_left_alone(fn):
+    args = make_inputs()
+    report = explain(fn, *args)
+    assert not report.counts.get("scan_loop"), report.format(graphs=False)
+    assert any("A_full's Δ" in m.reason for m in report.misses if m.family == "scan_loop"), report.format(graphs=False)
+    assert torch.equal(report.output, fn(*args))
