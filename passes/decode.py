@@ -494,7 +494,8 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
         split = _split_update(h, lambda n: n is state)
         if split is None:
             if _linear_inside(h, state) is not None:
-                raise Miss(f"the new state is not linear in the old state: it is {target_name(h)}(state * dA + ...)")
+                raise Miss(f"the new state is {target_name(h)}(state * dA + ...), not the update state * dA + dBx "
+                           "itself (a nonlinear function, or a rescaling the decay exp(dt * A) does not hold)")
             return None
         _, reader, casts, decay, addend = split
         return Update("copy_", state, h, reader, casts, decay, addend, [node])
@@ -602,9 +603,20 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
         raise Miss(f"the decay exp(...) has shape {tuple(_tensor(exp_node).shape)}, not the state's {shape}")
     at = index_term(exp_node, allow_exp=True)
     inner = at.exp_of
-    if inner is None or inner.summed or len(inner.factors) != 2:
+    if inner is None or inner.summed or len(inner.factors) < 2:
         raise Miss("the exponent of the decay is not a product dt * A")
     role = _state_role_map(at, roles, shape, "the decay")
+    stops: tuple[torch.fx.Node, ...] = ()
+    if len(inner.factors) > 2:
+        # dt or A is a product the user computed (dt * mask, A * scale): one value must hold
+        # each side, and the input term must use the same dt value (see discretize's
+        # _exponent_groupings for the scan's form of this).
+        stops = _exponent_stops(at, inner.factors, role, bc, cn)
+        at = index_term(exp_node, stops, allow_exp=True)
+        inner = at.exp_of
+        if inner is None or inner.summed or len(inner.factors) != 2:
+            raise Miss("the exponent of the decay is not a product dt * A")
+        role = _state_role_map(at, roles, shape, "the decay")
     cores = [_core(_factor_roles(at, f, role)) for f in inner.factors]
     # dt is the factor with the batch axis. Either factor may lack an axis of size 1 that a view
     # (``x.unsqueeze(1)`` for one head) adds; _factor_value then finds that view.
@@ -622,7 +634,7 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     dt_core = _core(_factor_roles(at, dt_f, role))
 
     addend = _peel(u.addend)[0]
-    bt = index_term(addend) if _same_shape(addend, shape) else None
+    bt = index_term(addend, stops) if _same_shape(addend, shape) else None
     if bt is None or bt.summed or len(bt.factors) < 3:
         raise Miss("the input term is not a product of dt, B and x of the state's shape")
     brole = _state_role_map(bt, roles, shape, "the input term")
@@ -632,6 +644,27 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     x, B = _split_x_B(bt, [f for f in bt.factors if f is not dts[0]], brole, chan)
     casts = [n for n in at.looked_through + bt.looked_through if is_cast(n)]
     return dict(dt=dt, A=A, x=x, B=B, casts=casts)
+
+
+def _exponent_stops(at: IndexTerm, factors: list[Factor], role: RoleMap, bc: tuple[str, ...],
+                    cn: tuple[str, ...]) -> tuple[torch.fx.Node, ...]:
+    """For an exponent of three or more factors: the values that hold dt (the factors with the
+    batch axis, and perhaps a per-channel scale) and A (those with the state axis, perhaps the
+    scale), each an existing graph value; the first grouping for which both exist."""
+    cores = [_core(_factor_roles(at, f, role)) for f in factors]
+    to_dt = [f for f, c in zip(factors, cores) if "b" in c]
+    to_A = [f for f, c in zip(factors, cores) if "n" in c and "b" not in c]
+    free = [f for f, c in zip(factors, cores) if "b" not in c and "n" not in c]
+    if to_dt and to_A and len(free) <= 3:
+        for sides in itertools.product((0, 1), repeat=len(free)):
+            dt_group = to_dt + [f for f, side in zip(free, sides) if side == 0]
+            A_group = to_A + [f for f, side in zip(free, sides) if side == 1]
+            dt = _value_with_roles(at, dt_group, role, bc)
+            A = _value_with_roles(at, A_group, role, cn)
+            if dt is not None and A is not None:
+                return tuple(n for n, group in ((dt, dt_group), (A, A_group)) if len(group) > 1)
+    raise Miss(f"the exponent of the decay is a product of {len(factors)} factors, and no graph value holds the ones "
+               f"with the batch axis (dt, axes ({_names(bc)})) apart from A ({_names(cn)})")
 
 
 def _state_operand(term: IndexTerm, factors: list[Factor], role: RoleMap, chan: tuple[str, ...]

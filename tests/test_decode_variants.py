@@ -462,7 +462,7 @@ def tied_dt_per_head(state, x, dt, A, B, C, D, z, dt_bias):
 
 
 STATE_LOOK_ALIKES = [
-    pytest.param(tanh_update, "not linear", id="tanh"),
+    pytest.param(tanh_update, "not the update state * dA + dBx itself", id="tanh"),
     pytest.param(readout_of_old_state, "also used", id="readout-before-update"),
     pytest.param(readout_of_old_state_returned, "readout", id="readout-of-old-state-returned"),
     pytest.param(A_per_batch, "A has shape", id="A-per-batch"),

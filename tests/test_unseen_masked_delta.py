@@ -171,3 +171,45 @@ def test_delta_that_differs_between_the_two_sides_is_left_alone(fn):
     assert not report.counts.get("scan_loop"), report.format(graphs=False)
     assert any("A_full's Δ" in m.reason for m in report.misses if m.family == "scan_loop"), report.format(graphs=False)
     assert torch.equal(report.output, fn(*args))
+
+
+# --- the decode step: one token, the state written in place -------------------------------------
+
+def step_inputs():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(BATCH, DIM, generator=g)
+    return dict(state=torch.randn(BATCH, DIM, N, generator=g), x=x, dt=torch.randn(BATCH, DIM, generator=g),
+                A=-torch.rand(DIM, N, generator=g) - 0.1, B=torch.randn(BATCH, N, generator=g),
+                C=torch.randn(BATCH, N, generator=g), D=torch.randn(DIM, generator=g),
+                # Row 1 is a padded slot this step: its state must not move.
+                active=torch.tensor([[1.0], [0.0]]))
+
+
+def masked_step(state, x, dt, A, B, C, D, active):
+    dt = F.softplus(dt) * active
+    state.copy_(state * torch.exp(dt[..., None] * A) + (dt * x)[..., None] * B[:, None, :])
+    return (state * C[:, None, :]).sum(-1) + D * x
+
+
+def masked_step_mask_only_in_exp(state, x, dt, A, B, C, D, active):
+    dt = F.softplus(dt)
+    state.copy_(state * torch.exp((dt * active)[..., None] * A) + (dt * x)[..., None] * B[:, None, :])
+    return (state * C[:, None, :]).sum(-1) + D * x
+
+
+@pytest.mark.parametrize("fn, rewritten", [(masked_step, True), (masked_step_mask_only_in_exp, False)],
+                         ids=["masked-dt", "mask-only-in-exp"])
+def test_masked_decode_step(fn, rewritten):
+    inputs = step_inputs()
+    eager = {k: v.clone() for k, v in inputs.items()}
+    ref = fn(**eager)
+    comp = {k: v.clone() for k, v in inputs.items()}
+    report = explain(fn, *comp.values())
+    assert bool(report.counts.get("state_update")) == rewritten, report.format(graphs=False)
+    if rewritten:
+        assert rel_err(report.output, ref) <= TOL[torch.float32]
+        assert rel_err(comp["state"], eager["state"]) <= TOL[torch.float32]
+        assert torch.equal(comp["state"][1], inputs["state"][1])  # the padded slot kept its state
+    else:
+        assert any("does not scale by the same dt" in m.reason for m in report.misses), report.format(graphs=False)
+        assert torch.equal(report.output, ref) and torch.equal(comp["state"], eager["state"])
