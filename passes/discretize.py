@@ -753,6 +753,32 @@ def _time_axes(axes) -> tuple[int, int]:
     return int(a), int(b)
 
 
+@dataclasses.dataclass
+class _Decay:
+    """What the state's multiplier proves, from A_full (``exp(Δ ⊗ A)``) or from one step's
+    ``exp(Δ[t0] ⊗ A)``: the input term must then be a product with the same Δ."""
+
+    delta: Source  # the full Δ, roles (b, d, t) in some order
+    A: Source
+    state_roles: tuple[str, ...]  # the state's axes, in the order the multiplier has them
+    a_roles: tuple[str, ...]  # A_full's axes; the step form's are the state's followed by "t"
+    nodes: list[torch.fx.Node]
+    negate_A: bool
+    stops: tuple[torch.fx.Node, ...] = ()  # values that are Δ or A, leaves for the input term too
+    t0: int | None = None  # the step form's time index
+    sliced: tuple[torch.fx.Node, tuple[str, ...]] | None = None  # the step form's Δ slice base, roles
+
+    def is_delta(self, node: torch.fx.Node, roles: tuple[str, ...]) -> bool:
+        """``node`` with axis ``roles`` is this Δ: the node the multiplier read, or a permuted view
+        of it (mamba-minimal slices ``delta.transpose(1, 2)[:, t]`` where its einsum looked
+        through the transpose), with the same axes. Never through a cast: a rounded copy of Δ
+        is another value."""
+        if self.sliced is not None:
+            return node is self.sliced[0] and tuple(roles) == self.sliced[1]
+        base, perm, _ = layout_source(node, allow_casts=False)
+        return base is self.delta.node and tuple(self.delta.roles[p] for p in perm) == tuple(roles)
+
+
 def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int | tuple[int, int]
                          ) -> Discretized | str:
     """Prove ``a_full == exp(Δ ⊗ A)`` and ``b_full == Δ · B · u`` with one Δ, or say why not.
@@ -774,25 +800,35 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
         ``B=Source(B, ("b","n","t"))``, ``a_roles == b_roles == ("b","d","t","n")``.
         ``exp(-delta[..., None] * A_pos)`` is proved too, with ``negate_A`` set.
     """
+    ta, tb = _time_axes(axes)
+    return _with_negation(lambda neg: _match_full_decay(a_full, ta, neg, lambda d: _full_input(b_full, tb, d)))
+
+
+def match_full_decay_step_input(a_full: torch.fx.Node, t_axis: int, beta: torch.fx.Node, t0: int
+                                ) -> Discretized | str:
+    """The mixed form: A_full precomputed (``exp(Δ ⊗ A)``, time axis ``t_axis``), the input term
+    computed in the loop (``beta == Δ[t0]·B[t0]·u[t0]``, from time slices of the same Δ)."""
+    return _with_negation(lambda neg: _match_full_decay(a_full, t_axis, neg, lambda d: _step_input(beta, d, t0)))
+
+
+def _with_negation(match):
     # Negations are looked through only when the plain reading fails: a user's ``A = -exp(A_log)``
     # then stays the op's A itself, and the plain reading's reason is the one reported.
-    found = _match_discretization(a_full, b_full, axes, allow_neg=False)
+    found = match(False)
     if isinstance(found, str):
-        negated = _match_discretization(a_full, b_full, axes, allow_neg=True)
+        negated = match(True)
         if not isinstance(negated, str):
             return negated
     return found
 
 
-def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int | tuple[int, int],
-                          allow_neg: bool) -> Discretized | str:
-    ta, tb = _time_axes(axes)
-    va, vb = val(a_full), val(b_full)
-    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
-        return "A_full/B_full are not tensors"
-    if va.dim() != 4 or vb.dim() != 4:
-        return ("A_full and B_full must be 4-D (batch, dim, time, state) in some order, "
-                f"got {va.dim()}-D and {vb.dim()}-D")
+def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_input):
+    """Prove ``a_full == exp(Δ ⊗ A)``, then ``prove_input(decay)`` for the input term."""
+    va = val(a_full)
+    if not isinstance(va, torch.Tensor):
+        return "A_full is not a tensor"
+    if va.dim() != 4:
+        return f"A_full must be 4-D (batch, dim, time, state) in some order, got {va.dim()}-D"
 
     # A permutation of exp(Δ·A) (``exp(...).permute(0, 2, 1, 3)`` to loop over axis 1, pscan's
     # ``deltaA.transpose(1, 2)``, a ``.contiguous()`` copy) holds the same values: the proof runs
@@ -810,17 +846,18 @@ def _match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: in
                 "summed axes; expected exp(Δ·A)")
     if len(set(a_out)) != 4:
         return "A_full's axes are not four distinct indices"
-    t_lab = a_out[ta % 4]
     if len(inner.factors) == 2:
-        return _prove(a_full, b_full, ta, tb, a_perm, a_views, at, ())
+        decay = _full_decay(ta, a_perm, a_views, at, ())
+        return decay if isinstance(decay, str) else prove_input(decay)
     # More factors: Δ or A is itself a product the user computed (Δ·mask for padded steps,
     # softplus(dt)·scale, A·scale). Each side must be one graph value that is exactly the product
     # of its factors (``_product_node``); the proof then runs with those values as leaves, so
-    # B_full must use the same Δ value and no arithmetic is regrouped.
+    # the input term must use the same Δ value and no arithmetic is regrouped.
     first = None
-    for stops in _exponent_groupings(at, inner, t_lab):
+    for stops in _exponent_groupings(at, inner, a_out[ta % 4]):
         ast = index_term(a_exp, stops, allow_exp=True, allow_neg=allow_neg)
-        found = _prove(a_full, b_full, ta, tb, a_perm, a_views, ast, stops)
+        decay = _full_decay(ta, a_perm, a_views, ast, stops)
+        found = decay if isinstance(decay, str) else prove_input(decay)
         if not isinstance(found, str):
             return found
         first = first or found
@@ -864,10 +901,10 @@ def _exponent_groupings(at: IndexTerm, inner: IndexTerm, t_lab: int):
             yield tuple(stops)
 
 
-def _prove(a_full: torch.fx.Node, b_full: torch.fx.Node, ta: int, tb: int, a_perm, a_views: list,
-           at: IndexTerm | None, stops: tuple[torch.fx.Node, ...]) -> Discretized | str:
-    """The proof of ``_match_discretization`` once exp's product has two factors, Δ and A
-    (``stops``: the graph values that are Δ or A, evaluated as leaves on both sides)."""
+def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tuple[torch.fx.Node, ...]
+                ) -> _Decay | str:
+    """A_full's half of the proof, once exp's product has two factors, Δ and A (``stops``: the
+    graph values that are Δ or A, evaluated as leaves on the input side as well)."""
     if at is None or at.exp_of is None or len(at.exp_of.factors) != 2 or at.exp_of.summed:
         return "A_full is not exp(Δ·A)"
     inner = at.exp_of
@@ -897,21 +934,37 @@ def _prove(a_full: torch.fx.Node, b_full: torch.fx.Node, ta: int, tb: int, a_per
         return "A_full: Δ must have exactly the axes (batch, dim, time)"
     if A_roles is None or sorted(A_roles) != ["d", "n"]:
         return "A_full: A must have exactly the axes (dim, state)"
+    return _Decay(delta=Source(fd.node, delta_roles), A=Source(fa.node, A_roles),
+                  state_roles=tuple(r for r in a_roles if r != "t"), a_roles=a_roles,
+                  nodes=list(dict.fromkeys(a_views + at.looked_through)), negate_A=inner.sign < 0, stops=stops)
 
-    bt = index_term(b_full, stops)
+
+def _full_input(b_full: torch.fx.Node, tb: int, decay: _Decay) -> Discretized | str:
+    """B_full's half of the proof: ``b_full == Δ · B · u`` with the decay's Δ."""
+    vb = val(b_full)
+    if not isinstance(vb, torch.Tensor):
+        return "B_full is not a tensor"
+    if vb.dim() != 4:
+        return f"B_full must be 4-D (batch, dim, time, state) in some order, got {vb.dim()}-D"
+    bt = index_term(b_full, decay.stops)
     if bt is None or bt.summed or len(bt.factors) < 3:
         n = 0 if bt is None else len(bt.factors)
         return f"B_full is not a product Δ·B·u (found {n} factors)"
-    deltas = [f for f in bt.factors if f.node is fd.node]
+    deltas = []
+    for f in bt.factors:
+        if decay.sliced is not None and f.node is decay.sliced[0]:
+            deltas.append((f, decay.sliced[1]))
+        elif f.node is decay.delta.node:
+            deltas.append((f, decay.delta.roles))
     if not deltas:
         names = ", ".join(f.node.name for f in bt.factors)
-        return (f"B_full is a product of ({names}), none of which is A_full's Δ ({fd.node.name}): not the "
+        return (f"B_full is a product of ({names}), none of which is A_full's Δ ({decay.delta.node.name}): not the "
                 "Δ·B·u of the Euler discretisation (exact ZOH's (exp(Δ·A) - 1) / A · B, or another Δ?)")
     b_out = bt.out_labels()
     if len(set(b_out)) != 4:
         return "B_full's axes are not four distinct indices"
     brole: dict[int, str] = {}
-    fdb = deltas[0]
+    fdb, delta_roles = deltas[0]
     for lab, r in zip(bt.factor_labels(fdb), delta_roles):
         brole[lab] = r
     if b_out[tb % 4] not in brole or brole[b_out[tb % 4]] != "t":
@@ -921,7 +974,7 @@ def _prove(a_full: torch.fx.Node, b_full: torch.fx.Node, ta: int, tb: int, a_per
         return "B_full: Δ in B_full is not indexed like Δ in A_full"
     brole[rest_out[0]] = "n"
     b_roles = tuple(brole[x] for x in b_out)
-    if [r for r in b_roles if r != "t"] != [r for r in a_roles if r != "t"]:
+    if tuple(r for r in b_roles if r != "t") != decay.state_roles:
         return "A_full and B_full slices have different axis orders; the state update would not line up"
     others = [f for f in bt.factors if f is not fdb]
     split = _split_input_factors(bt, others, brole)
@@ -943,16 +996,8 @@ def _prove(a_full: torch.fx.Node, b_full: torch.fx.Node, ta: int, tb: int, a_per
                     "or its einops form 'b g ... -> b (g h) ...')")
     elif sorted(B_src.roles) not in (["b", "n", "t"], ["d", "n"]):
         return f"B_full: B must be indexed by (batch, state, time) or (dim, state), got {B_src.roles}"
-    return Discretized(
-        u=u_src,
-        delta=Source(fd.node, delta_roles),
-        A=Source(fa.node, A_roles),
-        B=B_src,
-        a_roles=a_roles,
-        b_roles=b_roles,
-        nodes=list(dict.fromkeys(a_views + at.looked_through + bt.looked_through)),
-        negate_A=inner.sign < 0,
-    )
+    return Discretized(u=u_src, delta=decay.delta, A=decay.A, B=B_src, a_roles=decay.a_roles, b_roles=b_roles,
+                       nodes=list(dict.fromkeys(decay.nodes + bt.looked_through)), negate_A=decay.negate_A)
 
 
 def _slice_roles(term: IndexTerm, f: Factor, role: dict[int, str]) -> tuple[torch.fx.Node, int, tuple[str, ...]] | None:
@@ -992,16 +1037,18 @@ def match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node) -> tupl
         B_full do not exist, so ``a_roles``/``b_roles`` are the state's roles followed by "t"
         (the layout they would have if stacked along a trailing time axis). Or a reason string.
     """
-    found = _match_step_discretization(alpha, beta, allow_neg=False)
-    if isinstance(found, str):
-        negated = _match_step_discretization(alpha, beta, allow_neg=True)
-        if not isinstance(negated, str):
-            return negated
-    return found
+    return _with_negation(lambda neg: _match_step_decay(alpha, neg, lambda d: _step_input(beta, d, d.t0)))
 
 
-def _match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node, allow_neg: bool
-                               ) -> tuple[Discretized, int] | str:
+def match_step_decay_full_input(alpha: torch.fx.Node, b_full: torch.fx.Node, t_axis: int
+                                ) -> tuple[Discretized, int] | str:
+    """The mixed form: the multiplier computed in the loop (``alpha == exp(Δ[t0] ⊗ A)``), the
+    input term precomputed (``b_full == Δ·B·u``, time axis ``t_axis``, with the same Δ)."""
+    return _with_negation(lambda neg: _match_step_decay(alpha, neg, lambda d: _full_input(b_full, t_axis, d)))
+
+
+def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
+    """Prove ``alpha == exp(Δ[t0] ⊗ A)``, then ``prove_input(decay)``; ``(Discretized, t0)``."""
     at = index_term(alpha, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
         return "the state's multiplier is not exp(Δ·A)"
@@ -1030,14 +1077,25 @@ def _match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node, allow_
     if d_slice is None or sorted(d_slice[2]) != ["b", "d", "t"]:
         return "the state's multiplier: Δ must be a time slice of a (batch, dim, time) tensor"
     delta_base, t0, delta_roles = d_slice
+    # Δ's base is a leaf for the input term too: a precomputed Δ·B·u (the mixed form) built from
+    # a Δ the user computed (softplus(dt) * mask) then names it as a factor.
+    decay = _Decay(delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles), state_roles=state_roles,
+                   a_roles=state_roles + ("t",), nodes=list(at.looked_through), negate_A=inner.sign < 0,
+                   stops=(delta_base,), t0=t0, sliced=(delta_base, delta_roles))
+    found = prove_input(decay)
+    return found if isinstance(found, str) else (found, t0)
 
-    bt = index_term(beta)
+
+def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | str:
+    """One step's input term: ``beta == Δ[t0]·B[t0]·u[t0]`` with the decay's Δ, every factor a
+    time slice at ``t0`` (or a time-invariant B (dim, state))."""
+    bt = index_term(beta, decay.stops)
     if bt is None or bt.summed or len(bt.factors) != 3:
         return "the state's addend is not a product Δ·B·u"
     b_out = bt.out_labels()
     if len(set(b_out)) != 3:
         return "the state's addend is not 3-D"
-    brole = dict(zip(b_out, state_roles))
+    brole = dict(zip(b_out, decay.state_roles))
     u_src = B_src = None
     found_delta = False
     for f in bt.factors:
@@ -1051,7 +1109,7 @@ def _match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node, allow_
         base, idx, roles = sl
         if idx != t0:
             return f"the state's addend reads time {idx} where its multiplier reads time {t0}"
-        if not found_delta and base is delta_base and roles == delta_roles:
+        if not found_delta and decay.is_delta(base, roles):
             found_delta = True
         elif sorted(roles) == ["b", "d", "t"] and u_src is None:
             u_src = view_source(base, roles)
@@ -1071,11 +1129,9 @@ def _match_step_discretization(alpha: torch.fx.Node, beta: torch.fx.Node, allow_
         return "the state's addend does not use the same Δ as its multiplier"
     if u_src is None or B_src is None:
         return "the state's addend: expected factors Δ, B and u"
-    virtual = state_roles + ("t",)
-    nodes = list(dict.fromkeys(at.looked_through + bt.looked_through))
-    disc = Discretized(u=u_src, delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles), B=B_src,
-                       a_roles=virtual, b_roles=virtual, nodes=nodes, negate_A=inner.sign < 0)
-    return disc, t0
+    virtual = decay.state_roles + ("t",)
+    return Discretized(u=u_src, delta=decay.delta, A=decay.A, B=B_src, a_roles=decay.a_roles, b_roles=virtual,
+                       nodes=list(dict.fromkeys(decay.nodes + bt.looked_through)), negate_A=decay.negate_A)
 
 
 def unscanned_discretizations(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

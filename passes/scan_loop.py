@@ -45,6 +45,8 @@ from .discretize import (
     grouped_source,
     index_term,
     match_discretization,
+    match_full_decay_step_input,
+    match_step_decay_full_input,
     match_step_discretization,
     view_source,
 )
@@ -833,10 +835,25 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         return "the state update broadcasts: A_full[t], B_full[t] and h_t differ in shape"
     if _leaf_key(a_leaf, 0) != key0:
         return "the state's multiplier at step 0 is not A_full[t=0]"
+    # Each coefficient is a time slice of a precomputed tensor (A_full, B_full) or computed in
+    # the step from time slices (exp(Δ[t]·A), Δ[t]·B[t]·u[t]); the two may differ (a per-step
+    # exp with a precomputed Δ·B·u saves the (batch, dim, L, N) decay, or the other way round).
+    a_base = b_base = None
+    b_slice = time_slice(b_leaf)
+    if b_slice is not None:
+        b_base, b_axis, b_idx = b_slice
+        if b_idx != 0:
+            return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
+        if val(b_base).dim() != 4:
+            return "B_full is not a 4-D tensor"
     if per_step:
-        if time_slice(b_leaf) is not None:
-            return "the state update mixes a precomputed B_full with a per-step exp(Δ·A)"
-        disc = match_step_discretization(a_leaf, b_leaf)
+        if b_base is not None:
+            short = _too_short("B_full", val(b_base).shape[b_axis], L)
+            if short is not None:
+                return short
+            disc = match_step_decay_full_input(a_leaf, _time_prefix_source(b_base, b_axis), b_axis)
+        else:
+            disc = match_step_discretization(a_leaf, b_leaf)
         if isinstance(disc, str):
             return f"discretization: {disc}"
         disc, t0 = disc
@@ -845,17 +862,14 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         short = _sources_too_short(disc, L)
         if short is not None:
             return short
-        a_base = b_base = None
     else:
-        b_slice = time_slice(b_leaf)
-        if b_slice is None:
-            return "the state update's coefficients are not time slices of full tensors"
         a_base, a_axis = base, axis
-        b_base, b_axis, b_idx = b_slice
-        if b_idx != 0:
-            return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
-        if val(b_base).dim() != 4:
-            return "B_full is not a 4-D tensor"
+        if b_base is None:
+            # Proved at step 0, before the walk, so that an input term read at another time
+            # (u[t - 1]) is named as such rather than as a step that does not repeat.
+            disc = match_full_decay_step_input(_time_prefix_source(a_base, a_axis), a_axis, b_leaf, 0)
+            if isinstance(disc, str):
+                return f"discretization: {disc}"
     init = None
     if not is_zeros(H):
         if not isinstance(val(H), torch.Tensor) or not _broadcasts_to(val(H).shape, shape):
@@ -893,13 +907,14 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         if rregion is None or step1.intersection(rregion):
             return "the readout of step 0 depends on a later state"
     if not per_step:
-        # Checked at the loop's own length, which the walk above may have found shorter than
-        # A_full's time axis (``range(L - 3)``).
-        short = _too_short("B_full", val(b_base).shape[b_axis], L)
-        if short is not None:
-            return short
-        disc = match_discretization(_time_prefix_source(a_base, a_axis), _time_prefix_source(b_base, b_axis),
-                                    (a_axis, b_axis))
+        if b_base is not None:
+            # Checked at the loop's own length, which the walk above may have found shorter than
+            # A_full's time axis (``range(L - 3)``).
+            short = _too_short("B_full", val(b_base).shape[b_axis], L)
+            if short is not None:
+                return short
+            disc = match_discretization(_time_prefix_source(a_base, a_axis), _time_prefix_source(b_base, b_axis),
+                                        (a_axis, b_axis))
         if isinstance(disc, str):
             return f"discretization: {disc}"
         # Equal to A_full's length wherever it is concrete; checked for the op's narrowed reads.
@@ -944,8 +959,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     # The op reads its inputs once, where it is placed; a value mutated in place anywhere would
     # make that read differ from what the loop saw.
     sources = {"u": disc.u.node, "delta": disc.delta.node, "A": disc.A.node, "B": disc.B.node, "C": c_base}
-    if not per_step:
-        sources.update({"A_full": a_base, "B_full": b_base})
+    sources.update({name: node for name, node in (("A_full", a_base), ("B_full", b_base)) if node is not None})
     if init is not None:
         sources["initial state"] = init
     for name, node in sources.items():

@@ -582,7 +582,8 @@ def different_delta(u, delta, A, B, C):
 
 
 def per_step_input_lagged(u, delta, A, B, C):
-    """β_t built inside the loop from Δ_t, B_t and u_{t-1}: not a slice of one B_full."""
+    """β_t built inside the loop from Δ_t, B_t and u_{t-1} (u[-1] at step 0): a precomputed A_full
+    with a per-step input term is proved (the mixed form), but this one reads u a step late."""
     deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
     x = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
     ys = []
@@ -684,7 +685,7 @@ NEGATIVE = [
     pytest.param(skipped_step, "step 5 does not repeat step 0", id="skipped-step"),
     pytest.param(exp_plus_one, "discretization: A_full is not exp", id="exp-plus-one"),
     pytest.param(different_delta, "none of which is A_full's Δ", id="different-delta"),
-    pytest.param(per_step_input_lagged, "coefficients are not time slices", id="per-step-input"),
+    pytest.param(per_step_input_lagged, "addend reads time 8 where its multiplier reads time 0", id="per-step-input"),
     pytest.param(readout_not_contraction, "readout is not a contraction", id="readout-tanh"),
     pytest.param(stacked_twice, "not collected exactly once", id="stacked-twice"),
     pytest.param(mutated_source, "is mutated in place", id="mutated-source"),

@@ -213,3 +213,118 @@ def test_masked_decode_step(fn, rewritten):
     else:
         assert any("does not scale by the same dt" in m.reason for m in report.misses), report.format(graphs=False)
         assert torch.equal(report.output, ref) and torch.equal(comp["state"], eager["state"])
+
+
+# --- mixed forms: one coefficient precomputed for every step, the other computed in the step -----
+
+def full_decay_step_input(u, dt, A, B, C, mask, scale):
+    """exp(Δ·A) for all steps at once, Δ[t]·B[t]·u[t] in the loop."""
+    delta = F.softplus(dt)
+    dA = torch.exp(delta[..., None] * A[None, :, None, :])
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    for t in range(L):
+        h = dA[:, :, t] * h + delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, -1)
+
+
+def step_decay_full_input(u, dt, A, B, C, mask, scale):
+    """Δ·B·u for all steps at once, exp(Δ[t]·A) in the loop (no (batch, dim, L, N) decay)."""
+    delta = F.softplus(dt) * mask[:, None, :]
+    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    for t in range(L):
+        h = torch.exp(delta[:, :, t, None] * A) * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, -1)
+
+
+def full_decay_step_input_time_major(u, dt, A, B, C, mask, scale):
+    """mamba-minimal's (batch, L, dim) layout, the decay precomputed with a masked Δ."""
+    delta = (F.softplus(dt) * mask[:, None, :]).transpose(1, 2)
+    ut, Bt = u.transpose(1, 2), B.transpose(1, 2)
+    dA = torch.exp(torch.einsum("bld,dn->bldn", delta, A))
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    for t in range(L):
+        h = dA[:, t] * h + (delta[:, t] * ut[:, t])[..., None] * Bt[:, t, None, :]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, 1).transpose(1, 2)
+
+
+MIXED = [full_decay_step_input, step_decay_full_input, full_decay_step_input_time_major]
+
+
+@pytest.mark.parametrize("fn", MIXED, ids=[f.__name__ for f in MIXED])
+def test_mixed_precomputed_and_per_step_coefficients_are_rewritten(fn):
+    args = make_inputs()
+    report = explain(fn, *args)
+    assert report.counts.get("scan_loop") == 1 and report.counts.get("discretization") == 1, \
+        report.format(graphs=False)
+    ref = fn(*(x.double() for x in args))
+    assert rel_err(report.output, ref) <= TOL[torch.float32]
+
+
+def mixed_other_delta_in_step(u, dt, A, B, C, mask, scale):
+    """The precomputed decay uses the masked Δ, the step's input term the unmasked one."""
+    raw = F.softplus(dt)
+    delta = raw * mask[:, None, :]
+    dA = torch.exp(delta[..., None] * A[None, :, None, :])
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    for t in range(L):
+        h = dA[:, :, t] * h + raw[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, -1)
+
+
+def mixed_other_delta_precomputed(u, dt, A, B, C, mask, scale):
+    """The step's decay uses Δ, the precomputed input term Δ·scale."""
+    delta = F.softplus(dt)
+    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta * scale[:, None], B, u)
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    for t in range(L):
+        h = torch.exp(delta[:, :, t, None] * A) * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, -1)
+
+
+def mixed_rounded_input(u, dt, A, B, C, mask, scale):
+    """A bf16 round trip of the step's input term in an fp32 program: the program's rounding."""
+    delta = F.softplus(dt)
+    dA = torch.exp(delta[..., None] * A[None, :, None, :])
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    for t in range(L):
+        h = dA[:, :, t] * h + (delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]).bfloat16().float()
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, -1)
+
+
+def mixed_rounded_delta_in_the_step(u, dt, A, B, C, mask, scale):
+    delta = F.softplus(dt)
+    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    for t in range(L):
+        h = torch.exp(delta.bfloat16().float()[:, :, t, None] * A) * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, -1)
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (mixed_rounded_input, "rounds torch.float32 to torch.bfloat16"),
+    (mixed_rounded_delta_in_the_step, "rounds torch.float32 to torch.bfloat16"),
+    (mixed_other_delta_in_step, "does not use the same Δ"),
+    (mixed_other_delta_precomputed, "the factors besides Δ are not two graph values u and B"),
+], ids=["rounded-input", "rounded-delta-in-step", "other-delta-in-step", "other-delta-precomputed"])
+# (B[t + 1] in the step's input term is test_unseen.py's "B[t+1]" look-alike.)
+def test_mixed_look_alikes_are_left_alone(fn, reason):
+    args = make_inputs()
+    report = explain(fn, *args)
+    assert not report.counts.get("scan_loop"), report.format(graphs=False)
+    assert any(reason in m.reason for m in report.misses if m.family == "scan_loop"), report.format(graphs=False)
+    assert torch.equal(report.output, fn(*args))
