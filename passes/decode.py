@@ -73,7 +73,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .discretize import Factor, IndexTerm, grouped_source, index_term
+from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts
 from .fx_utils import (context_refusal, depthwise_weight, dropped_rounding, is_call, is_cast, is_lossless_cast,
                        is_method, named_args, node_order, op_region, pinned_int, propagate_val, storage_of,
                        target_name, val, written_args)
@@ -570,14 +570,9 @@ def _value_with_roles(term: IndexTerm, factors: list[Factor], role: RoleMap, wan
     value: no new arithmetic, no new rounding."""
     if len(factors) == 1 and _fits(_factor_roles(term, factors[0], role), want, role):
         return factors[0].node
-    ids = {id(f) for f in factors}
-    for node, terms in term.parts.items():
-        for t in terms:
-            if (t.summed or t.exp_of is not None or t.sign != 1 or len(t.factors) != len(factors)
-                    or {id(f) for f in t.factors} != ids):
-                continue
-            if _fits(_label_roles(t.out_labels(), _tensor(node).shape, role), want, role):
-                return node
+    for node, t in product_parts(term, factors):
+        if _fits(_label_roles(t.out_labels(), _tensor(node).shape, role), want, role):
+            return node
     return None
 
 

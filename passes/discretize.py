@@ -42,6 +42,7 @@ __all__ = [
     "unscanned_discretizations",
     "view_source",
     "grouped_source",
+    "product_parts",
     "product_source",
     "ROLES",
 ]
@@ -677,20 +678,26 @@ def product_source(term: IndexTerm, group: list[Factor], role: dict[int, str]) -
     evaluator looked through: the op then reads the user's own product, so no new arithmetic
     (and no new rounding) is introduced.
     """
-    ids = {id(f) for f in group}
     if len(group) == 1:
         roles = _roles_of(term, group[0], role)
         return None if roles is None else Source(group[0].node, roles)
+    for node, t in product_parts(term, group):
+        labels = t.out_labels()
+        if len(set(labels)) != len(labels) or any(lab not in role for lab in labels):
+            continue
+        return view_source(node, tuple(role[lab] for lab in labels))
+    return None
+
+
+def product_parts(term: IndexTerm, factors: list[Factor]):
+    """``(node, its term)`` for each node the evaluator looked through whose value is exactly the
+    product of ``factors`` (no sum, no exp, no sign): where the user computed that product."""
+    ids = {id(f) for f in factors}
     for node, terms in term.parts.items():
         for t in terms:
-            if (t.summed or t.exp_of is not None or t.sign != 1 or {id(f) for f in t.factors} != ids
-                    or len(t.factors) != len(ids)):
-                continue
-            labels = t.out_labels()
-            if len(set(labels)) != len(labels) or any(lab not in role for lab in labels):
-                continue
-            return view_source(node, tuple(role[lab] for lab in labels))
-    return None
+            if (not t.summed and t.exp_of is None and t.sign == 1 and len(t.factors) == len(ids)
+                    and {id(f) for f in t.factors} == ids):
+                yield node, t
 
 
 def _view_with_roles(term: IndexTerm, src: Source, role: dict[int, str], want: str) -> Source | None:
@@ -851,7 +858,7 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
         return decay if isinstance(decay, str) else prove_input(decay)
     # More factors: Δ or A is itself a product the user computed (Δ·mask for padded steps,
     # softplus(dt)·scale, A·scale). Each side must be one graph value that is exactly the product
-    # of its factors (``_product_node``); the proof then runs with those values as leaves, so
+    # of its factors (``product_parts``); the proof then runs with those values as leaves, so
     # the input term must use the same Δ value and no arithmetic is regrouped.
     first = None
     for stops in _exponent_groupings(at, inner, a_out[ta % 4]):
@@ -863,18 +870,6 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
         first = first or found
     return first or (f"A_full is exp of a product of {len(inner.factors)} factors, and no graph value holds "
                      "the time-varying ones (Δ) apart from the others (A); expected exp(Δ·A)")
-
-
-def _product_node(term: IndexTerm, group: list[Factor]) -> torch.fx.Node | None:
-    """A node the evaluator looked through whose value is exactly the product of ``group``'s
-    factors (no sum, no exp, no sign); None if there is none."""
-    ids = {id(f) for f in group}
-    for node, terms in term.parts.items():
-        for t in terms:
-            if (not t.summed and t.exp_of is None and t.sign == 1 and len(t.factors) == len(ids)
-                    and {id(f) for f in t.factors} == ids):
-                return node
-    return None
 
 
 def _exponent_groupings(at: IndexTerm, inner: IndexTerm, t_lab: int):
@@ -893,10 +888,10 @@ def _exponent_groupings(at: IndexTerm, inner: IndexTerm, t_lab: int):
         stops = []
         for group in (d_group, a_group):
             if len(group) > 1:
-                node = _product_node(at, group)
-                if node is None:
+                part = next(product_parts(at, group), None)
+                if part is None:
                     break
-                stops.append(node)
+                stops.append(part[0])
         else:
             yield tuple(stops)
 
