@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts
-from .fx_utils import (context_refusal, depthwise_weight, dropped_rounding, is_call, is_cast, is_lossless_cast,
+from .fx_utils import (addcmul_operands, context_refusal, depthwise_weight, dropped_rounding, is_call, is_cast, is_lossless_cast,
                        is_method, named_args, node_order, op_region, pinned_int, propagate_val, storage_of,
                        target_name, val, written_args)
 from .manager import PassContext, PassManager
@@ -425,9 +425,9 @@ def _split_update(h: Any, is_state) -> tuple[torch.fx.Node, torch.fx.Node, list,
     (value 1, the same sum of products). ``is_state(node)`` says which operand may be the state.
     """
     candidates = []
-    if ((is_call(h, torch.addcmul) or is_method(h, "addcmul")) and len(h.args) == 3
-            and set(h.kwargs) <= {"value"} and h.kwargs.get("value", 1) == 1):
-        candidates.append((h, (h.args[1], h.args[2]), h.args[0]))
+    fused = addcmul_operands(h)
+    if fused is not None:
+        candidates.append((h, fused[1:], fused[0]))
     terms = _operands(h, _ADD, "add")
     if terms is not None:
         for a, b in (terms, terms[::-1]):

@@ -178,6 +178,15 @@ def is_method(node: Any, *names: str) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in names
 
 
+def addcmul_operands(node: Any) -> tuple[Any, Any, Any] | None:
+    """``(c, a, b)`` if ``node`` is ``torch.addcmul(c, a, b)`` or ``c.addcmul(a, b)`` with value 1:
+    ``c + a * b``, a sum of a product spelled as one call."""
+    if ((is_call(node, torch.addcmul) or is_method(node, "addcmul")) and len(node.args) == 3
+            and set(node.kwargs) <= {"value"} and node.kwargs.get("value", 1) == 1):
+        return node.args[0], node.args[1], node.args[2]
+    return None
+
+
 def is_cast(node: Any) -> bool:
     """A dtype cast (or a no-op ``.to(device=...)``): same values up to rounding, same axes."""
     if not is_method(node, *_CAST_METHODS):

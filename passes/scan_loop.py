@@ -52,6 +52,7 @@ from .discretize import (
 )
 from .fx_utils import (
     ContextRegions,
+    addcmul_operands,
     is_zeros,
     named_args,
     storage_of,
@@ -1313,8 +1314,7 @@ def _products(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, Any, Any]]:
     for n in graph.nodes:
         if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs:
             found.append((n, n.args[0], n.args[1]))
-        elif ((is_call(n, torch.addcmul) or is_method(n, "addcmul")) and len(n.args) == 3
-              and n.kwargs.get("value", 1) == 1 and set(n.kwargs) <= {"value"}):
+        elif addcmul_operands(n) is not None:
             found.append((n, n.args[1], n.args[2]))
     return found
 

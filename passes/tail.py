@@ -32,7 +32,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
-from .fx_utils import (HOIST_BLOCKED, OP_ROUNDING, behind_lossless_casts, cast_dtype, context_refusal,
+from .fx_utils import (HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype, context_refusal,
                        dropped_rounding, dtype_of, follow_views, hoist_before, inverse, is_call, is_method,
                        layout_source, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
                        set_scan_args, shape_of, written_in_place)
@@ -172,17 +172,28 @@ class Skip(NamedTuple):
 
 
 def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | None:
-    """Prove ``add`` = ``chain.top + u * D`` with the op's ``u`` and a (dim,) ``D``.
+    """Prove ``add`` = ``chain.top + u * D`` (or ``torch.addcmul(chain.top, u, D)``) with the op's
+    ``u`` and a (dim,) ``D``.
 
     None if ``add`` isn't an add of a product to ``y`` at all; a reason string for near-misses.
     """
-    operands = _binary(add, ADD_TARGETS)
-    if operands is None or chain.top not in operands or operands[0] is operands[1]:
-        return None
-    other = operands[1] if operands[0] is chain.top else operands[0]
-    factors = _binary(other, MUL_TARGETS)
-    if factors is None:
-        return _skip_after_a_sum(add, u_op)
+    fused = addcmul_operands(add)
+    if fused is None and (is_call(add, torch.addcmul) or is_method(add, "addcmul")) and add.args[:1] == (chain.top,):
+        return (f"torch.addcmul(y, ..., value={add.kwargs.get('value')!r}) scales the product: "
+                "not the op's y + u * D")
+    if fused is not None:
+        # torch.addcmul(y, u, D): the same y + u * D in one call, with no product node of its own.
+        if fused[0] is not chain.top:
+            return None
+        other, factors = None, fused[1:]
+    else:
+        operands = _binary(add, ADD_TARGETS)
+        if operands is None or chain.top not in operands or operands[0] is operands[1]:
+            return None
+        other = operands[1] if operands[0] is chain.top else operands[0]
+        factors = _binary(other, MUL_TARGETS)
+        if factors is None:
+            return _skip_after_a_sum(add, u_op)
     top_shape = shape_of(chain.top)
     if shape_of(add) != top_shape:
         return f"the skip broadcasts y from {list(top_shape)} to {list(shape_of(add))}"
@@ -207,7 +218,7 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         if any(skip_u.perm[i] != op_u.perm[chain.perm[i]] for i in range(len(top_shape))):
             reasons.append("the skip reads u in another layout than y (axes don't line up)")
             continue
-        return Skip(add, D, [add, other])
+        return Skip(add, D, [add] if other is None else [add, other])
     return "; ".join(reasons) if reasons else None
 
 

@@ -132,6 +132,17 @@ def f_public_wrapper(u, x, A, B, C, D, z, bias, W, ts):
     return (y + u * D[None, :, None]) * F.silu(z), last
 
 
+def f_addcmul_skip(u, x, A, B, C, D, z, bias, W, ts):
+    """The skip as one call, ``torch.addcmul(y, D[:, None], u)``, and the gate as z·sigmoid(z)."""
+    y = scan(u, F.softplus(x + bias[:, None]), A, B, C)
+    return torch.addcmul(y, D[:, None], u) * (z * torch.sigmoid(z))
+
+
+def f_addcmul_skip_method(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, F.softplus(x + bias[:, None]), A, B, C)
+    return y.addcmul(u, D[:, None]) * F.silu(z)
+
+
 POSITIVE = {
     "mamba_ssm_ref": (f_mamba_ssm_ref, "bdl", dict(delta=1, skip=1, gate=1)),
     "hf524": (f_hf524, "bdl", dict(delta=1, skip=1, gate=1)),
@@ -139,6 +150,8 @@ POSITIVE = {
     "hf517_module": (None, "bdl", dict(delta=1, skip=1, gate=1)),
     "delta_other_user": (f_delta_has_other_user, "bdl", dict(delta=1, skip=0, gate=1)),
     "public_wrapper": (f_public_wrapper, "bdl", dict(delta=1, skip=1, gate=1)),
+    "addcmul_skip": (f_addcmul_skip, "bdl", dict(delta=1, skip=1, gate=1)),
+    "addcmul_skip_method": (f_addcmul_skip_method, "bdl", dict(delta=1, skip=1, gate=1)),
 }
 
 
@@ -255,6 +268,14 @@ def f_skip_rounded_u(u, x, A, B, C, D, z, bias, W, ts):
     return scan(u, x, A, B, C) + u.to(torch.bfloat16) * D[:, None]
 
 
+def f_addcmul_skip_scaled(u, x, A, B, C, D, z, bias, W, ts):
+    return torch.addcmul(scan(u, x, A, B, C), u, D[:, None], value=0.5)
+
+
+def f_addcmul_skip_other_tensor(u, x, A, B, C, D, z, bias, W, ts):
+    return torch.addcmul(scan(u, x, A, B, C), x, D[:, None])
+
+
 def f_gate_sigmoid(u, x, A, B, C, D, z, bias, W, ts):
     return scan(u, x, A, B, C) * torch.sigmoid(z)
 
@@ -285,6 +306,9 @@ NEGATIVE = {
     "skip_transposed_u": (f_skip_transposed_u, {"length": DIM}, dict(delta=0, skip=0, gate=0),
                           ("skip", "another layout")),
     "skip_rounded_u": (f_skip_rounded_u, {}, dict(delta=0, skip=0, gate=0), ("skip", "rounding cast")),
+    "addcmul_skip_scaled": (f_addcmul_skip_scaled, {}, dict(delta=0, skip=0, gate=0), ("skip", "value=0.5")),
+    "addcmul_skip_other_tensor": (f_addcmul_skip_other_tensor, {}, dict(delta=0, skip=0, gate=0),
+                                  ("skip", "not the scan's u")),
     "gate_sigmoid": (f_gate_sigmoid, {}, dict(delta=0, skip=0, gate=0), ("gate", "not silu")),
     "gate_gelu": (f_gate_gelu, {}, dict(delta=0, skip=0, gate=0), ("gate", "not silu")),
     "gate_mismatched_sigmoid": (f_gate_mismatched_sigmoid, {}, dict(delta=0, skip=0, gate=0), None),

@@ -507,8 +507,7 @@ TAILS = [
     # (tail part, families that must fire, a miss reason or None)
     pytest.param(bdl(lambda s, y, u, z: (y + u * s.D[:, None]) * F.silu(z)), ALL, None, id="u*D[:,None]"),
     pytest.param(bdl(lambda s, y, u, z: (y + s.D.unsqueeze(-1) * u) * F.silu(z)), ALL, None, id="D.unsqueeze(-1)*u"),
-    pytest.param(lambda s, y, u, z: torch.addcmul(y, u, s.D) * F.silu(z), {"conv1d", "delta", "scan_loop"},
-                 None, id="addcmul(y,u,D)"),
+    pytest.param(lambda s, y, u, z: torch.addcmul(y, u, s.D) * F.silu(z), ALL, None, id="addcmul(y,u,D)"),
     pytest.param(lambda s, y, u, z: y * F.silu(z), ALL - {"skip"}, None, id="gate-only"),
     pytest.param(lambda s, y, u, z: (y + u * s.D) * z * torch.sigmoid(z), ALL, None, id="y*z*sigmoid(z)"),
     pytest.param(lambda s, y, u, z: (y + u * s.D) * (z * torch.sigmoid(z)), ALL, None, id="y*(z*sigmoid(z))"),
