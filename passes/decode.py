@@ -74,9 +74,9 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts
-from .fx_utils import (addcmul_operands, context_refusal, depthwise_weight, dropped_rounding, is_call, is_cast, is_lossless_cast,
-                       is_method, named_args, node_order, op_region, pinned_int, propagate_val, storage_of,
-                       target_name, val, written_args)
+from .fx_utils import (addcmul_operands, context_refusal, depthwise_weight, dropped_rounding, is_call, is_cast,
+                       is_lossless_cast, is_method, named_args, node_order, op_region, pinned_int, propagate_val,
+                       storage_of, target_name, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"

@@ -32,9 +32,9 @@ import torch.fx
 import torch.nn.functional as F
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
-from .fx_utils import (HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype, context_refusal,
-                       dropped_rounding, dtype_of, follow_views, hoist_before, inverse, is_call, is_method,
-                       layout_source, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
+from .fx_utils import (HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
+                       context_refusal, dropped_rounding, dtype_of, follow_views, hoist_before, inverse, is_call,
+                       is_method, layout_source, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
                        set_scan_args, shape_of, written_in_place)
 from .manager import PassContext, PassManager
 
@@ -177,14 +177,13 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
 
     None if ``add`` isn't an add of a product to ``y`` at all; a reason string for near-misses.
     """
-    fused = addcmul_operands(add)
-    if fused is None and (is_call(add, torch.addcmul) or is_method(add, "addcmul")) and add.args[:1] == (chain.top,):
-        return (f"torch.addcmul(y, ..., value={add.kwargs.get('value')!r}) scales the product: "
-                "not the op's y + u * D")
-    if fused is not None:
+    if is_call(add, torch.addcmul) or is_method(add, "addcmul"):
         # torch.addcmul(y, u, D): the same y + u * D in one call, with no product node of its own.
-        if fused[0] is not chain.top:
+        if not add.args or add.args[0] is not chain.top:
             return None
+        fused = addcmul_operands(add)
+        if fused is None:
+            return f"torch.addcmul(y, ...) with {dict(add.kwargs)} is not the op's y + u * D"
         other, factors = None, fused[1:]
     else:
         operands = _binary(add, ADD_TARGETS)

@@ -306,7 +306,7 @@ NEGATIVE = {
     "skip_transposed_u": (f_skip_transposed_u, {"length": DIM}, dict(delta=0, skip=0, gate=0),
                           ("skip", "another layout")),
     "skip_rounded_u": (f_skip_rounded_u, {}, dict(delta=0, skip=0, gate=0), ("skip", "rounding cast")),
-    "addcmul_skip_scaled": (f_addcmul_skip_scaled, {}, dict(delta=0, skip=0, gate=0), ("skip", "value=0.5")),
+    "addcmul_skip_scaled": (f_addcmul_skip_scaled, {}, dict(delta=0, skip=0, gate=0), ("skip", "{'value': 0.5}")),
     "addcmul_skip_other_tensor": (f_addcmul_skip_other_tensor, {}, dict(delta=0, skip=0, gate=0),
                                   ("skip", "not the scan's u")),
     "gate_sigmoid": (f_gate_sigmoid, {}, dict(delta=0, skip=0, gate=0), ("gate", "not silu")),
