@@ -795,6 +795,8 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         if per_step and not (_is_exp(a0) and _same_shape(val(a0).shape, val(H).shape)):
             return None
         if per_step:
+            if _made_by_step_key(H, key0, depth=3):
+                return _REVERSE_SCAN
             # exp(...) of time slices multiplying a state-shaped value looks like a step; say why
             # it is not one (e.g. a loop-invariant value such as -A recomputed in every step is a
             # different node per step, and only time slices are compared shifted).
@@ -802,10 +804,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
                     "(a value recomputed in every step that is not a time slice?)")
         sa, sh = time_slice(a0), time_slice(H)
         if sa is not None and _made_by_step_at(H, sa[0], sa[1], 1, depth=3):
-            return ("the loop walks time backwards (the state A_full[t=0] multiplies was made by the "
-                    "step at t=1: a reverse scan, e.g. indices L-1-t): ssm.selective_scan runs "
-                    "forward in time, so it is left alone; flipping the time axis of its inputs and "
-                    "of its output (x.flip(-1)) gives a forward loop that is rewritten")
+            return _REVERSE_SCAN
         if sa is not None and sh is not None and {sa[2], sh[2]} == {0, 1}:
             return ("the loop's first state is itself a time slice (h = B_full[t=0], then "
                     "h = A_full[t]*h + B_full[t] from t = 1?): that equals a scan from h = 0 only "
@@ -1327,6 +1326,24 @@ def _reads_from_step(base: torch.fx.Node, axis: int, index: int) -> bool:
         if ts is None or ts[0] is not base or ts[1] != axis or ts[2] >= index:
             return True
     return False
+
+
+_REVERSE_SCAN = ("the loop walks time backwards (the state the step at t=0 multiplies was made by the step at "
+                 "t=1: a reverse scan, e.g. indices L-1-t): ssm.selective_scan runs forward in time, so it is "
+                 "left alone; flipping the time axis of its inputs and of its output (x.flip(-1)) gives a "
+                 "forward loop that is rewritten")
+
+
+def _made_by_step_key(node: Any, key0: tuple, depth: int) -> bool:
+    """The per-step form of ``_made_by_step_at``: ``node`` is computed, within ``depth``
+    elementwise nodes, by a product with a factor that is step 0's multiplier with every time
+    index + 1 (the step at t = 1's ``exp(Δ[1]·A)``)."""
+    if depth == 0 or not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    factors = node.args if (is_call(node, *_MUL) or is_method(node, "mul")) and len(node.args) == 2 else ()
+    if any(isinstance(f, torch.fx.Node) and _leaf_key(f, 1) == key0 for f in factors):
+        return True
+    return any(_made_by_step_key(a, key0, depth - 1) for a in node.args if isinstance(a, torch.fx.Node))
 
 
 def _made_by_step_at(node: Any, base: torch.fx.Node, axis: int, index: int, depth: int) -> bool:

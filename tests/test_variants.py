@@ -846,6 +846,16 @@ def reversed_loop(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
+def reversed_per_step_loop(u, delta, A, B, C):
+    """The same reverse walk with the decay computed in each step (run 41: was "no state chain")."""
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in reversed(range(u.shape[2])):
+        h = torch.exp(delta[:, :, t, None] * A) * h + (delta[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1)
+
+
 def two_state_factors(u, delta, A, B, C):
     """B_full = Δ·B·C·u: two (batch, state, time) factors that no single value multiplies."""
     dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
@@ -987,6 +997,7 @@ NEAR_MISSES = [
     pytest.param(first_state_is_a_slice, "first state is itself a time slice", id="h-is-None-start"),
     pytest.param(scalar_initial_state, "initial state 0.5 that is not a tensor", id="scalar-initial-state"),
     pytest.param(reversed_loop, "walks time backwards", id="reversed-loop"),
+    pytest.param(reversed_per_step_loop, "walks time backwards", id="reversed-per-step-loop"),
     pytest.param(two_state_factors, "not two graph values u and B", id="B-times-C"),
     pytest.param(stacked_states_other_use, "neither a readout", id="stacked-states-other-use"),
     pytest.param(ema, "time-invariant decay c (an EMA)", id="ema"),
