@@ -73,7 +73,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts
+from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (addcmul_operands, context_refusal, depthwise_weight, dropped_rounding, is_call, is_cast,
                        is_lossless_cast, is_method, named_args, node_order, op_region, pinned_int, propagate_val,
                        storage_of, target_name, val, written_args)
@@ -651,9 +651,7 @@ def _exponent_stops(at: IndexTerm, factors: list[Factor], role: RoleMap, bc: tup
     to_A = [f for f, c in zip(factors, cores) if "n" in c and "b" not in c]
     free = [f for f, c in zip(factors, cores) if "b" not in c and "n" not in c]
     if to_dt and to_A and len(free) <= 3:
-        for sides in itertools.product((0, 1), repeat=len(free)):
-            dt_group = to_dt + [f for f, side in zip(free, sides) if side == 0]
-            A_group = to_A + [f for f, side in zip(free, sides) if side == 1]
+        for dt_group, A_group in two_sides(to_dt, to_A, free):
             dt = _value_with_roles(at, dt_group, role, bc)
             A = _value_with_roles(at, A_group, role, cn)
             if dt is not None and A is not None:
@@ -695,11 +693,7 @@ def _split_x_B(term: IndexTerm, factors: list[Factor], role: RoleMap, chan: tupl
         if "?" in core:
             raise Miss(f"a factor of the input term has axes ({_names(_factor_roles(term, f, role))})")
         (to_B if "n" in core else to_x if set(core) & set(chan) else free).append(f)
-    for sides in itertools.product((0, 1), repeat=len(free)):
-        B_group = to_B + [f for f, s in zip(free, sides) if s == 0]
-        x_group = to_x + [f for f, s in zip(free, sides) if s == 1]
-        if not B_group or not x_group:
-            continue
+    for B_group, x_group in two_sides(to_B, to_x, free):
         x = _value_with_roles(term, x_group, role, ("b", *chan))
         B = _state_operand(term, B_group, role, chan)
         if x is not None and B is not None:

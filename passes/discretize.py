@@ -43,6 +43,7 @@ __all__ = [
     "view_source",
     "grouped_source",
     "product_parts",
+    "two_sides",
     "product_source",
     "ROLES",
 ]
@@ -718,6 +719,18 @@ def _view_with_roles(term: IndexTerm, src: Source, role: dict[int, str], want: s
     return None
 
 
+def two_sides(first: list[Factor], second: list[Factor], free: list[Factor]):
+    """Every way to split a product's factors between two values: ``first`` and ``second`` stay on
+    their side, each of ``free`` (a factor that may belong to either, such as a per-token RMS
+    ``rsqrt`` or a per-channel scale) goes to one. Yields ``(first_group, second_group)``, both
+    non-empty."""
+    for sides in itertools.product((0, 1), repeat=len(free)):
+        one = first + [f for f, side in zip(free, sides) if side == 0]
+        two = second + [f for f, side in zip(free, sides) if side == 1]
+        if one and two:
+            yield one, two
+
+
 def _split_input_factors(term: IndexTerm, factors: list[Factor], role: dict[int, str]
                          ) -> tuple[Source, Source] | str:
     """Split B_full's factors other than Δ into u (batch, dim, time) and B (with the state axis).
@@ -739,11 +752,7 @@ def _split_input_factors(term: IndexTerm, factors: list[Factor], role: dict[int,
             free.append(f)
     if not to_B or not (to_u or free):
         return "expected factors Δ, B (with the state axis) and u"
-    for sides in itertools.product((0, 1), repeat=len(free)):
-        B_group = to_B + [f for f, s in zip(free, sides) if s == 0]
-        u_group = to_u + [f for f, s in zip(free, sides) if s == 1]
-        if not u_group:
-            continue
+    for B_group, u_group in two_sides(to_B, to_u, free):
         B_src, u_src = product_source(term, B_group, role), product_source(term, u_group, role)
         if B_src is not None and u_src is not None:
             return u_src, B_src
@@ -880,11 +889,7 @@ def _exponent_groupings(at: IndexTerm, inner: IndexTerm, t_lab: int):
     free = [f for f in inner.factors if t_lab not in at.factor_labels(f)]
     if not timed or not free or len(free) > 3:
         return
-    for sides in itertools.product((0, 1), repeat=len(free)):
-        d_group = timed + [f for f, s in zip(free, sides) if s == 0]
-        a_group = [f for f, s in zip(free, sides) if s == 1]
-        if not a_group:
-            continue
+    for d_group, a_group in two_sides(timed, [], free):
         stops = []
         for group in (d_group, a_group):
             if len(group) > 1:

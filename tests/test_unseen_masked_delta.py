@@ -36,13 +36,27 @@ def make_inputs(dtype=torch.float32):
     return tuple(x.to(dtype) for x in (u, dt, A, B, C, mask, scale))
 
 
-def loop(dA, dBu, C):
-    h = dA.new_zeros(dA.shape[0], dA.shape[1], dA.shape[3])
+def mul_sum(h, C, t):
+    return (h * C[:, None, :, t]).sum(-1)
+
+
+def einsum_readout(h, C, t):
+    return torch.einsum("bdn,bn->bd", h, C[:, :, t])
+
+
+def scan_steps(C, update, readout=mul_sum, dim=DIM):
+    """The time loop from h = 0 over C's (batch, N, L): ``h = update(h, t)``, then
+    ``readout(h, C, t)``, stacked on time."""
+    h = C.new_zeros(C.shape[0], dim, C.shape[1])
     ys = []
-    for t in range(dA.shape[2]):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        ys.append((h * C[:, None, :, t]).sum(-1))
+    for t in range(C.shape[2]):
+        h = update(h, t)
+        ys.append(readout(h, C, t))
     return torch.stack(ys, -1)
+
+
+def loop(dA, dBu, C):
+    return scan_steps(C, lambda h, t: dA[:, :, t] * h + dBu[:, :, t], dim=dA.shape[1])
 
 
 def euler(delta, A, B, u):
@@ -71,7 +85,8 @@ def delta_scaled_per_channel(u, dt, A, B, C, mask, scale):
 def A_scaled_per_channel(u, dt, A, B, C, mask, scale):
     delta = F.softplus(dt)
     As = A * scale[:, None]
-    return loop(torch.exp(delta[..., None] * As[None, :, None, :]), (delta * u)[..., None] * B.transpose(1, 2)[:, None], C)
+    dA = torch.exp(delta[..., None] * As[None, :, None, :])
+    return loop(dA, (delta * u)[..., None] * B.transpose(1, 2)[:, None], C)
 
 
 def masked_negated_exp_A_log(u, dt, A, B, C, mask, scale):
@@ -85,12 +100,8 @@ def masked_negated_exp_A_log(u, dt, A, B, C, mask, scale):
 def masked_step_form(u, dt, A, B, C, mask, scale):
     """Discretised inside the loop from time slices of the masked Δ."""
     delta = F.softplus(dt) * mask[:, None, :]
-    h = u.new_zeros(BATCH, DIM, N)
-    ys = []
-    for t in range(L):
-        h = torch.exp(delta[:, :, t, None] * A) * h + (delta[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
-        ys.append((h * C[:, None, :, t]).sum(-1))
-    return torch.stack(ys, -1)
+    return scan_steps(C, lambda h, t: (torch.exp(delta[:, :, t, None] * A) * h
+                                       + (delta[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]))
 
 
 def masked_associative_scan(u, dt, A, B, C, mask, scale):
@@ -221,24 +232,14 @@ def full_decay_step_input(u, dt, A, B, C, mask, scale):
     """exp(Δ·A) for all steps at once, Δ[t]·B[t]·u[t] in the loop."""
     delta = F.softplus(dt)
     dA = torch.exp(delta[..., None] * A[None, :, None, :])
-    h = u.new_zeros(BATCH, DIM, N)
-    ys = []
-    for t in range(L):
-        h = dA[:, :, t] * h + delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
-        ys.append((h * C[:, None, :, t]).sum(-1))
-    return torch.stack(ys, -1)
+    return scan_steps(C, lambda h, t: dA[:, :, t] * h + delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None])
 
 
 def step_decay_full_input(u, dt, A, B, C, mask, scale):
     """Δ·B·u for all steps at once, exp(Δ[t]·A) in the loop (no (batch, dim, L, N) decay)."""
     delta = F.softplus(dt) * mask[:, None, :]
     dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    h = u.new_zeros(BATCH, DIM, N)
-    ys = []
-    for t in range(L):
-        h = torch.exp(delta[:, :, t, None] * A) * h + dBu[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, -1)
+    return scan_steps(C, lambda h, t: torch.exp(delta[:, :, t, None] * A) * h + dBu[:, :, t], einsum_readout)
 
 
 def full_decay_step_input_time_major(u, dt, A, B, C, mask, scale):
@@ -246,12 +247,8 @@ def full_decay_step_input_time_major(u, dt, A, B, C, mask, scale):
     delta = (F.softplus(dt) * mask[:, None, :]).transpose(1, 2)
     ut, Bt = u.transpose(1, 2), B.transpose(1, 2)
     dA = torch.exp(torch.einsum("bld,dn->bldn", delta, A))
-    h = u.new_zeros(BATCH, DIM, N)
-    ys = []
-    for t in range(L):
-        h = dA[:, t] * h + (delta[:, t] * ut[:, t])[..., None] * Bt[:, t, None, :]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, 1).transpose(1, 2)
+    return scan_steps(C, lambda h, t: dA[:, t] * h + (delta[:, t] * ut[:, t])[..., None] * Bt[:, t, None, :],
+                      einsum_readout)
 
 
 MIXED = [full_decay_step_input, step_decay_full_input, full_decay_step_input_time_major]
@@ -272,47 +269,29 @@ def mixed_other_delta_in_step(u, dt, A, B, C, mask, scale):
     raw = F.softplus(dt)
     delta = raw * mask[:, None, :]
     dA = torch.exp(delta[..., None] * A[None, :, None, :])
-    h = u.new_zeros(BATCH, DIM, N)
-    ys = []
-    for t in range(L):
-        h = dA[:, :, t] * h + raw[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
-        ys.append((h * C[:, None, :, t]).sum(-1))
-    return torch.stack(ys, -1)
+    return scan_steps(C, lambda h, t: dA[:, :, t] * h + raw[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None])
 
 
 def mixed_other_delta_precomputed(u, dt, A, B, C, mask, scale):
     """The step's decay uses Δ, the precomputed input term Δ·scale."""
     delta = F.softplus(dt)
     dBu = torch.einsum("bdl,bnl,bdl->bdln", delta * scale[:, None], B, u)
-    h = u.new_zeros(BATCH, DIM, N)
-    ys = []
-    for t in range(L):
-        h = torch.exp(delta[:, :, t, None] * A) * h + dBu[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, -1)
+    return scan_steps(C, lambda h, t: torch.exp(delta[:, :, t, None] * A) * h + dBu[:, :, t], einsum_readout)
 
 
 def mixed_rounded_input(u, dt, A, B, C, mask, scale):
     """A bf16 round trip of the step's input term in an fp32 program: the program's rounding."""
     delta = F.softplus(dt)
     dA = torch.exp(delta[..., None] * A[None, :, None, :])
-    h = u.new_zeros(BATCH, DIM, N)
-    ys = []
-    for t in range(L):
-        h = dA[:, :, t] * h + (delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]).bfloat16().float()
-        ys.append((h * C[:, None, :, t]).sum(-1))
-    return torch.stack(ys, -1)
+    dBu = lambda t: delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]  # noqa: E731
+    return scan_steps(C, lambda h, t: dA[:, :, t] * h + dBu(t).bfloat16().float())
 
 
 def mixed_rounded_delta_in_the_step(u, dt, A, B, C, mask, scale):
     delta = F.softplus(dt)
     dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    h = u.new_zeros(BATCH, DIM, N)
-    ys = []
-    for t in range(L):
-        h = torch.exp(delta.bfloat16().float()[:, :, t, None] * A) * h + dBu[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, -1)
+    return scan_steps(C, lambda h, t: torch.exp(delta.bfloat16().float()[:, :, t, None] * A) * h + dBu[:, :, t],
+                      einsum_readout)
 
 
 @pytest.mark.parametrize("fn, reason", [
