@@ -1016,6 +1016,46 @@ def check_state_update(m: dict[str, Any]) -> str | None:
                         {u.reader, *u.read_casts, *m["chain"]}, "state")
 
 
+# Views that keep their base's storage offset: a mutating op's write through them lands where
+# inductor expects it. (A view that indexes, ``cache[i]`` or a slice, moves the offset.)
+_OFFSET_FREE_VIEWS = ("view", "flatten", "unflatten", "unsqueeze", "squeeze", "transpose", "permute", "movedim", "t")
+
+
+def _offset_free_view_of_input(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a graph input, or reaches one through views that keep its offset."""
+    while node.op in ("call_method", "call_function"):
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if name not in _OFFSET_FREE_VIEWS or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _call_update(graph: torch.fx.Graph, op: Any, functional_op: Any, args: tuple, state_at: int,
+                 write_back: torch.fx.Node | None) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]:
+    """Emit a decode op at the insertion point: (the op node, y, the new state or None).
+
+    The mutating op writes ``args[state_at]`` itself only where that is a graph input or a view of
+    one with the same storage offset. Any other state (a view of a stacked cache, ``cache[i]``)
+    goes through the functional twin, and the
+    new state is copied into ``write_back`` (None: the step returns it, and nothing is written):
+    inductor (torch 2.13) addresses a mutating custom op's write to a view with a storage offset
+    wrongly under dynamic shapes, and the write to a clone of such a view even with static ones.
+    """
+    if _offset_free_view_of_input(args[state_at]):
+        node = graph.call_function(op, args)
+        propagate_val(node)
+        return node, node, None
+    node = graph.call_function(functional_op, args)
+    propagate_val(node)
+    y, new = (graph.call_function(operator.getitem, (node, i)) for i in (0, 1))
+    propagate_val(y)
+    propagate_val(new)
+    if write_back is not None:
+        propagate_val(graph.call_method("copy_", (write_back, new)))
+    return node, y, new
+
+
 def _flatten(graph: torch.fx.Graph, node: torch.fx.Node, axis: int) -> torch.fx.Node:
     """``node.flatten(axis, axis + 1)``: the (heads, headdim) axes as one channel axis."""
     out = graph.call_method("flatten", (node, axis, axis + 1))
@@ -1061,7 +1101,7 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         out_dtype = _tensor(last).dtype
         state = m["state"]
-        if u.form == "returned":
+        if u.form == "returned" and _offset_free_view_of_input(state):
             # The step does not write its state, so the op writes a copy, taken where the step
             # reads the state (later writes to it, if any, must not be seen).
             with graph.inserting_before(u.reader):
@@ -1077,24 +1117,29 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 args = [_flatten(graph, a, 0 if name in ("A", "D", "dt_bias") else 1)
                         if name not in ("B", "C") and a is not None else a
                         for name, a in zip(("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias"), args)]
-            op = graph.call_function(torch.ops.ssm.selective_state_update.default, (*args, m["dt_softplus"]))
-            propagate_val(op)
-            result = op
+            op, result, new = _call_update(
+                graph, torch.ops.ssm.selective_state_update.default,
+                torch.ops.ssm.selective_state_update_functional.default, (*args, m["dt_softplus"]), 0,
+                None if u.form == "returned" else args[0])
             if len(chan) == 2:
-                result = graph.call_method("unflatten", (op, 1, chan))
+                result = graph.call_method("unflatten", (result, 1, chan))
                 propagate_val(result)
+                if new is not None and u.form == "returned":
+                    new = graph.call_method("unflatten", (new, 1, chan))
+                    propagate_val(new)
             result = _cast_to(graph, result, out_dtype)
         if "stack_trace" in node.meta:
             op.meta["stack_trace"] = node.meta["stack_trace"]
         last.replace_all_uses_with(result)
         if u.form == "returned":
-            u.h.replace_all_uses_with(state)
+            u.h.replace_all_uses_with(state if new is None else new)
         _erase_unused(graph, m["chain"] + [m["readout_first"], last] + u.writes)
         order = node_order(graph)
         ctx.rewrite(STATE_FAMILY, f"state*exp(dt*A)+dt*B*x ({u.form}); C-readout"
                     + ("+D*x" if m["D"] is not None else "") + ("*silu(z)" if m["z"] is not None else ""),
                     [node, last], "ssm.selective_state_update",
-                    {"form": u.form, "N": int(_tensor(m["state"]).shape[-1]), "channels": chan,
+                    {"form": u.form, "writes": "state" if new is None else "new state, copied" if u.form != "returned"
+                     else "new state", "N": int(_tensor(m["state"]).shape[-1]), "channels": chan,
                      "dt_softplus": m["dt_softplus"],
                      "dt_bias": m["dt_bias"] is not None, "D": m["D"] is not None, "z": m["z"] is not None,
                      "groups": int(_tensor(m["B"]).shape[1]) if _tensor(m["B"]).dim() == 3 else 1,
@@ -1234,17 +1279,18 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         out_dtype = _tensor(last).dtype
         with graph.inserting_before(m["conv"]):
             x = _widen_for(graph, m["x"], out_dtype)
-            op = graph.call_function(torch.ops.ssm.causal_conv1d_update.default,
-                                     (x, m["conv_state"], depthwise_weight(graph, m["weight"]), m["bias"],
-                                      m["activation"]))
-            propagate_val(op)
-            result = _cast_to(graph, op, out_dtype)
+            op, result, new = _call_update(
+                graph, torch.ops.ssm.causal_conv1d_update.default, torch.ops.ssm.causal_conv1d_update_functional.default,
+                (x, m["conv_state"], depthwise_weight(graph, m["weight"]), m["bias"], m["activation"]), 1,
+                m["conv_state"])
+            result = _cast_to(graph, result, out_dtype)
         if "stack_trace" in cat.meta:
             op.meta["stack_trace"] = cat.meta["stack_trace"]
         last.replace_all_uses_with(result)
         ctx.rewrite(CONV_FAMILY, "cat; copy_(window[-S:]); conv1d(window)[-T:]" + ("+silu" if m["activation"] else ""),
                     [cat, m["copy"], m["conv"], last], "ssm.causal_conv1d_update",
                     {"W": int(m["W"]), "S": _record(m["S"]), "activation": m["activation"], "bias": m["bias"] is not None,
+                     "writes": "state" if new is None else "new state, copied",
                      "rounding_casts_dropped": _narrowing(m["casts"])})
         graph.erase_node(m["copy"])
 
@@ -1571,7 +1617,7 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         out_dtype = _tensor(last).dtype
         cs = m["cs"]
-        if m["form"] == "returned":
+        if m["form"] == "returned" and _offset_free_view_of_input(cs):
             # The step leaves its input window alone (nothing in the graph writes it): the op
             # updates a copy, taken before the window's first read.
             with graph.inserting_before(min(m["cs"].users, key=order.__getitem__)):
@@ -1585,15 +1631,15 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 propagate_val(x)
             x = _widen_for(graph, x, out_dtype)
             weight = m["weight"] if _tensor(m["weight"]).dim() == 2 else depthwise_weight(graph, m["weight"])
-            op = graph.call_function(torch.ops.ssm.causal_conv1d_update.default,
-                                     (x, cs, weight, m["bias"], m["activation"]))
-            propagate_val(op)
-            result = _cast_to(graph, op, out_dtype)
+            op, result, new = _call_update(
+                graph, torch.ops.ssm.causal_conv1d_update.default, torch.ops.ssm.causal_conv1d_update_functional.default,
+                (x, cs, weight, m["bias"], m["activation"]), 1, None if m["form"] == "returned" else cs)
+            result = _cast_to(graph, result, out_dtype)
         if "stack_trace" in node.meta:
             op.meta["stack_trace"] = node.meta["stack_trace"]
         last.replace_all_uses_with(result)
         if m["form"] == "returned":
-            m["window"].replace_all_uses_with(cs)
+            m["window"].replace_all_uses_with(cs if new is None else new)
         _erase_unused(graph, m["nodes"] + [m["first"], last] + m["writes"])
         order = node_order(graph)
         ctx.rewrite(CONV_FAMILY, {"roll": "roll; window[-1] = x", "copy_": "copy_(cat(window[1:], x))",
@@ -1602,7 +1648,8 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                     + ("+b" if m["bias"] is not None else "") + ("+silu" if m["activation"] else ""),
                     [node, last], "ssm.causal_conv1d_update",
                     {"W": int(m["W"]), "S": _record(m["S"]), "activation": m["activation"],
-                     "bias": m["bias"] is not None, "form": m["form"]})
+                     "bias": m["bias"] is not None, "form": m["form"],
+                     "writes": "state" if new is None else "new state" if m["form"] == "returned" else "new state, copied"})
 
 
 def register(pm: PassManager) -> None:

@@ -6,6 +6,14 @@ the write to the static cache buffer. They are inference-only: no autograd formu
 registered (PyTorch refuses one for a mutating op), so a backward through either raises
 "no autograd formula was registered" instead of returning wrong gradients.
 
+Each also has a functional twin (``selective_state_update_functional``,
+``causal_conv1d_update_functional``) that leaves its state alone and returns the updated one.
+The passes use the twins where the state is not a graph input itself (a view of a stacked
+cache, or a step that returns its new state): inductor (torch 2.13) mis-addresses a mutating
+custom op's write to a view with a storage offset under dynamic shapes, and to a clone of
+such a view even with static ones (``tests/test_decode_views.py``), while a functional op
+followed by ``copy_`` into the view is ordinary functionalization.
+
 One decode step runs these ops once per layer, so their host cost is per token. They are
 defined on a ``torch.library.Library`` fragment (schema, CPU/CUDA kernels, fake kernel, and an
 ``Autograd`` kernel that only refuses differentiation) rather than with
@@ -36,6 +44,14 @@ _STATE_UPDATE_SCHEMA = (
 _CONV_UPDATE_SCHEMA = (
     "causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias=None, "
     "str? activation=None) -> Tensor"
+)
+_STATE_UPDATE_FUNCTIONAL_SCHEMA = (
+    "selective_state_update_functional(Tensor state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+    "Tensor? D=None, Tensor? z=None, Tensor? dt_bias=None, bool dt_softplus=False) -> (Tensor, Tensor)"
+)
+_CONV_UPDATE_FUNCTIONAL_SCHEMA = (
+    "causal_conv1d_update_functional(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias=None, "
+    "str? activation=None) -> (Tensor, Tensor)"
 )
 
 # Input signatures (shapes, dtypes, devices, flags) that passed the checks below: validity
@@ -205,6 +221,17 @@ def _state_update_fake(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_s
     return x.new_empty(x.shape)
 
 
+def _state_update_functional_impl(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    # The new state is a fresh contiguous tensor, so the in-place kernel's overlap checks hold.
+    new = state.clone(memory_format=torch.contiguous_format)
+    return _state_update_impl(new, x, dt, A, B, C, D, z, dt_bias, dt_softplus), new
+
+
+def _state_update_functional_fake(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias)
+    return x.new_empty(x.shape), state.new_empty(state.shape)
+
+
 def _silu_named(activation):
     return "silu" if activation == "swish" else activation
 
@@ -226,6 +253,16 @@ def _conv_update_impl(x, conv_state, weight, bias=None, activation=None):
 def _conv_update_fake(x, conv_state, weight, bias=None, activation=None):
     check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
     return x.new_empty(x.shape)
+
+
+def _conv_update_functional_impl(x, conv_state, weight, bias=None, activation=None):
+    new = conv_state.clone(memory_format=torch.contiguous_format)
+    return _conv_update_impl(x, new, weight, bias, activation), new
+
+
+def _conv_update_functional_fake(x, conv_state, weight, bias=None, activation=None):
+    check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
+    return x.new_empty(x.shape), conv_state.new_empty(conv_state.shape)
 
 
 def _state_update_traced(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
@@ -282,7 +319,8 @@ def _autograd_kernel(op):
 
 @functools.cache
 def register() -> torch.library.Library:
-    """Define ``ssm::selective_state_update`` and ``ssm::causal_conv1d_update`` (idempotent).
+    """Define ``ssm::selective_state_update``, ``ssm::causal_conv1d_update`` and their functional
+    twins (idempotent).
 
     Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
     """
@@ -290,6 +328,8 @@ def register() -> torch.library.Library:
     for schema, impl, fake, traced in (
         (_STATE_UPDATE_SCHEMA, _state_update_impl, _state_update_fake, _state_update_traced),
         (_CONV_UPDATE_SCHEMA, _conv_update_impl, _conv_update_fake, _conv_update_traced),
+        (_STATE_UPDATE_FUNCTIONAL_SCHEMA, _state_update_functional_impl, _state_update_functional_fake, None),
+        (_CONV_UPDATE_FUNCTIONAL_SCHEMA, _conv_update_functional_impl, _conv_update_functional_fake, None),
     ):
         name = schema[: schema.index("(")]
         lib.define(schema)
@@ -298,8 +338,11 @@ def register() -> torch.library.Library:
         torch.library.register_fake(f"ssm::{name}", fake, lib=lib)
         op = getattr(torch.ops.ssm, name).default
         lib.impl(name, _autograd_kernel(op), "Autograd", with_keyset=True)
-        # Compiled on CUDA, the op is its kernel's launch in inductor's code (``kernels/inline.py``).
-        register_inline(lib, f"ssm::{name}", traced)
+        if traced is not None:
+            # Compiled on CUDA, the op is its kernel's launch in inductor's code (``kernels/inline.py``).
+            # The functional twins stay calls of the op: they run where the state is a view, off
+            # the per-layer path of a model whose cache holds one tensor per layer.
+            register_inline(lib, f"ssm::{name}", traced)
     return lib
 
 
