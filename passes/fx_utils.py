@@ -605,7 +605,7 @@ def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or rank.get(dst, 0) > rank.get(src, 0)
 
 
-def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any]) -> str | None:
+def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Iterable[Any] = ()) -> str | None:
     """Why an op that reads ``inputs`` cannot replace ``nodes``: one of them rounds, or None.
 
     The ops keep fp32 states (fp64 ones for fp64 inputs) and round once, at their outputs. A
@@ -614,18 +614,73 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any]) -> str | None:
     ``ssm_state.to(dtype)`` in a bf16 model, whose inputs are bf16 already, rounds no finer than
     the inputs were, and the op's fp32 state is at least as accurate as the program's. Rounding
     finer than that (``h = h.bfloat16()`` each step of an fp32 loop, ``bf16(Δ·B)`` there) is the
-    program's function, which the op would change.
+    program's function, which the op would change. So is a rounding of an input itself that the
+    program then computes with in a wider dtype (``A.bfloat16().float()`` where the op reads A,
+    rather than ``A.to(delta.dtype)`` in bf16 arithmetic): ``also_read`` are inputs that count
+    for that alone (A and an initial state, whose fp32 is the op's choice, not the activations').
     """
+    inputs = [n for n in inputs if isinstance(n, torch.fx.Node)]
     floats = [d for d in (dtype_of(n) for n in inputs) if d in _FLOAT_DTYPES]
+    read = inputs + [n for n in also_read if isinstance(n, torch.fx.Node)]
     for n in nodes:
         if not is_cast(n):
             continue
         src, dst = dtype_of(n.args[0]), dtype_of(n)
-        if is_lossless_cast(src, dst) or any(is_lossless_cast(f, dst) for f in floats):
+        if is_lossless_cast(src, dst):
+            continue
+        rounded = _rounded_input(n.args[0], read) if _widened_after(n) else None
+        if rounded is not None:
+            # ``A.bfloat16().float()``: the program quantizes what the op reads at full precision,
+            # then computes with it in the wider dtype.
+            return (f"{n.name} rounds {src} to {dst}: it quantizes the op's input {rounded.name}, which the "
+                    "program then computes with in a wider dtype; the op would read it unrounded")
+        if any(is_lossless_cast(f, dst) for f in floats):
             continue
         return (f"{n.name} rounds {src} to {dst}, which cannot hold every value of the op's inputs "
                 f"({', '.join(sorted({str(f) for f in floats}))}): the op would not make this rounding, "
                 "it keeps its states unrounded")
+    return None
+
+
+# Views whose elements are elements of their first argument: a cast of one rounds those values.
+_ELEMENT_VIEWS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "t", "expand",
+                            "expand_as", "flatten", "unflatten", "movedim", "select", "narrow", "contiguous",
+                            "getitem", "__getitem__", "split", "chunk", "unbind"})
+
+
+def _widened_after(cast: torch.fx.Node) -> bool:
+    """Whether a use of ``cast`` (through element views) computes in a dtype wider than its own: a
+    round trip, or arithmetic that promotes the rounded value back."""
+    narrow, stack, seen = dtype_of(cast), list(cast.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+        if user.op in ("call_method", "call_function") and name in _ELEMENT_VIEWS:
+            stack.extend(user.users)
+            continue
+        wide = dtype_of(user)
+        if wide in _FLOAT_DTYPES and wide != narrow and is_lossless_cast(narrow, wide):
+            return True
+    return False
+
+
+def _rounded_input(node: Any, inputs: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The op input that ``node`` is made of by views and lossless casts alone, when that input is
+    wider than ``node`` (then a narrowing cast of ``node`` rounds the input itself), else None."""
+    while isinstance(node, torch.fx.Node):
+        if node in inputs:
+            return node
+        if is_cast(node):
+            if not is_lossless_cast(dtype_of(node.args[0]), dtype_of(node)):
+                return None
+        elif node.op not in ("call_method", "call_function") or (
+                (node.target if node.op == "call_method" else getattr(node.target, "__name__", ""))
+                not in _ELEMENT_VIEWS):
+            return None
+        node = node.args[0] if node.args else None
     return None
 
 

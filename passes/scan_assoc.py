@@ -606,7 +606,8 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     # readout ran under.
     graph = gm.graph
     replaced = [*scan_nodes, *disc.nodes, *readout_nodes, *lasts, all_states]
-    refusal = (dropped_rounding([*replaced, *reads], [disc.u.node, disc.delta.node, disc.B.node, readout.C])
+    refusal = (dropped_rounding([*replaced, *reads], [disc.u.node, disc.delta.node, disc.B.node, readout.C],
+                                also_read=[disc.A.node])
                or ContextRegions(graph).refusal(replaced, anchor))
     if refusal is not None:
         # The scan was recognised: this miss, not explain's orphaned-exp(Δ·A) one, is the reason.

@@ -1172,7 +1172,8 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     sources = [d.u.node, d.delta.node, d.B.node, m.C.node]
     # The op also stands in for what lies between its sources and the loop (casts on C the
     # readout was proved through): a rounding there is the program's too.
-    rounding = dropped_rounding([*replaced, *op_region(sources, m.loop_nodes, pos)], sources)
+    rounding = dropped_rounding([*replaced, *op_region(sources, m.loop_nodes, pos)], sources,
+                                also_read=[d.A.node] + ([m.init] if m.init is not None else []))
     if rounding is not None:
         return rounding
     anchor = regions.settle(anchor, replaced)

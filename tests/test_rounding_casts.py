@@ -300,3 +300,41 @@ def test_rounding_in_a_decode_step_is_kept(what):
     for k, v in eager_in.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(comp_in[k], v), k
+
+
+def input_rounded(which, form):
+    """Only u is bf16; the program rounds one fp32 input of the scan to bf16 and back (a user
+    quantizing A, Δ, B or C) before using it. The op would read that input unrounded."""
+    def fn(u, delta, A, B, C, D):
+        ins = dict(delta=delta, A=A, B=B, C=C)
+        ins[which] = bf16_round_trip(ins[which])
+        uf = u.float()
+        dA = torch.exp(ins["delta"][..., None] * ins["A"])
+        dBu = ins["delta"][..., None] * ins["B"][:, :, None, :] * uf[..., None]
+        if form == "loop":
+            y = loop(dA, dBu, ins["C"])
+        else:
+            _, h = associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), (dA, dBu), dim=1,
+                                    combine_mode="generic")
+            y = (h * ins["C"][:, :, None, :]).sum(-1)
+        return y + uf * D
+    return fn
+
+
+@pytest.mark.parametrize("form", ["loop", "assoc"])
+@pytest.mark.parametrize("which", ["A", "delta", "B", "C"])
+def test_rounding_of_an_input_is_kept_whatever_the_activations_dtype(which, form):
+    """The rule that folds HF's ``ssm_state.to(dtype)`` (a rounding no finer than the bf16 inputs)
+    must not fold a rounding of an fp32 input itself: before, ``A.bfloat16().float()`` with bf16 u
+    was dropped and the fp32 result moved 2.3e-4 from eager (Δ: 2.7e-3)."""
+    args = make_inputs(torch.float32)
+    args[0] = args[0].bfloat16()
+    fn = input_rounded(which, form)
+    records = []
+    compiled = torch.compile(fn, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    with torch.no_grad():
+        out, ref = compiled(*args), fn(*args)
+    assert not {"scan_loop", "scan_assoc"} & {r.family for rec in records for r in rec.rewrites}
+    reasons = [m.reason for rec in records for m in rec.misses]
+    assert any("rounds torch.float32 to torch.bfloat16: it quantizes the op's input" in r for r in reasons), reasons
+    assert torch.equal(out, ref)
