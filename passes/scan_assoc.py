@@ -53,8 +53,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
-from .fx_utils import (HOIST_BLOCKED, ContextRegions, dropped_rounding, dtype_of, hoist_before, is_call, is_method, mutates, node_order,
-                       pinned_int, shape_of, val)
+from .fx_utils import (HOIST_BLOCKED, ContextRegions, addcmul_operands, dropped_rounding, dtype_of, hoist_before,
+                       is_call, is_method, mutates, node_order, pinned_int, shape_of, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
@@ -195,6 +195,11 @@ def _expr_of(node: Any, env: dict[torch.fx.Node, sympy.Expr]) -> sympy.Expr:
 def _eval_arith(node: torch.fx.Node, env: dict[torch.fx.Node, sympy.Expr]) -> sympy.Expr:
     """Evaluate one elementwise arithmetic node symbolically; anything else is refused."""
     key = node.target
+    fused = addcmul_operands(node)
+    if fused is not None:
+        # ``torch.addcmul(b_r, a_r, b_l)``: b_r + a_r * b_l, the combine's b half in one call.
+        c, a, b = (_expr_of(x, env) for x in fused)
+        return c + a * b
     if node.kwargs:
         raise _Fail(f"the combine calls {node.target} with keyword arguments")
     if key in _SYMPY_BINARY and len(node.args) == 2:
@@ -207,7 +212,7 @@ def _eval_arith(node: torch.fx.Node, env: dict[torch.fx.Node, sympy.Expr]) -> sy
     if key in _SYMPY_UNARY and len(node.args) == 1:
         return _SYMPY_UNARY[key](_expr_of(node.args[0], env))
     raise _Fail(f"the combine applies {getattr(key, '__name__', key)}, which is not linear-recurrence "
-                "arithmetic (mul/add/sub/div/neg)")
+                "arithmetic (mul/add/sub/div/neg, addcmul with value 1)")
 
 
 def prove_combine(sub: torch.fx.GraphModule, num_extra: int = 0) -> tuple[int, int] | str:

@@ -783,7 +783,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     length = val(base).shape[axis]
     L = int(length) if is_concrete_int(length) else None
     if L is not None and L < 2:
-        return ONE_STEP
+        # Worth a miss only when the "decay" is an exp, as a decode step's is: a product of any
+        # slice with a size-1 axis (x[:, 0] * rsqrt(...) in a norm) is not a step of anything.
+        return ONE_STEP if _exp_behind(a0) or _exp_behind(base) else None
     # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies.
     h0 = None
     for _, p, q in products:
@@ -1289,6 +1291,20 @@ def _feeds_from_exp(node: Any) -> bool:
     while isinstance(node, torch.fx.Node) and is_cast(node):
         node = node.args[0]
     return isinstance(node, torch.fx.Node) and (is_call(node, torch.exp) or is_method(node, "exp"))
+
+
+def _exp_behind(node: Any, depth: int = 6) -> bool:
+    """Whether ``node`` is an exp, or is one through a few views, slices and casts."""
+    for _ in range(depth):
+        if not isinstance(node, torch.fx.Node) or not node.args:
+            return False
+        if is_call(node, torch.exp) or is_method(node, "exp"):
+            return True
+        if not (is_cast(node) or is_call(node, operator.getitem) or (node.op == "call_method" and node.target in (
+                "view", "reshape", "unsqueeze", "squeeze", "select", "transpose", "permute", "contiguous"))):
+            return False
+        node = node.args[0]
+    return False
 
 
 def _reaches_exp(node: torch.fx.Node, depth: int) -> bool:

@@ -112,3 +112,28 @@ def test_doubling_scan_gets_a_scan_reason():
     (miss,) = [m for m in report.misses if m.family == "scan"]
     assert "no scan over it was recognised" in miss.reason and "(2, 4, 8, 3)" in miss.reason
     torch.testing.assert_close(report.output, block(*args))
+
+
+def test_no_near_miss_for_a_graph_without_a_scan():
+    """A residual switch-MoE layer and an RMSNorm: ``bmm(...)[:, 0] * top_p`` slices an axis of
+    size 1, and the norm multiplies by it, which once read as a one-step loop and was reported as
+    a decode step left alone. Only a decay that is an exp makes a one-step candidate."""
+    g = torch.Generator().manual_seed(0)
+    d, E, hidden = 8, 3, 12
+    router = torch.randn(d, E, generator=g)
+    w1, w2 = torch.randn(E, d, hidden, generator=g), torch.randn(E, hidden, d, generator=g)
+
+    def rms(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    def moe_layer(x):
+        b, L, _ = x.shape
+        xf = rms(x).reshape(-1, d)
+        top_p, top_i = (xf @ router).softmax(-1).max(-1)
+        out = torch.bmm(torch.nn.functional.gelu(torch.bmm(xf[:, None], w1[top_i])), w2[top_i])[:, 0] * top_p[:, None]
+        return rms(x + out.reshape(b, L, d))
+
+    x = torch.randn(2, 5, d, generator=g)
+    report = explain(moe_layer, x)
+    assert report.misses == [] and report.rewrites == []
+    torch.testing.assert_close(report.output, moe_layer(x))

@@ -131,6 +131,24 @@ def combine_rewritten(left, right):
     return right[0] * left[0], right[1] + left[1] * right[0]
 
 
+def combine_addcmul(left, right):
+    # S5 / mamba-jax ports: the b half as one call, torch.addcmul(b_r, a_r, b_l) = b_r + a_r * b_l.
+    return left[0] * right[0], torch.addcmul(right[1], right[0], left[1])
+
+
+def combine_addcmul_method(left, right):
+    return left[0] * right[0], right[1].addcmul(left[1], right[0])
+
+
+def combine_addcmul_wrong_order(left, right):
+    # b_l + a_l * b_r: the right-to-left composition, spelled as addcmul.
+    return left[0] * right[0], torch.addcmul(left[1], left[0], right[1])
+
+
+def combine_addcmul_scaled(left, right):
+    return left[0] * right[0], torch.addcmul(right[1], right[0], left[1], value=0.5)
+
+
 def combine_swapped_leaves(left, right):
     # Leaves passed as (b, a): the pass finds which one is the multiplier.
     b_left, a_left = left
@@ -237,13 +255,16 @@ def test_hf_form(length, mode):
 
 
 @pytest.mark.parametrize("mode", ["generic", "pointwise"])
-@pytest.mark.parametrize("form", ["ref_style", "minimal_style", "swapped_leaves", "bf16", "time_invariant_B"])
+@pytest.mark.parametrize("form", ["ref_style", "minimal_style", "swapped_leaves", "addcmul", "addcmul_method", "bf16",
+                                  "time_invariant_B"])
 def test_other_forms(form, mode):
     fn, layout, dtype = {
         "ref_style": (ref_style, "bdl", torch.float32),
         "minimal_style": (minimal_style, "bld", torch.float32),
         "swapped_leaves": (functools.partial(hf_selective_scan, combine=combine_swapped_leaves), "bdl",
                            torch.float32),
+        "addcmul": (functools.partial(hf_selective_scan, combine=combine_addcmul), "bdl", torch.float32),
+        "addcmul_method": (functools.partial(hf_selective_scan, combine=combine_addcmul_method), "bdl", torch.float32),
         "bf16": (hf_selective_scan, "bdl", torch.bfloat16),
         "time_invariant_B": (time_invariant_B, "bdl", torch.float32),
     }[form]
@@ -398,6 +419,10 @@ NEGATIVE = {
     # name: (fn, modes, (family, reason fragment))
     "wrong_order": (functools.partial(hf_selective_scan, combine=combine_wrong_order),
                     ("generic", "pointwise"), ("scan_assoc", "a_r*b_l + b_r")),
+    "addcmul_wrong_order": (functools.partial(hf_selective_scan, combine=combine_addcmul_wrong_order),
+                            ("generic", "pointwise"), ("scan_assoc", "a_r*b_l + b_r")),
+    "addcmul_scaled": (functools.partial(hf_selective_scan, combine=combine_addcmul_scaled),
+                       ("generic", "pointwise"), ("scan_assoc", "addcmul")),
     "nonlinear": (functools.partial(hf_selective_scan, combine=combine_nonlinear),
                   ("generic", "pointwise"), ("scan_assoc", "tanh")),
     "quadratic": (functools.partial(hf_selective_scan, combine=combine_quadratic),
@@ -436,6 +461,8 @@ def test_prove_combine_directly():
     assert scan_assoc.prove_combine(trace(combine_hf)) == (0, 1)
     assert scan_assoc.prove_combine(trace(combine_rewritten)) == (0, 1)
     assert scan_assoc.prove_combine(trace(combine_swapped_leaves)) == (1, 0)
+    assert scan_assoc.prove_combine(trace(combine_addcmul)) == (0, 1)
+    assert scan_assoc.prove_combine(trace(combine_addcmul_method)) == (0, 1)
     assert "not the linear-recurrence combine" in scan_assoc.prove_combine(trace(combine_wrong_order))
     assert "tanh" in scan_assoc.prove_combine(trace(combine_nonlinear))
     assert "divides by one of its inputs" in scan_assoc.prove_combine(trace(combine_divides))
