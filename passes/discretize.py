@@ -1088,25 +1088,41 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
 
 def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | str:
     """One step's input term: ``beta == Δ[t0]·B[t0]·u[t0]`` with the decay's Δ, every factor a
-    time slice at ``t0`` (or a time-invariant B (dim, state))."""
+    time slice at ``t0`` (or a time-invariant B (dim, state)). A slice of a precomputed product of
+    two of them stands for its factors (``_partial_product``)."""
     bt = index_term(beta, decay.stops)
-    if bt is None or bt.summed or len(bt.factors) != 3:
+    if bt is None or bt.summed or len(bt.factors) not in (2, 3):
         return "the state's addend is not a product Δ·B·u"
     b_out = bt.out_labels()
     if len(set(b_out)) != 3:
         return "the state's addend is not 3-D"
     brole = dict(zip(b_out, decay.state_roles))
-    u_src = B_src = None
-    found_delta = False
+    # Each item: a time slice (node, index, roles), or a factor that is not one (a B (dim, state)).
+    items: list[tuple[str, Any]] = []
+    nodes = list(bt.looked_through)
     for f in bt.factors:
         sl = _slice_roles(bt, f, brole)
-        if sl is None:
-            roles = _roles_of(bt, f, brole)
+        parts = None if sl is None or len(bt.factors) == 3 else _partial_product(sl, decay)
+        if isinstance(parts, str):
+            return f"the state's addend: {parts}"
+        if parts is None:
+            items.append(("slice", sl) if sl is not None else ("other", _roles_of(bt, f, brole), f.node))
+            continue
+        split, through = parts
+        items.extend(split)
+        nodes += through
+    if len(items) != 3:
+        return f"the state's addend is not a product Δ·B·u (it has {len(items)} factors)"
+    u_src = B_src = None
+    found_delta = False
+    for item in items:
+        if item[0] == "other":
+            _, roles, node = item
             if roles is None or sorted(roles) != ["d", "n"] or B_src is not None:
                 return "the state's addend: a factor is neither a time slice nor a time-invariant B (dim, state)"
-            B_src = Source(f.node, roles)
+            B_src = Source(node, roles)
             continue
-        base, idx, roles = sl
+        base, idx, roles = item[1]
         if idx != t0:
             return f"the state's addend reads time {idx} where its multiplier reads time {t0}"
         if not found_delta and decay.is_delta(base, roles):
@@ -1131,7 +1147,39 @@ def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | st
         return "the state's addend: expected factors Δ, B and u"
     virtual = decay.state_roles + ("t",)
     return Discretized(u=u_src, delta=decay.delta, A=decay.A, B=B_src, a_roles=decay.a_roles, b_roles=virtual,
-                       nodes=list(dict.fromkeys(decay.nodes + bt.looked_through)), negate_A=decay.negate_A)
+                       nodes=list(dict.fromkeys(decay.nodes + nodes)), negate_A=decay.negate_A)
+
+
+def _partial_product(sl: tuple[torch.fx.Node, int, tuple[str, ...]], decay: _Decay):
+    """A time slice ``base[..., t0, ...]`` of a precomputed product of two of Δ, B, u (the
+    paper's discretized B̄ = Δ·B, multiplied by x_t in the step; or Δ·u times B_t): its two
+    factors as items for ``_step_input``, and the nodes looked through. None when ``base`` is no
+    such product (it is then an ordinary factor); a reason when it is one without the
+    multiplier's Δ.
+
+    A product of whole-sequence tensors read at t0 is the product of their values at t0, so the
+    factors are time slices at t0 of the tensors the product reads."""
+    base, idx, roles = sl
+    if sorted(roles) not in (["b", "d", "n", "t"], ["b", "d", "t"]):
+        return None
+    pt = index_term(base, decay.stops)
+    if pt is None or pt.summed or len(pt.factors) != 2 or len(set(pt.out_labels())) != len(roles):
+        return None
+    prole = dict(zip(pt.out_labels(), roles))
+    split = []
+    for f in pt.factors:
+        froles = _roles_of(pt, f, prole)
+        if froles is None:
+            return None
+        if "t" not in froles:
+            if sorted(froles) != ["d", "n"]:
+                return None
+            split.append(("other", froles, f.node))  # a time-invariant B (dim, state)
+        else:
+            split.append(("slice", (f.node, idx, froles)))
+    if not any(item[0] == "slice" and decay.is_delta(item[1][0], item[1][2]) for item in split):
+        return "a precomputed product in it does not use the multiplier's Δ"
+    return split, [base, *pt.looked_through]
 
 
 def unscanned_discretizations(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -1222,10 +1222,16 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     scan_op.register()
     # ctx is shared with the other graphs of the same compile (checkpointed layers' subgraphs),
     # whose node names can repeat this graph's: only this call's misses are about this graph.
-    first_miss = len(ctx.misses)
+    first_miss, first_rewrite = len(ctx.misses), len(ctx.rewrites)
     tried: set[tuple[torch.fx.Node, torch.fx.Node]] = set()
     while _rewrite_one(gm, ctx, tried):
         pass
+    # A candidate tried before its loop's real anchor (a product inside the step, such as B̄[t]*x_t)
+    # left a miss about nodes that the loop's rewrite (its scan, discretisation, readout) then
+    # replaced: the loop is not missed.
+    replaced = {name for r in ctx.rewrites[first_rewrite:] for name in r.replaced}
+    ctx.misses[first_miss:] = [x for x in ctx.misses[first_miss:]
+                               if not (x.family == FAMILY and x.nodes and set(x.nodes) <= replaced)]
     # Recurrences the anchors never reached (an EMA, a gated RNN) still get a reason in explain.
     muls = [n for n in gm.graph.nodes
             if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
