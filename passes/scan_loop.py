@@ -765,6 +765,71 @@ def _match_stacked_readout(stacked: torch.fx.Node, h: list[torch.fx.Node], state
     return c_src, out, last_views
 
 
+def _state_buffer_writes(h: list[torch.fx.Node], pos) -> tuple[torch.fx.Node, int, tuple, list[torch.fx.Node]] | str | None:
+    """The states written into a preallocated buffer, ``H[:, :, t] = h`` (or ``H[:, :, t].copy_(h)``)
+    each step: (the buffer, its time axis, the axis map of a write, the writes), a reason when
+    some state is written but not as one slot per step in time order, or None when h_0 is not
+    written into a buffer at all."""
+    if not any(_collects(u, h[0]) and not is_call(u, *_COLLECTORS) for u in h[0].users):
+        return None
+    writes: list[torch.fx.Node] = []
+    buf = axis = axis_map = None
+    for t, ht in enumerate(h):
+        found = [u for u in ht.users if _collects(u, ht) and not is_call(u, *_COLLECTORS)]
+        if len(found) != 1:
+            return f"state h_{t} is not written into the states' buffer exactly once"
+        w = found[0]
+        if is_call(w, operator.setitem):
+            parsed = parse_index(w.args[0], w.args[1])
+            step_writes = [w]
+        else:
+            view = w.args[0]
+            parsed = parse_slice(view)
+            if set(view.users) != {w}:
+                return f"state h_{t}'s slot of the states' buffer is used elsewhere"
+            step_writes = [view, w]
+        if parsed is None:
+            return f"state h_{t} is not written at one time index of a buffer"
+        b, ax, idx, amap = parsed
+        if buf is None:
+            buf, axis, axis_map = b, ax, amap
+        if b is not buf or ax != axis or idx != t or amap != axis_map:
+            return f"state h_{t} is written at the wrong place of the states' buffer (index {idx} of axis {ax})"
+        writes.extend(step_writes)
+    if not (is_call(buf, *_BUFFER_FACTORIES) or is_method(buf, *_BUFFER_METHODS)):
+        return "the states' buffer is not a freshly allocated tensor"
+    if val(buf).dtype != val(h[0]).dtype:
+        # A write into a narrower buffer rounds every state; the op would not.
+        return f"the states' buffer is {val(buf).dtype}, the states {val(h[0]).dtype}"
+    if not _same_size(val(buf).shape[axis], len(h)):
+        return (f"the states' buffer's time axis ({_size_repr(val(buf).shape[axis])}) is not provably the "
+                f"loop's length {len(h)}")
+    last_write = max(pos[w] for w in writes)
+    if any(pos[u] < last_write for u in buf.users if u not in writes):
+        return "the states' buffer is read or written inside the loop"
+    return buf, axis, tuple(axis_map), writes
+
+
+def _match_buffered_readout(buffered, state_roles: tuple[str, ...], L: int
+                            ) -> tuple[Source, Collected, list[torch.fx.Node]] | str:
+    """The states written into a buffer and read out after the loop: as for stacked states, the
+    readout is proved on the buffer, whose only other users are the writes."""
+    buf, axis, axis_map, writes = buffered
+    roles = tuple("t" if o is None else state_roles[o] for o in axis_map)
+    if sorted(r for r in roles if r != "t") != sorted(state_roles) or len(roles) != len(state_roles) + 1:
+        return "the states' buffer's axes do not match the state's"
+    users = split_state_users(buf, roles, roles.index("t"), L, producers=frozenset(writes))
+    if isinstance(users, str):
+        return users
+    readout, last_views = users
+    c_src = Source(readout.C, readout.C_roles)
+    if not _same_size(_time_len(c_src), L):
+        return "C_full's time axis does not have the loop's length"
+    erased = [*writes, *last_views, *readout.chain, *readout.nodes, readout.end]
+    out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(erased)), readout.out_roles)
+    return c_src, out, last_views
+
+
 def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.fx.Node, Any, Any]], pos
                ) -> LoopMatch | str | None:
     """Try to prove that the recurrence anchored at ``a0 * H`` is a selective scan.
@@ -900,8 +965,11 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     # Readout: per step (the first value after h_0 that a stack/cat collects), or of all the
     # states at once after the loop, when the states themselves are stacked.
     stacked = next((c for c in h0.users if is_call(c, torch.stack) and _collects(c, h0)), None)
+    buffered = _state_buffer_writes(h, pos) if stacked is None else None
+    if isinstance(buffered, str):
+        return buffered
     step1 = set(steps[1])
-    if stacked is None:
+    if stacked is None and buffered is None:
         y0 = _find_readout(h0, step1)
         if y0 is None:
             return "no per-step readout of the state is collected by stack/cat, and the states are not stacked"
@@ -924,8 +992,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         if short is not None:
             return short
     state_roles = tuple(r for r in disc.a_roles if r != "t")
-    if stacked is not None:
-        found = _match_stacked_readout(stacked, h, state_roles, L)
+    if stacked is not None or buffered is not None:
+        found = (_match_stacked_readout(stacked, h, state_roles, L) if stacked is not None
+                 else _match_buffered_readout(buffered, state_roles, L))
         if isinstance(found, str):
             return found
         c_src, out, last_views = found
@@ -941,7 +1010,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         last_views = []
 
     # Nothing inside the loop may be used from outside, except the last state.
-    collected_states = {stacked} if stacked is not None else set()
+    collected_states = {stacked} if stacked is not None else set(buffered[3]) if buffered is not None else set()
     for t in range(L):
         allowed = set(steps[t]) | set(readouts[t]) | (set(steps[t + 1]) if t + 1 < L else set()) | collected_states
         for n in steps[t]:
