@@ -910,7 +910,8 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     if b_slice is not None:
         b_base, b_axis, b_idx = b_slice
         if b_idx != 0:
-            return f"the state update at step 0 adds B_full at time index {b_idx}, not 0 (input at a different step)"
+            return (f"the step that multiplies h by A_full at time index 0 adds B_full at time index {b_idx}, not 0: "
+                    "the decay and the input term read different steps (one of them lags the other)")
         if val(b_base).dim() != 4:
             return "B_full is not a 4-D tensor"
     if per_step:

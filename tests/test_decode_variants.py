@@ -461,8 +461,26 @@ def tied_dt_per_head(state, x, dt, A, B, C, D, z, dt_bias):
     return torch.einsum("bhpn,bhn->bhp", state, C.repeat_interleave(HEADS // GROUPS, 1))
 
 
+def add_then_mul(state, x, dt, A, B, C, D, z, dt_bias):
+    """(h + dBx) * dA: the decay also scales this step's input."""
+    dA, dBu = _disc(x, dt, A, B)
+    state.add_(dBu).mul_(dA)
+    return (state * C[:, None]).sum(-1)
+
+
+def readout_between_the_writes(state, x, dt, A, B, C, D, z, dt_bias):
+    """C·(dA*h): the readout sees the decayed state before the input is added."""
+    dA, dBu = _disc(x, dt, A, B)
+    state.mul_(dA)
+    y = (state * C[:, None]).sum(-1)
+    state.add_(dBu)
+    return y
+
+
 STATE_LOOK_ALIKES = [
     pytest.param(tanh_update, "not the update state * dA + dBx itself", id="tanh"),
+    pytest.param(add_then_mul, "multiplied in place by a decay", id="add-then-mul"),
+    pytest.param(readout_between_the_writes, "multiplied in place by a decay", id="readout-between-the-writes"),
     pytest.param(readout_of_old_state, "also used", id="readout-before-update"),
     pytest.param(readout_of_old_state_returned, "readout", id="readout-of-old-state-returned"),
     pytest.param(A_per_batch, "A has shape", id="A-per-batch"),
@@ -527,7 +545,7 @@ def mambapy_step_one_behind(x, conv_state, weight, bias):
 
 
 CONV_LOOK_ALIKES = [
-    pytest.param(roll_two_append_one, "rolled by 2", id="roll-2-append-1"),
+    pytest.param(roll_two_append_one, "rolled with shifts=-2", id="roll-2-append-1"),
     pytest.param(cat_drops_two, "cat of 3 pieces", id="cat-drops-2"),
     pytest.param(readout_before_roll, "before its update", id="readout-before-roll"),
     pytest.param(mambapy_step_one_behind, "read at position 2, not 3", id="mambapy-step-one-behind"),
