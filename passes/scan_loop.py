@@ -446,13 +446,32 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
         return Collected(c.target.__name__, c, list(c.users), [c], tuple(roles))
 
     # A preallocated buffer: out[:, :, t] = y_t, or out[:, t].copy_(y_t).
-    writes: list[torch.fx.Node] = []
-    buf = axis = axis_map = None
     for t, y in enumerate(ys):
         users = list(y.users)
         if len(users) != 1 or not _collects(users[0], y) or is_call(users[0], *_COLLECTORS):
             return f"step {t}'s output is not stored exactly once"
-        w = users[0]
+    slots = _buffer_slots([(y, next(iter(y.users))) for y in ys], pos, "the output buffer", "step {t}'s output")
+    if isinstance(slots, str):
+        return slots
+    buf, axis, axis_map, writes = slots
+    roles = ["t" if o is None else y_roles[o] for o in axis_map]
+    if None in roles or len([o for o in axis_map if o is not None]) != len(y_roles):
+        return "the output buffer's axes do not match the per-step output's"
+    later = [u for u in buf.users if u not in set(writes)]
+    return Collected(writes[-1].target if isinstance(writes[-1].target, str) else "setitem",
+                     buf, later, writes, tuple(roles))
+
+
+def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: str, item: str
+                  ) -> tuple[torch.fx.Node, int, tuple, list[torch.fx.Node]] | str:
+    """Each step's value written into one slot of one preallocated buffer, ``buf[:, :, t] = v_t``
+    or ``buf[:, t].copy_(v_t)`` (``stored``: (v_t, its write) in time order): (the buffer, its
+    time axis, the write's axis map, the write nodes), or why not. The buffer must be freshly
+    allocated, exactly as long as the loop, and untouched by anything else before the last write.
+    ``what`` names the buffer and ``item`` (with ``{t}``) the values in the reasons."""
+    writes: list[torch.fx.Node] = []
+    buf = axis = axis_map = None
+    for t, (_, w) in enumerate(stored):
         if is_call(w, operator.setitem):
             parsed = parse_index(w.args[0], w.args[1])
             step_writes = [w]
@@ -460,31 +479,25 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
             view = w.args[0]
             parsed = parse_slice(view)
             if set(view.users) != {w}:
-                return f"step {t}'s output buffer view is used elsewhere"
+                return f"{item.format(t=t)}'s slot of {what} is used elsewhere"
             step_writes = [view, w]
         if parsed is None:
-            return f"step {t}'s output is not stored at one time index of a buffer"
+            return f"{item.format(t=t)} is not stored at one time index of a buffer"
         b, ax, idx, amap = parsed
         if buf is None:
             buf, axis, axis_map = b, ax, amap
         if b is not buf or ax != axis or idx != t or amap != axis_map:
-            return f"step {t}'s output is stored at the wrong place (index {idx} of axis {ax})"
+            return f"{item.format(t=t)} is stored at the wrong place of {what} (index {idx} of axis {ax})"
         writes.extend(step_writes)
     if not (is_call(buf, *_BUFFER_FACTORIES) or is_method(buf, *_BUFFER_METHODS)):
-        return "the output buffer is not a freshly allocated tensor"
-    if not _same_size(val(buf).shape[axis], len(ys)):
-        return (f"the output buffer's time axis ({_size_repr(val(buf).shape[axis])}) is not provably the "
-                f"loop's length {len(ys)}")
-    roles = ["t" if o is None else y_roles[o] for o in axis_map]
-    if None in roles or len([o for o in axis_map if o is not None]) != len(y_roles):
-        return "the output buffer's axes do not match the per-step output's"
-    written = set(writes)
+        return f"{what} is not a freshly allocated tensor"
+    if not _same_size(val(buf).shape[axis], len(stored)):
+        return (f"{what}'s time axis ({_size_repr(val(buf).shape[axis])}) is not provably the "
+                f"loop's length {len(stored)}")
     last_write = max(pos[w] for w in writes)
-    later = [u for u in buf.users if u not in written]
-    if any(pos[u] < last_write for u in later):
-        return "the output buffer is read or written inside the loop"
-    return Collected(writes[-1].target if isinstance(writes[-1].target, str) else "setitem",
-                     buf, later, writes, tuple(roles))
+    if any(pos[u] < last_write for u in buf.users if u not in set(writes)):
+        return f"{what} is read or written inside the loop"
+    return buf, axis, tuple(axis_map), writes
 
 
 _VIEW_OPS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "narrow",
@@ -752,62 +765,46 @@ def _match_stacked_readout(stacked: torch.fx.Node, h: list[torch.fx.Node], state
         return "the states are stacked along a non-constant axis"
     roles = list(state_roles)
     roles.insert(dim % (len(roles) + 1), "t")
-    roles = tuple(roles)
-    users = split_state_users(stacked, roles, roles.index("t"), L)
+    return _readout_of_states(stacked, tuple(roles), L, [stacked])
+
+
+def _readout_of_states(states: torch.fx.Node, roles: tuple[str, ...], L: int, collecting: list[torch.fx.Node]
+                       ) -> tuple[Source, Collected, list[torch.fx.Node]] | str:
+    """The one readout of all the states (and the last-state views) after the loop, on the
+    tensor that holds them (``states``, with axis ``roles``), which ``collecting`` fills:
+    (C source, the collection with ``out_node`` the readout, the last-state views)."""
+    producers = frozenset(c for c in collecting if c is not states)
+    users = split_state_users(states, roles, roles.index("t"), L, producers=producers)
     if isinstance(users, str):
         return users
     readout, last_views = users
     c_src = Source(readout.C, readout.C_roles)
     if not _same_size(_time_len(c_src), L):
         return "C_full's time axis does not have the loop's length"
-    writes = [stacked, *last_views, *readout.chain, *readout.nodes, readout.end]
-    out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(writes)), readout.out_roles)
+    erased = [*collecting, *last_views, *readout.chain, *readout.nodes, readout.end]
+    out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(erased)), readout.out_roles)
     return c_src, out, last_views
 
 
 def _state_buffer_writes(h: list[torch.fx.Node], pos) -> tuple[torch.fx.Node, int, tuple, list[torch.fx.Node]] | str | None:
     """The states written into a preallocated buffer, ``H[:, :, t] = h`` (or ``H[:, :, t].copy_(h)``)
-    each step: (the buffer, its time axis, the axis map of a write, the writes), a reason when
-    some state is written but not as one slot per step in time order, or None when h_0 is not
-    written into a buffer at all."""
+    each step (``_buffer_slots``), a reason when some state is written but not as one slot per
+    step, or None when h_0 is not written into a buffer at all."""
     if not any(_collects(u, h[0]) and not is_call(u, *_COLLECTORS) for u in h[0].users):
         return None
-    writes: list[torch.fx.Node] = []
-    buf = axis = axis_map = None
+    stored = []
     for t, ht in enumerate(h):
         found = [u for u in ht.users if _collects(u, ht) and not is_call(u, *_COLLECTORS)]
         if len(found) != 1:
             return f"state h_{t} is not written into the states' buffer exactly once"
-        w = found[0]
-        if is_call(w, operator.setitem):
-            parsed = parse_index(w.args[0], w.args[1])
-            step_writes = [w]
-        else:
-            view = w.args[0]
-            parsed = parse_slice(view)
-            if set(view.users) != {w}:
-                return f"state h_{t}'s slot of the states' buffer is used elsewhere"
-            step_writes = [view, w]
-        if parsed is None:
-            return f"state h_{t} is not written at one time index of a buffer"
-        b, ax, idx, amap = parsed
-        if buf is None:
-            buf, axis, axis_map = b, ax, amap
-        if b is not buf or ax != axis or idx != t or amap != axis_map:
-            return f"state h_{t} is written at the wrong place of the states' buffer (index {idx} of axis {ax})"
-        writes.extend(step_writes)
-    if not (is_call(buf, *_BUFFER_FACTORIES) or is_method(buf, *_BUFFER_METHODS)):
-        return "the states' buffer is not a freshly allocated tensor"
-    if val(buf).dtype != val(h[0]).dtype:
+        stored.append((ht, found[0]))
+    slots = _buffer_slots(stored, pos, "the states' buffer", "state h_{t}")
+    if isinstance(slots, str):
+        return slots
+    if val(slots[0]).dtype != val(h[0]).dtype:
         # A write into a narrower buffer rounds every state; the op would not.
-        return f"the states' buffer is {val(buf).dtype}, the states {val(h[0]).dtype}"
-    if not _same_size(val(buf).shape[axis], len(h)):
-        return (f"the states' buffer's time axis ({_size_repr(val(buf).shape[axis])}) is not provably the "
-                f"loop's length {len(h)}")
-    last_write = max(pos[w] for w in writes)
-    if any(pos[u] < last_write for u in buf.users if u not in writes):
-        return "the states' buffer is read or written inside the loop"
-    return buf, axis, tuple(axis_map), writes
+        return f"the states' buffer is {val(slots[0]).dtype}, the states {val(h[0]).dtype}"
+    return slots
 
 
 def _match_buffered_readout(buffered, state_roles: tuple[str, ...], L: int
@@ -818,16 +815,7 @@ def _match_buffered_readout(buffered, state_roles: tuple[str, ...], L: int
     roles = tuple("t" if o is None else state_roles[o] for o in axis_map)
     if sorted(r for r in roles if r != "t") != sorted(state_roles) or len(roles) != len(state_roles) + 1:
         return "the states' buffer's axes do not match the state's"
-    users = split_state_users(buf, roles, roles.index("t"), L, producers=frozenset(writes))
-    if isinstance(users, str):
-        return users
-    readout, last_views = users
-    c_src = Source(readout.C, readout.C_roles)
-    if not _same_size(_time_len(c_src), L):
-        return "C_full's time axis does not have the loop's length"
-    erased = [*writes, *last_views, *readout.chain, *readout.nodes, readout.end]
-    out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(erased)), readout.out_roles)
-    return c_src, out, last_views
+    return _readout_of_states(buf, roles, L, writes)
 
 
 def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.fx.Node, Any, Any]], pos

@@ -94,68 +94,51 @@ def test_buffer_form_gradients_match_eager():
 
 # --- look-alikes ---------------------------------------------------------------------------------
 
-def wrong_slot(u, delta, A, B, C, D):
+def fill(H, u, delta, A, B, slot=lambda t: t, feedback=0.0):
+    """The loop of ``buffer_setitem`` into ``H``: state h_t stored at ``slot(t)``, plus
+    ``feedback`` times the buffer's previous slot in the update (0: none)."""
     dA, dBu = disc(u, delta, A, B)
     h = u.new_zeros(BATCH, DIM, N)
-    H = u.new_zeros(BATCH, DIM, L, N)
     for t in range(L):
         h = dA[:, :, t] * h + dBu[:, :, t]
-        H[:, :, (t + 1) % L] = h
+        if feedback:
+            h = h + feedback * H[:, :, t - 1]
+        H[:, :, slot(t)] = h
+    return H
+
+
+def wrong_slot(u, delta, A, B, C, D):
+    H = fill(u.new_zeros(BATCH, DIM, L, N), u, delta, A, B, slot=lambda t: (t + 1) % L)
     return torch.einsum("bdln,bnl->bdl", H, C)
 
 
 def narrower_buffer(u, delta, A, B, C, D):
     """A bf16 buffer: each write rounds the fp32 state."""
-    dA, dBu = disc(u, delta, A, B)
-    h = u.new_zeros(BATCH, DIM, N)
-    H = torch.zeros(BATCH, DIM, L, N, dtype=torch.bfloat16)
-    for t in range(L):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        H[:, :, t] = h
+    H = fill(torch.zeros(BATCH, DIM, L, N, dtype=torch.bfloat16), u, delta, A, B)
     return torch.einsum("bdln,bnl->bdl", H.float(), C)
 
 
 def longer_buffer(u, delta, A, B, C, D):
     """One slot more than steps: the readout also sums the never-written last slot (ones)."""
-    dA, dBu = disc(u, delta, A, B)
-    h = u.new_zeros(BATCH, DIM, N)
-    H = u.new_ones(BATCH, DIM, L + 1, N)
-    for t in range(L):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        H[:, :, t] = h
+    H = fill(u.new_ones(BATCH, DIM, L + 1, N), u, delta, A, B)
     return torch.einsum("bdln,bnl->bdl", H[:, :, :L], C) + H[:, :, L].sum(-1, keepdim=True)
 
 
 def read_inside_the_loop(u, delta, A, B, C, D):
-    """The buffer's previous slot feeds the next step's input term."""
-    dA, dBu = disc(u, delta, A, B)
-    h = u.new_zeros(BATCH, DIM, N)
-    H = u.new_zeros(BATCH, DIM, L, N)
-    for t in range(L):
-        h = dA[:, :, t] * h + dBu[:, :, t] + 0.1 * H[:, :, t - 1]
-        H[:, :, t] = h
+    """The buffer's previous slot feeds the next step's update."""
+    H = fill(u.new_zeros(BATCH, DIM, L, N), u, delta, A, B, feedback=0.1)
     return torch.einsum("bdln,bnl->bdl", H, C)
 
 
 def written_after_the_loop(u, delta, A, B, C, D):
-    dA, dBu = disc(u, delta, A, B)
-    h = u.new_zeros(BATCH, DIM, N)
-    H = u.new_zeros(BATCH, DIM, L, N)
-    for t in range(L):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        H[:, :, t] = h
+    H = fill(u.new_zeros(BATCH, DIM, L, N), u, delta, A, B)
     H[:, :, 0] = 0
     return torch.einsum("bdln,bnl->bdl", H, C)
 
 
 def states_also_summed(u, delta, A, B, C, D):
     """The buffer is read out and also summed over time: the op never materialises it."""
-    dA, dBu = disc(u, delta, A, B)
-    h = u.new_zeros(BATCH, DIM, N)
-    H = u.new_zeros(BATCH, DIM, L, N)
-    for t in range(L):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        H[:, :, t] = h
+    H = fill(u.new_zeros(BATCH, DIM, L, N), u, delta, A, B)
     return torch.einsum("bdln,bnl->bdl", H, C), H.sum(2)
 
 
