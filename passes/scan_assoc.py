@@ -200,6 +200,9 @@ def _eval_arith(node: torch.fx.Node, env: dict[torch.fx.Node, sympy.Expr]) -> sy
         # ``torch.addcmul(b_r, a_r, b_l)``: b_r + a_r * b_l, the combine's b half in one call.
         c, a, b = (_expr_of(x, env) for x in fused)
         return c + a * b
+    if is_call(node, torch.addcmul) or is_method(node, "addcmul"):
+        raise _Fail(f"the combine calls addcmul with {dict(node.kwargs) or 'extra arguments'}: only "
+                    "addcmul(c, a, b) with value 1 is c + a*b")
     if node.kwargs:
         raise _Fail(f"the combine calls {node.target} with keyword arguments")
     if key in _SYMPY_BINARY and len(node.args) == 2:

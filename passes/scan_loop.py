@@ -488,6 +488,12 @@ def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: 
             buf, axis, axis_map = b, ax, amap
         if b is not buf or ax != axis or idx != t or amap != axis_map:
             return f"{item.format(t=t)} is stored at the wrong place of {what} (index {idx} of axis {ax})"
+        slot = [size for i, size in enumerate(val(b).shape) if i != ax]
+        if not _same_shape(slot, val(stored[t][0]).shape):
+            # The write would broadcast the value over the slot (a batch-1 state into a batch-2
+            # buffer): the slot holds copies the loop never computed.
+            return (f"{item.format(t=t)} has shape {tuple(val(stored[t][0]).shape)}, its slot of {what} "
+                    f"{tuple(slot)}: the write broadcasts")
         writes.extend(step_writes)
     if not (is_call(buf, *_BUFFER_FACTORIES) or is_method(buf, *_BUFFER_METHODS)):
         return f"{what} is not a freshly allocated tensor"
@@ -812,6 +818,8 @@ def _match_buffered_readout(buffered, state_roles: tuple[str, ...], L: int
     """The states written into a buffer and read out after the loop: as for stacked states, the
     readout is proved on the buffer, whose only other users are the writes."""
     buf, axis, axis_map, writes = buffered
+    if any(o is not None and not 0 <= o < len(state_roles) for o in axis_map):
+        return "the states' buffer has axes the state does not have"
     roles = tuple("t" if o is None else state_roles[o] for o in axis_map)
     if sorted(r for r in roles if r != "t") != sorted(state_roles) or len(roles) != len(state_roles) + 1:
         return "the states' buffer's axes do not match the state's"
@@ -865,6 +873,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
                     "h = A_full[t]*h + B_full[t] from t = 1?): that equals a scan from h = 0 only "
                     "where exp(Δ·A) at t = 0 is finite, which the graph does not show; start from "
                     "h = zeros and run every step from t = 0 to have it rewritten")
+        if sh is not None:
+            # A product of two time slices (B̄[t] * x[t] inside a step): no state to chain.
+            return None
         return "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
     region = _between(H, h0, pos)
     if L is None:
@@ -989,6 +1000,14 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         c_src, out, last_views = found
         c_base = c_src.node
         readouts = [[] for _ in range(L)]
+        states, collecting = (stacked, [stacked]) if stacked is not None else (buffered[0], buffered[3])
+        if mutated(states, ignore=frozenset(collecting)):
+            # Through a last-state view, say: the op returns no states tensor to write.
+            return "the states' tensor is written in place after the loop (through itself or a view of it)"
+        if last_views and mutated(h[-1]):
+            # The states' last slot and h_L are two tensors in the loop; the op's last state
+            # would stand for both, and a write to one would show in the other.
+            return "the last state is written in place after the loop, and the states' last slot is read too"
     else:
         found = _match_step_readout(y0, h0, rregion, h, state_roles, L, disc, pos)
         if found == NOT_A_CONTRACTION:
