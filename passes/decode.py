@@ -1096,14 +1096,24 @@ def _exp_valued(node: Any, depth: int = 4) -> bool:
     return False
 
 
+def _indexes_an_input(node: torch.fx.Node) -> bool:
+    """``node`` is a graph input, or a view of one by indexing (``cache[layer]``) and reshaping."""
+    while is_call(node, operator.getitem) or node.op == "call_method" and node.target in (
+            "select", "view", "unsqueeze", "squeeze", "flatten", "unflatten"):
+        if not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return node.op in ("placeholder", "get_attr")
+
+
 def _unexplained_state_writes(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    """A miss for a graph-input state that is still written in place by a decay (``mul_`` by an
-    exp) after the pass, when no miss names those writes: a step in another order
+    """A miss for a graph-input state (or a layer of a stacked one) that is still written in place
+    by a decay (``mul_`` by an exp) after the pass, when no miss names those writes: a step in another order
     (``state.add_(dBx).mul_(dA)``, a readout between the ``mul_`` and the ``add_``) matches no
     anchor, and would otherwise leave no record in ``explain``."""
     reported = {name for m in ctx.misses for name in m.nodes}
     for ph in graph.nodes:
-        if ph.op != "placeholder" or not _is_state(ph):
+        if not _is_state(ph) or not _indexes_an_input(ph):
             continue
         writes, frontier = [], [ph]
         while frontier:  # writes to the state, and to the aliases its in-place methods return

@@ -173,3 +173,25 @@ def test_functional_twins_refuse_bad_input_by_name():
                                                         P["A"], torch.randn(2, N), torch.randn(2, N))
     with pytest.raises(ValueError, match="conv_state must"):
         torch.ops.ssm.causal_conv1d_update_functional(torch.randn(2, DIM), torch.randn(2, DIM), torch.randn(DIM, W))
+
+
+def test_step_read_between_its_writes_on_a_layer_is_left_alone_with_a_reason():
+    """state.mul_(dA); state.sum(-1); state.add_(dBx) on cache[1]: the middle read sees the decayed
+    state only, which one op call cannot give; explain says so (it said nothing before)."""
+
+    def step(cache, i: int, x, dt, B, C):
+        h = cache[i]
+        dt = F.softplus(dt)
+        h.mul_(torch.exp(dt[..., None] * P["A"]))
+        mid = h.sum(-1)
+        h.add_(dt[..., None] * x[..., None] * B[:, None, :])
+        return (h * C[:, None, :]).sum(-1) + P["D"] * x, mid
+
+    args = _inputs(ssm_step_in_place, 2, 0)
+    ref_args = _clone(args)
+    ref = step(*ref_args)
+    report = ssm_compile.explain(step, *_clone(args))
+    assert not report.rewrites
+    assert any("multiplied in place by a decay" in m.reason for m in report.misses), report.format(graphs=False)
+    for got, want in zip(report.output, ref):
+        assert torch.equal(got, want)
