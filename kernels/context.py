@@ -32,6 +32,21 @@ def without_autocast(impl: Callable[..., Any], device_type: str) -> Callable[...
     return run
 
 
+def refuse_functorch_grad(op_name: str) -> None:
+    """Raise, naming the op, where a torch.func transform is active and a gradient is wanted.
+
+    The ops' autograd nodes redispatch with the caller's keyset below autograd and save their
+    inputs on ``ctx`` in ``forward``; functorch's grad/vjp/jacrev need a ``setup_context`` form
+    instead, and would otherwise fail with torch's generic autograd.Function message. vmap of
+    the forward alone does not come here (nothing requires grad) and works."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            f"{op_name}: torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd over "
+            "grad) are not supported by the op's autograd formula; use torch.autograd.grad or "
+            ".backward(), or call the code without the ssm ops (eager, or torch.compile with "
+            "another backend)")
+
+
 def refuse_forward_ad(op_name: str, *args: Any) -> None:
     """Raise if a forward-mode AD tangent rides on one of ``args`` (inside ``dual_level``)."""
     # No dual level open: no tensor can carry a tangent (the usual, cheap case).

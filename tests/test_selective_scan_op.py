@@ -659,3 +659,20 @@ def test_double_backward_is_refused_by_name():
 def test_autograd_kernel_is_registered_at_the_autograd_key():
     for name in ("ssm::selective_scan", "ssm::selective_scan_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"), name
+
+
+def test_torch_func_grad_is_refused_by_name():
+    """torch.func.grad needs a setup_context-style autograd.Function; the op's node is not one, so
+    the op refuses by name (before: torch's generic autograd.Function message). vmap of the
+    forward alone still works."""
+    g = torch.Generator().manual_seed(0)
+    u, dt = torch.randn(2, 4, 5, generator=g), torch.randn(2, 4, 5, generator=g)
+    A, B, C = -torch.rand(4, 3, generator=g), torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+
+    def f(x):
+        return torch.ops.ssm.selective_scan(x, dt, A, B, C, None, None, None, True, None, False)[0]
+
+    with pytest.raises(RuntimeError, match="ssm::selective_scan: torch.func transforms"):
+        torch.func.grad(lambda x: f(x).sum())(u)
+    batched = torch.func.vmap(f)(torch.stack([u, 2 * u]))
+    torch.testing.assert_close(batched[1], f(2 * u))

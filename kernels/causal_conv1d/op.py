@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import _C
 
-from ..context import refuse_forward_ad, without_autocast
+from ..context import refuse_forward_ad, refuse_functorch_grad, without_autocast
 from ..inline import register_inline
 from ..layout import empty_activation
 from . import cpu, triton_conv
@@ -219,6 +219,7 @@ def _fwd_autograd(keyset, x, weight, bias=None, activation=None, initial_state=N
     # The dispatcher drops trailing arguments equal to their defaults, hence the defaults here.
     refuse_forward_ad("ssm::causal_conv1d", x, weight, bias, initial_state)
     if _C.is_grad_enabled() and _C._any_requires_grad(x, weight, bias, initial_state):
+        refuse_functorch_grad("ssm::causal_conv1d")
         return _CausalConv1d.apply(keyset, x, weight, bias, activation, initial_state)
     with _C._AutoDispatchBelowAutograd():
         return torch.ops.ssm.causal_conv1d.default.redispatch(

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 from torch import _C
 
-from ..context import refuse_forward_ad, without_autocast
+from ..context import refuse_forward_ad, refuse_functorch_grad, without_autocast
 from ..inline import register_inline
 from ..layout import empty_activation
 from . import cpu
@@ -389,6 +389,7 @@ def _selective_scan_autograd(
     # The dispatcher drops trailing arguments equal to their defaults, hence the defaults here.
     refuse_forward_ad("ssm::selective_scan", u, delta, A, B, C, D, z, delta_bias, initial_state)
     if _C.is_grad_enabled() and _C._any_requires_grad(u, delta, A, B, C, D, z, delta_bias, initial_state):
+        refuse_functorch_grad("ssm::selective_scan")
         return _SelectiveScan.apply(
             keyset, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state
         )
