@@ -1103,8 +1103,6 @@ def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | st
     for f in bt.factors:
         sl = _slice_roles(bt, f, brole)
         parts = None if sl is None or len(bt.factors) == 3 else _partial_product(sl, decay)
-        if isinstance(parts, str):
-            return f"the state's addend: {parts}"
         if parts is None:
             items.append(("slice", sl) if sl is not None else ("other", _roles_of(bt, f, brole), f.node))
             continue
@@ -1112,6 +1110,11 @@ def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | st
         items.extend(split)
         nodes += through
     if len(items) != 3:
+        if len(bt.factors) == 2:
+            # One factor is a whole precomputed tensor read at t (a B̄ = Δ·B) that is not exactly
+            # a product of two of Δ, B, u: a constant, a sum (Δ·B + eps) or a third factor in it.
+            return ("the state's addend is a product of two factors, and neither is a precomputed Δ·B or Δ·u "
+                    "read at this step (exactly those two factors, no constant, sum or third factor)")
         return f"the state's addend is not a product Δ·B·u (it has {len(items)} factors)"
     u_src = B_src = None
     found_delta = False
@@ -1152,10 +1155,10 @@ def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | st
 
 def _partial_product(sl: tuple[torch.fx.Node, int, tuple[str, ...]], decay: _Decay):
     """A time slice ``base[..., t0, ...]`` of a precomputed product of two of Δ, B, u (the
-    paper's discretized B̄ = Δ·B, multiplied by x_t in the step; or Δ·u times B_t): its two
-    factors as items for ``_step_input``, and the nodes looked through. None when ``base`` is no
-    such product (it is then an ordinary factor); a reason when it is one without the
-    multiplier's Δ.
+    paper's discretized B̄ = Δ·B, multiplied by x_t in the step; Δ·u times B_t; B·u times Δ_t):
+    its two factors as items for ``_step_input``, which then checks that the three are one Δ (the
+    multiplier's), one B and one u; and the nodes looked through. None when ``base`` is no such
+    product (it is then an ordinary factor).
 
     A product of whole-sequence tensors read at t0 is the product of their values at t0, so the
     factors are time slices at t0 of the tensors the product reads."""
@@ -1177,8 +1180,6 @@ def _partial_product(sl: tuple[torch.fx.Node, int, tuple[str, ...]], decay: _Dec
             split.append(("other", froles, f.node))  # a time-invariant B (dim, state)
         else:
             split.append(("slice", (f.node, idx, froles)))
-    if not any(item[0] == "slice" and decay.is_delta(item[1][0], item[1][2]) for item in split):
-        return "a precomputed product in it does not use the multiplier's Δ"
     return split, [base, *pt.looked_through]
 
 

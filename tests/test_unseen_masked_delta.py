@@ -341,7 +341,14 @@ def delta_u_precomputed(u, dt, A, B, C, mask, scale):
     return scan_steps(C, lambda h, t: torch.exp(delta[:, :, t, None] * A) * h + du[:, :, t, None] * B[:, None, :, t])
 
 
-PAPER = [paper_form, paper_form_state_n_first, delta_u_precomputed]
+def B_u_precomputed(u, dt, A, B, C, mask, scale):
+    """B·u for every step (batch, dim, L, N), times Δ_t in the step."""
+    delta = F.softplus(dt)
+    Bu = B.transpose(1, 2)[:, None] * u[..., None]
+    return scan_steps(C, lambda h, t: torch.exp(delta[:, :, t, None] * A) * h + delta[:, :, t, None] * Bu[:, :, t])
+
+
+PAPER = [paper_form, paper_form_state_n_first, delta_u_precomputed, B_u_precomputed]
 
 
 @pytest.mark.parametrize("fn", PAPER, ids=[f.__name__ for f in PAPER])
