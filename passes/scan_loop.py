@@ -1132,6 +1132,11 @@ def emit_selective_scan(
         u = _cast(graph, u, torch.float32)
     delta = permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt"))
     A = permute_view(graph, disc.A.node, disc.A.perm_to("dn"))
+    if val(A).dtype in _HALF_DTYPES:
+        # A kept in 16 bits (a model cast to bf16 whose A = -exp(A_log) skips .float()): the op
+        # takes an fp32 A. The widening is exact; the op then forms Δ·A in fp32, as it does the
+        # rest of the discretisation that such a program rounds to 16 bits.
+        A = _cast(graph, A, torch.float32)
     if disc.negate_A:
         A = _node(graph, "call_function", operator.neg, A)
     Cv = permute_view(graph, C.node, C.perm_to("bgnt" if "g" in C.roles else "bnt"))

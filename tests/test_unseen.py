@@ -869,6 +869,37 @@ def test_low_precision_state_is_rewritten_and_at_least_as_accurate(fn):
     assert rel_err(report.output, eager) <= TOL[torch.bfloat16]
 
 
+def bf16_model_loop(u, delta, A, B, C):
+    """A model cast to bf16 whose A = -exp(A_log) skips .float(): A is bf16, so is every product,
+    and the state is bf16 from its first step."""
+    dA, dBu = disc(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=u.dtype)
+    ys = []
+    for i in range(u.shape[2]):
+        h = dA[:, :, i] * h + dBu[:, :, i]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
+    return torch.stack(ys, dim=2)
+
+
+def bf16_model_assoc(u, delta, A, B, C):
+    return torch.einsum("bdln,bnl->bdl", _states(u, delta, A, B), C)
+
+
+@pytest.mark.parametrize("fn, family", [(bf16_model_loop, "scan_loop"), (bf16_model_assoc, "scan_assoc")],
+                         ids=["loop", "assoc"])
+def test_bf16_A_is_widened_for_the_op(fn, family):
+    """The op takes an fp32 A; a bf16 A widens exactly. Before, the op refused the inputs ("A must
+    have a dtype in fp32, fp64") and the whole scan ran as written."""
+    u, delta, A, B, C = make_inputs(torch.bfloat16, length=24)
+    args = (u, delta, A.bfloat16(), B, C)
+    report = explain(fn, *args)
+    assert report.counts[family] == 1 and report.counts["readout"] == 1, report.format(graphs=False)
+    ref, eager = fp64_reference(*args), fn(*args)
+    assert report.output.dtype == eager.dtype
+    assert rel_err(report.output, ref) <= rel_err(eager, ref) + 1e-3
+    assert rel_err(report.output, eager) <= TOL[torch.bfloat16]
+
+
 def fp32_scan_of_bf16_inputs(u, delta, A, B, C):
     """bf16 activations upcast, the whole scan and y in fp32 (selective_scan_ref without its
     final cast). The passes find u through the cast; the op must not then return a bf16 y."""
