@@ -24,6 +24,12 @@ def process_group(tmp_path):
     try:
         yield
     finally:
+        # Drain gloo's queue before the group can be freed. DDP's allreduces, issued from the
+        # compiled backward, carry Python objects in their thread-local state, which gloo's worker
+        # thread releases after running them, under the GIL; if the Reducer dies meanwhile (at the
+        # test's return), its thread holds the GIL while it joins that worker, and both wait for
+        # ever (seen once in run 42, with py-spy). The barrier's own work carries no such object.
+        dist.barrier()
         dist.destroy_process_group()
 
 
