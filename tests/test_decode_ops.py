@@ -291,7 +291,7 @@ CONV_ERRORS = [
     ("state-dim", lambda kw: kw.update(conv_state=torch.randn(2, 6, 4)), ValueError, "conv_state must have shape"),
     ("x-4d", lambda kw: kw.update(x=torch.randn(2, 8, 1, 1)), ValueError, "x must be"),
     ("x-T0", lambda kw: kw.update(x=torch.randn(2, 8, 0)), ValueError, "at least one time step"),
-    ("x-batch", lambda kw: kw.update(x=torch.randn(3, 8)), ValueError, "x must have shape"),
+    ("x-batch", lambda kw: kw.update(x=torch.randn(3, 8)), ValueError, "x has batch 3, conv_state batch 2"),
     ("bias-shape", lambda kw: kw.update(bias=torch.randn(4)), ValueError, "bias must have shape"),
     ("activation", lambda kw: kw.update(activation="relu"), ValueError, "activation must be one of"),
     ("weight-int", lambda kw: kw.update(weight=torch.ones(8, 4, dtype=torch.int32)), TypeError, "weight must have"),
@@ -476,3 +476,15 @@ def test_decode_ops_stay_whole_with_dynamic_sizes():
     y_c, codes = run_and_get_code(torch.compile(_decode_step, fullgraph=True, dynamic=True), *compiled_args)
     assert "torch.ops.ssm.selective_state_update" in "\n".join(codes)
     assert torch.equal(y_c, y_e) and torch.equal(compiled_args[0], eager_args[0])
+
+
+def test_decode_op_errors_name_the_op():
+    """Errors from a direct torch.ops.ssm call say which op refused, as well as which argument."""
+    kw = _conv_kwargs()
+    kw["x"] = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"^ssm::causal_conv1d_update: x has batch 3"):
+        decode_op.causal_conv1d_update(**kw)
+    with pytest.raises(ValueError, match=r"^ssm::selective_state_update: state must be a \(batch, dim, N\)"):
+        decode_op.selective_state_update(torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 8), torch.randn(8, 4),
+                                         torch.randn(2, 4), torch.randn(2, 4))
+

@@ -85,6 +85,24 @@ def _check_tensor(name, t, shape, dtypes, device):
         raise ValueError(f"{name} must be on {device} (like state), got {t.device}")
 
 
+def _named(op_name: str):
+    """Prefix the ValueError/TypeError of a check with the op's name (the message already names
+    the argument): a user calling torch.ops.ssm.* directly sees which op refused."""
+
+    def wrap(check):
+        @functools.wraps(check)
+        def run(*args):
+            try:
+                check(*args)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{op_name}: {e}") from None
+
+        return run
+
+    return wrap
+
+
+@_named("ssm::selective_state_update")
 def check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias) -> None:
     """Validate the arguments of ``selective_state_update``; errors name the argument."""
     if not isinstance(state, torch.Tensor) or state.dim() != 3:
@@ -117,6 +135,7 @@ def check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias) -> N
         _check_tensor("dt_bias", dt_bias, (dim,), _ACT_DTYPES, device)
 
 
+@_named("ssm::causal_conv1d_update")
 def check_causal_conv1d_update_args(x, conv_state, weight, bias, activation) -> None:
     """Validate the arguments of ``causal_conv1d_update``; errors name the argument."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -136,6 +155,8 @@ def check_causal_conv1d_update_args(x, conv_state, weight, bias, activation) -> 
         raise ValueError(f"x must be (batch, dim) or (batch, dim, T), got {getattr(x, 'shape', type(x))}")
     if x.dim() == 3 and x.shape[2] < 1:
         raise ValueError(f"x must hold at least one time step, got shape {tuple(x.shape)}")
+    if x.shape[0] != batch:
+        raise ValueError(f"x has batch {x.shape[0]}, conv_state batch {batch}: they must match")
     _check_tensor("x", x, (batch, dim, *x.shape[2:]), _ACT_DTYPES, device)
     _check_tensor("weight", weight, (dim, W), _ACT_DTYPES, device)
     if bias is not None:
