@@ -454,6 +454,12 @@ def _is_graph_input(node: Any) -> bool:
     return _is_state(node) and node.op in ("placeholder", "get_attr")
 
 
+def _equal_view(node: Any, other: torch.fx.Node) -> bool:
+    """``node`` is another indexing of the same tensor with the same constant indices as ``other``."""
+    return (isinstance(node, torch.fx.Node) and node is not other and node.op == other.op == "call_function"
+            and node.target is other.target is operator.getitem and node.args == other.args and not node.kwargs)
+
+
 def _linear_inside(value: Any, state: torch.fx.Node, limit: int = 16) -> torch.fx.Node | None:
     """A node among the last ``limit`` ancestors of ``value`` that is a linear update of ``state``
     (``state * decay + addend``), or None: what a non-linear recurrence wraps (``tanh(...)``)."""
@@ -493,6 +499,11 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
         h = _peel(node.args[1])[0]
         split = _split_update(h, lambda n: n is state)
         if split is None:
+            twin = _split_update(h, lambda n: _equal_view(n, state))
+            if twin is not None:
+                raise Miss(f"the step reads the state through {twin[0].name} and writes it through {state.name}, "
+                           "another view equal to it (cache[i] indexed twice): index the cache once and use that "
+                           "view for both to have the step rewritten")
             if _linear_inside(h, state) is not None:
                 raise Miss(f"the new state is {target_name(h)}(state * dA + ...), not the update state * dA + dBx "
                            "itself (a nonlinear function, or a rescaling the decay exp(dt * A) does not hold)")

@@ -195,3 +195,22 @@ def test_step_read_between_its_writes_on_a_layer_is_left_alone_with_a_reason():
     assert any("multiplied in place by a decay" in m.reason for m in report.misses), report.format(graphs=False)
     for got, want in zip(report.output, ref):
         assert torch.equal(got, want)
+
+
+def test_layer_indexed_twice_is_left_alone_with_a_reason():
+    """h = cache[i] * dA + dBx; cache[i].copy_(h): two getitem nodes for one layer. Not matched
+    (the proof follows one state node), and explain says how to write it (it said nothing before)."""
+
+    def step(cache, i: int, x, dt, B, C):
+        dt = F.softplus(dt)
+        h = cache[i] * torch.exp(dt[..., None] * P["A"]) + dt[..., None] * x[..., None] * B[:, None, :]
+        cache[i].copy_(h)
+        return (h * C[:, None, :]).sum(-1) + P["D"] * x
+
+    args = _inputs(ssm_step_in_place, 2, 0)
+    ref_args, got_args = _clone(args), _clone(args)
+    ref = step(*ref_args)
+    report = ssm_compile.explain(step, *got_args)
+    assert not report.rewrites
+    assert any("another view equal to it" in m.reason for m in report.misses), report.format(graphs=False)
+    assert torch.equal(report.output, ref)
