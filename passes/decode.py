@@ -1043,7 +1043,8 @@ def _offset_free_view_of_input(node: torch.fx.Node) -> bool:
 
 
 def _call_update(graph: torch.fx.Graph, op: Any, functional_op: Any, args: tuple, state_at: int,
-                 write_back: torch.fx.Node | None) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]:
+                 write_back: torch.fx.Node | None, functional: bool = False
+                 ) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]:
     """Emit a decode op at the insertion point: (the op node, y, the new state or None).
 
     The mutating op writes ``args[state_at]`` itself only where that is a graph input or a view of
@@ -1051,9 +1052,11 @@ def _call_update(graph: torch.fx.Graph, op: Any, functional_op: Any, args: tuple
     goes through the functional twin, and the
     new state is copied into ``write_back`` (None: the step returns it, and nothing is written):
     inductor (torch 2.13) addresses a mutating custom op's write to a view with a storage offset
-    wrongly under dynamic shapes, and the write to a clone of such a view even with static ones.
+    wrongly under dynamic shapes, and the write to a clone of such a view even with static ones
+    (or of a caller's view passed in as the state, under dynamic shapes). ``functional`` asks for
+    the twin whatever the state is.
     """
-    if _offset_free_view_of_input(args[state_at]):
+    if not functional and _offset_free_view_of_input(args[state_at]):
         node = graph.call_function(op, args)
         propagate_val(node)
         return node, node, None
@@ -1162,9 +1165,9 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         out_dtype = _tensor(last).dtype
         state = m["state"]
-        if u.form == "returned" and _offset_free_view_of_input(state):
-            # The step does not write its state, so the op writes a copy, taken where the step
-            # reads the state (later writes to it, if any, must not be seen).
+        if u.form == "returned":
+            # The step does not write its state: the op reads a copy taken where the step reads
+            # the state, so later writes to it, if any, are not seen.
             with graph.inserting_before(u.reader):
                 state = graph.call_method("clone", (m["state"],))
                 propagate_val(state)
@@ -1178,10 +1181,13 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 args = [_flatten(graph, a, 0 if name in ("A", "D", "dt_bias") else 1)
                         if name not in ("B", "C") and a is not None else a
                         for name, a in zip(("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias"), args)]
+            # A step that returns its new state (and writes none) gets the functional twin:
+            # the mutating op on a clone of the state is what inductor gets wrong when the state
+            # is a caller's view with an offset (cache[1] passed in) under dynamic shapes.
             op, result, new = _call_update(
                 graph, torch.ops.ssm.selective_state_update.default,
                 torch.ops.ssm.selective_state_update_functional.default, (*args, m["dt_softplus"]), 0,
-                None if u.form == "returned" else args[0])
+                None if u.form == "returned" else args[0], functional=u.form == "returned")
             if len(chan) == 2:
                 result = graph.call_method("unflatten", (result, 1, chan))
                 propagate_val(result)
@@ -1193,7 +1199,7 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             op.meta["stack_trace"] = node.meta["stack_trace"]
         last.replace_all_uses_with(result)
         if u.form == "returned":
-            u.h.replace_all_uses_with(state if new is None else new)
+            u.h.replace_all_uses_with(new)
         _erase_unused(graph, m["chain"] + [m["readout_first"], last] + u.writes)
         order = node_order(graph)
         ctx.rewrite(STATE_FAMILY, f"state*exp(dt*A)+dt*B*x ({u.form}); C-readout"
@@ -1680,9 +1686,9 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         out_dtype = _tensor(last).dtype
         cs = m["cs"]
-        if m["form"] == "returned" and _offset_free_view_of_input(cs):
-            # The step leaves its input window alone (nothing in the graph writes it): the op
-            # updates a copy, taken before the window's first read.
+        if m["form"] == "returned":
+            # The step leaves its input window alone: the op reads a copy taken before the
+            # window's first read.
             with graph.inserting_before(min(m["cs"].users, key=order.__getitem__)):
                 cs = graph.call_method("clone", (m["cs"],))
                 propagate_val(cs)
@@ -1696,13 +1702,14 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             weight = m["weight"] if _tensor(m["weight"]).dim() == 2 else depthwise_weight(graph, m["weight"])
             op, result, new = _call_update(
                 graph, torch.ops.ssm.causal_conv1d_update.default, torch.ops.ssm.causal_conv1d_update_functional.default,
-                (x, cs, weight, m["bias"], m["activation"]), 1, None if m["form"] == "returned" else cs)
+                (x, cs, weight, m["bias"], m["activation"]), 1, None if m["form"] == "returned" else cs,
+                functional=m["form"] == "returned")
             result = _cast_to(graph, result, out_dtype)
         if "stack_trace" in node.meta:
             op.meta["stack_trace"] = node.meta["stack_trace"]
         last.replace_all_uses_with(result)
         if m["form"] == "returned":
-            m["window"].replace_all_uses_with(cs if new is None else new)
+            m["window"].replace_all_uses_with(new)
         _erase_unused(graph, m["nodes"] + [m["first"], last] + m["writes"])
         order = node_order(graph)
         ctx.rewrite(CONV_FAMILY, {"roll": "roll; window[-1] = x", "copy_": "copy_(cat(window[1:], x))",

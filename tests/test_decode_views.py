@@ -214,3 +214,27 @@ def test_layer_indexed_twice_is_left_alone_with_a_reason():
     assert not report.rewrites
     assert any("another view equal to it" in m.reason for m in report.misses), report.format(graphs=False)
     assert torch.equal(report.output, ref)
+
+
+def ssm_step_returned(state, x, dt, B, C):
+    dt = F.softplus(dt)
+    new = state * torch.exp(dt[..., None] * P["A"]) + dt[..., None] * x[..., None] * B[:, None, :]
+    return (new * C[:, None, :]).sum(-1) + P["D"] * x, new
+
+
+def test_step_returning_its_state_of_a_layer_passed_in_matches_eager():
+    """The caller passes cache[1] as the state and the step returns the new state. The op used to
+    update a clone of it in place, and inductor misplaced that write for a view with an offset:
+    4.0 off eager at the first call, with static shapes (run 42). It now gets the functional twin."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(ssm_step_returned, backend="ssm")
+    for step, batch in enumerate((2, 3, 5)):
+        cache, _, *rest = _inputs(ssm_step_in_place, batch, step)
+        ref_cache, got_cache = cache.clone(), cache.clone()
+        ref = ssm_step_returned(ref_cache[1], *rest)
+        got = compiled(got_cache[1], *rest)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got_cache, cache) and torch.equal(ref_cache, cache)
+    assert counters["ssm"]["state_update"] == 2
