@@ -74,9 +74,9 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
-from .fx_utils import (addcmul_operands, context_refusal, depthwise_weight, dropped_rounding, is_call, is_cast,
-                       is_lossless_cast, is_method, named_args, node_order, op_region, pinned_int, propagate_val,
-                       storage_of, target_name, val, written_args)
+from .fx_utils import (addcmul_operands, bare_name, context_refusal, depthwise_weight, dropped_rounding, exp_behind,
+                       is_call, is_cast, is_lossless_cast, is_method, named_args, node_order, op_region, pinned_int,
+                       propagate_val, storage_of, target_name, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -1032,14 +1032,23 @@ def check_state_update(m: dict[str, Any]) -> str | None:
 _OFFSET_FREE_VIEWS = ("view", "flatten", "unflatten", "unsqueeze", "squeeze", "transpose", "permute", "movedim", "t")
 
 
-def _offset_free_view_of_input(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a graph input, or reaches one through views that keep its offset."""
+# Views that index a stacked cache (``cache[layer]``) or reshape a state.
+_INDEXING_VIEWS = ("getitem", "select", "view", "unsqueeze", "squeeze", "flatten", "unflatten")
+
+
+def _view_of_input(node: torch.fx.Node, views: tuple[str, ...], inputs: tuple[str, ...] = ("placeholder",)) -> bool:
+    """Whether ``node`` is a graph input (a node of an op in ``inputs``), or reaches one through
+    calls named in ``views`` alone."""
     while node.op in ("call_method", "call_function"):
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        if name not in _OFFSET_FREE_VIEWS or not isinstance(node.args[0], torch.fx.Node):
+        if bare_name(node) not in views or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return False
         node = node.args[0]
-    return node.op == "placeholder"
+    return node.op in inputs
+
+
+def _offset_free_view_of_input(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a graph input, or reaches one through views that keep its offset."""
+    return _view_of_input(node, _OFFSET_FREE_VIEWS)
 
 
 def _call_update(graph: torch.fx.Graph, op: Any, functional_op: Any, args: tuple, state_at: int,
@@ -1095,31 +1104,6 @@ def _find_state_step(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> tu
     return None if u is None else (u, match_state_update(u, order))
 
 
-def _exp_valued(node: Any, depth: int = 4) -> bool:
-    """``node`` is exp(...) through casts and views (a decay)."""
-    for _ in range(depth):
-        node, _ = _peel(node)
-        if not isinstance(node, torch.fx.Node):
-            return False
-        if is_call(node, torch.exp) or is_method(node, "exp"):
-            return True
-        if not (node.op == "call_method" and node.target in ("unsqueeze", "view", "reshape", "expand")
-                or is_call(node, operator.getitem)):
-            return False
-        node = node.args[0]
-    return False
-
-
-def _indexes_an_input(node: torch.fx.Node) -> bool:
-    """``node`` is a graph input, or a view of one by indexing (``cache[layer]``) and reshaping."""
-    while is_call(node, operator.getitem) or node.op == "call_method" and node.target in (
-            "select", "view", "unsqueeze", "squeeze", "flatten", "unflatten"):
-        if not isinstance(node.args[0], torch.fx.Node):
-            return False
-        node = node.args[0]
-    return node.op in ("placeholder", "get_attr")
-
-
 def _unexplained_state_writes(graph: torch.fx.Graph, ctx: PassContext) -> None:
     """A miss for a graph-input state (or a layer of a stacked one) that is still written in place
     by a decay (``mul_`` by an exp) after the pass, when no miss names those writes: a step in another order
@@ -1127,7 +1111,7 @@ def _unexplained_state_writes(graph: torch.fx.Graph, ctx: PassContext) -> None:
     anchor, and would otherwise leave no record in ``explain``."""
     reported = {name for m in ctx.misses for name in m.nodes}
     for ph in graph.nodes:
-        if not _is_state(ph) or not _indexes_an_input(ph):
+        if not _is_state(ph) or not _view_of_input(ph, _INDEXING_VIEWS, ("placeholder", "get_attr")):
             continue
         writes, frontier = [], [ph]
         while frontier:  # writes to the state, and to the aliases its in-place methods return
@@ -1136,7 +1120,7 @@ def _unexplained_state_writes(graph: torch.fx.Graph, ctx: PassContext) -> None:
                 if user.args and user.args[0] is n and _writes(user) and user not in writes:
                     writes.append(user)
                     frontier.append(user)
-        decays = [w for w in writes if _in_place(w, "mul_", operator.imul) and _exp_valued(w.args[1])]
+        decays = [w for w in writes if _in_place(w, "mul_", operator.imul) and exp_behind(w.args[1])]
         if not decays or any(w.name in reported for w in writes):
             continue
         ctx.miss(STATE_FAMILY, f"the state {ph.name} is multiplied in place by a decay exp(...), but the step is "

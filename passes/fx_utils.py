@@ -642,10 +642,28 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
     return None
 
 
-# Views whose elements are elements of their first argument: a cast of one rounds those values.
-_ELEMENT_VIEWS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "t", "expand",
-                            "expand_as", "flatten", "unflatten", "movedim", "select", "narrow", "contiguous",
-                            "getitem", "__getitem__", "split", "chunk", "unbind"})
+VIEW_OPS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "narrow",
+            "__getitem__", "getitem", "t", "unflatten", "flatten", "movedim", "as_strided", "chunk", "split", "unbind")
+# Ops whose elements are elements of their first argument: a cast of one rounds those values.
+_ELEMENT_VIEWS = frozenset(VIEW_OPS + ("expand_as", "contiguous"))
+
+
+def bare_name(node: torch.fx.Node) -> str:
+    """A call's target without its namespace: ``view`` for ``x.view(...)`` and ``torch.view``."""
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def exp_behind(node: Any, depth: int = 6) -> bool:
+    """Whether ``node`` is an exp, or is one through at most ``depth`` casts and element views."""
+    for _ in range(depth):
+        if not isinstance(node, torch.fx.Node) or not node.args:
+            return False
+        if is_call(node, torch.exp) or is_method(node, "exp"):
+            return True
+        if not (is_cast(node) or node.op in ("call_method", "call_function") and bare_name(node) in _ELEMENT_VIEWS):
+            return False
+        node = node.args[0]
+    return False
 
 
 def _widened_after(cast: torch.fx.Node) -> bool:
@@ -657,8 +675,7 @@ def _widened_after(cast: torch.fx.Node) -> bool:
         if user in seen:
             continue
         seen.add(user)
-        name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
-        if user.op in ("call_method", "call_function") and name in _ELEMENT_VIEWS:
+        if user.op in ("call_method", "call_function") and bare_name(user) in _ELEMENT_VIEWS:
             stack.extend(user.users)
             continue
         wide = dtype_of(user)
@@ -676,9 +693,7 @@ def _rounded_input(node: Any, inputs: list[torch.fx.Node]) -> torch.fx.Node | No
         if is_cast(node):
             if not is_lossless_cast(dtype_of(node.args[0]), dtype_of(node)):
                 return None
-        elif node.op not in ("call_method", "call_function") or (
-                (node.target if node.op == "call_method" else getattr(node.target, "__name__", ""))
-                not in _ELEMENT_VIEWS):
+        elif node.op not in ("call_method", "call_function") or bare_name(node) not in _ELEMENT_VIEWS:
             return None
         node = node.args[0] if node.args else None
     return None

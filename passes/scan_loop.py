@@ -51,8 +51,11 @@ from .discretize import (
     view_source,
 )
 from .fx_utils import (
+    VIEW_OPS,
     ContextRegions,
     addcmul_operands,
+    bare_name,
+    exp_behind,
     is_zeros,
     named_args,
     storage_of,
@@ -506,11 +509,9 @@ def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: 
     return buf, axis, tuple(axis_map), writes
 
 
-_VIEW_OPS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "narrow",
-             "__getitem__", "getitem", "t", "unflatten", "flatten", "movedim", "as_strided", "chunk", "split", "unbind")
 # Ops whose result may share memory with their input: views, and conversions that return the input
 # itself when there is nothing to convert (``A.float()`` of a float A, ``x.contiguous()``).
-_ALIASING_OPS = frozenset(_VIEW_OPS + (
+_ALIASING_OPS = frozenset(VIEW_OPS + (
     "view_as", "reshape_as", "expand_as", "swapaxes", "swapdims", "diagonal", "detach", "contiguous", "float",
     "double", "half", "bfloat16", "to", "type", "type_as"))
 _ALIAS_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
@@ -528,7 +529,7 @@ def _aliases(user: torch.fx.Node, node: torch.fx.Node) -> bool:
         return False
     if user.target is getattr:
         return user.args[1] in _ALIAS_ATTRS
-    name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+    name = bare_name(user)
     return name in _ALIASING_OPS
 
 
@@ -846,7 +847,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     if L is not None and L < 2:
         # Worth a miss only when the "decay" is an exp, as a decode step's is: a product of any
         # slice with a size-1 axis (x[:, 0] * rsqrt(...) in a norm) is not a step of anything.
-        return ONE_STEP if _exp_behind(a0) or _exp_behind(base) else None
+        return ONE_STEP if exp_behind(a0) or exp_behind(base) else None
     # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies.
     h0 = None
     for _, p, q in products:
@@ -1361,7 +1362,7 @@ def _closed_form_scan(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
     closed form is built on (``exp(cumsum(Δ·A))``, ``cumprod(exp(Δ·A))``, Mamba-2's segsum), or
     None. For explain only: nothing is rewritten from it."""
     for node in gm.graph.nodes:
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        name = bare_name(node)
         if node.op not in ("call_function", "call_method") or name not in _RUNNING:
             continue
         value = val(node)
@@ -1379,20 +1380,6 @@ def _feeds_from_exp(node: Any) -> bool:
     while isinstance(node, torch.fx.Node) and is_cast(node):
         node = node.args[0]
     return isinstance(node, torch.fx.Node) and (is_call(node, torch.exp) or is_method(node, "exp"))
-
-
-def _exp_behind(node: Any, depth: int = 6) -> bool:
-    """Whether ``node`` is an exp, or is one through a few views, slices and casts."""
-    for _ in range(depth):
-        if not isinstance(node, torch.fx.Node) or not node.args:
-            return False
-        if is_call(node, torch.exp) or is_method(node, "exp"):
-            return True
-        if not (is_cast(node) or is_call(node, operator.getitem) or (node.op == "call_method" and node.target in (
-                "view", "reshape", "unsqueeze", "squeeze", "select", "transpose", "permute", "contiguous"))):
-            return False
-        node = node.args[0]
-    return False
 
 
 def _reaches_exp(node: torch.fx.Node, depth: int) -> bool:

@@ -92,9 +92,10 @@ def disc(u, delta, A, B):
     return torch.exp(torch.einsum("bdl,dn->bdln", delta, A)), torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
 
 
-def loop(dA, dBu, C):
-    """The plain scan over precomputed A_full, B_full (batch, dim, L, N), readout by einsum."""
-    h = torch.zeros(dA.shape[0], dA.shape[1], dA.shape[3])
+def loop(dA, dBu, C, dtype=None):
+    """The plain scan over precomputed A_full, B_full (batch, dim, L, N), readout by einsum, from a
+    zero state of ``dtype`` (torch's default when None)."""
+    h = torch.zeros(dA.shape[0], dA.shape[1], dA.shape[3], dtype=dtype)
     ys = []
     for i in range(dA.shape[2]):
         h = dA[:, :, i] * h + dBu[:, :, i]
@@ -833,12 +834,7 @@ def bf16_state(u, delta, A, B, C):
     """Everything in u's dtype, the state too (``torch.zeros(..., dtype=u.dtype)``)."""
     dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A.to(delta.dtype)))
     dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=u.dtype)
-    ys = []
-    for i in range(u.shape[2]):
-        h = dA[:, :, i] * h + dBu[:, :, i]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
-    return torch.stack(ys, dim=2)
+    return loop(dA, dBu, C, u.dtype)
 
 
 def state_rounded_each_step(u, delta, A, B, C):
@@ -872,13 +868,7 @@ def test_low_precision_state_is_rewritten_and_at_least_as_accurate(fn):
 def bf16_model_loop(u, delta, A, B, C):
     """A model cast to bf16 whose A = -exp(A_log) skips .float(): A is bf16, so is every product,
     and the state is bf16 from its first step."""
-    dA, dBu = disc(u, delta, A, B)
-    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=u.dtype)
-    ys = []
-    for i in range(u.shape[2]):
-        h = dA[:, :, i] * h + dBu[:, :, i]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
-    return torch.stack(ys, dim=2)
+    return loop(*disc(u, delta, A, B), C, u.dtype)
 
 
 def bf16_model_assoc(u, delta, A, B, C):

@@ -34,12 +34,7 @@ def disc(u, delta, A, B):
 
 
 def buffer_setitem(u, delta, A, B, C, D):
-    dA, dBu = disc(u, delta, A, B)
-    h = u.new_zeros(BATCH, DIM, N)
-    H = u.new_zeros(BATCH, DIM, L, N)
-    for t in range(L):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        H[:, :, t] = h
+    H = fill(u.new_zeros(BATCH, DIM, L, N), u, delta, A, B)
     return torch.einsum("bdln,bnl->bdl", H, C) + u * D[:, None]
 
 
@@ -95,7 +90,7 @@ def test_buffer_form_gradients_match_eager():
 # --- look-alikes ---------------------------------------------------------------------------------
 
 def fill(H, u, delta, A, B, slot=lambda t: t, feedback=0.0):
-    """The loop of ``buffer_setitem`` into ``H``: state h_t stored at ``slot(t)``, plus
+    """The scan from h = 0 written into ``H``: state h_t stored at ``slot(t)``, plus
     ``feedback`` times the buffer's previous slot in the update (0: none)."""
     dA, dBu = disc(u, delta, A, B)
     h = u.new_zeros(BATCH, DIM, N)
