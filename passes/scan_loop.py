@@ -848,11 +848,14 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         # Worth a miss only when the "decay" is an exp, as a decode step's is: a product of any
         # slice with a size-1 axis (x[:, 0] * rsqrt(...) in a norm) is not a step of anything.
         return ONE_STEP if exp_behind(a0) or exp_behind(base) else None
-    # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies.
+    # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies. Of several such
+    # products, the state nearest H is this loop's: a second loop started from the same H (a
+    # reverse loop from one zero tensor) also multiplies its own state by α_1, many steps on.
     h0 = None
     for _, p, q in products:
         for a1, x in ((p, q), (q, p)):
             if (isinstance(a1, torch.fx.Node) and isinstance(x, torch.fx.Node) and pos[x] > pos[H]
+                    and (h0 is None or pos[x] < pos[h0])
                     and _leaf_key(a1, 1) == key0 and _between(H, x, pos) is not None):
                 h0 = x
     if h0 is None:

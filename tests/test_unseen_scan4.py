@@ -953,6 +953,31 @@ def shared_state_bidirectional(flip_inputs):
     return fn
 
 
+def two_directions_from_one_zero(u, delta, A, B, C):
+    """A forward loop and a reversed-range loop that both start from one zeros tensor."""
+    h0 = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
+    h, g = h0, h0
+    ys, zs = [], []
+    for t in range(u.shape[1]):
+        h = step(u, delta, A, B, C, t, h)
+        ys.append(readout(h, C, t))
+    for t in reversed(range(u.shape[1])):
+        g = step(u, delta, A, B, C, t, g)
+        zs.append(readout(g, C, t))
+    return torch.stack(ys, 1), torch.stack(zs[::-1], 1)
+
+
+def test_forward_loop_found_when_a_reverse_loop_shares_its_zero_state():
+    """The reverse loop also multiplies a state by exp(Δ[1]·A), many steps after h0: the forward
+    loop's step 1 is the one nearest h0 (the later one was taken, and the forward loop was
+    refused with the two loops' symbolic product as its reason)."""
+    args = make_inputs()
+    u, delta, A, B, C = args
+    backward = reference(u.flip(1), delta.flip(1), A, B.flip(1), C.flip(1))[0].flip(1)
+    report = check(two_directions_from_one_zero, args, rewritten=1, ref=(reference(*args)[0], backward))
+    assert any("walks time backwards" in m.reason for m in report.misses), report.format(graphs=False)
+
+
 def test_padding_mask_with_where_is_left_alone():
     mask = torch.rand(BATCH, L, generator=torch.Generator().manual_seed(3)) > 0.3
     check(padded_where, make_inputs() + (mask,), rewritten=0, reason="")
