@@ -6,15 +6,20 @@
   ``without_autocast`` runs a kernel with autocast off for its device.
 - Forward-mode AD: the ops have no forward-mode formula. A dual tensor that reaches one would
   lose its tangent without a word (the autograd kernel only looks at ``requires_grad``), so
-  ``refuse_forward_ad`` raises instead.
+  ``refuse_forward_ad`` raises instead. It must run in the op's ``Autograd`` kernel:
+  ``torch.func.jvp`` / ``jacfwd`` wrap the tangents at their own level, and the kernels below
+  autograd only ever see the unwrapped primals. ``register_autograd`` gives the ops that use
+  torch's generated autograd kernel that check.
 """
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Callable
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+from torch._library.autograd import make_autograd_impl
 
 
 def without_autocast(impl: Callable[..., Any], device_type: str) -> Callable[..., Any]:
@@ -54,7 +59,26 @@ def refuse_forward_ad(op_name: str, *args: Any) -> None:
         return
     if any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args):
         raise RuntimeError(
-            f"{op_name}: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported: "
+            f"{op_name}: forward-mode AD (forward_ad dual tensors, torch.func.jvp, jacfwd) is not supported: "
             "the op has no forward-mode formula, so the tangent would be lost. Compute the JVP "
             "without the ssm ops (eager code, or torch.compile under a dual level, which leaves the "
             "graph unrewritten)")
+
+
+def register_autograd(lib: torch.library.Library, name: str, backward: Callable[..., Any],
+                      setup_context: Callable[..., Any]) -> None:
+    """``torch.library.register_autograd`` for ``ssm::<name>`` of ``lib``, refusing tangents.
+
+    torch's generated kernel redispatches below autograd whenever nothing requires grad, so a
+    forward-mode tangent (``forward_ad``, ``torch.func.jvp``, ``jacfwd``) would come back
+    dropped or as zeros. This registers that same generated kernel behind
+    ``refuse_forward_ad``."""
+    qualname = f"ssm::{name}"
+    generated = make_autograd_impl(getattr(torch.ops.ssm, name).default,
+                                   types.SimpleNamespace(_backward_fn=backward, _setup_context_fn=setup_context))
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_forward_ad(qualname, *args, *kwargs.values())
+        return generated(keyset, *args, **kwargs)
+
+    lib.impl(name, kernel, "Autograd", with_keyset=True)

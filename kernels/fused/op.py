@@ -26,7 +26,7 @@ import torch
 
 from ..causal_conv1d import cpu as conv_cpu
 from ..causal_conv1d.op import check_causal_conv1d_args
-from ..context import without_autocast
+from ..context import register_autograd, without_autocast
 from ..layout import empty_activation
 from ..selective_scan import cpu as scan_cpu
 from ..selective_scan.op import check_selective_scan_inputs
@@ -148,9 +148,12 @@ def _backward(ctx, grad_y, grad_last_state):
 
 
 @functools.cache
-def register():
-    """Define ``ssm::fused_mamba_scan`` (idempotent). Returns the ``CustomOpDef``."""
-    op = torch.library.custom_op("ssm::fused_mamba_scan", _impl, mutates_args=(), schema=_SCHEMA)
-    op.register_fake(_fake)
-    op.register_autograd(_backward, setup_context=_setup_context)
-    return op
+def register() -> torch.library.Library:
+    """Define ``ssm::fused_mamba_scan`` (idempotent). Returns the ``Library`` fragment that keeps it."""
+    lib = torch.library.Library("ssm", "FRAGMENT")
+    lib.define(f"fused_mamba_scan{_SCHEMA}")
+    # One kernel for every device: _impl names the devices it does not support.
+    lib.impl("fused_mamba_scan", _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake("ssm::fused_mamba_scan", _fake, lib=lib)
+    register_autograd(lib, "fused_mamba_scan", _backward, _setup_context)
+    return lib

@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..context import refuse_forward_ad, without_autocast
+from ..context import register_autograd, without_autocast
 from ..inline import register_inline
 from . import triton_x_dt_proj
 
@@ -62,8 +62,6 @@ def _products(x, x_weight, dt_weight):
 
 def _cpu(x, x_weight, dt_weight):
     check_x_dt_proj_args(x, x_weight, dt_weight)
-    # register_autograd has no forward-mode formula and would drop a tangent without a word.
-    refuse_forward_ad("ssm::x_dt_proj", x, x_weight, dt_weight)
     return _products(x, x_weight, dt_weight)
 
 
@@ -71,7 +69,6 @@ def _cuda(x, x_weight, dt_weight, traced=False):
     # traced: the forward as a graph records it (kernels/inline.py), the kernel's launch through
     # wrap_triton where it runs, else the products recorded as matmuls.
     check_x_dt_proj_args(x, x_weight, dt_weight)
-    refuse_forward_ad("ssm::x_dt_proj", x, x_weight, dt_weight)
     if triton_x_dt_proj.supported(x, x_weight, dt_weight):
         return triton_x_dt_proj.x_dt_proj_fwd(x, x_weight, dt_weight, traced=traced)
     return _products(x, x_weight, dt_weight)
@@ -115,7 +112,7 @@ def register() -> torch.library.Library:
     lib.impl("x_dt_proj", without_autocast(_cpu, "cpu"), "CPU")
     lib.impl("x_dt_proj", without_autocast(_cuda, "cuda"), "CUDA")
     torch.library.register_fake("ssm::x_dt_proj", _fake, lib=lib)
-    torch.library.register_autograd("ssm::x_dt_proj", _backward, setup_context=_setup_context, lib=lib)
+    register_autograd(lib, "x_dt_proj", _backward, _setup_context)
     # Autocast off as in the real impl: the recorded products must keep the op's dtypes.
     register_inline(lib, "ssm::x_dt_proj", without_autocast(_traced, "cuda"))
     return lib
