@@ -7,11 +7,12 @@ generic; no pattern knowledge lives in this file.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import operator
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.fx
@@ -120,13 +121,25 @@ _FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 _DROP_FAKE_TYPE_ERROR = _DropFakeTypeErrorLog()
 
 
-def fake_dispatch() -> Any:
-    """The dispatch dynamo runs its fake values under (``get_fake_value``): the Python dispatcher,
-    through which composite ops (``F.linear``, ``matmul``) take their SymInt-aware decompositions.
-    Without it, torch 2.11's C++ linear reads a 3-D input's sizes as ints on its fast path, and
-    each read adds a guard pinning batch and L: a graph compiled under ``dynamic=True`` would
-    recompile for every shape. Every fake run of the passes goes through here."""
-    return enable_python_dispatcher()
+@contextlib.contextmanager
+def fake_dispatch(mode: Any) -> Iterator[None]:
+    """Inside ``mode`` (the graph's fake mode), the dispatch dynamo runs its fake values under
+    (``get_fake_value``): the Python dispatcher, through which composite ops (``F.linear``,
+    ``matmul``) take their SymInt-aware decompositions. Without it, torch 2.11's C++ linear reads
+    a 3-D input's sizes as ints on its fast path, and each read adds a guard pinning batch and L:
+    a graph compiled under ``dynamic=True`` would recompile for every shape.
+
+    The unbacked symbols a fake run creates (``eps.item()`` of a float that ``dynamic=True``
+    passes as a tensor) are discarded: left pending in the shape env, AOTAutograd's trace of the
+    graph would later fail on them (PendingUnbackedSymbolNotFound), and the backend would drop
+    every rewrite. Every fake run of the passes goes through here."""
+    shape_env = getattr(mode, "shape_env", None)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mode)
+        stack.enter_context(enable_python_dispatcher())
+        if shape_env is not None:
+            stack.enter_context(shape_env.ignore_fresh_unbacked_symbols())
+        yield
 
 
 def propagate_val(node: torch.fx.Node) -> Any:
@@ -143,7 +156,7 @@ def propagate_val(node: torch.fx.Node) -> Any:
         raise RuntimeError(f"propagate_val: no fake inputs found for node {node.name!r}")
     _FAKE_LOG.addFilter(_DROP_FAKE_TYPE_ERROR)
     try:
-        with mode, fake_dispatch():
+        with fake_dispatch(mode):
             if node.op == "call_function":
                 out = node.target(*args, **kwargs)
             elif node.op == "call_method":

@@ -281,7 +281,7 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None]) 
         return []
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     interp = _Propagate(gm)
-    with mode, fake_dispatch(), torch.set_grad_enabled(torch.is_grad_enabled()):
+    with fake_dispatch(mode), torch.set_grad_enabled(torch.is_grad_enabled()):
         inputs = [_fresh_input(v) for v in values]
         try:
             outputs = interp.run(*inputs)

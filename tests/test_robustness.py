@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
-from utils import TOL, MinimalMambaBlock, rel_err
+from utils import TOL, MinimalMambaBlock, perturbed, rel_err
 
 import ssm_compile
 from ssm_compile.compiler import SSMBackend, backend
@@ -281,6 +281,49 @@ def test_dynamic_shapes_through_inductor_forward_and_backward():
         assert rel_err(out, ref) <= TOL[torch.float32] and rel_err(dx, ref_dx) <= TOL[torch.float32]
     assert counters["stats"]["unique_graphs"] == 1 and counters["ssm"]["conv1d"] == 1
     assert counters["inductor"]
+
+
+def _rms(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class _NormedBlock(nn.Module):
+    """RMSNorms whose eps are plain floats around a Mamba block, the block optionally checkpointed."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        self.eps, self.final_eps, self.checkpointed = 1e-5, 1e-6, checkpointed
+        self.block = perturbed(MinimalMambaBlock())
+
+    def body(self, x):
+        return self.block(_rms(x, self.eps))
+
+    def forward(self, x):
+        if self.checkpointed:
+            x = x + torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+        else:
+            x = x + self.body(x)
+        return _rms(x, self.final_eps)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_dynamic_float_attribute_keeps_the_rewrites(checkpointed, caplog):
+    # Under dynamic=True dynamo passes the float eps as a 0-d tensor and reads it back with .item().
+    # The layout check's fake run of the graph made an unbacked symbol of that read, left pending
+    # in the shape env: AOTAutograd's trace then raised PendingUnbackedSymbolNotFound, and the
+    # graph was compiled without any rewrite.
+    ssm_compile.register_ops()
+    model = _NormedBlock(checkpointed)
+    fast = torch.compile(model, backend="ssm", dynamic=True, fullgraph=True)
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="ssm_compile"):
+        out = fast(x)
+        (dx,) = torch.autograd.grad(out.sum(), x)
+    assert "raised" not in caplog.text, caplog.text
+    ref = model(x)
+    (ref_dx,) = torch.autograd.grad(ref.sum(), x)
+    assert rel_err(out, ref) <= TOL[torch.float32] and rel_err(dx, ref_dx) <= TOL[torch.float32]
+    assert counters["ssm"]["scan_loop"] == 1 and counters["ssm"]["conv1d"] == 1, dict(counters["ssm"])
 
 
 def test_dynamic_hf_mamba_recompiles_only_per_length():
