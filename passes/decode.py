@@ -1646,6 +1646,24 @@ def check_window_update(m: dict[str, Any]) -> str | None:
                         tuple(m["writes"]), {*m["reads"], *m["nodes"], m["first"]}, "conv state")
 
 
+def _newest_tap(graph: torch.fx.Graph, m: dict[str, Any]) -> torch.fx.Node:
+    """The new input as the step's readout sees it in the window: x as appended (``x3``, with
+    the program's casts), promoted by the cat, then stored in the conv state (roll and copy_
+    forms). A bf16 state under fp32 activations rounds the newest tap like every other, and the
+    op, which reads x itself, must be handed x rounded the same way."""
+    if m["x3"] is None:  # roll: conv_state[..., -1] = x
+        x, dtypes = m["x"], [_tensor(m["cs"]).dtype]
+    else:
+        x = graph.call_method("squeeze", (m["x3"], -1))
+        propagate_val(x)
+        dtypes = [_tensor(m["window"]).dtype] + ([_tensor(m["cs"]).dtype] if m["form"] == "copy_" else [])
+    for dtype in dtypes:
+        if _tensor(x).dtype != dtype:
+            x = graph.call_method("to", (x, dtype))
+            propagate_val(x)
+    return x
+
+
 def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     order = node_order(graph)
@@ -1677,11 +1695,7 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 cs = graph.call_method("clone", (m["cs"],))
                 propagate_val(cs)
         with graph.inserting_before(last):
-            x = m["x"]
-            if x is None:
-                # x3 is (batch, dim, 1) but not an unsqueeze of a (batch, dim) value.
-                x = graph.call_method("squeeze", (m["x3"], -1))
-                propagate_val(x)
+            x = _newest_tap(graph, m)
             x = _widen_for(graph, x, out_dtype)
             weight = m["weight"] if _tensor(m["weight"]).dim() == 2 else depthwise_weight(graph, m["weight"])
             op, result, new = _call_update(

@@ -345,6 +345,37 @@ return (%causal_conv1d_update_1,)
     assert rel_err(y_c, y_ref) <= TOL[torch.float32]
 
 
+def roll_setitem_widened(x, conv_state, weight, bias):
+    """A bf16 window under fp32 activations: the write rounds x; the readout widens the window."""
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    return F.silu((conv_state.float() * weight).sum(-1) + bias)
+
+
+def cat_cast_copy_widened(x, conv_state, weight, bias):
+    conv_state.copy_(torch.cat([conv_state[:, :, 1:], x[:, :, None].to(conv_state.dtype)], -1))
+    return F.silu((conv_state.float() * weight).sum(-1) + bias)
+
+
+def returned_cast_window_widened(x, conv_state, weight, bias):
+    window = torch.cat([conv_state[:, :, 1:], x[:, :, None].bfloat16()], -1)
+    return F.silu((window.float() * weight).sum(-1) + bias), window
+
+
+@pytest.mark.parametrize("fn", [roll_setitem_widened, cat_cast_copy_widened, returned_cast_window_widened],
+                         ids=["roll-setitem", "cat-cast-copy_", "returned-cast-window"])
+def test_conv_step_on_a_narrower_state_reads_x_rounded(fn):
+    """The conv reads the newest input back from the bf16 window, rounded; the op reads x itself,
+    so it must be handed x rounded the same way (it was handed x: 6e-3 off eager over O(1) outputs)."""
+    inp = conv_inputs()
+    inp["conv_state"] = inp["conv_state"].bfloat16()
+    y_e, y_c, e_in, c_in, cap = run_step(fn, inp)
+    assert dict(counters["ssm"]) == {"conv_update": 1}, cap.ctx.misses
+    for o, r in zip(as_tuple(y_c), as_tuple(y_e), strict=True):
+        assert o.dtype == r.dtype and rel_err(o, r) <= TOL[torch.float32]
+    assert torch.equal(c_in["conv_state"], e_in["conv_state"])
+
+
 def heads_ref_step(state, x, dt, A, B, C, D, z, dt_bias):
     return mamba_ssm_ref_heads(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=True)
 
