@@ -82,3 +82,17 @@ def register_autograd(lib: torch.library.Library, name: str, backward: Callable[
         return generated(keyset, *args, **kwargs)
 
     lib.impl(name, kernel, "Autograd", with_keyset=True)
+
+
+def registration_guard(register: Callable[[], Any]) -> Callable[[], bool]:
+    """A call that makes sure ``register`` (an op module's ``functools.cache``-d definition) has
+    run, for the public wrappers. Dynamo runs it eagerly while tracing, instead of tracing into
+    the cache (its lru_cache warning) and the Library's constructor (which it refuses: a graph
+    break, or an error under fullgraph=True), so a wrapper's first call may be a compiled one."""
+
+    @torch.compiler.assume_constant_result
+    def ensure() -> bool:
+        register()
+        return True
+
+    return ensure

@@ -1,5 +1,8 @@
 """The decode ops against the fp64 reference: CPU path, Triton kernels, in-place state, errors."""
 import itertools
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -488,3 +491,39 @@ def test_decode_op_errors_name_the_op():
         decode_op.selective_state_update(torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 8), torch.randn(8, 4),
                                          torch.randn(2, 4), torch.randn(2, 4))
 
+
+
+@pytest.mark.parametrize("wrapper", ["selective_state_update", "causal_conv1d_update", "selective_scan_fn",
+                                     "causal_conv1d_fn"])
+def test_public_wrapper_compiles_fullgraph_before_any_registration(wrapper):
+    """A fresh process whose first use of a wrapper is under torch.compile(fullgraph=True): the
+    decode wrappers traced into register() (dynamo's lru_cache warning, then the Library's
+    constructor, which dynamo refuses: fullgraph failed)."""
+    script = textwrap.dedent(f"""
+        import warnings
+        import torch
+        import ssm_compile
+        b, d, n, W, L = 2, 4, 3, 4, 5
+        calls = {{
+            "selective_state_update": lambda: (ssm_compile.selective_state_update, (
+                torch.randn(b, d, n), torch.randn(b, d), torch.randn(b, d), -torch.rand(d, n), torch.randn(b, n),
+                torch.randn(b, n))),
+            "causal_conv1d_update": lambda: (ssm_compile.causal_conv1d_update, (
+                torch.randn(b, d), torch.randn(b, d, W), torch.randn(d, W))),
+            "selective_scan_fn": lambda: (ssm_compile.selective_scan_fn, (
+                torch.randn(b, d, L), torch.rand(b, d, L), -torch.rand(d, n), torch.randn(b, n, L),
+                torch.randn(b, n, L))),
+            "causal_conv1d_fn": lambda: (ssm_compile.causal_conv1d_fn, (torch.randn(b, d, L), torch.randn(d, W))),
+        }}
+        fn, args = calls["{wrapper}"]()
+        eager_args = [a.clone() for a in args]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = torch.compile(fn, backend="eager", fullgraph=True)(*args)
+        assert not [w for w in seen if "lru_cache" in str(w.message)], [str(w.message) for w in seen]
+        torch.testing.assert_close(out, fn(*eager_args), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(args, eager_args, rtol=1e-6, atol=1e-6)
+        print("OK")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]

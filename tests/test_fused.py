@@ -174,10 +174,12 @@ def test_backward_raises_with_a_clear_message():
     (dict(dt_weight=torch.randn(15, 3)), ValueError, "dt_weight"),
     (dict(conv_weight=torch.randn(16, 9)), ValueError, "conv_weight"),
     (dict(conv_activation="relu"), ValueError, "conv_activation"),
-    (dict(A=torch.randn(16, 300)), ValueError, "N"),
-    (dict(x=torch.ones(2, 16, 37, dtype=torch.int32)), TypeError, "dtype"),
+    (dict(A=torch.randn(16, 300)), ValueError, "^fused_mamba_scan: .*N"),
+    (dict(x=torch.ones(2, 16, 37, dtype=torch.int32)), TypeError, "^fused_mamba_scan: .*dtype"),
+    (dict(x=torch.randn(2, 16, 0), delta=torch.randn(2, 3, 0), B=torch.randn(2, 8, 0), C=torch.randn(2, 8, 0),
+          z=torch.randn(2, 16, 0)), ValueError, "^fused_mamba_scan: .*L >= 1"),
 ], ids=["dt_low-shape", "dt_weight-dim", "conv-width", "activation", "state-too-large",
-        "int-x"])
+        "int-x", "empty-L"])
 def test_bad_inputs_raise_naming_the_argument(change, error, match):
     inp = make_inputs("level2")
     inp.update(change)

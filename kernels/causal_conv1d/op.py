@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import _C
 
-from ..context import refuse_forward_ad, refuse_functorch_grad, without_autocast
+from ..context import refuse_forward_ad, refuse_functorch_grad, registration_guard, without_autocast
 from ..inline import register_inline
 from ..layout import empty_activation
 from . import cpu, triton_conv
@@ -280,6 +280,9 @@ def register() -> torch.library.Library:
     return lib
 
 
+_ensure_registered = registration_guard(register)
+
+
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -311,8 +314,5 @@ def causal_conv1d_fn(
         >>> y.shape
         torch.Size([2, 64, 128])
     """
-    # Dynamo cannot trace the creation of a Library, so under torch.compile the op must already
-    # be registered: by an eager call of this function, or by ssm_compile.kernels.register_ops().
-    if not torch.compiler.is_compiling():
-        register()
+    _ensure_registered()
     return torch.ops.ssm.causal_conv1d(x, weight, bias, activation, initial_state)

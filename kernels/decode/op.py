@@ -27,7 +27,7 @@ import functools
 import torch
 from torch import _C
 
-from ..context import refuse_forward_ad, without_autocast
+from ..context import refuse_forward_ad, registration_guard, without_autocast
 from ..inline import register_inline
 from . import cpu
 
@@ -367,6 +367,9 @@ def register() -> torch.library.Library:
     return lib
 
 
+_ensure_registered = registration_guard(register)
+
+
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     """One decode step of the selective SSM; updates ``state`` in place and returns the output.
 
@@ -389,7 +392,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         >>> state = torch.zeros(2, 64, 16)
         >>> y = selective_state_update(state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, dt_softplus=True)
     """
-    register()
+    _ensure_registered()
     return torch.ops.ssm.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
 
@@ -413,5 +416,5 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
         >>> conv_state = torch.zeros(2, 64, 4)
         >>> y = causal_conv1d_update(x, conv_state, weight, bias, activation="silu")  # x: (2, 64)
     """
-    register()
+    _ensure_registered()
     return torch.ops.ssm.causal_conv1d_update(x, conv_state, weight, bias, activation)

@@ -67,7 +67,10 @@ def check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bi
                 raise TypeError(f"fused_mamba_scan: {name} must have a dtype in {[str(d) for d in ok]} "
                                 f"(fp64 on CPU only), got {t.dtype}")
     scan_delta = x if dt_weight is not None else delta
-    check_selective_scan_inputs(x, scan_delta, A, B, C, D, z, delta_bias, initial_state)
+    try:
+        check_selective_scan_inputs(x, scan_delta, A, B, C, D, z, delta_bias, initial_state)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise type(e)(f"fused_mamba_scan: the scan's inputs (x in u's place{', with a delta of its shape' if dt_weight is not None else ''}): {e}") from e
     if conv_weight is not None and (initial_state is not None or return_last_state):
         raise ValueError("fused_mamba_scan: initial_state/return_last_state need the conv unfused "
                          "(conv_weight=None): the conv levels' kernel carries no state")

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 from torch import _C
 
-from ..context import refuse_forward_ad, refuse_functorch_grad, without_autocast
+from ..context import refuse_forward_ad, refuse_functorch_grad, registration_guard, without_autocast
 from ..inline import register_inline
 from ..layout import empty_activation
 from . import cpu
@@ -452,12 +452,7 @@ def register() -> torch.library.Library:
     return lib
 
 
-@torch.compiler.assume_constant_result
-def _ensure_registered() -> bool:
-    # Dynamo runs this eagerly while tracing (instead of tracing into the Library machinery,
-    # which would graph-break), so the wrapper also works under torch.compile(fullgraph=True).
-    register()
-    return True
+_ensure_registered = registration_guard(register)
 
 
 def selective_scan_fn(
