@@ -245,6 +245,10 @@ class _NotElementwise(Exception):
     pass
 
 
+class _StateTerms(Exception):
+    """The step's state terms cancel or merge (see ``_state_enters_once``)."""
+
+
 def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbol
               ) -> tuple[dict[torch.fx.Node, sympy.Expr], dict[sympy.Symbol, torch.fx.Node]]:
     """Evaluate the step's nodes as sympy expressions of H and one symbol per leaf node."""
@@ -299,7 +303,27 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
             env[n] = 1 / (1 + sympy.exp(-arg(a[0])))
         else:
             raise _NotElementwise(str(name))
+        _state_enters_once(n, a, env, H, name)
     return env, leaves
+
+
+def _state_enters_once(n: torch.fx.Node, args: tuple, env: dict, H: sympy.Symbol, name: str) -> None:
+    """Raise unless the previous state H enters ``n`` through at most one summand, and survives it.
+
+    Sympy cancels and merges terms that floats do not: ``dA*h + dBu - 0.0*h`` and
+    ``... + h - h`` are ``dA*h + dBu`` to it, but NaN in floats once h is inf, where the op's
+    scan gives inf. A step whose state enters twice is left alone rather than proved equal."""
+    held = [x for x in args if isinstance(x, torch.fx.Node) and x in env and H in env[x].free_symbols]
+    if held and H not in env[n].free_symbols:
+        raise _StateTerms(f"cancels the state out in {name} (h - h, 0·h): NaN in floats where h is not "
+                          "finite, 0 to the proof")
+    summands = args[:1] + (args[1:],) if name == "addcmul" else args
+    twice = sum(1 for x in summands
+                if any(isinstance(y, torch.fx.Node) and y in held for y in (x if isinstance(x, tuple) else (x,))))
+    if twice > 1 and (is_call(n, operator.add, torch.add, operator.sub, torch.sub, torch.addcmul)
+                      or is_method(n, "add", "sub", "addcmul")):
+        raise _StateTerms(f"adds two terms that both hold the state in {name} (h + c·h): the proof would "
+                          "merge them, the floats do not")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -892,6 +916,8 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         env, leaves = _sym_eval(region, H, Hs)
     except _NotElementwise as e:
         return f"the state update uses an op that is not an elementwise add/mul ({e})"
+    except _StateTerms as e:
+        return f"the state update {e}"
     f = sympy.expand(env[h0])
     alpha = sympy.expand(sympy.diff(f, Hs))
     beta = sympy.expand(f.subs(Hs, 0))

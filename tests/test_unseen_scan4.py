@@ -978,6 +978,36 @@ def test_forward_loop_found_when_a_reverse_loop_shares_its_zero_state():
     assert any("walks time backwards" in m.reason for m in report.misses), report.format(graphs=False)
 
 
+def state_cancelled(extra):
+    """A step with a state term that cancels: the same recurrence to sympy, not to floats."""
+    def fn(u, delta, A, B, C):
+        h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
+        ys = []
+        for t in range(u.shape[1]):
+            h = extra(step(u, delta, A, B, C, t, h), h)
+            ys.append(readout(h, C, t))
+        return torch.stack(ys, 1)
+    return fn
+
+
+@pytest.mark.parametrize("extra, reason", [
+    (lambda new, h: new - 0.0 * h, "cancels the state out in mul"),
+    (lambda new, h: new + h - h, "adds two terms that both hold the state in add"),
+    (lambda new, h: torch.addcmul(new, h, h, value=0), "both hold the state in addcmul"),
+], ids=["-0*h", "+h-h", "addcmul(.,h,h,value=0)"])
+def test_state_terms_that_cancel_are_left_alone(extra, reason):
+    """Once the state overflows (exp(Δ·A) > 1 here), eager's 0·inf and inf - inf are NaN, where
+    a scan of the cancelled recurrence keeps inf: such a step is not proved equal to one."""
+    u, delta, A, B, C = make_inputs()
+    args = (u, delta * 200, A.abs() + 1, B, C)
+    report = explain(state_cancelled(extra), *args)
+    text = report.format(graphs=False)
+    assert scan_counts(report) == 0 and any(reason in m.reason for m in report.misses), text
+    expected = state_cancelled(extra)(*args)
+    assert expected.isnan().any()  # the case that tells the two apart
+    torch.testing.assert_close(report.output, expected, rtol=0, atol=0, equal_nan=True)
+
+
 def test_padding_mask_with_where_is_left_alone():
     mask = torch.rand(BATCH, L, generator=torch.Generator().manual_seed(3)) > 0.3
     check(padded_where, make_inputs() + (mask,), rewritten=0, reason="")
