@@ -25,6 +25,7 @@ guessed:
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -188,7 +189,7 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
     else:
         operands = _binary(add, ADD_TARGETS)
         if operands is None or chain.top not in operands or operands[0] is operands[1]:
-            return None
+            return _skip_subtracted(add, chain.top, u_op)
         other = operands[1] if operands[0] is chain.top else operands[0]
         factors = _binary(other, MUL_TARGETS)
         if factors is None:
@@ -219,6 +220,20 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
             continue
         return Skip(add, D, [add] if other is None else [add, other])
     return "; ".join(reasons) if reasons else None
+
+
+def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | None:
+    """Why not, when ``sub`` is ``y - u·X`` or ``u·X - y`` with the scan's u: a skip of the other
+    sign, which the op (``y + D·u``) does not compute. None for anything else."""
+    if not ((is_call(sub, operator.sub, torch.sub) or is_method(sub, "sub")) and len(sub.args) == 2
+            and not sub.kwargs and y in sub.args):
+        return None
+    factors = _binary(sub.args[1] if sub.args[0] is y else sub.args[0], MUL_TARGETS)
+    op_u = layout_source(u_op).base
+    if factors is None or not any(isinstance(f, torch.fx.Node) and layout_source(f).base is op_u for f in factors):
+        return None
+    return (f"{sub.name} subtracts {'D·u from y' if sub.args[0] is y else 'y from D·u'}: the op adds D·u to y "
+            "(a D of the other sign would be the user's to negate)")
 
 
 def _skip_after_a_sum(add: torch.fx.Node, u_op: Any) -> str | None:
