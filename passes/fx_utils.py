@@ -881,11 +881,57 @@ def hoist_before(node: torch.fx.Node, anchor: torch.fx.Node, blocked: torch.fx.N
         to_move.append(n)
         stack.extend(n.all_input_nodes)
     if to_move:
-        refusal = ContextRegions(anchor.graph).refusal(to_move, anchor)
+        refusal = ContextRegions(anchor.graph).refusal(to_move, anchor) or _move_refusal(to_move, anchor, order)
         if refusal is not None:
             return refusal
     for n in sorted(to_move, key=order.__getitem__):
         anchor.prepend(n)
+    return None
+
+
+# Ops that draw random numbers, by name (torch's function, method and aten spellings): moved
+# past another draw, one would take the other's numbers from the generator.
+_RANDOM_NAMES = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "multinomial",
+    "normal", "poisson", "rrelu", "uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
+    "log_normal_", "random_",
+})
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    if getattr(node.target, "tags", None) and torch.Tag.nondeterministic_seeded in node.target.tags:
+        return True
+    return bare_name(node).split(".")[0] in _RANDOM_NAMES
+
+
+def _move_refusal(to_move: list[torch.fx.Node], anchor: torch.fx.Node, order: dict[torch.fx.Node, int]) -> str | None:
+    """Why moving ``to_move`` above ``anchor`` could change what they compute, or None: one of
+    them writes in place or draws random numbers, or memory one of them reads is written between
+    ``anchor`` and where it was (``w.mul_(2); z = w + 0.5`` after the scan: z hoisted above the
+    scan would read w before the write)."""
+    for n in to_move:
+        if mutates(n):
+            return f"{n.name} writes in place, and would be moved above {anchor.name}"
+        if _is_random(n):
+            return f"{n.name} draws random numbers, and would be moved above {anchor.name} and the draws between"
+    readers: dict[Any, torch.fx.Node] = {}
+    for n in sorted(to_move, key=order.__getitem__):
+        for a in n.all_input_nodes:
+            if isinstance(val(a), torch.Tensor):
+                readers.setdefault(storage_of(a), n)
+    moved = set(to_move)
+    last = max(order[n] for n in to_move)
+    for node in anchor.graph.nodes:
+        if order[node] < order[anchor] or node in moved or not mutates(node):
+            continue
+        if order[node] > last:
+            break
+        for w in [storage_of(a) for a in written_args(node) if isinstance(val(a), torch.Tensor)]:
+            # An unknown storage (None) on either side counts as shared.
+            reader = readers.get(w) or readers.get(None) or (next(iter(readers.values())) if w is None else None)
+            if reader is not None and order[node] < order[reader]:
+                return f"{node.name} writes memory that {reader.name} reads, between {anchor.name} and {reader.name}"
     return None
 
 

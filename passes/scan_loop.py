@@ -896,7 +896,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         sa, sh = time_slice(a0), time_slice(H)
         if sa is not None and _made_by_step_at(H, sa[0], sa[1], 1, depth=3):
             return _REVERSE_SCAN
-        if sa is not None and sh is not None and {sa[2], sh[2]} == {0, 1}:
+        # (Not for a time axis of 2: an in-place parallel scan's pairs, Xa[..., 1] += Aa[..., 1] *
+        # Xa[..., 0], look the same, and are scan_inplace's to explain.)
+        if sa is not None and sh is not None and {sa[2], sh[2]} == {0, 1} and (L is None or L > 2):
             return ("the loop's first state is itself a time slice (h = B_full[t=0], then "
                     "h = A_full[t]*h + B_full[t] from t = 1?): that equals a scan from h = 0 only "
                     "where exp(Δ·A) at t = 0 is finite, which the graph does not show; start from "

@@ -820,6 +820,54 @@ TAILS = [
 ]
 
 
+def _z_written_after_the_scan(y, u, D, z, dt):
+    z.mul_(2)
+    return y * F.silu(z + 0.5)
+
+
+def _D_written_after_the_scan(y, u, D, z, dt):
+    D[0] = 5.0
+    return y + u * (D * 1.5)[:, None]
+
+
+def _z_written_through_a_view(y, u, D, z, dt):
+    w = z * 1.0
+    w[:, :, 1:].add_(1.0)
+    return y * F.silu(w + 0.5)
+
+
+def _z_dropped_out_after_another_draw(y, u, D, z, dt):
+    noise = F.dropout(dt, 0.5)
+    return y * F.silu(F.dropout(z, 0.5)) + noise
+
+
+# (finish, family, reason): the gate's z or the skip's D is computed after the scan from memory
+# written after the scan, or draws random numbers after another draw. Folding moves that
+# computation above the scan: it would read the memory before the write (9.8 off eager), or
+# take the other draw's numbers.
+HOIST_HAZARDS = [
+    pytest.param(_z_written_after_the_scan, "gate", "mul_ writes memory", id="z-input-mul_"),
+    pytest.param(_D_written_after_the_scan, "skip", "setitem writes memory", id="D-input-setitem"),
+    pytest.param(_z_written_through_a_view, "gate", "add_ writes memory", id="z-temp-view-add_"),
+    pytest.param(_z_dropped_out_after_another_draw, "gate", "draws random numbers", id="z-dropout"),
+]
+
+
+@pytest.mark.parametrize("finish, family, reason", HOIST_HAZARDS)
+def test_tail_value_is_not_moved_past_a_write_or_a_draw(finish, family, reason):
+    fn = tail(_sp, finish)
+    args = make_tail_inputs()
+    eager_args, compiled_args = [a.clone() for a in args], [a.clone() for a in args]
+    torch.manual_seed(0)
+    report = explain(fn, *compiled_args)
+    torch.manual_seed(0)
+    expected = fn(*eager_args)
+    assert family not in report.counts and any(reason in m.reason for m in report.misses), report.format(graphs=False)
+    assert_close(report.output, expected)
+    for a, e in zip(compiled_args, eager_args, strict=True):
+        assert torch.equal(a, e)
+
+
 @pytest.mark.parametrize("fn, folded, reason", TAILS)
 def test_tail_folds_only_what_is_the_op(fn, folded, reason):
     args = make_tail_inputs()
