@@ -72,13 +72,16 @@ def register_autograd(lib: torch.library.Library, name: str, backward: Callable[
     torch's generated kernel redispatches below autograd whenever nothing requires grad, so a
     forward-mode tangent (``forward_ad``, ``torch.func.jvp``, ``jacfwd``) would come back
     dropped or as zeros. This registers that same generated kernel behind
-    ``refuse_forward_ad``."""
+    ``refuse_forward_ad``, and behind ``refuse_functorch_grad`` where a gradient is wanted."""
     qualname = f"ssm::{name}"
     generated = make_autograd_impl(getattr(torch.ops.ssm, name).default,
                                    types.SimpleNamespace(_backward_fn=backward, _setup_context_fn=setup_context))
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         refuse_forward_ad(qualname, *args, *kwargs.values())
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in (*args, *kwargs.values())):
+            refuse_functorch_grad(qualname)
         return generated(keyset, *args, **kwargs)
 
     lib.impl(name, kernel, "Autograd", with_keyset=True)

@@ -1634,6 +1634,11 @@ def check_window_update(m: dict[str, Any]) -> str | None:
     if reason is not None:
         return reason
     if m["form"] == "returned":
+        if _tensor(m["window"]).dtype != _tensor(m["cs"]).dtype:
+            # The cat promoted the window past the state's dtype (a bf16 state, fp32 x): the op's
+            # new state, in the state's dtype, would round the newest input the returned window holds.
+            return (f"the returned window is {_tensor(m['window']).dtype}, the conv state "
+                    f"{_tensor(m['cs']).dtype}: the op's new window would be rounded to the state's dtype")
         # The op's copy of the window is taken before the window's first use (window_update_pass):
         # the step's own reads of it must all see that value.
         cs, reads = m["cs"], [order[n] for n in m["cs"].users if n in scope]

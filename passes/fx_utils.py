@@ -899,10 +899,16 @@ _RANDOM_NAMES = frozenset({
 })
 
 
+# Name fragments of random ops the exact names miss (F.gumbel_softmax, an op a library wraps
+# whole): a false positive only refuses a move.
+_RANDOM_FRAGMENTS = ("rand", "dropout", "gumbel", "bernoulli", "multinomial", "poisson", "sample", "noise")
+
+
 def _is_random(node: torch.fx.Node) -> bool:
     if getattr(node.target, "tags", None) and torch.Tag.nondeterministic_seeded in node.target.tags:
         return True
-    return bare_name(node).split(".")[0] in _RANDOM_NAMES
+    name = bare_name(node).split(".")[0]
+    return name in _RANDOM_NAMES or any(f in name for f in _RANDOM_FRAGMENTS)
 
 
 def _move_refusal(to_move: list[torch.fx.Node], anchor: torch.fx.Node, order: dict[torch.fx.Node, int]) -> str | None:
@@ -915,11 +921,13 @@ def _move_refusal(to_move: list[torch.fx.Node], anchor: torch.fx.Node, order: di
             return f"{n.name} writes in place, and would be moved above {anchor.name}"
         if _is_random(n):
             return f"{n.name} draws random numbers, and would be moved above {anchor.name} and the draws between"
+    # The last mover to read each storage: a write before it changes what it reads, even when an
+    # earlier mover read the same memory before the write (t = z * 1; z.mul_(2); t + z).
     readers: dict[Any, torch.fx.Node] = {}
     for n in sorted(to_move, key=order.__getitem__):
         for a in n.all_input_nodes:
             if isinstance(val(a), torch.Tensor):
-                readers.setdefault(storage_of(a), n)
+                readers[storage_of(a)] = n
     moved = set(to_move)
     last = max(order[n] for n in to_move)
     for node in anchor.graph.nodes:
@@ -929,7 +937,8 @@ def _move_refusal(to_move: list[torch.fx.Node], anchor: torch.fx.Node, order: di
             break
         for w in [storage_of(a) for a in written_args(node) if isinstance(val(a), torch.Tensor)]:
             # An unknown storage (None) on either side counts as shared.
-            reader = readers.get(w) or readers.get(None) or (next(iter(readers.values())) if w is None else None)
+            reader = readers.get(w) or readers.get(None) or (max(readers.values(), key=order.__getitem__)
+                                                              if w is None and readers else None)
             if reader is not None and order[node] < order[reader]:
                 return f"{node.name} writes memory that {reader.name} reads, between {anchor.name} and {reader.name}"
     return None
@@ -993,9 +1002,22 @@ def _out_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.fx.Node)]
 
 
+# In-place operator methods as dynamo may record them (``z.__imul__(2)``).
+_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))
+
+
+def _is_foreach_inplace(node: torch.fx.Node) -> bool:
+    """``torch._foreach_mul_([z], 2)``: writes every tensor of its first (list) argument."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name.startswith("_foreach_") and name.endswith("_")
+
+
 def _writes_an_input(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("_")
+        return node.target in _INPLACE_DUNDERS or (node.target.endswith("_") and not node.target.startswith("_"))
+    if _is_foreach_inplace(node):
+        return True
     if node.op != "call_function":
         return False
     if node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv):
@@ -1076,6 +1098,8 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
             named.update(node.kwargs)
             written = [named.get(a.name) for a in schema.arguments
                        if a.alias_info is not None and a.alias_info.is_write]
+        elif _is_foreach_inplace(node) and node.args and isinstance(node.args[0], (list, tuple)):
+            written = list(node.args[0])
         else:
             written = list(node.args[:1])
     return [a for a in written if isinstance(a, torch.fx.Node)] + _out_nodes(node)

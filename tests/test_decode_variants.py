@@ -376,6 +376,22 @@ def test_conv_step_on_a_narrower_state_reads_x_rounded(fn):
     assert torch.equal(c_in["conv_state"], e_in["conv_state"])
 
 
+def returned_promoted_window(x, conv_state, weight, bias):
+    """The cat promotes a bf16 state's window to x's fp32: the returned window holds x unrounded."""
+    window = torch.cat([conv_state[:, :, 1:], x[:, :, None]], -1)
+    return F.silu((window * weight).sum(-1) + bias), window
+
+
+def test_returned_window_wider_than_the_state_is_left_alone():
+    inp = conv_inputs()
+    inp["conv_state"] = inp["conv_state"].bfloat16()
+    y_e, y_c, _, _, cap = run_step(returned_promoted_window, inp)
+    assert not counters["ssm"]["conv_update"], dict(counters["ssm"])
+    assert any("the returned window is torch.float32" in r for r in misses(cap, "conv_update")), cap.ctx.misses
+    for o, r in zip(y_c, y_e, strict=True):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+
+
 def heads_ref_step(state, x, dt, A, B, C, D, z, dt_bias):
     return mamba_ssm_ref_heads(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=True)
 

@@ -98,3 +98,12 @@ def test_vmap_of_the_forward_still_works(case):
     stacked = torch.stack([x, x * 0.5 + 0.1])
     expected = torch.stack([f(stacked[0]), f(stacked[1])])
     torch.testing.assert_close(torch.vmap(f)(stacked), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["x_dt_proj(x)", "fused_mamba_scan(conv level, x)"])
+def test_functorch_grad_is_refused_naming_the_op(case):
+    """torch's generated autograd kernel, under torch.func.grad, fails with torch's generic
+    "must override the setup_context staticmethod"; the ops name themselves instead."""
+    name, f, x = CASES[case]
+    with pytest.raises(RuntimeError, match=f"^{name}: torch.func transforms"):
+        torch.func.grad(lambda t: f(t).sum())(x)

@@ -841,6 +841,27 @@ def _z_dropped_out_after_another_draw(y, u, D, z, dt):
     return y * F.silu(F.dropout(z, 0.5)) + noise
 
 
+def _z_read_before_and_after_its_write(y, u, D, z, dt):
+    t = z * 1.0
+    z.mul_(2)
+    return y * F.silu(t + z)
+
+
+def _z_written_by_foreach(y, u, D, z, dt):
+    torch._foreach_mul_([z], 2.0)
+    return y * F.silu(z + 0.5)
+
+
+def _z_written_by_imul_method(y, u, D, z, dt):
+    z.__imul__(2.0)
+    return y * F.silu(z + 0.5)
+
+
+def _z_gumbel_after_another_draw(y, u, D, z, dt):
+    noise = torch.rand_like(dt)
+    return y * F.silu(F.gumbel_softmax(z)) + noise
+
+
 # (finish, family, reason): the gate's z or the skip's D is computed after the scan from memory
 # written after the scan, or draws random numbers after another draw. Folding moves that
 # computation above the scan: it would read the memory before the write (9.8 off eager), or
@@ -850,6 +871,10 @@ HOIST_HAZARDS = [
     pytest.param(_D_written_after_the_scan, "skip", "setitem writes memory", id="D-input-setitem"),
     pytest.param(_z_written_through_a_view, "gate", "add_ writes memory", id="z-temp-view-add_"),
     pytest.param(_z_dropped_out_after_another_draw, "gate", "draws random numbers", id="z-dropout"),
+    pytest.param(_z_read_before_and_after_its_write, "gate", "mul_ writes memory", id="z-read-before-and-after"),
+    pytest.param(_z_written_by_foreach, "gate", "_foreach_mul_ writes memory", id="z-foreach_mul_"),
+    pytest.param(_z_written_by_imul_method, "gate", "writes memory", id="z.__imul__"),
+    pytest.param(_z_gumbel_after_another_draw, "gate", "draws random numbers", id="z-gumbel_softmax"),
 ]
 
 
