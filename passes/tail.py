@@ -336,6 +336,8 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
     if z is None:
         if is_call(g, *_OTHER_GATES) or is_call(g, *SIGMOID_TARGETS):
             return f"the gate is {g.name}, not silu: the op computes y * silu(z)"
+        if (is_method(g, "detach") or is_call(g, torch.detach)) and g.args and _silu_input(g.args[0]) is not None:
+            return f"the gate is {g.name} = silu(z).detach(): the op's gate would send gradients to z"
         return None
     if shape_of(z) != shape_of(chain.top) or shape_of(out) != shape_of(chain.top):
         return f"the gate's z has shape {shape_of(z)}, y has {shape_of(chain.top)}"

@@ -805,6 +805,8 @@ TAILS = [
                  id="gate-divides"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + u * D[:, None]) * F.silu(z).flip(0)), {"delta", "skip"}, None,
                  id="gate-batch-flipped"),
+    pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + u * D[:, None]) * F.silu(z).detach()), {"delta", "skip"},
+                 "silu(z).detach()", id="gate-detached"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + u * D[:, None]) * F.silu(z.flip(-1))),
                  {"delta", "skip", "gate"}, None, id="gate-of-flipped-z-is-a-z"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: y * F.silu(z) * F.silu(z)), {"delta", "gate"}, None,
