@@ -890,18 +890,12 @@ def hoist_before(node: torch.fx.Node, anchor: torch.fx.Node, blocked: torch.fx.N
 
 
 # Ops that draw random numbers, by name (torch's function, method and aten spellings): moved
-# past another draw, one would take the other's numbers from the generator.
-_RANDOM_NAMES = frozenset({
-    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
-    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "multinomial",
-    "normal", "poisson", "rrelu", "uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
-    "log_normal_", "random_",
-})
-
-
-# Name fragments of random ops the exact names miss (F.gumbel_softmax, an op a library wraps
-# whole): a false positive only refuses a move.
+# past another draw, one would take the other's numbers from the generator. The fragments also
+# catch what exact names miss (F.gumbel_softmax, an op a library wraps whole): a false positive
+# only refuses a move. The exact names are those no fragment covers.
 _RANDOM_FRAGMENTS = ("rand", "dropout", "gumbel", "bernoulli", "multinomial", "poisson", "sample", "noise")
+_RANDOM_NAMES = frozenset({"normal", "normal_", "log_normal_", "uniform_", "exponential_", "geometric_", "cauchy_",
+                           "rrelu"})
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -930,15 +924,15 @@ def _move_refusal(to_move: list[torch.fx.Node], anchor: torch.fx.Node, order: di
                 readers[storage_of(a)] = n
     moved = set(to_move)
     last = max(order[n] for n in to_move)
+    last_reader = max(readers.values(), key=order.__getitem__, default=None)
     for node in anchor.graph.nodes:
         if order[node] < order[anchor] or node in moved or not mutates(node):
             continue
         if order[node] > last:
             break
         for w in [storage_of(a) for a in written_args(node) if isinstance(val(a), torch.Tensor)]:
-            # An unknown storage (None) on either side counts as shared.
-            reader = readers.get(w) or readers.get(None) or (max(readers.values(), key=order.__getitem__)
-                                                              if w is None and readers else None)
+            # An unknown storage (None) on either side counts as shared with every reader.
+            reader = last_reader if w is None or None in readers else readers.get(w)
             if reader is not None and order[node] < order[reader]:
                 return f"{node.name} writes memory that {reader.name} reads, between {anchor.name} and {reader.name}"
     return None

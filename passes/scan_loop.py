@@ -317,9 +317,9 @@ def _state_enters_once(n: torch.fx.Node, args: tuple, env: dict, H: sympy.Symbol
     if held and H not in env[n].free_symbols:
         raise _StateTerms(f"cancels the state out in {name} (h - h, 0·h): NaN in floats where h is not "
                           "finite, 0 to the proof")
-    summands = args[:1] + (args[1:],) if name == "addcmul" else args
-    twice = sum(1 for x in summands
-                if any(isinstance(y, torch.fx.Node) and y in held for y in (x if isinstance(x, tuple) else (x,))))
+    # addcmul(c, a, b) = c + a·b: two summands, the second made of two factors.
+    summands = [args[:1], args[1:]] if name == "addcmul" else [(x,) for x in args]
+    twice = sum(1 for terms in summands if any(x in held for x in terms))
     if twice > 1 and (is_call(n, operator.add, torch.add, operator.sub, torch.sub, torch.addcmul)
                       or is_method(n, "add", "sub", "addcmul")):
         raise _StateTerms(f"adds two terms that both hold the state in {name} (h + c·h): the proof would "
