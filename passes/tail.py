@@ -228,12 +228,15 @@ def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | N
     if not ((is_call(sub, operator.sub, torch.sub) or is_method(sub, "sub")) and len(sub.args) == 2
             and not sub.kwargs and y in sub.args):
         return None
-    factors = _binary(sub.args[1] if sub.args[0] is y else sub.args[0], MUL_TARGETS)
-    op_u = layout_source(u_op).base
-    if factors is None or not any(isinstance(f, torch.fx.Node) and layout_source(f).base is op_u for f in factors):
+    if not _product_of(sub.args[1] if sub.args[0] is y else sub.args[0], layout_source(u_op).base):
         return None
-    return (f"{sub.name} subtracts {'D·u from y' if sub.args[0] is y else 'y from D·u'}: the op adds D·u to y "
-            "(a D of the other sign would be the user's to negate)")
+    return f"{sub.name} subtracts {'D·u from y' if sub.args[0] is y else 'y from D·u'}: the op adds D·u to y"
+
+
+def _product_of(node: Any, u: torch.fx.Node) -> bool:
+    """``node`` is a two-factor product with a factor that is ``u`` (through views and casts)."""
+    factors = _binary(node, MUL_TARGETS)
+    return factors is not None and any(isinstance(f, torch.fx.Node) and layout_source(f).base is u for f in factors)
 
 
 def _skip_after_a_sum(add: torch.fx.Node, u_op: Any) -> str | None:
@@ -246,9 +249,7 @@ def _skip_after_a_sum(add: torch.fx.Node, u_op: Any) -> str | None:
         operands = _binary(user, ADD_TARGETS)
         if operands is None or add not in operands:
             continue
-        factors = _binary(operands[1] if operands[0] is add else operands[0], MUL_TARGETS)
-        if factors is not None and any(isinstance(f, torch.fx.Node) and layout_source(f).base is op_u
-                                       for f in factors):
+        if _product_of(operands[1] if operands[0] is add else operands[0], op_u):
             return (f"the skip (a product of the scan's u, {user.name}) is added to {add.name} = y + another term, "
                     "not to y: the op adds D·u to y alone, and folding would reassociate the sum")
     return None
