@@ -1663,9 +1663,7 @@ def _newest_tap(graph: torch.fx.Graph, m: dict[str, Any]) -> torch.fx.Node:
         propagate_val(x)
         dtypes = [_tensor(m["window"]).dtype] + ([_tensor(m["cs"]).dtype] if m["form"] == "copy_" else [])
     for dtype in dtypes:
-        if _tensor(x).dtype != dtype:
-            x = graph.call_method("to", (x, dtype))
-            propagate_val(x)
+        x = _cast_to(graph, x, dtype)
     return x
 
 
