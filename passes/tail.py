@@ -311,6 +311,12 @@ def _silu_input(g: Any) -> Optional[torch.fx.Node]:
     return None
 
 
+def _is_inplace_silu(g: Any) -> bool:
+    if is_call(g, *SILU_TARGETS):
+        return bool(g.kwargs.get("inplace", False) or (len(g.args) > 1 and g.args[1]))
+    return is_method(g, "silu_") or is_call(g, torch.ops.aten.silu_)
+
+
 def _sigmoid_input(s: Any) -> Optional[torch.fx.Node]:
     if (is_call(s, *SIGMOID_TARGETS) or is_method(s, "sigmoid")) and len(s.args) == 1:
         return s.args[0]
@@ -339,6 +345,9 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
             return f"the gate is {g.name}, not silu: the op computes y * silu(z)"
         if (is_method(g, "detach") or is_call(g, torch.detach)) and g.args and _silu_input(g.args[0]) is not None:
             return f"the gate is {g.name} = silu(z).detach(): the op's gate would send gradients to z"
+        if _is_inplace_silu(g):
+            return (f"the gate is {g.name} = silu(z, inplace=True), which also writes silu(z) into z: "
+                    "the op's gate would leave z as it was")
         return None
     if shape_of(z) != shape_of(chain.top) or shape_of(out) != shape_of(chain.top):
         return f"the gate's z has shape {shape_of(z)}, y has {shape_of(chain.top)}"

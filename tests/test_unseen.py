@@ -864,6 +864,14 @@ def _z_gumbel_after_another_draw(y, u, D, z, dt):
     return y * F.silu(F.gumbel_softmax(z)) + noise
 
 
+def _gate_silu_inplace_kwarg(y, u, D, z, dt):
+    return y * F.silu(z, inplace=True)
+
+
+def _gate_silu_inplace_positional(y, u, D, z, dt):
+    return y * F.silu(z, True)
+
+
 # (finish, family, reason): the gate's z or the skip's D is computed after the scan from memory
 # written after the scan, or draws random numbers after another draw. Folding moves that
 # computation above the scan: it would read the memory before the write (9.8 off eager), or
@@ -877,6 +885,9 @@ HOIST_HAZARDS = [
     pytest.param(_z_written_by_foreach, "gate", "_foreach_mul_ writes memory", id="z-foreach_mul_"),
     pytest.param(_z_written_by_imul_method, "gate", "writes memory", id="z.__imul__"),
     pytest.param(_z_gumbel_after_another_draw, "gate", "draws random numbers", id="z-gumbel_softmax"),
+    # Not a move: the gate itself writes silu(z) into the caller's z, which the op's gate would not.
+    pytest.param(_gate_silu_inplace_kwarg, "gate", "silu(z, inplace=True)", id="gate-silu-inplace"),
+    pytest.param(_gate_silu_inplace_positional, "gate", "silu(z, inplace=True)", id="gate-silu-inplace-positional"),
 ]
 
 
