@@ -301,6 +301,11 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                          "read it where the conv runs, not where the user's F.pad did", [conv])
                 continue
         reason = check_causal_conv(conv, x, weight, args, sliced, left_padded=pad is not None)
+        if reason is not None and pad is None and left_pad_source(x, weight) is not None:
+            # A causal conv of the padded input is still rewritten; anything else checked on it
+            # would name the padded length, which the user's x does not have.
+            reason = (f"the input is already zero-padded by W-1 on the left and the conv pads it again by "
+                      f"{args['padding']!r}: not a causal conv of the unpadded x ({reason})")
         if reason is not None:
             ctx.miss(FAMILY, reason, [conv])
             continue

@@ -1154,6 +1154,25 @@ def conv_replicate_padded(x, w, b):
     return F.conv1d(F.pad(x, (w.shape[-1] - 1, 0), mode="replicate"), w, b, groups=x.shape[1])
 
 
+def conv_padded_twice(x, w, b):
+    """Padded by W-1 twice (F.pad, then the conv's own padding), sliced to x's L: lags x by W-1."""
+    return F.conv1d(F.pad(x, (w.shape[-1] - 1, 0)), w, b, padding=w.shape[-1] - 1, groups=x.shape[1])[
+        ..., :x.shape[-1]]
+
+
+def conv_of_the_padded_input(x, w, b):
+    """A causal conv of the padded input itself (its first L+W-1 outputs): that is still the op's."""
+    xp = F.pad(x, (w.shape[-1] - 1, 0))
+    return F.conv1d(xp, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])[..., :xp.shape[-1]]
+
+
+def test_causal_conv_of_a_padded_input_is_rewritten():
+    args = conv_inputs()
+    report = explain(conv_of_the_padded_input, *args)
+    assert [r.family for r in report.rewrites] == ["conv1d"], report.format(graphs=False)
+    assert_close(report.output, conv_of_the_padded_input(*args))
+
+
 def test_left_padded_conv_is_rewritten():
     args = conv_inputs()
     report = explain(conv_left_padded, *args)
@@ -1170,6 +1189,8 @@ def test_left_padded_conv_is_rewritten():
     pytest.param(conv_left_padded_with_ones, "not zeros (W-1, 0) on the left only", id="left-padded-with-ones"),
     pytest.param(conv_left_padded_too_little, "not zeros (W-1, 0) on the left only", id="left-padded-W-2"),
     pytest.param(conv_replicate_padded, "not zeros (W-1, 0) on the left only", id="replicate-padded"),
+    pytest.param(conv_padded_twice, "already zero-padded by W-1 on the left and the conv pads it again",
+                 id="padded-twice"),
 ])
 def test_non_causal_conv_is_left_alone(fn, reason):
     report = explain(fn, *conv_inputs())
