@@ -345,6 +345,12 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
             return f"the gate is {g.name}, not silu: the op computes y * silu(z)"
         if (is_method(g, "detach") or is_call(g, torch.detach)) and g.args and _silu_input(g.args[0]) is not None:
             return f"the gate is {g.name} = silu(z).detach(): the op's gate would send gradients to z"
+        factors = _binary(g, MUL_TARGETS)
+        sig = next((_sigmoid_input(f) for f in factors or () if _sigmoid_input(f) is not None), None)
+        if sig is not None:
+            other = factors[1] if _sigmoid_input(factors[0]) is sig else factors[0]
+            return (f"the gate is {g.name} = {getattr(other, 'name', other)} * sigmoid({getattr(sig, 'name', sig)}), "
+                    "not z * sigmoid(z): the op computes y * silu(z)")
         if _is_inplace_silu(g):
             return (f"the gate is {g.name} = silu(z, inplace=True), which also writes silu(z) into z: "
                     "the op's gate would leave z as it was")
