@@ -460,6 +460,17 @@ def _equal_view(node: Any, other: torch.fx.Node) -> bool:
             and node.target is other.target is operator.getitem and node.args == other.args and not node.kwargs)
 
 
+def _nearest_ancestors(value: Any, limit: int) -> set[torch.fx.Node]:
+    """``value`` and up to ``limit`` of its nearest ancestors (the nodes a step's formula is made of)."""
+    seen, frontier = set(), [value]
+    while frontier and len(seen) < limit:
+        node = frontier.pop(0)
+        if isinstance(node, torch.fx.Node) and node not in seen:
+            seen.add(node)
+            frontier.extend(node.all_input_nodes)
+    return seen
+
+
 def _linear_inside(value: Any, state: torch.fx.Node, limit: int = 16) -> torch.fx.Node | None:
     """A node among the last ``limit`` ancestors of ``value`` that is a linear update of ``state``
     (``state * decay + addend``), or None: what a non-linear recurrence wraps (``tanh(...)``)."""
@@ -507,6 +518,10 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
             if _linear_inside(h, state) is not None:
                 raise Miss(f"the new state is {target_name(h)}(state * dA + ...), not the update state * dA + dBx "
                            "itself (a nonlinear function, or a rescaling the decay exp(dt * A) does not hold)")
+            near = _nearest_ancestors(h, limit=16)
+            if state in near and any(is_call(n, torch.exp) or is_method(n, "exp") for n in near):
+                raise Miss(f"the new state {target_name(h)} reads the state and a decay exp(...), but is not "
+                           "state * dA + dBx: the state is masked, scaled or combined before the decay multiplies it")
             return None
         _, reader, casts, decay, addend = split
         return Update("copy_", state, h, reader, casts, decay, addend, [node])

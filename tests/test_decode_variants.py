@@ -524,6 +524,14 @@ def readout_between_the_writes(state, x, dt, A, B, C, D, z, dt_bias):
     return y
 
 
+def masked_state(state, x, dt, A, B, C, D, z, dt_bias):
+    """A reset: the state is masked by a per-sequence keep flag before the decay."""
+    dA, dBu = _disc(x, dt, A, B)
+    keep = (z[:, :1] > 0).to(state.dtype)[..., None]
+    state.copy_((state * keep) * dA + dBu)
+    return (state * C[:, None]).sum(-1)
+
+
 STATE_LOOK_ALIKES = [
     pytest.param(tanh_update, "not the update state * dA + dBx itself", id="tanh"),
     pytest.param(add_then_mul, "multiplied in place by a decay", id="add-then-mul"),
@@ -533,6 +541,7 @@ STATE_LOOK_ALIKES = [
     pytest.param(A_per_batch, "A has shape", id="A-per-batch"),
     pytest.param(A_shared_row, "A has shape", id="A-shared-row"),
     pytest.param(tied_dt_per_head, "dt (axes batch, heads)", id="mamba2-tied-dt"),
+    pytest.param(masked_state, "the state is masked, scaled or combined", id="masked-state"),
 ]
 
 
