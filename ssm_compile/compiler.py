@@ -190,6 +190,27 @@ def _forward_ad_active() -> bool:
     return forward_ad._current_level >= 0
 
 
+def _unvectorised_cpu_recurrence(options: SSMOptions, ctx, example_inputs) -> SSMOptions:
+    """``options`` with inductor's CPU vectorisation off (``cpp.simdlen=1``) for a CPU graph that
+    still holds a recurrence the scan pass saw and left alone, else ``options`` itself.
+
+    Inductor's vectorised C++ code miscompiles such unrolled loops: on torch 2.13 (AVX-512) a
+    Mamba-1 loop with N >= 8 left to inductor comes back 28 to 78 off eager, without any ssm
+    rewrite (``benchmarks/inductor_cpu_recurrence.py`` reproduces it with ``backend="inductor"``);
+    scalar code computes it right. Such a graph is slow anyway (the loop stays unrolled), and a
+    user's own ``cpp.simdlen`` is left as it is. Recurrences the passes do not recognise at all
+    get no such guard: they are inductor's, as under ``backend="inductor"``.
+    """
+    if "cpp.simdlen" in options.inductor_config or not any(m.family == "scan_loop" for m in ctx.misses):
+        return options
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if not tensors or any(x.device.type != "cpu" for x in tensors):
+        return options
+    log.warning("ssm backend: this CPU graph keeps a recurrence the scan pass left alone; it is compiled "
+                "with inductor's cpp.simdlen=1, as inductor's vectorised CPU code miscompiles such loops")
+    return dataclasses.replace(options, inductor_config={**options.inductor_config, "cpp.simdlen": 1})
+
+
 def _auto_cpp_wrapper(options: SSMOptions, example_inputs) -> bool:
     """Auto's choice for one rewritten graph: the C++ wrapper where the graph runs on CUDA, is
     compiled for inference, and no CUDA graphs are asked for (CUDA graphs already take the
@@ -242,16 +263,20 @@ class SSMBackend:
         ctx = _run_passes(pm, gm, undo)
         log.info("ssm backend: %d rewrite(s), %d near-miss(es) in a graph of %d nodes",
                  len(ctx.rewrites), len(ctx.misses), len(gm.graph.nodes))
+        options = _unvectorised_cpu_recurrence(self.options, ctx, example_inputs)
         if self.on_graph is not None:
+            record_options = dict(pm.options)
+            if options is not self.options:
+                record_options["inductor_config"] = dict(options.inductor_config)
             self.on_graph(GraphRecord(before=before, after=_code(gm), rewrites=list(ctx.rewrites),
-                                      misses=list(ctx.misses), options=dict(pm.options)))
-        if not self.options.inductor:
+                                      misses=list(ctx.misses), options=record_options))
+        if not options.inductor:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
         if not ctx.rewrites:
-            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm, self.options))
-        compiled, error = self._compile_rewritten(compile_fx, pm, gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm, options))
+        compiled, error = self._compile_rewritten(compile_fx, pm, gm, example_inputs, options)
         if error is None:
             return compiled
         # The rewritten graph failed to trace or compile (something the layout check could not
@@ -261,10 +286,10 @@ class SSMBackend:
         log.warning("ssm backend: compiling the rewritten graph raised %s: %s; this graph is "
                     "compiled without ssm rewrites", type(error).__name__, error)
         log.debug("ssm backend: compile failure traceback", exc_info=error)
-        return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm, self.options))
+        return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm, options))
 
-    def _compile_rewritten(self, compile_fx, pm, gm: torch.fx.GraphModule,
-                           example_inputs) -> tuple[Callable[..., Any] | None, Exception | None]:
+    def _compile_rewritten(self, compile_fx, pm, gm: torch.fx.GraphModule, example_inputs,
+                           options: SSMOptions) -> tuple[Callable[..., Any] | None, Exception | None]:
         """(the compiled rewritten graph, None), or (None, the exception its compile raised).
 
         Before it counts as failed, the compile is retried without what this backend chose on
@@ -274,7 +299,6 @@ class SSMBackend:
         an inlined launch from the kernel's source, which kernels/inline.py says can trip, and
         the ops whole keep the rewrites.
         """
-        options = self.options
         if options.cpp_wrapper is None and _auto_cpp_wrapper(options, example_inputs):
             # Where auto says no, nothing is patched: inductor's own setting (the user's) stands.
             options = dataclasses.replace(options, cpp_wrapper=True)
