@@ -248,6 +248,21 @@ def test_swish_is_silu():
     assert torch.equal(causal_conv1d_fn(**inputs), swish)
 
 
+@pytest.mark.parametrize("batch, dim, seqlen", [(0, 6, 11), (2, 0, 11), (2, 6, 0)], ids=["batch0", "dim0", "L0"])
+def test_empty_input_gives_an_empty_output_and_zero_grads(batch, dim, seqlen):
+    # As F.conv1d does: a batch 0 (a filtered-out micro-batch) must not fail a compiled graph.
+    inputs = make_inputs(batch, dim, seqlen, 4, torch.float32, FLAGS["bias-silu-init"])
+    leaves = {k: v.detach().requires_grad_() for k, v in tensors(inputs).items()}
+    y = causal_conv1d_fn(**{**inputs, **leaves})
+    assert y.shape == (batch, dim, seqlen)
+    y.sum().backward()
+    for name, leaf in leaves.items():
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape and not leaf.grad.any(), name
+    torch.library.opcheck(torch.ops.ssm.causal_conv1d.default, op_args(inputs))
+    dy = torch.randn(batch, dim, seqlen)
+    torch.library.opcheck(torch.ops.ssm.causal_conv1d_backward.default, (dy, *op_args(inputs)))
+
+
 def _bad(**changes):
     inputs = make_inputs(2, 6, 11, 4, torch.float32, FLAGS["bias-silu-init"])
     return {**inputs, **changes}
@@ -255,7 +270,6 @@ def _bad(**changes):
 
 BAD_INPUTS = {  # name: (inputs, error, message regex)
     "x-rank": (_bad(x=torch.randn(6, 11)), ValueError, r"^x: .*\(batch, dim, seqlen\)"),
-    "x-empty": (_bad(x=torch.randn(2, 6, 0)), ValueError, r"^x: .*non-empty"),
     "x-int": (_bad(x=torch.ones(2, 6, 11, dtype=torch.int32)), TypeError, r"^x: expected dtype"),
     "weight-dim": (_bad(weight=torch.randn(5, 4)), ValueError, r"^weight: .*\(dim=6, W\)"),
     "weight-W1": (_bad(weight=torch.randn(6, 1)), ValueError, r"^weight: .*W in \[2, 8\]"),

@@ -86,10 +86,8 @@ def check_causal_conv1d_args(
                               ("initial_state", initial_state, False)):
         if not (isinstance(t, torch.Tensor) or (t is None and not required)):
             raise TypeError(f"{name}: expected a Tensor{'' if required else ' or None'}, got {type(t).__name__}")
-    if x.dim() != 3 or x.numel() == 0:
-        raise ValueError(
-            f"x: expected a non-empty (batch, dim, seqlen) tensor, got shape {tuple(x.shape)}"
-        )
+    if x.dim() != 3:
+        raise ValueError(f"x: expected a (batch, dim, seqlen) tensor, got shape {tuple(x.shape)}")
     batch, dim, _ = x.shape
     _check_tensor("x", x, tuple(x.shape), x.device)
     if weight.dim() != 2 or weight.shape[0] != dim:
@@ -124,11 +122,15 @@ def _fwd_fake(x, weight, bias=None, activation=None, initial_state=None):
 
 def _fwd_cpu(x, weight, bias=None, activation=None, initial_state=None):
     _check_args_cached(x, weight, bias, activation, initial_state)
+    if x.numel() == 0:
+        return empty_activation(x)
     return cpu.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation))
 
 
 def _fwd_cuda(x, weight, bias=None, activation=None, initial_state=None):
     _check_args_cached(x, weight, bias, activation, initial_state)
+    if x.numel() == 0:
+        return empty_activation(x)  # (a launch grid may not be empty)
     return triton_conv.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation))
 
 
@@ -136,6 +138,8 @@ def _fwd_traced(x, weight, bias=None, activation=None, initial_state=None):
     # The forward as a graph records it on CUDA (kernels/inline.py): the full check (the cached
     # one hashes sizes, which traced tensors may not have), then the launch through wrap_triton.
     check_causal_conv1d_args(x, weight, bias, activation, initial_state)
+    if x.numel() == 0:
+        return empty_activation(x)
     return triton_conv.causal_conv1d_fwd(x, weight, bias, initial_state, _is_silu(activation), traced=True)
 
 
@@ -151,15 +155,30 @@ def _bwd_fake(dy, x, weight, bias, activation, initial_state):
     )
 
 
+def _bwd_of_empty(x, weight, bias, initial_state):
+    """The gradients where x holds no element: y is empty, so nothing reaches any input."""
+    absent = x.new_empty(0, dtype=torch.float32)
+    return (
+        empty_activation(x),
+        torch.zeros_like(weight),
+        absent if bias is None else torch.zeros_like(bias),
+        absent.clone() if initial_state is None else torch.zeros_like(initial_state),
+    )
+
+
 def _bwd_cpu(dy, x, weight, bias, activation, initial_state):
     _check_args_cached(x, weight, bias, activation, initial_state)
     _check_grad(dy, x)
+    if x.numel() == 0:
+        return _bwd_of_empty(x, weight, bias, initial_state)
     return tuple(cpu.causal_conv1d_bwd(dy, x, weight, bias, initial_state, _is_silu(activation)))
 
 
 def _bwd_cuda(dy, x, weight, bias, activation, initial_state):
     _check_args_cached(x, weight, bias, activation, initial_state)
     _check_grad(dy, x)
+    if x.numel() == 0:
+        return _bwd_of_empty(x, weight, bias, initial_state)
     grads = triton_conv.causal_conv1d_bwd(dy, x, weight, bias, initial_state, _is_silu(activation))
     return tuple(grads)
 

@@ -29,8 +29,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_x_dt_proj_args(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tensor) -> None:
     """Raise ValueError/TypeError naming the argument if the inputs break the op's contract."""
-    if x.dim() < 2 or x.numel() == 0:
-        raise ValueError(f"x: expected a non-empty (..., rows, K) tensor, got shape {tuple(x.shape)}")
+    if x.dim() < 2:
+        raise ValueError(f"x: expected a (..., rows, K) tensor, got shape {tuple(x.shape)}")
     # fp64 is accepted on CPU only, for gradcheck: the kernel accumulates in fp32.
     allowed = _DTYPES + ((torch.float64,) if x.device.type == "cpu" else ())
     if x.dtype not in allowed:
@@ -69,7 +69,9 @@ def _cuda(x, x_weight, dt_weight, traced=False):
     # traced: the forward as a graph records it (kernels/inline.py), the kernel's launch through
     # wrap_triton where it runs, else the products recorded as matmuls.
     check_x_dt_proj_args(x, x_weight, dt_weight)
-    if triton_x_dt_proj.supported(x, x_weight, dt_weight):
+    # Nothing to launch for an empty x (a batch of 0): the products give the empty (or, for
+    # K = 0, zero) outputs.
+    if x.numel() > 0 and triton_x_dt_proj.supported(x, x_weight, dt_weight):
         return triton_x_dt_proj.x_dt_proj_fwd(x, x_weight, dt_weight, traced=traced)
     return _products(x, x_weight, dt_weight)
 
@@ -84,7 +86,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    return t.flatten(0, -2)  # (reshape(-1, K) is ambiguous where K is 0)
 
 
 def _backward(ctx, g_x_dbl, g_dt):
