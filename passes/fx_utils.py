@@ -898,7 +898,8 @@ _RANDOM_NAMES = frozenset({"normal", "normal_", "log_normal_", "uniform_", "expo
                            "rrelu"})
 
 
-def _is_random(node: torch.fx.Node) -> bool:
+def draws_random(node: torch.fx.Node) -> bool:
+    """``node`` draws random numbers (by its op's tag, else by name; see above)."""
     if getattr(node.target, "tags", None) and torch.Tag.nondeterministic_seeded in node.target.tags:
         return True
     name = bare_name(node).split(".")[0]
@@ -913,7 +914,7 @@ def _move_refusal(to_move: list[torch.fx.Node], anchor: torch.fx.Node, order: di
     for n in to_move:
         if mutates(n):
             return f"{n.name} writes in place, and would be moved above {anchor.name}"
-        if _is_random(n):
+        if draws_random(n):
             return f"{n.name} draws random numbers, and would be moved above {anchor.name} and the draws between"
     # The last mover to read each storage: a write before it changes what it reads, even when an
     # earlier mover read the same memory before the write (t = z * 1; z.mul_(2); t + z).

@@ -36,8 +36,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                           UnsupportedOperatorException)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
-from .fx_utils import (fake_dispatch, inverse, is_call, is_method, mutates, node_order, set_val, storage_of, storage_of_value, val,
-                       written_args)
+from .fx_utils import (draws_random, fake_dispatch, inverse, is_call, is_method, mutates, node_order, set_val, storage_of,
+                       storage_of_value, val, written_args)
 
 try:
     from torch._prims_common import is_non_overlapping_and_dense_or_false as _is_dense
@@ -92,6 +92,58 @@ def _output_layout(node: torch.fx.Node) -> OutputLayout:
         return OutputLayout(None, storage_of(node))
     return OutputLayout(None, storage_of(node),
                         ViewedBase(tuple(views), _dim_order(val(base)), storage_of(base), tuple(val(base).shape)))
+
+
+def _draw_order(value: torch.Tensor) -> list[int]:
+    """The dim order in which a random op fills a tensor shaped and laid out like ``value``:
+    ``empty_like`` keeps a dense input's order (``rand_like``, dropout's mask, a bernoulli), and
+    makes any other input's result contiguous."""
+    order = _dim_order(value)
+    if order is None:
+        order = [d for d in range(value.dim()) if not statically_known_true(value.shape[d] == 1)]
+    return order
+
+
+RandomInputs = dict  # random node -> {argument position or keyword: its draw order as traced}
+
+
+def random_input_layouts(gm: torch.fx.GraphModule) -> RandomInputs:
+    """For every node that draws random numbers, the draw order of its tensor arguments as
+    dynamo traced them: read before the rewrites, which may hand such a node an op output laid
+    out otherwise (``causal_conv1d``'s (batch, dim, L) for eager's transposed conv output), so
+    that the same generator state would fill the same numbers into other elements."""
+    layouts: RandomInputs = {}
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or not draws_random(n):
+            continue
+        orders = {key: _draw_order(val(a)) for key, a in [*enumerate(n.args), *n.kwargs.items()]
+                  if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor)}
+        if orders:
+            layouts[n] = orders
+    return layouts
+
+
+def _restore_random_inputs(gm: torch.fx.GraphModule, values: dict, traced: RandomInputs) -> list[str]:
+    """Give a random node's tensor arguments their traced draw order back where the rewrites
+    changed it (one copy there): its numbers then land where eager's did, seed for seed."""
+    changes = []
+    for node, orders in traced.items():
+        if node not in values:
+            continue  # erased by a rewrite
+        for key, want in orders.items():
+            arg = node.args[key] if isinstance(key, int) else node.kwargs[key]
+            value = values.get(arg) if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(value, torch.Tensor) or _draw_order(value) == want:
+                continue
+            with gm.graph.inserting_before(node):
+                copy = _copy_in_order(gm, arg, value, want)
+            if isinstance(key, int):
+                node.update_arg(key, copy)
+            else:
+                node.update_kwarg(key, copy)
+            changes.append(f"{node.name} draws random numbers over {arg.name}: dim order "
+                           f"{_draw_order(value)} -> eager's {want}")
+    return changes
 
 
 # Views whose strides follow from their input's strides alone, so that a base with eager's
@@ -266,8 +318,10 @@ def _is_stride_error(n: torch.fx.Node, e: Exception) -> bool:
     return "view" in str(e) and "stride" in str(e)
 
 
-def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None]) -> list[str]:
-    """Mend ``gm`` (rewritten) so that its views apply and its outputs keep their ``traced`` layouts.
+def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None],
+                   random_inputs: RandomInputs | None = None) -> list[str]:
+    """Mend ``gm`` (rewritten) so that its views apply, its outputs keep their ``traced`` layouts,
+    and its random draws their ``random_inputs`` draw orders (``random_input_layouts``).
 
     Returns a line per change, for the log. Raises ``LayoutError`` where a view cannot be
     mended, where the new layouts could change aliasing a program can observe, and where the
@@ -306,6 +360,7 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None]) 
             outputs = pytree.tree_leaves(outputs)
             changes += _restore_viewed_bases(gm, interp.values, out_node, outputs, traced)
             changes += _restore_outputs(gm, out_node, outputs, traced)
+            changes += _restore_random_inputs(gm, interp.values, random_inputs or {})
     if changes:
         gm.recompile()
     return changes

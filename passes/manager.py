@@ -19,7 +19,7 @@ from .discretize import unscanned_discretizations
 from .fx_utils import mutates, val
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import rewrite_local_writes
-from .layout import output_layouts, settle_layouts
+from .layout import output_layouts, random_input_layouts, settle_layouts
 from .pieces import read_single_cats, read_whole_pieces
 
 log = logging.getLogger("ssm_compile")
@@ -171,15 +171,16 @@ class PassManager:
         # The graph and its checkpointed subgraphs, each with its outputs' layouts as traced.
         modules = _with_bodies(gm)
         traced = [output_layouts(m) for m in modules]
+        random_inputs = [random_input_layouts(m) for m in modules]
         self._run(gm, ctx, set())
         if ctx.rewrites:
             # Innermost first: a subgraph's outputs are what its caller's graph reads.
-            for module, layouts in reversed(list(zip(modules, traced))):
+            for module, layouts, draws in reversed(list(zip(modules, traced, random_inputs))):
                 folds = (read_single_cats(module, same_strides=False) + fold_round_trip_casts(module)
                          + fold_widening_casts_into_ops(module))
                 if folds:
                     _eliminate_dead_code(module)
-                for change in folds + settle_layouts(module, layouts):
+                for change in folds + settle_layouts(module, layouts, draws):
                     log.info("ssm after the rewrites: %s", change)
         return ctx
 
