@@ -151,7 +151,8 @@ def match(scan: torch.fx.Node) -> Site | str | None:
         return None
     dtypes = {v.dtype for v in values}
     if len(dtypes) == 1 and next(iter(dtypes)) not in _FLOATS:
-        return None
+        return (f"x_proj/dt_proj run in {next(iter(dtypes))}: the op takes fp32, bf16 or fp16 (its kernel "
+                "accumulates in fp32), so the two products stay as they are")
     if len(dtypes) != 1:
         return (f"x_proj/dt_proj mix dtypes ({', '.join(sorted(str(d) for d in dtypes))}): a cast or an "
                 "autocast region sets a product's precision, which the op would not reproduce")
