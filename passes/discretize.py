@@ -923,7 +923,7 @@ def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tup
     n_lab, d_lab = sa - sd, sa & sd
     b_lab = sd - sa - {t_lab}
     if len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1:
-        return "A_full: A must be indexed by (dim, state) and Δ by (batch, dim, time)"
+        return "A_full: A must be indexed by (dim, state) and Δ by (batch, dim, time)" + _size_one_note(fa.node)
     role = {b_lab.pop(): "b", d_lab.pop(): "d", t_lab: "t", n_lab.pop(): "n"}
     if set(a_out) != set(role):
         return "A_full's axes are not (batch, dim, time, state)"
@@ -1047,6 +1047,16 @@ def match_step_decay_full_input(alpha: torch.fx.Node, b_full: torch.fx.Node, t_a
     return _with_negation(lambda neg: _match_step_decay(alpha, neg, lambda d: _full_input(b_full, t_axis, d)))
 
 
+def _size_one_note(node: Any) -> str:
+    """Why A (``node``) can fail the role proof: an axis of size 1 (N = 1, a single channel)
+    indexes nothing, so it reads as a broadcast axis, not as the state's or the channels'."""
+    value = val(node) if isinstance(node, torch.fx.Node) else None
+    if isinstance(value, torch.Tensor) and any(statically_known_true(s == 1) for s in value.shape):
+        return (f" (A has shape {tuple(value.shape)}: an axis of size 1, N = 1 or dim = 1, reads as "
+                "broadcast, so such a scan is not rewritten)")
+    return ""
+
+
 def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     """Prove ``alpha == exp(Δ[t0] ⊗ A)``, then ``prove_input(decay)``; ``(Discretized, t0)``."""
     at = index_term(alpha, allow_exp=True, allow_neg=allow_neg)
@@ -1067,7 +1077,7 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     sa = set(at.factor_labels(fa))
     n_lab, d_lab, b_lab = sa - sd, sa & sd, sd - sa
     if len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1 or set(out) != n_lab | d_lab | b_lab:
-        return "the state's multiplier: A must be indexed by (dim, state) and Δ by (batch, dim)"
+        return "the state's multiplier: A must be indexed by (dim, state) and Δ by (batch, dim)" + _size_one_note(fa.node)
     role = {b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}
     state_roles = tuple(role[x] for x in out)
     A_roles = _roles_of(at, fa, role)

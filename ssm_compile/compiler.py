@@ -206,8 +206,9 @@ def _unvectorised_cpu_recurrence(options: SSMOptions, ctx, example_inputs) -> SS
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     if not tensors or any(x.device.type != "cpu" for x in tensors):
         return options
-    log.warning("ssm backend: this CPU graph keeps a recurrence the scan pass left alone; it is compiled "
-                "with inductor's cpp.simdlen=1, as inductor's vectorised CPU code miscompiles such loops")
+    if options.inductor:  # (with inductor=False, as under explain, only the record shows it)
+        log.warning("ssm backend: this CPU graph keeps a recurrence the scan pass left alone; it is compiled "
+                    "with inductor's cpp.simdlen=1, as inductor's vectorised CPU code miscompiles such loops")
     return dataclasses.replace(options, inductor_config={**options.inductor_config, "cpp.simdlen": 1})
 
 

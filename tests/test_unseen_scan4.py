@@ -365,6 +365,12 @@ def test_shape_edge(case):
     check(fn, args, rewritten=rewritten, reason="", ref=ref)
 
 
+def test_state_size_one_says_why():
+    # N = 1: A (dim, 1) has no axis that the proof can tell from a broadcast one; the reason says so.
+    args = make_inputs(n=1)
+    check(paper_scan, args, rewritten=0, reason="an axis of size 1", ref=reference(*args)[0])
+
+
 # --- 6. initial and final states ----------------------------------------------------------------
 
 def scan_from(h0_of):
