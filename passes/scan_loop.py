@@ -457,7 +457,12 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
     """Prove every y_t is stored once, in one place, at time index t, and nothing reads it early."""
     c = next(c for c in ys[0].users if _collects(c, ys[0]))
     if is_call(c, *_COLLECTORS):
-        if list(c.args[0]) != ys or any(set(y.users) != {c} for y in ys):
+        items = list(c.args[0])
+        if items != ys and items == ys[:len(items)] and len(items) < len(ys):
+            return (f"{c.name} collects only the first {len(items)} of the recurrence's {len(ys)} per-step outputs "
+                    "(the state carried from one loop into another?): the op's output would need all of them "
+                    "in one stack/cat")
+        if items != ys or any(set(y.users) != {c} for y in ys):
             return "the per-step outputs are not collected exactly once, in time order"
         dim = c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0)
         if is_call(c, torch.stack):

@@ -371,6 +371,25 @@ def test_state_size_one_says_why():
     check(paper_scan, args, rewritten=0, reason="an axis of size 1", ref=reference(*args)[0])
 
 
+def chained_loops(u, delta, A, B, C):
+    """Two loops, the second continuing from the first's state, each with its own stack."""
+    h = torch.zeros(u.shape[0], u.shape[2], B.shape[2])
+    parts = []
+    for lo, hi in ((0, 3), (3, u.shape[1])):
+        ys = []
+        for t in range(lo, hi):
+            h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        parts.append(torch.stack(ys, dim=1))
+    return torch.cat(parts, dim=1)
+
+
+def test_chained_loops_say_why():
+    args = make_inputs()
+    check(chained_loops, args, rewritten=0, reason="collects only the first 3 of the recurrence's",
+          ref=reference(*args)[0])
+
+
 # --- 6. initial and final states ----------------------------------------------------------------
 
 def scan_from(h0_of):
