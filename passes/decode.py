@@ -619,6 +619,11 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     bc, cn = ("b", *chan), (*chan, "n")
     exp_node = _peel(u.decay)[0]
     if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
+        behind = _exp_behind_views(exp_node)
+        if behind is not None and not _same_shape(behind, shape):
+            raise Miss(f"the state decay is exp(...) of shape {tuple(_tensor(behind).shape)} broadcast to the state's "
+                       f"{shape} through views (a scalar decay per head, as in Mamba-2): the op decays each "
+                       "channel and state by exp(dt * A) of the state's shape")
         raise Miss("the state decay is not exp(dt * A)")
     if not _same_shape(exp_node, shape):
         raise Miss(f"the decay exp(...) has shape {tuple(_tensor(exp_node).shape)}, not the state's {shape}")
@@ -665,6 +670,21 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     x, B = _split_x_B(bt, [f for f in bt.factors if f is not dts[0]], brole, chan)
     casts = [n for n in at.looked_through + bt.looked_through if is_cast(n)]
     return dict(dt=dt, A=A, x=x, B=B, casts=casts)
+
+
+_BROADCAST_VIEWS = ("unsqueeze", "view", "reshape", "expand", "expand_as")
+
+
+def _exp_behind_views(node: Any, depth: int = 4) -> torch.fx.Node | None:
+    """The ``exp`` that ``node`` is a view of (``exp(dt * A)[:, :, None, None]``, ``.unsqueeze``,
+    ``.view``, ``.expand``), looking back at most ``depth`` views, else None."""
+    for _ in range(depth):
+        if not (is_call(node, operator.getitem, torch.unsqueeze, torch.reshape) or is_method(node, *_BROADCAST_VIEWS)):
+            return None
+        node = _peel(node.args[0])[0]
+        if is_call(node, torch.exp) or is_method(node, "exp"):
+            return node
+    return None
 
 
 def _exponent_stops(at: IndexTerm, factors: list[Factor], role: RoleMap, bc: tuple[str, ...],

@@ -524,6 +524,15 @@ def readout_between_the_writes(state, x, dt, A, B, C, D, z, dt_bias):
     return y
 
 
+def scalar_decay_per_head(state, x, dt, A, B, C, D, z, dt_bias):
+    """Mamba-2's decode step: one decay per head, exp(dt * A) of shape (batch, heads) broadcast."""
+    dt_head = F.softplus(dt.mean(-1))
+    dA = torch.exp(dt_head * A[:, 0, 0])[:, :, None, None]
+    Bh = B.repeat_interleave(HEADS // GROUPS, 1)
+    state.copy_(state * dA + (dt_head[:, :, None] * x)[..., None] * Bh[:, :, None])
+    return torch.einsum("bhpn,bhn->bhp", state, C.repeat_interleave(HEADS // GROUPS, 1))
+
+
 def masked_state(state, x, dt, A, B, C, D, z, dt_bias):
     """A reset: the state is masked by a per-sequence keep flag before the decay."""
     dA, dBu = _disc(x, dt, A, B)
@@ -542,12 +551,13 @@ STATE_LOOK_ALIKES = [
     pytest.param(A_shared_row, "A has shape", id="A-shared-row"),
     pytest.param(tied_dt_per_head, "dt (axes batch, heads)", id="mamba2-tied-dt"),
     pytest.param(masked_state, "the state is masked, scaled or combined", id="masked-state"),
+    pytest.param(scalar_decay_per_head, "a scalar decay per head", id="mamba2-scalar-decay"),
 ]
 
 
 @pytest.mark.parametrize("fn, reason", STATE_LOOK_ALIKES)
 def test_state_look_alike_left_alone(fn, reason):
-    inp = state_inputs(heads=fn is tied_dt_per_head)
+    inp = state_inputs(heads=fn in (tied_dt_per_head, scalar_decay_per_head))
     y_e, y_c, e_in, c_in, cap = run_step(fn, inp)
     assert not counters["ssm"], cap.ctx.rewrites
     assert any(reason in r for r in misses(cap, "state_update")), cap.ctx.misses
