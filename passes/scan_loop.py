@@ -421,6 +421,9 @@ def _first_steps(graph: torch.fx.Graph, src: Source, L: int) -> Source:
     return Source(_node(graph, "call_method", "narrow", src.node, axis, 0, L), src.roles)
 
 
+_NOT_THE_ANCHOR = "the state's multiplier at step 0 is not A_full[t=0]"
+
+
 def _is_exp(node: Any) -> bool:
     return is_call(node, torch.exp) or is_method(node, "exp")
 
@@ -937,7 +940,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     if not _same_shape(val(b_leaf).shape, shape) or not _same_shape(val(h0).shape, shape):
         return "the state update broadcasts: A_full[t], B_full[t] and h_t differ in shape"
     if _leaf_key(a_leaf, 0) != key0:
-        return "the state's multiplier at step 0 is not A_full[t=0]"
+        return _NOT_THE_ANCHOR
     # Each coefficient is a time slice of a precomputed tensor (A_full, B_full) or computed in
     # the step from time slices (exp(Δ[t]·A), Δ[t]·B[t]·u[t]); the two may differ (a per-step
     # exp with a precomputed Δ·B·u saves the (batch, dim, L, N) decay, or the other way round).
@@ -1351,6 +1354,10 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     replaced = {name for r in ctx.rewrites[first_rewrite:] for name in r.replaced}
     ctx.misses[first_miss:] = [x for x in ctx.misses[first_miss:]
                                if not (x.family == FAMILY and x.nodes and set(x.nodes) <= replaced)]
+    # A product that only looked like a step's decay (the readout's h*C[t] of a loop whose real
+    # anchor was refused for its own reason) says nothing more about that loop.
+    if any(x.family == FAMILY and x.reason != _NOT_THE_ANCHOR for x in ctx.misses[first_miss:]):
+        ctx.misses[first_miss:] = [x for x in ctx.misses[first_miss:] if x.reason != _NOT_THE_ANCHOR]
     # Recurrences the anchors never reached (an EMA, a gated RNN) still get a reason in explain.
     muls = [n for n in gm.graph.nodes
             if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
