@@ -24,6 +24,7 @@ without ssm rewrites (``compiler._run_passes``) rather than fail or change what 
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from typing import Any, NamedTuple
@@ -123,14 +124,32 @@ def random_input_layouts(gm: torch.fx.GraphModule) -> RandomInputs:
     return layouts
 
 
-def _restore_random_inputs(gm: torch.fx.GraphModule, values: dict, traced: RandomInputs) -> list[str]:
-    """Give a random node's tensor arguments their traced draw order back where the rewrites
-    changed it (one copy there): its numbers then land where eager's did, seed for seed."""
-    changes = []
-    for node, orders in traced.items():
-        if node not in values:
-            continue  # erased by a rewrite
-        for key, want in orders.items():
+def _writes_in_place(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """What a random ``node`` writes in place: ``x.uniform_()``'s x, ``F.dropout(x, inplace=True)``'s x."""
+    written = written_args(node)
+    if node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        try:
+            bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs)
+        except (TypeError, ValueError):  # a builtin without a signature: no inplace flag
+            return written
+        if bound.arguments.get("inplace") is True and node.args[0] not in written:
+            written = [node.args[0], *written]
+    return written
+
+
+def _restore_first_random_input(gm: torch.fx.GraphModule, values: dict, traced: RandomInputs) -> list[str]:
+    """Give the first random node (in graph order) whose tensor arguments the rewrites laid out
+    otherwise their traced draw order back, one copy each: its numbers then land where eager's
+    did, seed for seed. A written argument (``t.uniform_()``) gets the drawn copy written back
+    (``t.copy_(...)``), and the node's users read that, so the write still reaches ``t``.
+    Returns the changes; none when every random node draws as traced. One node at a time: a
+    copy changes the layouts of what is computed from it, so the caller runs the graph again."""
+    for node in gm.graph.nodes:
+        if node not in traced or node not in values:
+            continue  # not a random node, or erased by a rewrite
+        written = _writes_in_place(node)
+        changes = []
+        for key, want in traced[node].items():
             arg = node.args[key] if isinstance(key, int) else node.kwargs[key]
             value = values.get(arg) if isinstance(arg, torch.fx.Node) else None
             if not isinstance(value, torch.Tensor) or _draw_order(value) == want:
@@ -141,9 +160,18 @@ def _restore_random_inputs(gm: torch.fx.GraphModule, values: dict, traced: Rando
                 node.update_arg(key, copy)
             else:
                 node.update_kwarg(key, copy)
+            if arg in written:
+                users = [u for u in node.users]
+                with gm.graph.inserting_after(node):
+                    back = gm.graph.call_method("copy_", (arg, node))
+                set_val(back, value)
+                for user in users:
+                    user.replace_input_with(node, back)
             changes.append(f"{node.name} draws random numbers over {arg.name}: dim order "
-                           f"{_draw_order(value)} -> eager's {want}")
-    return changes
+                           f"{_draw_order(value)} -> eager's {want}" + (", written back" if arg in written else ""))
+        if changes:
+            return changes
+    return []
 
 
 # Views whose strides follow from their input's strides alone, so that a base with eager's
@@ -220,6 +248,13 @@ class _Propagate(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
             result = super().run_node(n)
+        except DataDependentOutputException:
+            # ``p.item()`` of a float that dynamic shapes made an input (a dropout's p): dynamo
+            # traced it to a symbol, which the rest of the graph can use as it did.
+            traced = val(n)
+            if not (is_method(n, "item") and isinstance(traced, (torch.SymFloat, torch.SymInt, torch.SymBool))):
+                raise
+            result = traced
         except Exception as e:  # noqa: BLE001  (fake kernels raise several types for a bad view)
             if not (n.op == "call_method" and n.target in _RESHAPE_OF and _is_stride_error(n, e)):
                 raise
@@ -334,36 +369,49 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None],
     if mode is None or any(v is None for v in values):
         return []
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    interp = _Propagate(gm)
     with fake_dispatch(mode), torch.set_grad_enabled(torch.is_grad_enabled()):
-        inputs = [_fresh_input(v) for v in values]
-        try:
-            outputs = interp.run(*inputs)
-        except LayoutError:
-            raise
-        except _FAKE_RUN_LIMITS as e:
-            # What a plain interpreter cannot run without dynamo's machinery (a data-dependent
-            # value, ``.item()`` under dynamic shapes): not the rewrites' doing. Left unchecked.
-            log.info("ssm layout check: the graph did not run on fake tensors here (%s); its views "
-                     "and output layouts are not checked", type(e).__name__)
-            outputs = None
-        except Exception as e:  # noqa: BLE001  (anything else is the rewritten graph's)
-            # Dynamo built the graph by running every node on fake tensors, so a node that no
-            # longer runs is one the rewrites broke (a view inside a checkpointed function that
-            # receives an op output, say): compile without them.
-            raise LayoutError(f"the rewritten graph does not run on fake tensors: {type(e).__name__}: {e}") from e
-        finally:
-            interp.close_open_state()
+        interp, outputs = _run_fake(gm, values)
         changes = list(interp.mended)
+        for _ in range(len(random_inputs or {})):
+            if outputs is None:
+                break
+            drawn = _restore_first_random_input(gm, interp.values, random_inputs)
+            if not drawn:
+                break
+            changes += drawn
+            interp, outputs = _run_fake(gm, values)  # the copy's layout reaches what follows it
         if outputs is not None:
             _check_aliasing(gm, interp.values, out_node)
             outputs = pytree.tree_leaves(outputs)
             changes += _restore_viewed_bases(gm, interp.values, out_node, outputs, traced)
             changes += _restore_outputs(gm, out_node, outputs, traced)
-            changes += _restore_random_inputs(gm, interp.values, random_inputs or {})
     if changes:
         gm.recompile()
     return changes
+
+
+def _run_fake(gm: torch.fx.GraphModule, values: list) -> tuple[_Propagate, list | None]:
+    """Run ``gm`` on fresh fake inputs like ``values`` (under the caller's fake mode): the
+    interpreter (its mended views, its values) and the outputs, None where the graph needs
+    dynamo's machinery to run. Raises ``LayoutError`` where the rewritten graph no longer runs."""
+    interp = _Propagate(gm)
+    try:
+        return interp, interp.run(*[_fresh_input(v) for v in values])
+    except LayoutError:
+        raise
+    except _FAKE_RUN_LIMITS as e:
+        # What a plain interpreter cannot run without dynamo's machinery (a data-dependent
+        # value, ``.item()`` under dynamic shapes): not the rewrites' doing. Left unchecked.
+        log.info("ssm layout check: the graph did not run on fake tensors here (%s); its views "
+                 "and output layouts are not checked", type(e).__name__)
+        return interp, None
+    except Exception as e:  # noqa: BLE001  (anything else is the rewritten graph's)
+        # Dynamo built the graph by running every node on fake tensors, so a node that no
+        # longer runs is one the rewrites broke (a view inside a checkpointed function that
+        # receives an op output, say): compile without them.
+        raise LayoutError(f"the rewritten graph does not run on fake tensors: {type(e).__name__}: {e}") from e
+    finally:
+        interp.close_open_state()
 
 
 def _restore_outputs(gm, out_node, outputs, traced) -> list[str]:

@@ -475,3 +475,89 @@ def test_random_draw_over_an_op_output_takes_eagers_numbers(draw):
     assert counters["ssm"]["conv1d"] == 1
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_out, g_expected, rtol=1e-5, atol=1e-6)
+
+
+def _uniform_in_place(xs):
+    t = xs.detach() * 1.0
+    t.uniform_()
+    return t + xs
+
+
+def _dropout_in_place_then_read(xs):
+    t = xs * 1.0
+    torch.nn.functional.dropout(t, 0.3, True, inplace=True)
+    return t + xs
+
+
+IN_PLACE_DRAWS = {"uniform_": _uniform_in_place, "dropout-inplace": _dropout_in_place_then_read}
+
+
+@pytest.mark.parametrize("draw", IN_PLACE_DRAWS)
+def test_in_place_draw_over_an_op_output_still_writes_its_tensor(draw):
+    # The draw fills a copy in eager's order, which is written back: the tensor the user's code
+    # reads afterwards holds the drawn numbers (before, the copy took them and t kept its own).
+    fn, _ = _conv_then(IN_PLACE_DRAWS[draw])
+    x = torch.randn(2, 10, 8, requires_grad=True)
+    torch.manual_seed(7)
+    expected = fn(x)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(7)
+    out = torch.compile(fn, backend=ssm_compile.backend(inductor=False))(x)
+    assert counters["ssm"]["conv1d"] == 1
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+class _TwoDrawBlock(torch.nn.Module):
+    """A Mamba block in training, with dropout after the conv and after the gate: the first
+    draw's copy changes the layout of everything the scan computes from it, the second's input
+    included."""
+
+    def __init__(self, dim=16, N=4, R=2):
+        super().__init__()
+        self.dim, self.N, self.R = dim, N, R
+        self.in_proj = torch.nn.Linear(8, 2 * dim, bias=False)
+        self.conv1d = torch.nn.Conv1d(dim, dim, 4, groups=dim, padding=3)
+        self.x_proj = torch.nn.Linear(dim, R + 2 * N, bias=False)
+        self.dt_proj = torch.nn.Linear(R, dim)
+        self.A_log = torch.nn.Parameter(torch.randn(dim, N) * 0.3)
+        self.D = torch.nn.Parameter(torch.randn(dim))
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x):
+        L = x.shape[1]
+        xs, z = self.in_proj(x).split(self.dim, dim=-1)
+        xs = self.drop(torch.nn.functional.silu(self.conv1d(xs.transpose(1, 2))[:, :, :L].transpose(1, 2)))
+        dt, B, C = self.x_proj(xs).split([self.R, self.N, self.N], dim=-1)
+        dt = torch.nn.functional.softplus(self.dt_proj(dt))
+        dA = torch.exp(torch.einsum("bld,dn->bldn", dt, -torch.exp(self.A_log)))
+        dBu = torch.einsum("bld,bln,bld->bldn", dt, B, xs)
+        h = torch.zeros(x.shape[0], self.dim, self.N)
+        ys = []
+        for t in range(L):
+            h = dA[:, t] * h + dBu[:, t]
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))
+        y = torch.stack(ys, dim=1) + xs * self.D
+        return self.drop(y * torch.nn.functional.silu(z))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_every_draw_of_a_block_takes_eagers_numbers(dynamic):
+    # dynamic: the dropout's p is a graph input read by .item(), which the layout check now runs
+    # through (it skipped the whole check before, and with it the draws' orders).
+    torch.manual_seed(1)
+    block = _TwoDrawBlock().train()
+    x = torch.randn(2, 12, 8, requires_grad=True)
+    torch.manual_seed(7)
+    expected = block(x)
+    grads_expected = torch.autograd.grad(expected.sum(), [x, *block.parameters()])
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, backend=ssm_compile.backend(inductor=False), dynamic=dynamic)
+    torch.manual_seed(7)
+    out = compiled(x)
+    grads = torch.autograd.grad(out.sum(), [x, *block.parameters()])
+    assert counters["ssm"]["conv1d"] == 1 and counters["ssm"]["scan_loop"] == 1
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, grads_expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
