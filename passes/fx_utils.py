@@ -651,7 +651,7 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
             continue
         return (f"{n.name} rounds {src} to {dst}, which cannot hold every value of the op's inputs "
                 f"({', '.join(sorted({str(f) for f in floats}))}): the op would not make this rounding, "
-                "it keeps its states unrounded")
+                "it reads its inputs and keeps its states unrounded")
     return None
 
 
