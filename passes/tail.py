@@ -349,8 +349,9 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
         sig = next((_sigmoid_input(f) for f in factors or () if _sigmoid_input(f) is not None), None)
         if sig is not None:
             other = factors[1] if _sigmoid_input(factors[0]) is sig else factors[0]
-            return (f"the gate is {g.name} = {getattr(other, 'name', other)} * sigmoid({getattr(sig, 'name', sig)}), "
-                    "not z * sigmoid(z): the op computes y * silu(z)")
+            return (f"the gate is {g.name} = {getattr(other, 'name', other)} * sigmoid({getattr(sig, 'name', sig)}): "
+                    "the sigmoid reads another node than the factor it multiplies (a copy or view of it is not "
+                    "proved to be the same z), and the op computes y * silu(z) of one z")
         if _is_inplace_silu(g):
             return (f"the gate is {g.name} = silu(z, inplace=True), which also writes silu(z) into z: "
                     "the op's gate would leave z as it was")

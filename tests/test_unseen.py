@@ -814,7 +814,7 @@ TAILS = [
     pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + u * D[:, None]) * torch.sigmoid(z)), {"delta", "skip"},
                  "the gate is sigmoid, not silu", id="gate-sigmoid(z)"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + u * D[:, None]) * (z * torch.sigmoid(dt))), {"delta", "skip"},
-                 "not z * sigmoid(z)", id="gate-z*sigmoid(dt)"),
+                 "the sigmoid reads another node than the factor", id="gate-z*sigmoid(dt)"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: y * F.silu(z) + u * D[:, None]), {"delta", "gate"},
                  "D·u is added after the z gate", id="gate-before-skip"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + u * D[:, None]) * (F.silu(z) + 1)), {"delta", "skip"}, None,
