@@ -97,12 +97,11 @@ def _output_layout(node: torch.fx.Node) -> OutputLayout:
 
 def _draw_order(value: torch.Tensor) -> list[int]:
     """The dim order in which a random op fills a tensor shaped and laid out like ``value``:
-    ``empty_like`` keeps a dense input's order (``rand_like``, dropout's mask, a bernoulli), and
-    makes any other input's result contiguous."""
-    order = _dim_order(value)
-    if order is None:
-        order = [d for d in range(value.dim()) if not statically_known_true(value.shape[d] == 1)]
-    return order
+    ``empty_like`` (``rand_like``, dropout's mask, a bernoulli) keeps a dense input's order, and
+    lays any other input's result out densely in the order of its strides, as this perm does."""
+    result = compute_elementwise_output_logical_to_physical_perm(value)
+    perm = result[0] if isinstance(result, tuple) else result
+    return [d for d in perm if not statically_known_true(value.shape[d] == 1)]
 
 
 RandomInputs = dict  # random node -> {argument position or keyword: its draw order as traced}

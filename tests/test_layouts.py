@@ -454,6 +454,8 @@ DRAWS = {
     "rand_like": lambda xs: xs + torch.rand_like(xs),
     "bernoulli": lambda xs: xs * torch.bernoulli(torch.full_like(xs, 0.7)),
     "dropout-of-a-sum": lambda xs: torch.nn.functional.dropout(xs + 1.0, 0.3, True),
+    # A strided slice is not dense: the mask is laid out densely in the order of its strides.
+    "rand_like-of-a-slice": lambda xs: xs[:, ::2] + torch.rand_like(xs[:, ::2]),
 }
 
 
