@@ -106,6 +106,13 @@ def _draw_order(value: torch.Tensor) -> list[int]:
 
 RandomInputs = dict  # random node -> {argument position or keyword: its draw order as traced}
 
+# Marks the ``contiguous`` of a copy made for a draw's order (``_check_aliasing`` leaves it out).
+_DRAW_COPY = "ssm_draw_order_copy"
+
+# Draws whose numbers do not follow their input's layout: channel dropouts draw one number per
+# (batch, channel) into a fresh tensor of their own.
+_LAYOUT_FREE_DRAWS = ("dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout")
+
 
 def random_input_layouts(gm: torch.fx.GraphModule) -> RandomInputs:
     """For every node that draws random numbers, the draw order of its tensor arguments as
@@ -115,6 +122,10 @@ def random_input_layouts(gm: torch.fx.GraphModule) -> RandomInputs:
     layouts: RandomInputs = {}
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method") or not draws_random(n):
+            continue
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        memory_format = n.kwargs.get("memory_format", torch.preserve_format)
+        if name in _LAYOUT_FREE_DRAWS or memory_format is not torch.preserve_format:
             continue
         orders = {key: _draw_order(val(a)) for key, a in [*enumerate(n.args), *n.kwargs.items()]
                   if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor)}
@@ -155,6 +166,7 @@ def _restore_first_random_input(gm: torch.fx.GraphModule, values: dict, traced: 
                 continue
             with gm.graph.inserting_before(node):
                 copy = _copy_in_order(gm, arg, value, want)
+            copy.args[0].meta[_DRAW_COPY] = True  # its contiguous()
             if isinstance(key, int):
                 node.update_arg(key, copy)
             else:
@@ -325,7 +337,8 @@ def _check_aliasing(gm: torch.fx.GraphModule, values: dict, out_node: torch.fx.N
     op_memory = {storage_of_value(values[n]) for n in outputs} - {None}
     if not op_memory:
         return
-    risky = [n for n in values if (_stride_dependent(n) or _as_strided(n))
+    # (Not the copies the draw-order restore made: eager has no view there to tell them from.)
+    risky = [n for n in values if (_stride_dependent(n) or _as_strided(n)) and not n.meta.get(_DRAW_COPY)
              and isinstance(n.args[0], torch.fx.Node) and storage_of_value(values.get(n.args[0])) in op_memory]
     if not risky:
         return

@@ -491,7 +491,21 @@ def _dropout_in_place_then_read(xs):
     return t + xs
 
 
-IN_PLACE_DRAWS = {"uniform_": _uniform_in_place, "dropout-inplace": _dropout_in_place_then_read}
+def _dropout_in_place_on_the_op_output(xs):
+    torch.nn.functional.dropout(xs, 0.3, True, inplace=True)
+    return xs * 2.0
+
+
+def _draw_then_a_write_to_the_op_output(xs):
+    # The restore's own copy is no view eager had: the write must not make the rewrite unsafe.
+    y = torch.nn.functional.dropout(xs, 0.3, True)
+    xs.detach().clamp_(max=0.5)
+    return y + xs
+
+
+IN_PLACE_DRAWS = {"uniform_": _uniform_in_place, "dropout-inplace": _dropout_in_place_then_read,
+                  "dropout-inplace-on-the-op-output": _dropout_in_place_on_the_op_output,
+                  "draw-then-a-write": _draw_then_a_write_to_the_op_output}
 
 
 @pytest.mark.parametrize("draw", IN_PLACE_DRAWS)
@@ -507,6 +521,20 @@ def test_in_place_draw_over_an_op_output_still_writes_its_tensor(draw):
     torch.manual_seed(7)
     out = torch.compile(fn, backend=ssm_compile.backend(inductor=False))(x)
     assert counters["ssm"]["conv1d"] == 1
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_draw_that_ignores_its_inputs_layout_gets_no_copy(caplog):
+    # dropout1d draws one number per (batch, channel) into its own tensor: nothing to restore.
+    fn, _ = _conv_then(lambda xs: torch.nn.functional.dropout1d(xs.transpose(1, 2), 0.3, True).transpose(1, 2))
+    x = torch.randn(2, 10, 8)
+    torch.manual_seed(7)
+    expected = fn(x)
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    with caplog.at_level(logging.INFO, logger="ssm_compile"):
+        out = torch.compile(fn, backend=ssm_compile.backend(inductor=False))(x)
+    assert "draws random numbers over" not in caplog.text
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
