@@ -21,6 +21,11 @@ of the copy, when no write in place and no other returned alias could tell
 (``_restore_viewed_bases``).
 A ``.view`` that cannot be mended so raises, and the backend then compiles the graph
 without ssm rewrites (``compiler._run_passes``) rather than fail or change what it computes.
+
+A third thing sees strides: a random op (dropout, ``rand_like``, ``bernoulli``) fills its result
+in its input's memory order, so the same seed puts the same numbers on other elements when an
+op output reaches it in another layout. Such an input gets eager's order back (one copy before
+the draw, and for an in-place draw a write back), draw by draw (``_restore_first_random_input``).
 """
 from __future__ import annotations
 
@@ -413,7 +418,7 @@ def _run_fake(gm: torch.fx.GraphModule, values: list) -> tuple[_Propagate, list 
         raise
     except _FAKE_RUN_LIMITS as e:
         # What a plain interpreter cannot run without dynamo's machinery (a data-dependent
-        # value, ``.item()`` under dynamic shapes): not the rewrites' doing. Left unchecked.
+        # shape, ``nonzero``): not the rewrites' doing. Left unchecked.
         log.info("ssm layout check: the graph did not run on fake tensors here (%s); its views "
                  "and output layouts are not checked", type(e).__name__)
         return interp, None
