@@ -130,7 +130,9 @@ def random_input_layouts(gm: torch.fx.GraphModule) -> RandomInputs:
             continue
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
         memory_format = n.kwargs.get("memory_format", torch.preserve_format)
-        if name in _LAYOUT_FREE_DRAWS or memory_format is not torch.preserve_format:
+        # (A dropout in eval mode, ``training=False``, draws nothing: it returns its input.)
+        if (name in _LAYOUT_FREE_DRAWS or memory_format is not torch.preserve_format
+                or _bound_arguments(n).get("training", True) is False):
             continue
         orders = {key: _draw_order(val(a)) for key, a in [*enumerate(n.args), *n.kwargs.items()]
                   if isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor)}
@@ -139,16 +141,23 @@ def random_input_layouts(gm: torch.fx.GraphModule) -> RandomInputs:
     return layouts
 
 
+def _bound_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """A Python function's arguments by name (``F.dropout``'s ``training``, ``inplace``); empty for
+    a builtin or an op without a Python signature."""
+    if node.op != "call_function":
+        return {}
+    try:
+        return dict(inspect.signature(node.target).bind_partial(*node.args, **node.kwargs).arguments)
+    except (TypeError, ValueError):
+        return {}
+
+
 def _writes_in_place(node: torch.fx.Node) -> list[torch.fx.Node]:
     """What a random ``node`` writes in place: ``x.uniform_()``'s x, ``F.dropout(x, inplace=True)``'s x."""
     written = written_args(node)
-    if node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
-        try:
-            bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs)
-        except (TypeError, ValueError):  # a builtin without a signature: no inplace flag
-            return written
-        if bound.arguments.get("inplace") is True and node.args[0] not in written:
-            written = [node.args[0], *written]
+    if (_bound_arguments(node).get("inplace") is True and node.args and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0] not in written):
+        written = [node.args[0], *written]
     return written
 
 

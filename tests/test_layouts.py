@@ -524,9 +524,14 @@ def test_in_place_draw_over_an_op_output_still_writes_its_tensor(draw):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_draw_that_ignores_its_inputs_layout_gets_no_copy(caplog):
-    # dropout1d draws one number per (batch, channel) into its own tensor: nothing to restore.
-    fn, _ = _conv_then(lambda xs: torch.nn.functional.dropout1d(xs.transpose(1, 2), 0.3, True).transpose(1, 2))
+@pytest.mark.parametrize("draw", ["dropout1d", "eval-dropout"])
+def test_a_draw_that_ignores_its_inputs_layout_gets_no_copy(caplog, draw):
+    # dropout1d draws one number per (batch, channel) into its own tensor, and a dropout in eval
+    # mode draws nothing: nothing to restore, and an inference graph pays no copy.
+    fn, _ = _conv_then({
+        "dropout1d": lambda xs: torch.nn.functional.dropout1d(xs.transpose(1, 2), 0.3, True).transpose(1, 2),
+        "eval-dropout": lambda xs: torch.nn.functional.dropout(xs, 0.3, False),
+    }[draw])
     x = torch.randn(2, 10, 8)
     torch.manual_seed(7)
     expected = fn(x)
