@@ -446,7 +446,17 @@ def _conv_then(draw):
         xs = torch.nn.functional.silu(conv(x.transpose(1, 2))[..., :x.shape[1]]).transpose(1, 2)
         return draw(xs) * 2.0
 
-    return fn, conv
+    return fn
+
+
+def _seeded_runs(fn, x):
+    """(eager's output, the rewritten graph's output run eagerly), each after the same seed."""
+    torch.manual_seed(7)
+    expected = fn(x)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(7)
+    return expected, torch.compile(fn, backend=ssm_compile.backend(inductor=False))(x)
 
 
 DRAWS = {
@@ -463,16 +473,9 @@ DRAWS = {
 def test_random_draw_over_an_op_output_takes_eagers_numbers(draw):
     # The same seed must give the same draws: a mask filled in another memory order puts the
     # same numbers on other elements (0.27 off eager before the draw's input got eager's order).
-    fn, conv = _conv_then(DRAWS[draw])
     x = torch.randn(2, 10, 8, requires_grad=True)
-    torch.manual_seed(7)
-    expected = fn(x)
+    expected, out = _seeded_runs(_conv_then(DRAWS[draw]), x)
     (g_expected,) = torch.autograd.grad(expected.sum(), x)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(fn, backend=ssm_compile.backend(inductor=False))
-    torch.manual_seed(7)
-    out = compiled(x)
     (g_out,) = torch.autograd.grad(out.sum(), x)
     assert counters["ssm"]["conv1d"] == 1
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
@@ -512,14 +515,7 @@ IN_PLACE_DRAWS = {"uniform_": _uniform_in_place, "dropout-inplace": _dropout_in_
 def test_in_place_draw_over_an_op_output_still_writes_its_tensor(draw):
     # The draw fills a copy in eager's order, which is written back: the tensor the user's code
     # reads afterwards holds the drawn numbers (before, the copy took them and t kept its own).
-    fn, _ = _conv_then(IN_PLACE_DRAWS[draw])
-    x = torch.randn(2, 10, 8, requires_grad=True)
-    torch.manual_seed(7)
-    expected = fn(x)
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(7)
-    out = torch.compile(fn, backend=ssm_compile.backend(inductor=False))(x)
+    expected, out = _seeded_runs(_conv_then(IN_PLACE_DRAWS[draw]), torch.randn(2, 10, 8, requires_grad=True))
     assert counters["ssm"]["conv1d"] == 1
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
@@ -528,17 +524,12 @@ def test_in_place_draw_over_an_op_output_still_writes_its_tensor(draw):
 def test_a_draw_that_ignores_its_inputs_layout_gets_no_copy(caplog, draw):
     # dropout1d draws one number per (batch, channel) into its own tensor, and a dropout in eval
     # mode draws nothing: nothing to restore, and an inference graph pays no copy.
-    fn, _ = _conv_then({
+    fn = _conv_then({
         "dropout1d": lambda xs: torch.nn.functional.dropout1d(xs.transpose(1, 2), 0.3, True).transpose(1, 2),
         "eval-dropout": lambda xs: torch.nn.functional.dropout(xs, 0.3, False),
     }[draw])
-    x = torch.randn(2, 10, 8)
-    torch.manual_seed(7)
-    expected = fn(x)
-    torch._dynamo.reset()
-    torch.manual_seed(7)
     with caplog.at_level(logging.INFO, logger="ssm_compile"):
-        out = torch.compile(fn, backend=ssm_compile.backend(inductor=False))(x)
+        expected, out = _seeded_runs(fn, torch.randn(2, 10, 8))
     assert "draws random numbers over" not in caplog.text
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
