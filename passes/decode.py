@@ -75,8 +75,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (addcmul_operands, bare_name, context_refusal, depthwise_weight, dropped_rounding, exp_behind,
-                       is_call, is_cast, is_lossless_cast, is_method, named_args, node_order, op_region, pinned_int,
-                       propagate_val, storage_of, target_name, val, written_args)
+                       exp_node_behind, is_call, is_cast, is_lossless_cast, is_method, named_args, node_order, op_region,
+                       pinned_int, propagate_val, storage_of, target_name, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -461,7 +461,8 @@ def _equal_view(node: Any, other: torch.fx.Node) -> bool:
 
 
 def _nearest_ancestors(value: Any, limit: int) -> set[torch.fx.Node]:
-    """``value`` and up to ``limit`` of its nearest ancestors (the nodes a step's formula is made of)."""
+    """``value`` and up to ``limit`` of its nearest ancestors, breadth first (the nodes a step's
+    formula is made of; ``_linear_inside``'s depth-first walk would spend its budget on one branch)."""
     seen, frontier = set(), [value]
     while frontier and len(seen) < limit:
         node = frontier.pop(0)
@@ -619,7 +620,7 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     bc, cn = ("b", *chan), (*chan, "n")
     exp_node = _peel(u.decay)[0]
     if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
-        behind = _exp_behind_views(exp_node)
+        behind = exp_node_behind(exp_node)
         if behind is not None and not _same_shape(behind, shape):
             raise Miss(f"the state decay is exp(...) of shape {tuple(_tensor(behind).shape)} broadcast to the state's "
                        f"{shape} through views (a scalar decay per head, as in Mamba-2): the op decays each "
@@ -670,21 +671,6 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     x, B = _split_x_B(bt, [f for f in bt.factors if f is not dts[0]], brole, chan)
     casts = [n for n in at.looked_through + bt.looked_through if is_cast(n)]
     return dict(dt=dt, A=A, x=x, B=B, casts=casts)
-
-
-_BROADCAST_VIEWS = ("unsqueeze", "view", "reshape", "expand", "expand_as")
-
-
-def _exp_behind_views(node: Any, depth: int = 4) -> torch.fx.Node | None:
-    """The ``exp`` that ``node`` is a view of (``exp(dt * A)[:, :, None, None]``, ``.unsqueeze``,
-    ``.view``, ``.expand``), looking back at most ``depth`` views, else None."""
-    for _ in range(depth):
-        if not (is_call(node, operator.getitem, torch.unsqueeze, torch.reshape) or is_method(node, *_BROADCAST_VIEWS)):
-            return None
-        node = _peel(node.args[0])[0]
-        if is_call(node, torch.exp) or is_method(node, "exp"):
-            return node
-    return None
 
 
 def _exponent_stops(at: IndexTerm, factors: list[Factor], role: RoleMap, bc: tuple[str, ...],

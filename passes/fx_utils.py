@@ -666,17 +666,22 @@ def bare_name(node: torch.fx.Node) -> str:
     return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
 
 
-def exp_behind(node: Any, depth: int = 6) -> bool:
-    """Whether ``node`` is an exp, or is one through at most ``depth`` casts and element views."""
+def exp_node_behind(node: Any, depth: int = 6) -> torch.fx.Node | None:
+    """The exp that ``node`` is, or is through at most ``depth`` casts and element views; else None."""
     for _ in range(depth):
         if not isinstance(node, torch.fx.Node) or not node.args:
-            return False
+            return None
         if is_call(node, torch.exp) or is_method(node, "exp"):
-            return True
+            return node
         if not (is_cast(node) or node.op in ("call_method", "call_function") and bare_name(node) in _ELEMENT_VIEWS):
-            return False
+            return None
         node = node.args[0]
-    return False
+    return None
+
+
+def exp_behind(node: Any, depth: int = 6) -> bool:
+    """Whether ``node`` is an exp, or is one through at most ``depth`` casts and element views."""
+    return exp_node_behind(node, depth) is not None
 
 
 def _widened_after(cast: torch.fx.Node) -> bool:
