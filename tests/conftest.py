@@ -63,7 +63,8 @@ def quiet_ssm_log():
 @pytest.fixture
 def hf_checkpointing_traceable():
     """transformers 5.25's checkpointed layers under dynamo, with any backend (plain inductor and
-    "eager" too): its output-capturing ``CompileableContextVar`` is mutated inside the checkpoint,
+    "eager" too): the ``kernels`` package's kernelized forward, which 5.25 wraps around the mixer,
+    sets a ``CompileableContextVar`` inside the checkpoint, so
     dynamo graph-breaks at every checkpointed layer ("HOP: Unsafe side effect") and runs the
     layers eagerly, so no backend sees them. Torch's hint for that break is the flag set here,
     which a user of 5.25 who compiles a checkpointed model must set too (README). Earlier
