@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .discretize import unscanned_discretizations
+from .einops_calls import expand_einops_calls
 from .fx_utils import mutates, val
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import rewrite_local_writes
@@ -196,7 +197,9 @@ class PassManager:
         # and updates in place (``h *= dA; h += dBu``) is as much a recurrence as ``h = dA*h + dBu``.
         # Only here, on dynamo's graph: the rewrites read who shares memory with whom from the
         # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
-        for change in rewrite_local_writes(gm) + read_whole_pieces(gm) + read_single_cats(gm):
+        # einops calls first: the others and the matchers see only torch calls.
+        for change in (expand_einops_calls(gm) + rewrite_local_writes(gm) + read_whole_pieces(gm)
+                       + read_single_cats(gm)):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:
             fn(gm, ctx)
