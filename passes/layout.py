@@ -263,8 +263,9 @@ class _Propagate(torch.fx.Interpreter):
     """Runs the graph on fake tensors, mending ``.view`` calls that the new layouts broke, and
     keeping every node's new fake value (``values``) for the aliasing checks after the run."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, mode: Any):
         super().__init__(gm, garbage_collect_values=True)
+        self.mode = mode
         self.values: dict[torch.fx.Node, Any] = {}
         self.mended: list[str] = []
         self.open_autocast: list[Any] = []
@@ -297,6 +298,14 @@ class _Propagate(torch.fx.Interpreter):
         self.values[n] = result
         self._track_state(n, result)
         return result
+
+    def get_attr(self, target: str, args: tuple, kwargs: dict) -> Any:
+        # Under inductor's global ``freezing``, dynamo puts parameters in the graph as attributes
+        # (get_attr) instead of inputs: real tensors, which a fake run must see as fake ones.
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
+            value = self.mode.from_tensor(value, static_shapes=True)
+        return value
 
     def _track_state(self, n: torch.fx.Node, result: Any) -> None:
         name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
@@ -396,7 +405,7 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None],
         return []
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     with fake_dispatch(mode), torch.set_grad_enabled(torch.is_grad_enabled()):
-        interp, outputs = _run_fake(gm, values)
+        interp, outputs = _run_fake(gm, values, mode)
         changes = list(interp.mended)
         for _ in range(len(random_inputs or {})):
             if outputs is None:
@@ -405,7 +414,7 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None],
             if not drawn:
                 break
             changes += drawn
-            interp, outputs = _run_fake(gm, values)  # the copy's layout reaches what follows it
+            interp, outputs = _run_fake(gm, values, mode)  # the copy's layout reaches what follows it
         if outputs is not None:
             _check_aliasing(gm, interp.values, out_node)
             outputs = pytree.tree_leaves(outputs)
@@ -416,11 +425,11 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None],
     return changes
 
 
-def _run_fake(gm: torch.fx.GraphModule, values: list) -> tuple[_Propagate, list | None]:
-    """Run ``gm`` on fresh fake inputs like ``values`` (under the caller's fake mode): the
+def _run_fake(gm: torch.fx.GraphModule, values: list, mode: Any) -> tuple[_Propagate, list | None]:
+    """Run ``gm`` on fresh fake inputs like ``values`` (under the caller's fake ``mode``): the
     interpreter (its mended views, its values) and the outputs, None where the graph needs
     dynamo's machinery to run. Raises ``LayoutError`` where the rewritten graph no longer runs."""
-    interp = _Propagate(gm)
+    interp = _Propagate(gm, mode)
     try:
         return interp, interp.run(*[_fresh_input(v) for v in values])
     except LayoutError:

@@ -157,6 +157,46 @@ def _with_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     return modules
 
 
+def _attribute_reads_first(gm: torch.fx.GraphModule) -> None:
+    """Move every ``get_attr`` to the top of the graph, after the inputs.
+
+    Under inductor's global ``freezing`` flag dynamo reads parameters as attributes of the graph
+    module where they are first used, instead of taking them as inputs. The matchers read node
+    order as the order values are computed (a skip's D "computed after" the scan, dt_proj's weight
+    after x_proj) and would refuse. An attribute read computes nothing and its value does not
+    change during a run, so where it stands changes nothing."""
+    nodes = list(gm.graph.nodes)
+    first_call = next((i for i, n in enumerate(nodes) if n.op not in ("placeholder", "get_attr")), len(nodes))
+    late = [n for n in nodes[first_call:] if n.op == "get_attr"]
+    if not late:
+        return
+    anchor = nodes[first_call]
+    for node in late:
+        anchor.prepend(node)
+    gm.recompile()
+
+
+# aten ops of the kinds the passes look for in torch-level code (the discretisation's exp, the
+# conv): an aten graph holding one is Mamba-like code the passes cannot read.
+_ATEN_SIGNS = ("exp", "conv1d", "convolution", "einsum")
+
+
+def _report_aten_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """A reason for a graph of aten ops (``torch.export``'s ``ep.module()``, a graph traced by
+    ``make_fx``): dynamo records such a program's calls as ``torch.ops.aten.*`` overloads, which no
+    matcher reads, so a Mamba block in it is left alone without any other miss to say so."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    aten = [n for n in calls if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"]
+    if not calls or 2 * len(aten) < len(calls):
+        return
+    signs = sorted({n.target.name() for n in aten if n.target._opname in _ATEN_SIGNS})
+    if signs:
+        ctx.miss("graph", f"{len(aten)} of the graph's {len(calls)} calls are aten ops ({', '.join(signs)} among "
+                 "them), as in a torch.export'ed or make_fx-traced program: the passes read the torch-level "
+                 "calls dynamo records from Python code, so nothing here is rewritten; compile the original "
+                 "module instead", aten[:1])
+
+
 class PassManager:
     """An ordered list of named passes. Pass modules add themselves through ``register(pm)``."""
 
@@ -197,6 +237,7 @@ class PassManager:
         # and updates in place (``h *= dA; h += dBu``) is as much a recurrence as ``h = dA*h + dBu``.
         # Only here, on dynamo's graph: the rewrites read who shares memory with whom from the
         # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
+        _attribute_reads_first(gm)
         # einops calls first: the others and the matchers see only torch calls.
         for change in (expand_einops_calls(gm) + rewrite_local_writes(gm) + read_whole_pieces(gm)
                        + read_single_cats(gm)):
@@ -211,6 +252,8 @@ class PassManager:
         else:
             gm.recompile()
         self._report_unscanned(gm, ctx, before, misses_before)
+        if len(ctx.rewrites) == before:
+            _report_aten_graph(gm, ctx)
         for body in _checkpoint_bodies(gm):
             if id(body) not in seen:
                 self._run(body, ctx, seen, body=True)

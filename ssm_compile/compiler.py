@@ -102,10 +102,13 @@ class _Undo:
         self.counts = collections.Counter(counters["ssm"])
 
     def __call__(self) -> None:
-        from torch._dynamo.utils import counters
-
         for module, graph in self.saved:
             module.graph = graph  # the setter re-owns the graph and recompiles the module
+        self.take_back_counts()
+
+    def take_back_counts(self) -> None:
+        from torch._dynamo.utils import counters
+
         counters["ssm"].clear()
         counters["ssm"].update(self.counts)
 
@@ -251,7 +254,13 @@ class SSMBackend:
 
         return build_pass_manager(self.options)
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                 options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+        if (mode is not None and mode != "default") or options:
+            # ``torch.compile(m, backend=ssm_compile.backend(...), mode=..., options=...)`` hands
+            # its mode and options to the backend at each compile: they apply on top of ours.
+            configured = SSMBackend(self.options.with_compile_args(mode, options), self.on_graph)
+            return configured(gm, example_inputs)
         from ssm_compile.kernels import register_ops
 
         # The rewritten graph calls torch.ops.ssm.*, which must exist before it is traced.
@@ -277,7 +286,14 @@ class SSMBackend:
 
         if not ctx.rewrites:
             return compile_fx(gm, example_inputs, config_patches=self.config_patches(pm, options))
-        compiled, error = self._compile_rewritten(compile_fx, pm, gm, example_inputs, options)
+        try:
+            compiled, error = self._compile_rewritten(compile_fx, pm, gm, example_inputs, options)
+        except torch._dynamo.exc.RestartAnalysis:
+            # Dynamo traces the frame again and hands this backend the new graph, whose rewrites
+            # are counted then (under dynamic=True, AOTAutograd restarts after tensorifying a
+            # float input): counted here too, every rewrite would count twice.
+            undo.take_back_counts()
+            raise
         if error is None:
             return compiled
         # The rewritten graph failed to trace or compile (something the layout check could not

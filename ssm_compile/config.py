@@ -1,8 +1,9 @@
 """Options of the ``ssm`` backend, validated once when the backend is configured.
 
 ``ssm_compile.backend(**options)`` and ``torch.compile(m, backend="ssm", options={...})`` both
-end up here, so a typo fails at configuration time with a message naming the option instead of
-being silently ignored.
+end up here, so a typo fails with a message naming the option instead of being silently ignored:
+at once for ``ssm_compile.backend``, at the first compile for ``torch.compile``'s ``mode`` and
+``options``, which torch hands to the backend only then.
 """
 from __future__ import annotations
 
@@ -120,6 +121,20 @@ class SSMOptions:
         ``options`` keys that are not ``SSMOptions`` fields are taken as inductor config patches
         (as ``torch.compile(..., options=...)`` does for inductor), and validated as such.
         """
+        return cls(**cls._merged(mode, options, kwargs))
+
+    def with_compile_args(self, mode: str | None, options: Mapping[str, Any] | None) -> "SSMOptions":
+        """These options with ``torch.compile``'s ``mode`` and ``options`` on top: a value set
+        there wins, and its inductor config patches join ours."""
+        merged = self._merged(mode, options, {})
+        if "inductor_config" in merged:
+            merged["inductor_config"] = {**self.inductor_config, **merged["inductor_config"]}
+        return dataclasses.replace(self, **merged)
+
+    @classmethod
+    def _merged(cls, mode: str | None, options: Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if options is not None and not isinstance(options, Mapping):
+            raise TypeError(f"ssm backend: 'options' must be a dict, got {type(options).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         merged: dict[str, Any] = {}
         inductor_config: dict[str, Any] = {}
@@ -132,14 +147,18 @@ class SSMOptions:
             merged["inductor_config"] = {**merged.get("inductor_config", {}), **inductor_config}
         if mode is not None and mode != "default":
             merged["mode"] = mode
-        return cls(**merged)
+        return merged
 
 
 def _check_pass_names(option: str, names: Any) -> list[str]:
     if isinstance(names, str):
         raise TypeError(f"ssm backend option {option!r} must be a collection of pass names, got the string "
                         f"{names!r} (write ({names!r},))")
-    names = list(names)
+    try:
+        names = list(names)
+    except TypeError:
+        raise TypeError(f"ssm backend option {option!r} must be a collection of pass names, got "
+                        f"{type(names).__name__} {names!r}") from None
     unknown = [n for n in names if n not in PASS_NAMES]
     if unknown:
         raise ValueError(f"ssm backend option {option!r} has unknown pass name(s) {unknown}; "
@@ -163,3 +182,8 @@ def _check_inductor_config(patches: Mapping[str, Any]) -> None:
     if unknown:
         raise ValueError(f"unknown ssm backend option(s) {unknown}: they are neither ssm options "
                          f"({[f.name for f in dataclasses.fields(SSMOptions)]}) nor inductor config keys")
+    for key, value in patches.items():
+        # An on/off switch given a string ("yes") or a number would be read by its truth value.
+        if isinstance(known[key], bool) and not isinstance(value, bool):
+            raise TypeError(f"inductor config {key!r} (an ssm backend option) must be a bool, got "
+                            f"{type(value).__name__} {value!r}")

@@ -90,8 +90,9 @@ def explain(model_or_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Repor
 
     The rewritten graphs run eagerly (``inductor=False``): the passes, and so the report, are the
     same as under ``backend="ssm"``, without paying for inductor. Dynamo's caches are reset before
-    and after, and the ``ssm`` counters restored, so explaining leaves no state that changes what
-    the next ``torch.compile`` does.
+    and after, so that the report sees fresh graphs and nothing it compiled is reused later; a
+    function compiled before explaining recompiles at its next call. Dynamo's counters
+    (``counters["ssm"]``, graph breaks, stats) are restored to what they were.
 
     Args:
         model_or_fn: an ``nn.Module`` or a function, unmodified.
@@ -104,18 +105,20 @@ def explain(model_or_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Repor
     from torch._dynamo.utils import counters
 
     records: list[GraphRecord] = []
-    saved_ssm = collections.Counter(counters["ssm"])
-    breaks_before = collections.Counter(counters["graph_break"])
+    saved = {name: collections.Counter(counts) for name, counts in counters.items()}
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model_or_fn, backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
         output = compiled(*args, **kwargs)
         breaks = collections.Counter(counters["graph_break"])
-        breaks.subtract(breaks_before)
+        breaks.subtract(saved.get("graph_break", {}))
     finally:
         torch._dynamo.reset()
-        counters["ssm"].clear()
-        counters["ssm"].update(saved_ssm)
+        # Every counter as it was (ssm, graph_break, stats, ...): explaining is not compiling.
+        # In place: a caller may hold one of the Counter objects.
+        for name, counts in counters.items():
+            counts.clear()
+            counts.update(saved.get(name, {}))
     report = Report(graphs=records, graph_breaks={k: v for k, v in breaks.items() if v > 0}, output=output)
     log.info("%s", report.summary())
     return report

@@ -72,6 +72,31 @@ def test_torch_compile_options_reach_the_backend():
     torch.testing.assert_close(out, conv_silu(x, w, b), rtol=0, atol=0)
 
 
+def test_torch_compile_mode_and_options_apply_on_top_of_a_configured_backend():
+    """``torch.compile(m, backend=ssm_compile.backend(...), mode=..., options=...)``: torch hands
+    its mode and options to the backend object at each compile, as it does to ``ssm_backend``;
+    they raised TypeError at the first call before."""
+    opts = SSMOptions(fuse="split", inductor_config={"max_autotune": False, "freezing": False})
+    merged = opts.with_compile_args("max-autotune-no-cudagraphs", {"passes": ("conv1d",), "freezing": True})
+    assert merged.fuse == "split" and merged.mode == "max-autotune-no-cudagraphs"
+    assert merged.enabled_passes == ("conv1d",)
+    assert merged.inductor_config == {"max_autotune": False, "freezing": True}
+    assert opts.with_compile_args("default", None) == opts
+    with pytest.raises(ValueError, match="'fuse' must be one of"):
+        opts.with_compile_args(None, {"fuse": "nope"})
+
+    x, w, b = conv_inputs()
+    records = []
+    configured = SSMBackend(SSMOptions(disable=frozenset({"logits"})), on_graph=records.append)
+    out = torch.compile(conv_silu, backend=configured, options={"inductor": False, "passes": ("xproj",)})(x, w, b)
+    assert counters["ssm"]["conv1d"] == 0 and not counters["inductor"] and len(records) == 1
+    torch.testing.assert_close(out, conv_silu(x, w, b), rtol=0, atol=0)
+    torch._dynamo.reset()
+    out = torch.compile(conv_silu, backend=backend(fuse="split"), mode="max-autotune-no-cudagraphs")(x, w, b)
+    assert counters["ssm"]["conv1d"] == 1
+    assert rel_err(out, conv_silu(x, w, b)) <= TOL[torch.float32]
+
+
 def test_package_backend_factory_after_the_entry_point_imported_us():
     # The entry point imports ssm_compile.compiler; the package's `backend` must stay the factory.
     import ssm_compile.compiler  # noqa: F401
@@ -100,8 +125,12 @@ def test_options_defaults_and_ordering():
     ({"inductor_config": [("max_autotune", True)]}, TypeError, "'inductor_config' must be a dict"),
     ({"cpp_wrapper": "auto"}, TypeError, "'cpp_wrapper' must be None (auto) or a bool"),
     ({"inductor_config": {"cpp_wrapper": True}}, ValueError, "with the ssm backend option 'cpp_wrapper'"),
+    ({"passes": 42}, TypeError, "'passes' must be a collection of pass names, got int 42"),
+    ({"disable": None}, TypeError, "'disable' must be a collection of pass names, got NoneType None"),
+    ({"max_autotune": "yes"}, TypeError, "inductor config 'max_autotune' (an ssm backend option) must be a bool"),
 ], ids=["fuse", "passes", "disable-str", "inductor-type", "mode", "mode-without-inductor", "unknown-key",
-        "inductor_config-type", "cpp_wrapper-type", "cpp_wrapper-as-inductor-config"])
+        "inductor_config-type", "cpp_wrapper-type", "cpp_wrapper-as-inductor-config", "passes-not-iterable",
+        "disable-none", "inductor-switch-type"])
 def test_option_validation(kwargs, exc, message):
     with pytest.raises(exc) as info:
         backend(**kwargs)
