@@ -29,8 +29,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (is_call, is_cast, is_method, layout_source, parse_slice, protects_saved_input,
-                       squeezed_unit_piece, val, view_chain)
+from .fx_utils import (dtype_of, exp_node_behind, is_call, is_cast, is_method, layout_source, parse_slice,
+                       protects_saved_input, squeezed_unit_piece, val, view_chain)
 
 __all__ = [
     "Source",
@@ -854,6 +854,10 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
     a_views = view_chain(a_full, a_exp)
     at = index_term(a_exp, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
+        if is_cast(a_exp) and exp_node_behind(a_exp) is not None:
+            return (f"A_full is exp(Δ·A) cast by {a_exp.name} from {dtype_of(a_exp.args[0])} to {dtype_of(a_exp)}: "
+                    "the op computes the decay in fp32 and never rounds it, so it would drop the rounding "
+                    "the program computes with")
         return "A_full is not exp(Δ·A)"
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]

@@ -36,7 +36,7 @@ from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
 from .fx_utils import (HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
                        context_refusal, dropped_rounding, dtype_of, follow_views, hoist_before, inverse, is_call,
                        is_method, layout_source, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
-                       set_scan_args, shape_of, written_in_place)
+                       set_scan_args, shape_of, view_perm, written_in_place)
 from .manager import PassContext, PassManager
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
@@ -191,19 +191,25 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         if operands is None or chain.top not in operands or operands[0] is operands[1]:
             return _skip_subtracted(add, chain.top, u_op)
         other = operands[1] if operands[0] is chain.top else operands[0]
-        factors = _binary(other, MUL_TARGETS)
+        product, sigma, views = _behind_permutations(other)
+        factors = _binary(product, MUL_TARGETS)
         if factors is None:
             return _skip_after_a_sum(add, u_op)
     top_shape = shape_of(chain.top)
     if shape_of(add) != top_shape:
         return f"the skip broadcasts y from {list(top_shape)} to {list(shape_of(add))}"
-    dim_axis = chain.perm.index(1)
+    if other is None:
+        product, sigma, views = None, list(range(len(top_shape))), []
+    # The product may be computed in another layout and permuted back (``(u.mT * D).mT``): axis i
+    # of y lines up with axis sigma[i] of the product.
+    product_shape = shape_of(product) if product is not None else top_shape
+    dim_axis = sigma[chain.perm.index(1)]
     op_u = layout_source(u_op)
     reasons = []
     for u_like, d_like in (factors, factors[::-1]):
-        if shape_of(u_like) != top_shape:
+        if shape_of(u_like) != product_shape:
             continue
-        D = match_bias(d_like, top_shape, dim_axis, top_shape[dim_axis])
+        D = match_bias(d_like, product_shape, dim_axis, product_shape[dim_axis])
         if D is None:
             reasons.append(f"{d_like.name if hasattr(d_like, 'name') else d_like!r} is not a "
                            f"(dim,) vector broadcast along the dim axis {dim_axis} of y")
@@ -215,11 +221,25 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         if not (skip_u.lossless and op_u.lossless):
             reasons.append("a rounding cast lies between the skip's u and the scan's u")
             continue
-        if any(skip_u.perm[i] != op_u.perm[chain.perm[i]] for i in range(len(top_shape))):
+        if any(skip_u.perm[sigma[i]] != op_u.perm[chain.perm[i]] for i in range(len(top_shape))):
             reasons.append("the skip reads u in another layout than y (axes don't line up)")
             continue
-        return Skip(add, D, [add] if other is None else [add, other])
+        return Skip(add, D, [add] if other is None else [add, *views, product])
     return "; ".join(reasons) if reasons else None
+
+
+def _behind_permutations(node: Any) -> tuple[Any, list[int], list[torch.fx.Node]]:
+    """``(source, sigma, views)``: ``node`` is ``source`` through the permutation views
+    ``views`` (outermost first), and axis i of ``node`` holds axis ``sigma[i]`` of ``source``
+    (the same values, permuted). ``(node, identity, [])`` when ``node`` is no such view."""
+    shape = shape_of(node)
+    sigma = list(range(len(shape))) if shape is not None else []
+    views = []
+    while (step := view_perm(node)) is not None:
+        views.append(node)
+        sigma = [step[p] for p in sigma]
+        node = node.args[0]
+    return node, sigma, views
 
 
 def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | None:
@@ -327,7 +347,7 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
     """Prove ``mul`` (possibly with the next mul) computes ``chain.top * silu(z)``."""
     factors = _binary(mul, MUL_TARGETS)
     if factors is None or chain.top not in factors or factors[0] is factors[1]:
-        return None
+        return _gate_after_a_sum(mul, chain.top)
     g = factors[1] if factors[0] is chain.top else factors[0]
     out, nodes = mul, [mul]
     z = _silu_input(g)
@@ -361,6 +381,23 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
     return Gate(out, z, nodes + [g])
 
 
+def _gate_after_a_sum(add: torch.fx.Node, y: torch.fx.Node) -> str | None:
+    """Why not, when ``add`` = y + X and a user of it is a silu gate (a second D·u term, a
+    residual added before the gate): the op gates y, with its own D·u, alone. None otherwise."""
+    operands = _binary(add, ADD_TARGETS)
+    if operands is None or y not in operands:
+        return None
+    for user in add.users:
+        factors = _binary(user, MUL_TARGETS)
+        if factors is None or add not in factors:
+            continue
+        if _silu_input(factors[1] if factors[0] is add else factors[0]) is not None:
+            other = operands[1] if operands[0] is y else operands[0]
+            return (f"the gate {user.name} multiplies {add.name} = y + {getattr(other, 'name', other)}, not y: "
+                    "the op gates y (with its own D·u) alone")
+    return None
+
+
 def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> bool:
     args = scan_args(scan)
     found = _find_tail(ctx, scan, "gate", match_gate)
@@ -385,7 +422,12 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     set_scan_args(scan, args)
     chain = _widen_chain(chain, dtype_of(gate.out))
     _replace_with(gate.out, chain.top)
-    ctx.rewrite("gate", "y * silu(z)", gate.nodes, "ssm.selective_scan.default", {"perm": list(chain.perm)})
+    decision = {"perm": list(chain.perm)}
+    if dtype_of(gate.z) in (torch.bfloat16, torch.float16):
+        # Eager computes silu of a 16-bit z in that dtype and rounds it; the op keeps it in fp32
+        # (a rounding no finer than z's own, which ``dropped_rounding`` lets go). Said, not hidden.
+        decision["silu"] = f"fp32 (eager rounds silu(z) to {dtype_of(gate.z)})"
+    ctx.rewrite("gate", "y * silu(z)", gate.nodes, "ssm.selective_scan.default", decision)
     return True
 
 

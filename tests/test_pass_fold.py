@@ -143,7 +143,22 @@ def f_addcmul_skip_method(u, x, A, B, C, D, z, bias, W, ts):
     return y.addcmul(u, D[:, None]) * F.silu(z)
 
 
+def f_skip_in_another_layout(u, x, A, B, C, D, z, bias, W, ts):
+    """(batch, L, dim) code whose skip multiplies in (batch, dim, L) by a (dim, 1) D and turns
+    the product back: the same values as y + u * D, permuted."""
+    y = scan(u.transpose(1, 2), x.transpose(1, 2), A, B, C).transpose(1, 2)
+    return (y + (u.transpose(1, 2) * D[:, None]).transpose(1, 2)) * F.silu(z)
+
+
+def f_skip_permuted_twice(u, x, A, B, C, D, z, bias, W, ts):
+    """The product permuted by two views that compose to the identity."""
+    y = scan(u, x, A, B, C)
+    return (y + (u.transpose(1, 2) * D).permute(0, 2, 1)) * F.silu(z)
+
+
 POSITIVE = {
+    "skip_in_another_layout": (f_skip_in_another_layout, "bld", dict(delta=0, skip=1, gate=1)),
+    "skip_permuted_twice": (f_skip_permuted_twice, "bdl", dict(delta=0, skip=1, gate=1)),
     "mamba_ssm_ref": (f_mamba_ssm_ref, "bdl", dict(delta=1, skip=1, gate=1)),
     "hf524": (f_hf524, "bdl", dict(delta=1, skip=1, gate=1)),
     "bld_linear": (f_bld_linear, "bld", dict(delta=1, skip=1, gate=1)),
@@ -166,6 +181,9 @@ def test_fold_forms(form, dtype):
     cap, out = compile_and_run(fn, *inputs.values())
     assert fired(cap) == expected, cap.ctx.misses
     check_close(out, ref, dtype)
+    # A 16-bit z's silu: eager rounds it, the op does not, and the rewrite says so.
+    (gate,) = [r for r in cap.ctx.rewrites if r.family == "gate"]
+    assert ("silu" in gate.decision) == (dtype == torch.bfloat16), gate.decision
     # Every folded piece is gone from the graph; only the op computes them.
     text = normalized_graph_str(cap.gm)
     assert "silu" not in text and "sigmoid" not in text
@@ -288,6 +306,17 @@ def f_gate_mismatched_sigmoid(u, x, A, B, C, D, z, bias, W, ts):
     return scan(u, x, A, B, C) * (z * torch.sigmoid(x))
 
 
+def f_skip_product_not_turned_back(u, x, A, B, C, D, z, bias, W, ts):
+    # Square (dim == L): the product computed on u.mT and permuted once more pairs channel d
+    # with time step d, although it has y's shape.
+    return scan(u, x, A, B, C) + (u.transpose(1, 2) * D).transpose(1, 2).transpose(1, 2)
+
+
+def f_gate_after_two_skips(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    return (y + u * D[:, None] + u * D[:, None]) * F.silu(z)
+
+
 NEGATIVE = {
     # name: (fn, layout/length, expected counters, (family, reason fragment) or None)
     "softplus_beta": (f_softplus_beta, {}, dict(delta=0, skip=0, gate=0), ("delta", "beta=2.0")),
@@ -312,6 +341,10 @@ NEGATIVE = {
     "gate_sigmoid": (f_gate_sigmoid, {}, dict(delta=0, skip=0, gate=0), ("gate", "not silu")),
     "gate_gelu": (f_gate_gelu, {}, dict(delta=0, skip=0, gate=0), ("gate", "not silu")),
     "gate_mismatched_sigmoid": (f_gate_mismatched_sigmoid, {}, dict(delta=0, skip=0, gate=0), None),
+    "skip_product_not_turned_back": (f_skip_product_not_turned_back, {"length": DIM}, dict(delta=0, skip=0, gate=0),
+                                     ("skip", "not a (dim,) vector broadcast along the dim axis 1 of y")),
+    "gate_after_two_skips": (f_gate_after_two_skips, {}, dict(delta=0, skip=1, gate=0),
+                             ("gate", "not y: the op gates y (with its own D·u) alone")),
 }
 
 

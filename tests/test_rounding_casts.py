@@ -66,6 +66,12 @@ def dB_rounded_in_place(u, delta, A, B, C, D):
     return (hs @ C.unsqueeze(-1)).squeeze(-1) + D * u
 
 
+def dA_rounded_loop(u, delta, A, B, C, D):
+    """The decay rounded to bf16 in an fp32 loop: the multiplier of the state is no exp."""
+    dA, dBu = disc(u, delta, A, B)
+    return loop(dA.bfloat16(), dBu, C) + u * D
+
+
 def make_inputs(dtype, L=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     b, d, n = 2, 4, 3
@@ -90,6 +96,8 @@ CASES = [
     pytest.param(dB_rounded_assoc, torch.float32, "rounds torch.float32 to torch.bfloat16", id="assoc-dB-rounded"),
     pytest.param(dB_rounded_in_place, torch.float32, "rounds torch.float32 to torch.bfloat16",
                  id="in-place-dB-rounded"),
+    pytest.param(dA_rounded_loop, torch.float32, "is exp(Δ·A) cast by bfloat16 from torch.float32 to torch.bfloat16",
+                 id="loop-dA-rounded"),
 ]
 
 
