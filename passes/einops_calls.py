@@ -28,6 +28,7 @@ Only calls whose function lives in the ``einops`` package are expanded: other op
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from typing import Any
@@ -40,9 +41,18 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._sympy.functions import FloorDiv
 
-from .fx_utils import _fake_mode, fake_dispatch, set_val, val
+from .fx_utils import ContextRegions, _fake_mode, _target_module_and_name, fake_dispatch, set_val, val
 
-log = logging.getLogger("ssm_compile")
+
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+_QUIET = _Quiet()
 
 
 class _Refused(Exception):
@@ -122,9 +132,25 @@ def _size_node(graph: torch.fx.Graph, expr: sympy.Expr, symbols: dict[sympy.Symb
     return result
 
 
-def _record(node: torch.fx.Node) -> tuple[list, Any, dict[int, torch.fx.Node]]:
-    """Run the einops call on its inputs' fake values; returns the recorded calls, the result and
-    the graph node of each input tensor by the fake value's id."""
+def _context(node: torch.fx.Node, regions: ContextRegions) -> list[Any]:
+    """Context managers for the grad mode and autocast state ``node`` runs under in the graph
+    (an autocast region the traced code opened): the recording must see the dtypes and
+    ``requires_grad`` the call has there, and autocast decides whether some calls run at all
+    (a bf16 operand against an fp32 one)."""
+    (_, grad_enabled), amp = regions.key[node]
+    managers = [torch.set_grad_enabled(grad_enabled)]
+    for enter in amp:
+        args = [*enter.args, *enter.kwargs.values()]
+        if _target_module_and_name(enter)[1] != "_enter_autocast" or any(isinstance(a, torch.fx.Node) for a in args):
+            raise _Refused(f"it runs under an autocast state set by {enter.name}, which the recording cannot repeat")
+        managers.append(torch.amp.autocast(*enter.args, **enter.kwargs))
+    return managers
+
+
+def _record(node: torch.fx.Node, regions: ContextRegions) -> tuple[list, Any, dict[int, torch.fx.Node]]:
+    """Run the einops call on its inputs' fake values, in its grad mode and autocast state;
+    returns the recorded calls, the result and the graph node of each input tensor by the fake
+    value's id."""
     inputs: dict[int, torch.fx.Node] = {}
 
     def fake(arg: Any) -> Any:
@@ -141,7 +167,16 @@ def _record(node: torch.fx.Node) -> tuple[list, Any, dict[int, torch.fx.Node]]:
     if mode is None:
         raise _Refused("its inputs have no fake values")
     recorder = _Recorder()
-    with fake_dispatch(mode), recorder:
+    with contextlib.ExitStack() as stack:
+        # A call that fails on fake inputs stays, with its reason in explain: FakeTensorMode's
+        # own ERROR-level traceback for it would only look like a crash.
+        _FAKE_LOG.addFilter(_QUIET)
+        stack.callback(_FAKE_LOG.removeFilter, _QUIET)
+        stack.enter_context(fake_dispatch(mode))
+        for manager in _context(node, regions):
+            stack.enter_context(manager)
+        # Last: entering autocast under a TorchFunctionMode would be recorded as a call.
+        stack.enter_context(recorder)
         out = node.target(*args, **kwargs)
     if not isinstance(out, torch.Tensor):
         raise _Refused(f"it returns a {type(out).__name__}, not one tensor")
@@ -197,22 +232,24 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: list, out: Any, inpu
     return env[id(out)]
 
 
-def expand_einops_calls(gm: torch.fx.GraphModule) -> list[str]:
-    """Replace each einops call in ``gm`` by the torch calls it makes; returns what changed, and
-    says at info level why a call was left as it is."""
-    changes = []
+def expand_einops_calls(gm: torch.fx.GraphModule) -> tuple[list[str], list[tuple[torch.fx.Node, str]]]:
+    """Replace each einops call in ``gm`` by the torch calls it makes. Returns what changed, and
+    each call left as it is with why (the pass manager reports them: a call the matchers cannot
+    see into may be why a rewrite further on is missed)."""
+    changes, kept = [], []
     symbols = _symbols(gm.graph)
+    regions = ContextRegions(gm.graph)
     for node in [n for n in gm.graph.nodes if _is_einops_call(n)]:
         name = f"{node.target.__module__}.{node.target.__name__}"
         try:
-            calls, out, inputs = _record(node)
+            calls, out, inputs = _record(node, regions)
             plan = _plan(calls, out, inputs, symbols)
         except _Refused as why:
-            log.info("ssm: %s at %s stays one call: %s", name, node.name, why)
+            kept.append((node, f"{name} at {node.name} stays one call, which the passes cannot see into: {why}"))
             continue
-        except Exception as exc:  # einops refuses these inputs itself: so would the opaque call
-            log.info("ssm: %s at %s stays one call: recording it raised %s: %s", name, node.name,
-                     type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001  (what einops raised on these fake inputs: the call stays)
+            kept.append((node, f"{name} at {node.name} stays one call, which the passes cannot see into: "
+                               f"recording it on fake inputs raised {type(exc).__name__}: {exc}"))
             continue
         result = _emit(gm.graph, node, plan, out, inputs, symbols)
         node.replace_all_uses_with(result)
@@ -222,4 +259,4 @@ def expand_einops_calls(gm: torch.fx.GraphModule) -> list[str]:
     if changes:
         gm.graph.lint()
         gm.recompile()
-    return changes
+    return changes, kept

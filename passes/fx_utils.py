@@ -612,6 +612,18 @@ def cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return None
 
 
+def readout_decision(layout: str, y: Any) -> dict[str, str]:
+    """A readout rewrite's decision for ``explain``: the layout, and, where the readout ``y`` the
+    op replaces is 16-bit (autocast's einsum or matmul, a 16-bit model's readout), that eager's
+    product reads h rounded to that dtype while the op contracts its fp32 state and rounds y
+    once (README, autocast)."""
+    decision = {"layout": layout}
+    dtype = dtype_of(y)
+    if dtype in (torch.bfloat16, torch.float16):
+        decision["y"] = f"contracted in fp32, rounded once to {dtype} (eager's product reads h rounded to it)"
+    return decision
+
+
 def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
     """Every ``src`` value is exactly representable in ``dst`` (bf16/fp16 -> fp32 -> fp64)."""
     rank = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}

@@ -176,9 +176,9 @@ def _attribute_reads_first(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-# aten ops of the kinds the passes look for in torch-level code (the discretisation's exp, the
-# conv): an aten graph holding one is Mamba-like code the passes cannot read.
-_ATEN_SIGNS = ("exp", "conv1d", "convolution", "einsum")
+# aten ops that together mark Mamba-like code the passes cannot read in an aten graph: the
+# discretisation's exp and Δ's softplus (an exp alone is any softmax).
+_ATEN_SIGNS = ("exp", "softplus")
 
 
 def _report_aten_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
@@ -190,7 +190,7 @@ def _report_aten_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     if not calls or 2 * len(aten) < len(calls):
         return
     signs = sorted({n.target.name() for n in aten if n.target._opname in _ATEN_SIGNS})
-    if signs:
+    if len(signs) == len(_ATEN_SIGNS):
         ctx.miss("graph", f"{len(aten)} of the graph's {len(calls)} calls are aten ops ({', '.join(signs)} among "
                  "them), as in a torch.export'ed or make_fx-traced program: the passes read the torch-level "
                  "calls dynamo records from Python code, so nothing here is rewritten; compile the original "
@@ -239,7 +239,10 @@ class PassManager:
         # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
         _attribute_reads_first(gm)
         # einops calls first: the others and the matchers see only torch calls.
-        for change in (expand_einops_calls(gm) + rewrite_local_writes(gm) + read_whole_pieces(gm)
+        einops_changes, einops_kept = expand_einops_calls(gm)
+        for node, reason in einops_kept:
+            ctx.miss("einops", reason, [node])
+        for change in (einops_changes + rewrite_local_writes(gm) + read_whole_pieces(gm)
                        + read_single_cats(gm)):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
 from .fx_utils import (HOIST_BLOCKED, ContextRegions, addcmul_operands, dropped_rounding, dtype_of, hoist_before,
-                       is_call, is_method, mutates, node_order, pinned_int, shape_of, val)
+                       is_call, is_method, mutates, node_order, pinned_int, readout_decision, shape_of, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
@@ -646,7 +646,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", disc.nodes, "ssm.selective_scan.default",
                 {"time_invariant_B": disc.time_invariant_B})
     ctx.rewrite("readout", "Σ_n h·C", readout.nodes, "ssm.selective_scan.default",
-                {"layout": "".join(readout.out_roles)})
+                readout_decision("".join(readout.out_roles), readout.end))
 
 
 def _static(size: Any) -> int | str:

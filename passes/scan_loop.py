@@ -62,6 +62,7 @@ from .fx_utils import (
     is_call,
     OP_ROUNDING,
     dropped_rounding,
+    readout_decision,
     op_region,
     is_cast,
     is_method,
@@ -1622,7 +1623,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
         ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", m.disc.nodes, emitted,
                     {"time_invariant_B": m.disc.time_invariant_B})
         ctx.rewrite("readout", f"Σ_n h·C, {decision['collector']}", [], emitted,
-                    {"layout": _layout(m.out.roles)})
+                    readout_decision(_layout(m.out.roles), m.out.out_node))
         return True
     return False
 

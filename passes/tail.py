@@ -141,6 +141,29 @@ def _fold_refusal(scan: torch.fx.Node, chain: YChain, folded: list[torch.fx.Node
     return None if hoisted is None else f"{name}: {hoisted}"
 
 
+_TERM_LIMIT = 64
+
+
+def _written_term(graph: torch.fx.Graph, roots: list[torch.fx.Node], stops: set) -> str | None:
+    """Why folding the term ``roots`` would lose an in-place write, or None: the start of a
+    reason naming the node that writes to the memory of ``roots`` or of what they are computed
+    from, back to ``stops`` (y and the values the op reads itself). The op recomputes the whole
+    term from those values, so a write to an intermediate of it (``skip[:, :, 0] = 0``, a write
+    through a transpose of the product, ``g = silu(z); g.view(-1)[:5] = 0``) would be lost."""
+    term, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, torch.fx.Node) or node in term or node in stops:
+            continue
+        term.add(node)
+        if len(term) > _TERM_LIMIT:
+            return f"the term is computed through more than {_TERM_LIMIT} nodes, too many to check for writes to"
+        if node.op not in ("placeholder", "get_attr"):
+            stack.extend(node.all_input_nodes)
+    writer = written_in_place(graph, sorted(term, key=lambda n: n.name))
+    return None if writer is None else f"{writer.name} writes in place to the memory of a value in"
+
+
 def _binary(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
     """``(a, b)`` if ``node`` is a plain two-operand call of ``targets`` (ADD_TARGETS or
     MUL_TARGETS) or the matching tensor method (``a.add(b)``, ``a.mul(b)``)."""
@@ -211,8 +234,11 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
             continue
         D = match_bias(d_like, product_shape, dim_axis, product_shape[dim_axis])
         if D is None:
+            where = (f"the dim axis {dim_axis} of y" if not views else
+                     f"the product's axis {dim_axis}, which its permutation turns into y's dim axis "
+                     f"{chain.perm.index(1)}")
             reasons.append(f"{d_like.name if hasattr(d_like, 'name') else d_like!r} is not a "
-                           f"(dim,) vector broadcast along the dim axis {dim_axis} of y")
+                           f"(dim,) vector broadcast along {where}")
             continue
         skip_u = layout_source(u_like)
         if skip_u.base is not op_u.base:
@@ -298,6 +324,10 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if writer is not None:
         ctx.miss("skip", f"{writer.name} writes D or u in place, so the op would read them at another "
                  "point than the user's D·u does", [user])
+        return False
+    writer = _written_term(gm.graph, skip.nodes[1:], {chain.top, skip.D, layout_source(args["u"]).base})
+    if writer is not None:
+        ctx.miss("skip", f"{writer} the D·u product the fold computes from u and D itself", [user])
         return False
     args["D"] = as_vector(gm.graph, skip.D, shape_of(chain.top)[chain.perm.index(1)], scan)
     set_scan_args(scan, args)
@@ -416,6 +446,10 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if writer is not None:
         ctx.miss("gate", f"{writer.name} writes z in place, so the op would read it at another point than "
                  "the user's silu(z) does", [user])
+        return False
+    writer = _written_term(gm.graph, [n for n in gate.nodes if n is not gate.out], {chain.top, gate.z})
+    if writer is not None:
+        ctx.miss("gate", f"{writer} the gate the fold computes from z itself", [user])
         return False
     with gm.graph.inserting_before(scan):
         args["z"] = permute_view(gm.graph, gate.z, inverse(chain.perm))

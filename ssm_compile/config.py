@@ -127,7 +127,7 @@ class SSMOptions:
         """These options with ``torch.compile``'s ``mode`` and ``options`` on top: a value set
         there wins, and its inductor config patches join ours."""
         merged = self._merged(mode, options, {})
-        if "inductor_config" in merged:
+        if "inductor_config" in merged and isinstance(merged["inductor_config"], Mapping):
             merged["inductor_config"] = {**self.inductor_config, **merged["inductor_config"]}
         return dataclasses.replace(self, **merged)
 
@@ -144,6 +144,9 @@ class SSMOptions:
             else:
                 inductor_config[key] = value
         if inductor_config:
+            if not isinstance(merged.get("inductor_config", {}), Mapping):
+                raise TypeError("ssm backend option 'inductor_config' must be a dict of inductor config patches, "
+                                f"got {type(merged['inductor_config']).__name__}")
             merged["inductor_config"] = {**merged.get("inductor_config", {}), **inductor_config}
         if mode is not None and mode != "default":
             merged["mode"] = mode

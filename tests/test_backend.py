@@ -84,6 +84,8 @@ def test_torch_compile_mode_and_options_apply_on_top_of_a_configured_backend():
     assert opts.with_compile_args("default", None) == opts
     with pytest.raises(ValueError, match="'fuse' must be one of"):
         opts.with_compile_args(None, {"fuse": "nope"})
+    with pytest.raises(TypeError, match="'inductor_config' must be a dict"):
+        opts.with_compile_args(None, {"inductor_config": "x"})
 
     x, w, b = conv_inputs()
     records = []
@@ -128,9 +130,10 @@ def test_options_defaults_and_ordering():
     ({"passes": 42}, TypeError, "'passes' must be a collection of pass names, got int 42"),
     ({"disable": None}, TypeError, "'disable' must be a collection of pass names, got NoneType None"),
     ({"max_autotune": "yes"}, TypeError, "inductor config 'max_autotune' (an ssm backend option) must be a bool"),
+    ({"inductor_config": "x", "max_autotune": False}, TypeError, "'inductor_config' must be a dict"),
 ], ids=["fuse", "passes", "disable-str", "inductor-type", "mode", "mode-without-inductor", "unknown-key",
         "inductor_config-type", "cpp_wrapper-type", "cpp_wrapper-as-inductor-config", "passes-not-iterable",
-        "disable-none", "inductor-switch-type"])
+        "disable-none", "inductor-switch-type", "inductor_config-type-with-patches"])
 def test_option_validation(kwargs, exc, message):
     with pytest.raises(exc) as info:
         backend(**kwargs)

@@ -245,9 +245,57 @@ def packed(x, y):
 
 
 @pytest.mark.parametrize("opaque", ["opaque"], indirect=True)
-def test_a_call_that_returns_more_than_a_tensor_stays_one_call(caplog, opaque):
+def test_a_call_that_returns_more_than_a_tensor_stays_one_call_with_a_reason(opaque):
     x, y = torch.randn(2, 3, 4), torch.randn(2, 4)
-    with caplog.at_level(logging.INFO, logger="ssm_compile"):
-        out, _ = torch.compile(packed, backend=ssm_compile.backend(inductor=False))(x, y)
-    assert any("stays one call" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
-    assert torch.equal(out, packed(x, y)[0])
+    report = explain(packed, x, y)
+    (miss,) = [m for m in report.misses if m.family == "einops"]
+    assert "einops.packing.pack at pack stays one call" in miss.reason and "not one tensor" in miss.reason
+    assert torch.equal(report.output[0], packed(x, y)[0])
+
+
+class AutocastMinimalBlock(MinimalBlock):
+    """The block with its own bf16 autocast region, opened inside the compiled code."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(x)
+
+
+@pytest.mark.parametrize("opaque", ["opaque"], indirect=True)
+def test_calls_inside_an_autocast_region_are_recorded_under_it(opaque):
+    """The readout's ``einsum(x, C, ...)`` of an fp32 state and a bf16 C only runs under the
+    region's autocast; recorded outside it, it failed, stayed opaque, and the scan was refused
+    with a reason about the readout."""
+    torch.manual_seed(0)
+    block = AutocastMinimalBlock()
+    x = torch.randn(2, 10, 8)
+    report = explain(block, x)
+    for family in ("conv1d", "delta", "discretization", "scan_loop", "readout", "skip", "gate"):
+        assert report.counts.get(family) == 1, report.format(graphs=False)
+    assert not [m for m in report.misses if m.family == "einops"], report.format(graphs=False)
+    ref = block(x)
+    assert ref.dtype == report.output.dtype
+    assert rel_err(report.output, block.double()(x.double())) <= 2 * rel_err(ref, block.double()(x.double()))
+
+
+def einsum_in_regions(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = einsum(x, w, "b i, i j -> b j")
+    with torch.no_grad():
+        frozen = einsum(x, w, "b i, i j -> b j")
+    return low, frozen
+
+
+@pytest.mark.parametrize("opaque", ["opaque"], indirect=True)
+def test_recorded_values_carry_the_regions_dtype_and_grad_mode(opaque):
+    from utils import PassCapture
+
+    from ssm_compile.passes import conv1d
+
+    cap = PassCapture(conv1d)
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5)
+    low, frozen = torch.compile(einsum_in_regions, backend=cap, fullgraph=True)(x, w)
+    values = {n.name: n.meta["val"] for n in cap.gm.graph.nodes if n.op == "call_function" and "einsum" in n.name}
+    assert sorted((str(v.dtype), v.requires_grad) for v in values.values()) == [
+        ("torch.bfloat16", True), ("torch.float32", False)], values
+    assert low.dtype == torch.bfloat16 and not frozen.requires_grad

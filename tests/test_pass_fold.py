@@ -312,6 +312,39 @@ def f_skip_product_not_turned_back(u, x, A, B, C, D, z, bias, W, ts):
     return scan(u, x, A, B, C) + (u.transpose(1, 2) * D).transpose(1, 2).transpose(1, 2)
 
 
+def f_skip_written_through_its_transpose(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    skip = u.transpose(1, 2) * D
+    skip.mul_(3)
+    return (y + skip.transpose(1, 2)) * F.silu(z)
+
+
+def f_skip_product_written_by_setitem(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    skip = u * D[:, None]
+    skip[:, :, 0] = 0
+    return (y + skip) * F.silu(z)
+
+
+def f_skip_copy_written(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    skip = (u * D[:, None]).contiguous()
+    skip.view(-1)[:5] = 0
+    return (y + skip) * F.silu(z)
+
+
+def f_gate_written_by_setitem(u, x, A, B, C, D, z, bias, W, ts):
+    g = F.silu(z)
+    g[:, :, 0] = 0
+    return scan(u, x, A, B, C) * g
+
+
+def f_gate_sigmoid_written(u, x, A, B, C, D, z, bias, W, ts):
+    s = torch.sigmoid(z)
+    s[:, 0] = 1
+    return scan(u, x, A, B, C) * (z * s)
+
+
 def f_gate_after_two_skips(u, x, A, B, C, D, z, bias, W, ts):
     y = scan(u, x, A, B, C)
     return (y + u * D[:, None] + u * D[:, None]) * F.silu(z)
@@ -342,7 +375,18 @@ NEGATIVE = {
     "gate_gelu": (f_gate_gelu, {}, dict(delta=0, skip=0, gate=0), ("gate", "not silu")),
     "gate_mismatched_sigmoid": (f_gate_mismatched_sigmoid, {}, dict(delta=0, skip=0, gate=0), None),
     "skip_product_not_turned_back": (f_skip_product_not_turned_back, {"length": DIM}, dict(delta=0, skip=0, gate=0),
-                                     ("skip", "not a (dim,) vector broadcast along the dim axis 1 of y")),
+                                     ("skip", "not a (dim,) vector broadcast along the product's axis 1, which its "
+                                              "permutation turns into y's dim axis 1")),
+    "skip_written_through_its_transpose": (f_skip_written_through_its_transpose, {}, dict(delta=0, skip=0, gate=0),
+                                           ("skip", "writes in place to the memory of a value in the D·u product")),
+    "skip_product_written_by_setitem": (f_skip_product_written_by_setitem, {}, dict(delta=0, skip=0, gate=0),
+                                        ("skip", "writes in place to the memory of a value in the D·u product")),
+    "skip_copy_written": (f_skip_copy_written, {}, dict(delta=0, skip=0, gate=0),
+                          ("skip", "writes in place to the memory of a value in the D·u product")),
+    "gate_written_by_setitem": (f_gate_written_by_setitem, {}, dict(delta=0, skip=0, gate=0),
+                                ("gate", "writes in place to the memory of a value in the gate")),
+    "gate_sigmoid_written": (f_gate_sigmoid_written, {}, dict(delta=0, skip=0, gate=0),
+                             ("gate", "writes in place to the memory of a value in the gate")),
     "gate_after_two_skips": (f_gate_after_two_skips, {}, dict(delta=0, skip=1, gate=0),
                              ("gate", "not y: the op gates y (with its own D·u) alone")),
 }
