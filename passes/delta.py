@@ -108,6 +108,11 @@ def _only_none_and_full_slices(index: Any) -> bool:
 def match_bias(bias_b: Any, pre_shape: tuple, dim_axis: int, dim: int) -> Optional[torch.fx.Node]:
     """The (dim,) node that ``bias_b`` broadcasts along axis ``dim_axis`` of a ``pre_shape``
     tensor, or None if ``bias_b`` is anything else."""
+    if (is_method(bias_b, "expand", "expand_as", "broadcast_to") or is_call(bias_b, torch.broadcast_to)) \
+            and isinstance(bias_b.args[0], torch.fx.Node):
+        # An explicit broadcast (``D.expand(b, l, d)``, einops' ``repeat(D, "d -> b l d")``) holds
+        # its input's values wherever the implicit one would: match what it expands.
+        return match_bias(bias_b.args[0], pre_shape, dim_axis, dim)
     shape = shape_of(bias_b)
     if shape is None or len(shape) > len(pre_shape):
         return None

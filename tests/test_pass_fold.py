@@ -156,7 +156,15 @@ def f_skip_permuted_twice(u, x, A, B, C, D, z, bias, W, ts):
     return (y + (u.transpose(1, 2) * D).permute(0, 2, 1)) * F.silu(z)
 
 
+def f_skip_explicit_broadcast(u, x, A, B, C, D, z, bias, W, ts):
+    """D broadcast by hand (``expand``, as einops' ``repeat(D, "d -> b d l")`` does it), and the
+    bias by ``expand_as``."""
+    y = scan(u, F.softplus(x + bias[:, None].expand_as(x)), A, B, C)
+    return (y + u * D[None, :, None].expand(*u.shape)) * F.silu(z)
+
+
 POSITIVE = {
+    "skip_explicit_broadcast": (f_skip_explicit_broadcast, "bdl", dict(delta=1, skip=1, gate=1)),
     "skip_in_another_layout": (f_skip_in_another_layout, "bld", dict(delta=0, skip=1, gate=1)),
     "skip_permuted_twice": (f_skip_permuted_twice, "bdl", dict(delta=0, skip=1, gate=1)),
     "mamba_ssm_ref": (f_mamba_ssm_ref, "bdl", dict(delta=1, skip=1, gate=1)),
@@ -345,6 +353,11 @@ def f_gate_sigmoid_written(u, x, A, B, C, D, z, bias, W, ts):
     return scan(u, x, A, B, C) * (z * s)
 
 
+def f_skip_D_expanded_along_time(u, x, A, B, C, D, z, bias, W, ts):
+    # Square (dim == L): D expanded along the time axis has y's shape but varies along time.
+    return scan(u, x, A, B, C) + u * D[None, None, :].expand(*u.shape)
+
+
 def f_gate_after_two_skips(u, x, A, B, C, D, z, bias, W, ts):
     y = scan(u, x, A, B, C)
     return (y + u * D[:, None] + u * D[:, None]) * F.silu(z)
@@ -387,6 +400,8 @@ NEGATIVE = {
                                 ("gate", "writes in place to the memory of a value in the gate")),
     "gate_sigmoid_written": (f_gate_sigmoid_written, {}, dict(delta=0, skip=0, gate=0),
                              ("gate", "writes in place to the memory of a value in the gate")),
+    "skip_D_expanded_along_time": (f_skip_D_expanded_along_time, {"length": DIM}, dict(delta=0, skip=0, gate=0),
+                                   ("skip", "not a (dim,) vector broadcast along the dim axis 1 of y")),
     "gate_after_two_skips": (f_gate_after_two_skips, {}, dict(delta=0, skip=1, gate=0),
                              ("gate", "not y: the op gates y (with its own D·u) alone")),
 }
