@@ -74,8 +74,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
-from .fx_utils import (addcmul_operands, bare_name, context_refusal, depthwise_weight, dropped_rounding, exp_behind,
-                       exp_node_behind, is_call, is_cast, is_lossless_cast, is_method, named_args, node_order, op_region,
+from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
+                       dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method, named_args, node_order, op_region,
                        pinned_int, propagate_val, storage_of, target_name, val, written_args)
 from .manager import PassContext, PassManager
 
@@ -490,7 +490,7 @@ def _linear_inside(value: Any, state: torch.fx.Node, limit: int = 16) -> torch.f
 def _writes(node: torch.fx.Node) -> bool:
     """``node`` writes its first argument (``copy_``, ``mul_``, ``+=``, ``t[i] = v``)."""
     return ((node.op == "call_method" and node.target.endswith("_"))
-            or is_call(node, operator.setitem, operator.iadd, operator.imul, operator.isub, operator.itruediv))
+            or is_call(node, operator.setitem, *INPLACE_OPERATORS))
 
 
 def _in_place(node: Any, method: str, op: Any) -> bool:

@@ -1019,6 +1019,12 @@ _INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))
 
 
+# The augmented assignments as dynamo records them on a tensor (``sv **= 2`` is
+# ``operator.ipow(sv, 2)``): each writes its first operand in place.
+INPLACE_OPERATORS = frozenset(getattr(operator, f"i{op}") for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))
+
+
 def _is_foreach_inplace(node: torch.fx.Node) -> bool:
     """``torch._foreach_mul_([z], 2)``: writes every tensor of its first (list) argument."""
     name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
@@ -1032,7 +1038,7 @@ def _writes_an_input(node: torch.fx.Node) -> bool:
         return True
     if node.op != "call_function":
         return False
-    if node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv):
+    if node.target is operator.setitem or node.target in INPLACE_OPERATORS:
         return True
     # torch.relu_ / torch.sigmoid_, and F.relu(x, inplace=True) / F.silu(x, True) as dynamo records them.
     name = getattr(node.target, "__name__", "")

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from .discretize import unscanned_discretizations
 from .einops_calls import expand_einops_calls
-from .fx_utils import mutates, val
+from .fx_utils import INPLACE_OPERATORS, mutates, val
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import rewrite_local_writes
 from .layout import output_layouts, random_input_layouts, settle_layouts
@@ -68,8 +68,7 @@ class PassContext:
         log.debug("ssm near-miss %s: %s", family, reason)
 
 
-_INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.imatmul, operator.ipow, operator.iand, operator.ior, operator.ixor)
+_INPLACE_OPERATORS = (operator.setitem, *INPLACE_OPERATORS)
 # Namespaces whose public functions compute values and touch no global state.
 _PURE_MODULES = ("torch", "torch.functional", "torch.nn.functional", "torch._C._nn", "torch._C._linalg",
                  "torch._C._special", "torch._C._fft", "torch.linalg", "torch.special", "torch.fft")

@@ -37,6 +37,7 @@ from typing import Any, Callable, TypeVar
 import sympy
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .discretize import (
@@ -59,6 +60,7 @@ from .fx_utils import (
     is_zeros,
     named_args,
     storage_of,
+    storage_of_value,
     is_call,
     OP_ROUNDING,
     dropped_rounding,
@@ -557,13 +559,23 @@ def _is_inplace(user: torch.fx.Node, node: torch.fx.Node) -> bool:
 
 
 def _aliases(user: torch.fx.Node, node: torch.fx.Node) -> bool:
-    """``user`` may share ``node``'s memory (a view, ``.T``, a no-op conversion)."""
-    if not user.args or user.args[0] is not node or user.op not in ("call_function", "call_method"):
+    """``user`` may share ``node``'s memory (a view, ``.T``, a no-op conversion, ``.data``, the
+    pieces of a ``split``). By name for the ops known to, and otherwise by the fake values: any
+    result of ``user`` in the storage of ``node`` (``ravel``, ``moveaxis``, ``positive``,
+    ``torch._C._autograd._get_data_attr``, ``tensor_split``'s tuple and its items)."""
+    if user.op not in ("call_function", "call_method") or node not in user.all_input_nodes:
         return False
-    if user.target is getattr:
-        return user.args[1] in _ALIAS_ATTRS
-    name = bare_name(user)
-    return name in _ALIASING_OPS
+    if user.args and user.args[0] is node:
+        if user.target is getattr and user.args[1] in _ALIAS_ATTRS:
+            return True
+        if user.target is not getattr and bare_name(user) in _ALIASING_OPS:
+            return True
+    mine = _storages(val(node))
+    return bool(mine) and not mine.isdisjoint(_storages(val(user)))
+
+
+def _storages(value: Any) -> set:
+    return {s for s in map(storage_of_value, pytree.tree_leaves(value)) if s is not None}
 
 
 def mutated(*nodes: torch.fx.Node, ignore: frozenset[torch.fx.Node] = frozenset()) -> bool:

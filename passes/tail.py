@@ -36,7 +36,7 @@ from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
 from .fx_utils import (HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
                        context_refusal, dropped_rounding, dtype_of, follow_views, hoist_before, inverse, is_call,
                        is_method, layout_source, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
-                       set_scan_args, shape_of, view_perm, written_in_place)
+                       set_scan_args, shape_of, val, view_perm, written_in_place)
 from .manager import PassContext, PassManager
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
@@ -153,7 +153,9 @@ def _written_term(graph: torch.fx.Graph, roots: list[torch.fx.Node], stops: set)
     term, stack = set(), list(roots)
     while stack:
         node = stack.pop()
-        if not isinstance(node, torch.fx.Node) or node in term or node in stops:
+        # Sizes (``u.size(0)`` under dynamic shapes) and other non-tensors hold no memory.
+        if (not isinstance(node, torch.fx.Node) or node in term or node in stops
+                or not isinstance(val(node), torch.Tensor)):
             continue
         term.add(node)
         if len(term) > _TERM_LIMIT:
@@ -193,6 +195,7 @@ class Skip(NamedTuple):
     add: torch.fx.Node
     D: torch.fx.Node
     nodes: list[torch.fx.Node]
+    factors: tuple[Any, Any]  # the product's (u, D) operands as the user's code reads them
 
 
 def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | None:
@@ -250,7 +253,7 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         if any(skip_u.perm[sigma[i]] != op_u.perm[chain.perm[i]] for i in range(len(top_shape))):
             reasons.append("the skip reads u in another layout than y (axes don't line up)")
             continue
-        return Skip(add, D, [add] if other is None else [add, *views, product])
+        return Skip(add, D, [add] if other is None else [add, *views, product], (u_like, d_like))
     return "; ".join(reasons) if reasons else None
 
 
@@ -325,7 +328,8 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
         ctx.miss("skip", f"{writer.name} writes D or u in place, so the op would read them at another "
                  "point than the user's D·u does", [user])
         return False
-    writer = _written_term(gm.graph, skip.nodes[1:], {chain.top, skip.D, layout_source(args["u"]).base})
+    writer = _written_term(gm.graph, [*skip.nodes[1:], *skip.factors],
+                           {chain.top, skip.D, layout_source(args["u"]).base})
     if writer is not None:
         ctx.miss("skip", f"{writer} the D·u product the fold computes from u and D itself", [user])
         return False

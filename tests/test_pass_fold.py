@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
-from utils import TOL, compile_with_passes, rel_err
+from utils import TOL, PassCapture, compile_with_passes, rel_err
 
 from ssm_compile.passes import delta as delta_pass
 from ssm_compile.passes import tail as tail_pass
@@ -358,6 +358,28 @@ def f_skip_D_expanded_along_time(u, x, A, B, C, D, z, bias, W, ts):
     return scan(u, x, A, B, C) + u * D[None, None, :].expand(*u.shape)
 
 
+def f_skip_written_by_ipow(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    skip = u * D[:, None]
+    flat = skip.view(-1)
+    flat **= 2  # operator.ipow in dynamo's graph
+    return (y + skip) * F.silu(z)
+
+
+def f_gate_written_by_imod(u, x, A, B, C, D, z, bias, W, ts):
+    g = F.silu(z)
+    flat = g.view(-1)
+    flat %= 0.3
+    return scan(u, x, A, B, C) * g
+
+
+def f_addcmul_factor_written(u, x, A, B, C, D, z, bias, W, ts):
+    # The widened copy of a bf16 D, which the fold reads through to D itself, is written.
+    wide = D.bfloat16()[:, None].float()
+    wide[0] = 5.0
+    return torch.addcmul(scan(u, x, A, B, C), u, wide) * F.silu(z)
+
+
 def f_gate_after_two_skips(u, x, A, B, C, D, z, bias, W, ts):
     y = scan(u, x, A, B, C)
     return (y + u * D[:, None] + u * D[:, None]) * F.silu(z)
@@ -402,6 +424,12 @@ NEGATIVE = {
                              ("gate", "writes in place to the memory of a value in the gate")),
     "skip_D_expanded_along_time": (f_skip_D_expanded_along_time, {"length": DIM}, dict(delta=0, skip=0, gate=0),
                                    ("skip", "not a (dim,) vector broadcast along the dim axis 1 of y")),
+    "skip_written_by_ipow": (f_skip_written_by_ipow, {}, dict(delta=0, skip=0, gate=0),
+                             ("skip", "writes in place to the memory of a value in the D·u product")),
+    "gate_written_by_imod": (f_gate_written_by_imod, {}, dict(delta=0, skip=0, gate=0),
+                             ("gate", "writes in place to the memory of a value in the gate")),
+    "addcmul_factor_written": (f_addcmul_factor_written, {}, dict(delta=0, skip=0, gate=0),
+                               ("skip", "writes in place to the memory of a value in the D·u product")),
     "gate_after_two_skips": (f_gate_after_two_skips, {}, dict(delta=0, skip=1, gate=0),
                              ("gate", "not y: the op gates y (with its own D·u) alone")),
 }
@@ -418,3 +446,22 @@ def test_refused(case):
         family, fragment = miss
         assert any(fragment in reason for reason in misses(cap, family)), cap.ctx.misses
     check_close(out, ref)
+
+
+def f_tail_and_an_unrelated_write(u, x, A, B, C, D, z, bias, W, ts, state):
+    y = scan(u, x, A, B, C)
+    state.copy_(x[:, :, -1])
+    return (y + u * D.view(u.shape[1], 1)) * F.silu(z)
+
+
+def test_an_unrelated_write_under_dynamic_shapes_does_not_block_the_folds():
+    """Under dynamic shapes the skip's term holds size nodes, which hold no memory; counted as
+    unknown memory, any write in the graph (a cache's ``copy_``) refused the skip and the gate."""
+    inputs = make_inputs()
+    state = torch.zeros(BATCH, DIM)
+    cap = PassCapture(*PASSES)
+    out = torch.compile(f_tail_and_an_unrelated_write, backend=cap, dynamic=True)(*inputs.values(), state)
+    assert fired(cap) == dict(delta=0, skip=1, gate=1), cap.ctx.misses
+    expected_state = torch.zeros(BATCH, DIM)
+    check_close(out, f_tail_and_an_unrelated_write(*inputs.values(), expected_state))
+    assert torch.equal(state, expected_state)
