@@ -4,7 +4,7 @@
 # Each step's full log goes to $OUT/<step>.log; a failing step does not stop the others.
 # The device machine has no package index: test-only wheels it lacks (expecttest) travel in
 # .whl/ (ignored by git; pass it in the device call's `carry`), fetched here with
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl expecttest pytest-xdist execnet
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl expecttest pytest-xdist execnet einops
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
