@@ -22,6 +22,9 @@ import ssm_compile
 from ssm_compile.report import explain
 
 einops = pytest.importorskip("einops", reason="einops is in the test extra (pyproject.toml); install it")
+# What einops does at its first call on a tensor, done now: whether it registers its functions
+# with dynamo (below) is then settled before any test reads it, whichever test runs first.
+import einops._torch_specific  # noqa: E402,F401
 from einops import einsum, pack, rearrange, reduce, repeat, unpack  # noqa: E402
 
 BLOCK = ("conv1d", "x_dt_proj", "delta", "discretization", "scan_loop", "readout", "skip", "gate")
@@ -31,8 +34,8 @@ EINOPS_FUNCTIONS = (einsum, pack, rearrange, reduce, repeat, unpack)
 @pytest.fixture(params=["traced", "opaque"])
 def opaque(request):
     """How dynamo meets einops. einops 0.8.2 lets torch >= 2.8 trace its functions, so the graph
-    holds the torch calls they make ("traced"; with an older einops installed this case is
-    opaque too). einops up to 0.8.1 registered them with ``allow_in_graph`` at its first call on a
+    holds the torch calls they make ("traced"; wherever einops registers them anyway, as it did
+    on the H200 machine's torch 2.11 in run 45, this case is opaque too). einops up to 0.8.1 registered them with ``allow_in_graph`` at its first call on a
     tensor: one opaque node per call, which ``passes/einops_calls.py`` expands ("opaque", done
     here as einops did it and undone afterwards). Yields whether the calls are opaque."""
     from torch._dynamo import trace_rules
