@@ -75,8 +75,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
-                       dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method, named_args, node_order, op_region,
-                       pinned_int, propagate_val, storage_of, target_name, val, written_args)
+                       dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method,
+                       named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name, val,
+                       written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"

@@ -4,9 +4,9 @@ einops up to 0.8.1 registers ``rearrange``, ``repeat``, ``reduce``, ``einsum``, 
 ``unpack`` with dynamo (``allow_in_graph``) at its first call on a tensor, so dynamo's graph holds
 each such call as one opaque node, and AOTAutograd traces into it only after our passes (einops
 0.8.2 leaves torch >= 2.8 to trace them, and the graph holds their torch calls already). Much
-Mamba code is written with einops: mamba-minimal's discretisation is ``einsum(delta, A, 'b l d_in, d_in n -> b l d_in n')``, mamba_ssm's reference
-path rearranges and repeats B and C. Behind an opaque node the matchers cannot see exp(Δ·A) or
-Δ·B·u, and such a model would keep its (batch, dim, L, N) tensors and its unrolled loop.
+Mamba code is written with einops: mamba-minimal's discretisation is
+``einsum(delta, A, 'b l d_in, d_in n -> b l d_in n')``, mamba_ssm's reference path rearranges
+and repeats B and C. Behind an opaque node the matchers cannot see exp(Δ·A) or Δ·B·u, and such a model would keep its (batch, dim, L, N) tensors and its unrolled loop.
 
 So each einops call is replaced by the torch calls einops itself makes for it. They are recorded
 by running the call on the node's fake inputs under a ``TorchFunctionMode``: einops turns a
@@ -122,7 +122,8 @@ def _size_node(graph: torch.fx.Graph, expr: sympy.Expr, symbols: dict[sympy.Symb
         return int(expr)
     if isinstance(expr, sympy.Symbol):
         return symbols[expr]
-    op = operator.add if isinstance(expr, sympy.Add) else operator.mul if isinstance(expr, sympy.Mul) else operator.floordiv
+    op = (operator.add if isinstance(expr, sympy.Add) else operator.mul if isinstance(expr, sympy.Mul)
+          else operator.floordiv)
     terms = [_size_node(graph, arg, symbols) for arg in expr.args]
     result = terms[0]
     for term in terms[1:]:

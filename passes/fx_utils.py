@@ -22,6 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 _CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 # ``node.meta`` key marking a cast a rewrite emitted as an op's own output rounding (to the dtype
 # the replaced code produced), as opposed to a cast the user wrote.
 OP_ROUNDING = "ssm_op_rounding"
@@ -619,7 +620,7 @@ def readout_decision(layout: str, y: Any) -> dict[str, str]:
     once (README, autocast)."""
     decision = {"layout": layout}
     dtype = dtype_of(y)
-    if dtype in (torch.bfloat16, torch.float16):
+    if dtype in HALF_DTYPES:
         decision["y"] = f"contracted in fp32, rounded once to {dtype} (eager's product reads h rounded to it)"
     return decision
 

@@ -52,6 +52,7 @@ from .discretize import (
     view_source,
 )
 from .fx_utils import (
+    HALF_DTYPES,
     VIEW_OPS,
     ContextRegions,
     addcmul_operands,
@@ -88,7 +89,6 @@ NOT_A_CONTRACTION = "the readout is not a contraction of h_t with C_t"
 
 _MUL = (operator.mul, torch.mul)
 _COLLECTORS = (torch.stack, torch.cat)
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _Emitted = TypeVar("_Emitted")
 # Python's in-place operators on tensors mutate the previous state, which a later readout may read.
 
@@ -1176,7 +1176,7 @@ def emit_selective_scan(
         ``(y, last_state_or_None)``, nodes in the requested layouts and dtypes.
     """
     u = permute_view(graph, disc.u.node, disc.u.perm_to("bdt"))
-    if val(u).dtype in _HALF_DTYPES and y_dtype != val(u).dtype:
+    if val(u).dtype in HALF_DTYPES and y_dtype != val(u).dtype:
         # The op returns y in u's dtype, and the sources are found through the user's casts: code
         # that upcasts 16-bit inputs and keeps y in fp32 (selective_scan_ref before its final
         # cast, a mixed-precision block) would otherwise get a y rounded to 16 bits, far less
@@ -1185,7 +1185,7 @@ def emit_selective_scan(
         u = _cast(graph, u, torch.float32)
     delta = permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt"))
     A = permute_view(graph, disc.A.node, disc.A.perm_to("dn"))
-    if val(A).dtype in _HALF_DTYPES:
+    if val(A).dtype in HALF_DTYPES:
         # A kept in 16 bits (a model cast to bf16 whose A = -exp(A_log) skips .float()): the op
         # takes an fp32 A. The widening is exact; the op then forms Δ·A in fp32, as it does the
         # rest of the discretisation that such a program rounds to 16 bits.

@@ -33,10 +33,10 @@ import torch.fx
 import torch.nn.functional as F
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
-from .fx_utils import (HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
+from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
                        context_refusal, dropped_rounding, dtype_of, follow_views, hoist_before, inverse, is_call,
                        is_method, layout_source, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
-                       set_scan_args, shape_of, val, view_perm, written_in_place)
+                       set_scan_args, shape_of, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
@@ -217,7 +217,9 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         if operands is None or chain.top not in operands or operands[0] is operands[1]:
             return _skip_subtracted(add, chain.top, u_op)
         other = operands[1] if operands[0] is chain.top else operands[0]
-        product, sigma, views = _behind_permutations(other)
+        # The product may be computed in another layout and permuted back (``(u.mT * D).mT``).
+        behind = layout_source(other, allow_casts=False)
+        product, sigma, views = behind.base, behind.perm, view_chain(other, behind.base)
         factors = _binary(product, MUL_TARGETS)
         if factors is None:
             return _skip_after_a_sum(add, u_op)
@@ -225,9 +227,8 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
     if shape_of(add) != top_shape:
         return f"the skip broadcasts y from {list(top_shape)} to {list(shape_of(add))}"
     if other is None:
-        product, sigma, views = None, list(range(len(top_shape))), []
-    # The product may be computed in another layout and permuted back (``(u.mT * D).mT``): axis i
-    # of y lines up with axis sigma[i] of the product.
+        product, sigma, views = None, tuple(range(len(top_shape))), []
+    # Axis i of y lines up with axis sigma[i] of the product.
     product_shape = shape_of(product) if product is not None else top_shape
     dim_axis = sigma[chain.perm.index(1)]
     op_u = layout_source(u_op)
@@ -255,20 +256,6 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
             continue
         return Skip(add, D, [add] if other is None else [add, *views, product], (u_like, d_like))
     return "; ".join(reasons) if reasons else None
-
-
-def _behind_permutations(node: Any) -> tuple[Any, list[int], list[torch.fx.Node]]:
-    """``(source, sigma, views)``: ``node`` is ``source`` through the permutation views
-    ``views`` (outermost first), and axis i of ``node`` holds axis ``sigma[i]`` of ``source``
-    (the same values, permuted). ``(node, identity, [])`` when ``node`` is no such view."""
-    shape = shape_of(node)
-    sigma = list(range(len(shape))) if shape is not None else []
-    views = []
-    while (step := view_perm(node)) is not None:
-        views.append(node)
-        sigma = [step[p] for p in sigma]
-        node = node.args[0]
-    return node, sigma, views
 
 
 def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | None:
@@ -461,7 +448,7 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     chain = _widen_chain(chain, dtype_of(gate.out))
     _replace_with(gate.out, chain.top)
     decision = {"perm": list(chain.perm)}
-    if dtype_of(gate.z) in (torch.bfloat16, torch.float16):
+    if dtype_of(gate.z) in HALF_DTYPES:
         # Eager computes silu of a 16-bit z in that dtype and rounds it; the op keeps it in fp32
         # (a rounding no finer than z's own, which ``dropped_rounding`` lets go). Said, not hidden.
         decision["silu"] = f"fp32 (eager rounds silu(z) to {dtype_of(gate.z)})"

@@ -383,7 +383,7 @@ def backend(**options: Any) -> SSMBackend:
 def ssm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                 options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """The ``backend="ssm"`` entry point; ``torch.compile``'s ``mode``/``options`` land here."""
-    return SSMBackend(SSMOptions.from_kwargs(mode=mode, options=options))(gm, example_inputs)
+    return SSMBackend()(gm, example_inputs, mode=mode, options=options)
 
 
 # Must run before dynamo traces the first frame for backend="ssm"; this import (through the
