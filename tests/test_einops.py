@@ -22,28 +22,38 @@ import ssm_compile
 from ssm_compile.report import explain
 
 einops = pytest.importorskip("einops", reason="einops is in the test extra (pyproject.toml); install it")
-# What einops does at its first call on a tensor, done now: whether it registers its functions
-# with dynamo (below) is then settled before any test reads it, whichever test runs first.
-import einops._torch_specific  # noqa: E402,F401
 from einops import einsum, pack, rearrange, reduce, repeat, unpack  # noqa: E402
 
 BLOCK = ("conv1d", "x_dt_proj", "delta", "discretization", "scan_loop", "readout", "skip", "gate")
 EINOPS_FUNCTIONS = (einsum, pack, rearrange, reduce, repeat, unpack)
 
 
+def _registered(fn) -> bool:
+    """Whether dynamo keeps ``fn`` as one opaque call. ``is_callable_allowed`` first runs the
+    registration that dynamo itself makes for einops at its first sight of an einops object: on
+    torch 2.11 with einops 0.8.2 that registration is ``allow_in_graph`` (torch 2.11 looks for a
+    flag that einops 0.8.2 no longer sets), on torch 2.13 it is none. Reading
+    ``_allowed_callable_ids`` before it, as this file did, said "traced" on torch 2.11 and then
+    met opaque calls in the graph."""
+    from torch._dynamo import trace_rules
+
+    return trace_rules.is_callable_allowed(fn)
+
+
 @pytest.fixture(params=["traced", "opaque"])
 def opaque(request):
     """How dynamo meets einops. einops 0.8.2 lets torch >= 2.8 trace its functions, so the graph
-    holds the torch calls they make ("traced"; wherever einops registers them anyway, as it did
-    on the H200 machine's torch 2.11 in run 45, this case is opaque too). einops up to 0.8.1 registered them with ``allow_in_graph`` at its first call on a
-    tensor: one opaque node per call, which ``passes/einops_calls.py`` expands ("opaque", done
-    here as einops did it and undone afterwards). Yields whether the calls are opaque."""
+    holds the torch calls they make ("traced"; where dynamo or einops registers them anyway, as
+    torch 2.11 does with einops 0.8.2, this case is opaque too). einops up to 0.8.1 registered
+    them with ``allow_in_graph`` at its first call on a tensor: one opaque node per call, which
+    ``passes/einops_calls.py`` expands ("opaque", done here as einops did it and undone
+    afterwards). Yields whether the calls are opaque."""
     from torch._dynamo import trace_rules
 
     if request.param == "traced":
-        yield all(id(f) in trace_rules._allowed_callable_ids for f in EINOPS_FUNCTIONS)
+        yield all(_registered(f) for f in EINOPS_FUNCTIONS)
         return
-    fresh = [f for f in EINOPS_FUNCTIONS if id(f) not in trace_rules._allowed_callable_ids]
+    fresh = [f for f in EINOPS_FUNCTIONS if not _registered(f)]
     torch._dynamo.allow_in_graph(fresh)
     try:
         yield True
