@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (dtype_of, exp_node_behind, is_call, is_cast, is_method, layout_source, parse_slice,
+from .fx_utils import (dtype_of, exp_node_behind, is_call, is_cast, is_method, layout_source, named_args, parse_slice,
                        protects_saved_input, squeezed_unit_piece, val, view_chain)
 
 __all__ = [
@@ -249,13 +249,34 @@ class _Evaluator:
             return self._matmul(node)
         if self.allow_sum and (is_call(node, torch.sum) or is_method(node, "sum")):
             return self._sum(node)
+        if self.allow_sum and is_call(node, torch.linalg.vecdot):
+            return self._vecdot(node)
         return self._view(node)
 
-    def _mul(self, node, x, y) -> IndexTerm | None:
+    def _vecdot(self, node) -> IndexTerm | None:
+        """``linalg.vecdot(x, y, dim=d)`` is ``sum(x.conj() * y, d)`` over the broadcast shape;
+        for real x the conjugate is x itself."""
+        if len(node.args) != 2 or set(node.kwargs) - {"dim"}:
+            return None
+        x, y = node.args
+        if not all(isinstance(a, torch.fx.Node) and isinstance(val(a), torch.Tensor)
+                   and val(a).is_floating_point() for a in (x, y)):
+            return None
+        dim = node.kwargs.get("dim", -1)
+        shape = torch.broadcast_shapes(val(x).shape, val(y).shape)
+        if not isinstance(dim, int) or not shape:
+            return None
+        t = self._mul(node, x, y, shape)
+        if t is None:
+            return None
+        d = dim % len(t.out)
+        return self._combine([t], t.out[:d] + t.out[d + 1:], {t.out[d]})
+
+    def _mul(self, node, x, y, out_shape=None) -> IndexTerm | None:
         tx, ty = self.term(x), self.term(y)
         if tx is None or ty is None:
             return None
-        out_shape = val(node).shape
+        out_shape = val(node).shape if out_shape is None else out_shape
         out: list[int] = []
         rank = len(out_shape)
         for i in range(rank):
@@ -355,10 +376,12 @@ class _Evaluator:
         return self._combine([tx, ty], tuple(out) + (tx.out[-2], ty.out[-1]), {tx.out[-1]})
 
     def _sum(self, node) -> IndexTerm | None:
-        x = node.args[0]
-        dims = _dims_arg(node, 1, "dim")
-        keepdim = node.kwargs.get("keepdim", False)
-        if dims is None or keepdim or set(node.kwargs) - {"dim", "keepdim"}:
+        # sum(input, dim, keepdim=False, *, dtype=None): a second positional is keepdim, not a
+        # second axis (``x.sum(-1, True)``).
+        a = named_args(node, ("input", "dim", "keepdim"))
+        x, dims, keepdim = a.get("input"), a.get("dim"), a.get("keepdim", False)
+        if (dims is None or not isinstance(keepdim, bool) or len(node.args) > 3
+                or set(node.kwargs) - {"dim", "keepdim"}):
             return None
         t = self.term(x)
         if t is None:
@@ -368,7 +391,8 @@ class _Evaluator:
         if not all(isinstance(d, int) for d in dims):
             return None
         dims = {d % rank for d in dims}
-        out = tuple(lab for i, lab in enumerate(t.out) if i not in dims)
+        # keepdim leaves a size-1 axis where each summed one was: a new label, as unsqueeze's.
+        out = tuple(self.uf.fresh() if i in dims else lab for i, lab in enumerate(t.out) if keepdim or i not in dims)
         return self._combine([t], out, {t.out[i] for i in dims})
 
     def _view(self, node) -> IndexTerm | None:

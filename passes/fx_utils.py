@@ -625,6 +625,16 @@ def readout_decision(layout: str, y: Any) -> dict[str, str]:
     return decision
 
 
+def float64_readout(y: Any, u: Any) -> str | None:
+    """Why a readout ``y`` cannot be the op's: eager contracts it in float64 (a float64 C, or
+    an initial state, promotes it) while the op, whose state and contraction are float64 only for
+    a float64 u, would contract in float32 and widen y afterwards. Else None."""
+    if dtype_of(y) == torch.float64 and dtype_of(u) != torch.float64:
+        return (f"the readout is computed in float64 (C or the state is float64) but u is {dtype_of(u)}: "
+                "the op would contract in float32 and only widen y to float64")
+    return None
+
+
 def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
     """Every ``src`` value is exactly representable in ``dst`` (bf16/fp16 -> fp32 -> fp64)."""
     rank = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}

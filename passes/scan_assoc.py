@@ -53,8 +53,9 @@ import torch.fx
 import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
-from .fx_utils import (HOIST_BLOCKED, ContextRegions, addcmul_operands, dropped_rounding, dtype_of, hoist_before,
-                       is_call, is_method, mutates, node_order, pinned_int, readout_decision, shape_of, val)
+from .fx_utils import (HOIST_BLOCKED, ContextRegions, addcmul_operands, dropped_rounding, dtype_of, float64_readout,
+                       hoist_before, is_call, is_method, mutates, node_order, pinned_int, readout_decision, shape_of,
+                       val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
@@ -598,6 +599,10 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         ctx.miss("readout", users, [all_states])
         return
     readout, lasts = users
+    wide = float64_readout(readout.end, disc.u.node)
+    if wide is not None:
+        ctx.miss("readout", wide, [readout.end])
+        return
     order = node_order(gm.graph)
     # The op reads the sources themselves, at the readout; the user's code read them through the
     # copies and casts the discretization looks through (``A = A.clone(); A.mul_(2)``), earlier.

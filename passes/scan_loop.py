@@ -65,6 +65,7 @@ from .fx_utils import (
     is_call,
     OP_ROUNDING,
     dropped_rounding,
+    float64_readout,
     readout_decision,
     op_region,
     is_cast,
@@ -979,6 +980,13 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         disc, t0 = disc
         if t0 != 0:
             return f"the state update at step 0 reads its inputs at time index {t0}, not 0"
+        # The loop's length was read off the first slice's tensor; ``zip(u.unbind(-1),
+        # delta.unbind(-1), ...)`` stops at its shortest input, so with sources of known lengths
+        # the loop can have no more steps than the shortest: the walk below proves each of them.
+        known = [int(n) for n in (_time_len(src) for src in (disc.u, disc.delta, disc.B) if "t" in src.roles)
+                 if is_concrete_int(n)]
+        if known and 2 <= min(known) < L:
+            L = min(known)
         short = _sources_too_short(disc, L)
         if short is not None:
             return short
@@ -1000,15 +1008,22 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     # Every later step must repeat step 0 with time indices shifted by t.
     steps = [region]
     h = [h0]
+    # The tensors whose time slices step 0 reads: A_full, or, when the step discretises, the
+    # bases of its two coefficients' slices (Δ, u, B).
+    read = ({(a_base, a_axis)} if a_base is not None else
+            {(s[1].node, s[2]) for leaf in (a_leaf, b_leaf) for s in _key_slices(_leaf_key(leaf, 0))})
     for t in range(1, L):
         bind = {H: h[-1]}
         missing = _walk(region, bind, t)
         if missing is not None:
-            if t >= 2 and a_base is not None and not _reads_from_step(a_base, a_axis, t):
-                # Nothing reads A_full at step t or later: the loop covers the first t steps
-                # only (``range(L - 3)``). The op reads its sources' first t steps through
+            if t >= 2 and read and all(_reads_from_step(b, ax, 1) and not _reads_from_step(b, ax, t)
+                                       for b, ax in read):
+                # Nothing reads those tensors at step t or later: the loop covers the first t
+                # steps only (``range(L - 3)``). The op reads its sources' first t steps through
                 # narrowed views; the collection below must hold exactly these t outputs. (A
-                # skipped or reset step still reads A_full later, and keeps this reason.)
+                # skipped or reset step still reads them later, and keeps this reason.) Each must
+                # be read at step 1 as well: a base that every step recomputes (``delta.float()``
+                # in the step) is another node in each, and says nothing about later steps.
                 L = t
                 break
             return f"step {t} does not repeat step 0's state update (no copy of {missing})"
@@ -1070,6 +1085,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         c_src, c_base, out, readouts = found
         last_views = []
 
+    wide = float64_readout(out.out_node, disc.u.node)
+    if wide is not None:
+        return wide
     # Nothing inside the loop may be used from outside, except the last state.
     collected_states = {stacked} if stacked is not None else set(buffered[3]) if buffered is not None else set()
     for t in range(L):
@@ -1468,8 +1486,13 @@ def _products(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, Any, Any]]:
 
 def _reads_from_step(base: torch.fx.Node, axis: int, index: int) -> bool:
     """Something reads ``base`` along ``axis`` at ``index`` or later: a time slice there, or
-    any use that is not a time slice (an unbind, a view, the whole tensor), counted as one."""
+    any use that is not a time slice (an unbind, a view, the whole tensor), counted as one. A
+    use that reads only its shape and dtype (``u.new_zeros(...)`` for the state, ``u.size()``)
+    reads no step."""
     for n in base.users:
+        if (is_method(n, *_BUFFER_METHODS, "size", "dim") or is_call(n, torch.zeros_like, torch.empty_like)) \
+                and n.args and n.args[0] is base and base not in n.args[1:] and base not in n.kwargs.values():
+            continue
         ts = time_slice(n)
         if ts is None or ts[0] is not base or ts[1] != axis or ts[2] >= index:
             return True
