@@ -1556,8 +1556,21 @@ def _is_add(node: Any) -> bool:
 
 
 def _coeff_key(c: Any, t: int) -> tuple:
-    """How a decay coefficient of step ``t`` compares with step 0's (a literal is itself)."""
-    return _leaf_key(c, t) if isinstance(c, torch.fx.Node) else ("literal", type(c).__name__, repr(c))
+    """How a decay coefficient of step ``t`` compares with step 0's (a literal is itself). For
+    explain only: a higher-order op's body (a custom autograd.Function's forward, a tensor hook)
+    is a new attribute in every step, compared here by its code."""
+    if not isinstance(c, torch.fx.Node):
+        return ("literal", type(c).__name__, repr(c))
+    gm = c.graph.owning_module
+
+    def bodies(key):
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == "node" and isinstance(key[1], torch.fx.Node):
+            n = key[1]
+            body = getattr(gm, n.target, None) if n.op == "get_attr" and isinstance(n.target, str) else None
+            return ("body", _body_signature(body)) if isinstance(body, torch.fx.GraphModule) else key
+        return tuple(bodies(k) for k in key) if isinstance(key, tuple) else key
+
+    return bodies(_leaf_key(c, t))
 
 
 def _next_step(m: torch.fx.Node, c: Any) -> tuple[torch.fx.Node, Any] | None:
@@ -1606,8 +1619,30 @@ def _unmatched_recurrences(muls: list[torch.fx.Node], reported: set[str]):
             yield m, c, H
 
 
+def _body_signature(body: torch.fx.GraphModule) -> tuple:
+    """A subgraph's nodes with their inputs as positions: equal for two bodies that differ only
+    in names (dynamo names a body's placeholder after the value passed in)."""
+    index = {n: i for i, n in enumerate(body.graph.nodes)}
+    return tuple((n.op, str(n.target) if n.op != "placeholder" else "",
+                  repr(torch.fx.map_arg((n.args, n.kwargs), lambda a: index[a])))
+                 for n in body.graph.nodes)
+
+
+def _through_higher_order_op(c: torch.fx.Node) -> str | None:
+    """The higher-order op that makes ``c`` (through getitems), by name, or None."""
+    while is_call(c, operator.getitem) and isinstance(c.args[0], torch.fx.Node):
+        c = c.args[0]
+    if c.op == "call_function" and isinstance(c.target, torch._ops.HigherOrderOperator):
+        return f"torch.ops.higher_order.{c.target.name()}"
+    return None
+
+
 def _recurrence_reason(c: Any, H: Any) -> str:
     """Why an unrolled linear recurrence that no anchor started from is left alone."""
+    if isinstance(c, torch.fx.Node) and _through_higher_order_op(c) is not None:
+        return (f"the decay passes through {_through_higher_order_op(c)} in every step (a custom "
+                "autograd.Function, or a hook on the tensor): the op's own gradient would replace what it does "
+                "in the backward; left alone")
     ts = time_slice(c) if isinstance(c, torch.fx.Node) else None
     if isinstance(c, torch.fx.Node) and ts is None and _key_slices(_leaf_key(c, 0)):
         return ("a linear recurrence h = a_t*h + x_t whose decay a_t is not a time slice of exp(Δ·A); "

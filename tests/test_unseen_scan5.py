@@ -229,3 +229,48 @@ def test_real_backend_fp32(fn):
     for g_got, g_want in zip(torch.autograd.grad((got * w.float()).sum(), args32),
                              torch.autograd.grad((want * w).sum(), args64)):
         torch.testing.assert_close(g_got.double(), g_want, rtol=1e-4, atol=1e-4)
+
+
+class _HalfGrad(torch.autograd.Function):
+    """Identity forward, half the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+def _half_grad_hook(x):
+    x.register_hook(lambda g: g * 0.5)
+    return x
+
+
+@pytest.mark.parametrize("wrap", [_HalfGrad.apply, _half_grad_hook], ids=["autograd_function", "hook"])
+def test_decay_with_its_own_backward_is_left_alone_with_a_reason(wrap):
+    """A per-step decay passed through a custom autograd.Function or a tensor hook has the
+    forward of exp(Δ·A) and another backward: the scan is left alone, and explain says so (it
+    said nothing: each step's body is a new subgraph attribute, so no two steps looked alike)."""
+    def f(u, delta, A, B, C):
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(u.shape[-1]):
+            dA = wrap(torch.exp(delta[:, :, t, None] * A))
+            h = dA * h + (delta[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+            ys.append((h * C[:, None, :, t]).sum(-1))
+        return torch.stack(ys, -1)
+
+    args = inputs()
+    report = explain(f, *args)
+    assert not report.counts.get("scan_loop"), report.format(graphs=False)
+    assert any(m.family == "scan_loop" and "in every step" in m.reason for m in report.misses), \
+        report.format(graphs=False)
+    want = f(*args)
+    grads_want = torch.autograd.grad(want.square().sum(), args)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=backend(inductor=False))(*args)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g_got, g_want in zip(torch.autograd.grad(got.square().sum(), args), grads_want):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12)
