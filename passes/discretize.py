@@ -388,7 +388,8 @@ class _Evaluator:
             return None
         rank = len(t.out)
         dims = [dims] if isinstance(dims, int) else list(dims)
-        if not all(isinstance(d, int) for d in dims):
+        # An empty list sums every axis (``sum([])``), not none.
+        if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
             return None
         dims = {d % rank for d in dims}
         # keepdim leaves a size-1 axis where each summed one was: a new label, as unsqueeze's.

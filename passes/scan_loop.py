@@ -1026,7 +1026,11 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
                 # in the step) is another node in each, and says nothing about later steps.
                 L = t
                 break
-            return f"step {t} does not repeat step 0's state update (no copy of {missing})"
+            later = next((b for b, ax in read if _reads_from_step(b, ax, t)), None) if t >= 2 else None
+            tail = (f"; a loop over the first {t} steps only is rewritten when nothing reads its stepped inputs "
+                    f"at step {t} or later, and {later.name} is read there or as a whole"
+                    if later is not None else "")
+            return f"step {t} does not repeat step 0's state update (no copy of {missing}){tail}"
         steps.append([bind[n] for n in region])
         h.append(bind[h0])
 
@@ -1085,9 +1089,6 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         c_src, c_base, out, readouts = found
         last_views = []
 
-    wide = float64_readout(out.out_node, disc.u.node)
-    if wide is not None:
-        return wide
     # Nothing inside the loop may be used from outside, except the last state.
     collected_states = {stacked} if stacked is not None else set(buffered[3]) if buffered is not None else set()
     for t in range(L):
@@ -1128,6 +1129,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         # (for accuracy) would silently lose precision.
         return (f"the state is accumulated in float64 but u is {val(disc.u.node).dtype}: "
                 "the op would accumulate in float32")
+    wide = float64_readout(out.out_node, disc.u.node)
+    if wide is not None:
+        return wide
     for name, src in (("u", disc.u), ("delta", disc.delta), ("A", disc.A), ("B", disc.B)):
         if val(src.node).dtype == torch.float64 and val(src.node).device.type != "cpu":
             return f"{name} is float64; ssm.selective_scan has no float64 kernel on {val(src.node).device}"

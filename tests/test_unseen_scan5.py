@@ -274,3 +274,30 @@ def test_decay_with_its_own_backward_is_left_alone_with_a_reason(wrap):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for g_got, g_want in zip(torch.autograd.grad(got.square().sum(), args), grads_want):
         torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("spelling", ["method", "positional", "function"])
+def test_sum_over_an_empty_dim_list_is_a_sum_over_every_axis(spelling):
+    """``sum([], keepdim=True)`` sums every axis (probe AA): after a keepdim readout it was read
+    as no sum at all, and the loop was rewritten into a (batch, dim, L) y where eager's is
+    (1, 1, L)."""
+    def f(u, delta, A, B, C):
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(u.shape[-1]):
+            h = step(h, u, delta, A, B, t)
+            y = (h * C[:, None, :, t]).sum(-1, keepdim=True)
+            if spelling == "method":
+                y = y.sum([], keepdim=True)
+            elif spelling == "positional":
+                y = y.sum([], True)
+            else:
+                y = torch.sum(y, dim=(), keepdim=True)
+            ys.append(y)
+        return torch.cat(ys, -1)
+
+    args = inputs()
+    want = f(*args)
+    report = explain(f, *args)
+    assert report.output.shape == want.shape == (1, 1, L_), report.format(graphs=False)
+    torch.testing.assert_close(report.output, want, rtol=1e-12, atol=1e-12)
