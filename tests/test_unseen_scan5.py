@@ -11,6 +11,11 @@ Recorded behaviour, found by this file's probe:
   collected with ``cat`` ("not a contraction of h_t with C_t").
 - Left alone with a reason (was rewritten with an fp32 readout): an fp32 scan read out by an fp64
   C, which eager contracts in fp64; the op contracts in fp32 only.
+- Left alone with a reason (was silent): a per-step decay passed through a custom
+  autograd.Function or a tensor hook.
+- A wrong answer that the keepdim readout opened (probe AA, fixed before it was committed to a
+  release): ``sum([], keepdim=True)`` after a keepdim readout was read as no sum at all (torch
+  sums every axis), and the loop was rewritten to a (batch, dim, L) y where eager's is (1, 1, L).
 """
 import pytest
 import torch
