@@ -393,7 +393,8 @@ class _Evaluator:
             return None
         dims = {d % rank for d in dims}
         # keepdim leaves a size-1 axis where each summed one was: a new label, as unsqueeze's.
-        out = tuple(self.uf.fresh() if i in dims else lab for i, lab in enumerate(t.out) if keepdim or i not in dims)
+        out = tuple(self.uf.fresh() if i in dims else lab
+                    for i, lab in enumerate(t.out) if keepdim or i not in dims)
         return self._combine([t], out, {t.out[i] for i in dims})
 
     def _view(self, node) -> IndexTerm | None:

@@ -1643,8 +1643,9 @@ def _through_higher_order_op(c: torch.fx.Node) -> str | None:
 
 def _recurrence_reason(c: Any, H: Any) -> str:
     """Why an unrolled linear recurrence that no anchor started from is left alone."""
-    if isinstance(c, torch.fx.Node) and _through_higher_order_op(c) is not None:
-        return (f"the decay passes through {_through_higher_order_op(c)} in every step (a custom "
+    hop = _through_higher_order_op(c) if isinstance(c, torch.fx.Node) else None
+    if hop is not None:
+        return (f"the decay passes through {hop} in every step (a custom "
                 "autograd.Function, or a hook on the tensor): the op's own gradient would replace what it does "
                 "in the backward; left alone")
     ts = time_slice(c) if isinstance(c, torch.fx.Node) else None

@@ -38,17 +38,30 @@ def inputs(dtype=torch.float64, length=L_, seed=0):
     return [x.requires_grad_() for x in (u, delta, A, B, C)]
 
 
-def step(h, u, delta, A, B, t):
-    return torch.exp(delta[:, :, t, None] * A) * h + (delta[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+def step(h, u, delta, A, B, t, wrap=None):
+    """One textbook step; ``wrap`` passes the decay through something first."""
+    dA = torch.exp(delta[:, :, t, None] * A)
+    dA = dA if wrap is None else wrap(dA)
+    return dA * h + (delta[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+
+
+def loop(u, delta, A, B, C, readout, collect=lambda ys: torch.stack(ys, -1), steps=None, wrap=None):
+    """The textbook loop over ``steps`` steps (all of u's by default), each read out by
+    ``readout(h, C_t)`` and collected by ``collect``."""
+    h = u.new_zeros(B_, D_, N_)
+    ys = []
+    for t in range(u.shape[-1] if steps is None else steps):
+        h = step(h, u, delta, A, B, t, wrap)
+        ys.append(readout(h, C[:, :, t]))
+    return collect(ys)
+
+
+def mul_sum(h, c):
+    return (h * c[:, None, :]).sum(-1)
 
 
 def prefix_loop(u, delta, A, B, C):
-    h = u.new_zeros(B_, D_, N_)
-    ys = []
-    for t in range(u.shape[-1] - 1):
-        h = step(h, u, delta, A, B, t)
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, -1)
+    return loop(u, delta, A, B, C, lambda h, c: torch.einsum("bdn,bn->bd", h, c), steps=u.shape[-1] - 1)
 
 
 def zip_loop(u, delta, A, B, C):
@@ -56,35 +69,21 @@ def zip_loop(u, delta, A, B, C):
     ys = []
     for ut, dt, bt, ct in zip(u.unbind(-1), delta.unbind(-1), B.unbind(-1), C.unbind(-1)):
         h = torch.exp(dt[..., None] * A) * h + (dt * ut)[..., None] * bt[:, None, :]
-        ys.append((h * ct[:, None, :]).sum(-1))
+        ys.append(mul_sum(h, ct))
     return torch.stack(ys, -1)
 
 
 def vecdot_loop(u, delta, A, B, C):
-    h = u.new_zeros(B_, D_, N_)
-    ys = []
-    for t in range(u.shape[-1]):
-        h = step(h, u, delta, A, B, t)
-        ys.append(torch.linalg.vecdot(h, C[:, None, :, t]))
-    return torch.stack(ys, -1)
+    return loop(u, delta, A, B, C, lambda h, c: torch.linalg.vecdot(h, c[:, None]))
 
 
 def keepdim_loop(u, delta, A, B, C):
-    h = u.new_zeros(B_, D_, N_)
-    ys = []
-    for t in range(u.shape[-1]):
-        h = step(h, u, delta, A, B, t)
-        ys.append((h * C[:, None, :, t]).sum(-1, True))
-    return torch.cat(ys, -1)
+    return loop(u, delta, A, B, C, lambda h, c: (h * c[:, None]).sum(-1, True), lambda ys: torch.cat(ys, -1))
 
 
 def keepdim_kwarg_loop(u, delta, A, B, C):
-    h = u.new_zeros(B_, D_, N_)
-    ys = []
-    for t in range(u.shape[-1]):
-        h = step(h, u, delta, A, B, t)
-        ys.append(torch.sum(h * C[:, None, :, t], dim=-1, keepdim=True))
-    return torch.cat(ys, dim=2)
+    return loop(u, delta, A, B, C, lambda h, c: torch.sum(h * c[:, None], dim=-1, keepdim=True),
+                lambda ys: torch.cat(ys, dim=2))
 
 
 def _assoc_states(u, delta, A, B):
@@ -198,18 +197,13 @@ def test_fp64_readout_of_an_fp32_scan_is_left_alone(form):
     u, delta, A, B, _ = [x.detach().float() for x in inputs()]
     C = inputs(seed=2)[4].detach()
 
-    def loop(u, delta, A, B, C):
-        h = u.new_zeros(B_, D_, N_)
-        ys = []
-        for t in range(u.shape[-1]):
-            h = step(h, u, delta, A, B, t)
-            ys.append((h * C[:, None, :, t]).sum(-1))
-        return torch.stack(ys, -1)
+    def looped(u, delta, A, B, C):
+        return loop(u, delta, A, B, C, mul_sum)
 
     def assoc(u, delta, A, B, C):
         return (_assoc_states(u, delta, A, B) * C.transpose(1, 2)[:, None]).sum(-1)
 
-    fn = loop if form == "loop" else assoc
+    fn = looped if form == "loop" else assoc
     report = explain(fn, u, delta, A, B, C)
     assert not report.counts, report.format(graphs=False)
     assert any("computed in float64" in m.reason for m in report.misses), report.format(graphs=False)
@@ -259,13 +253,7 @@ def test_decay_with_its_own_backward_is_left_alone_with_a_reason(wrap):
     forward of exp(Δ·A) and another backward: the scan is left alone, and explain says so (it
     said nothing: each step's body is a new subgraph attribute, so no two steps looked alike)."""
     def f(u, delta, A, B, C):
-        h = u.new_zeros(B_, D_, N_)
-        ys = []
-        for t in range(u.shape[-1]):
-            dA = wrap(torch.exp(delta[:, :, t, None] * A))
-            h = dA * h + (delta[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
-            ys.append((h * C[:, None, :, t]).sum(-1))
-        return torch.stack(ys, -1)
+        return loop(u, delta, A, B, C, mul_sum, wrap=wrap)
 
     args = inputs()
     report = explain(f, *args)
@@ -286,20 +274,16 @@ def test_sum_over_an_empty_dim_list_is_a_sum_over_every_axis(spelling):
     """``sum([], keepdim=True)`` sums every axis (probe AA): after a keepdim readout it was read
     as no sum at all, and the loop was rewritten into a (batch, dim, L) y where eager's is
     (1, 1, L)."""
+    def readout(h, c):
+        y = (h * c[:, None]).sum(-1, keepdim=True)
+        if spelling == "method":
+            return y.sum([], keepdim=True)
+        if spelling == "positional":
+            return y.sum([], True)
+        return torch.sum(y, dim=(), keepdim=True)
+
     def f(u, delta, A, B, C):
-        h = u.new_zeros(B_, D_, N_)
-        ys = []
-        for t in range(u.shape[-1]):
-            h = step(h, u, delta, A, B, t)
-            y = (h * C[:, None, :, t]).sum(-1, keepdim=True)
-            if spelling == "method":
-                y = y.sum([], keepdim=True)
-            elif spelling == "positional":
-                y = y.sum([], True)
-            else:
-                y = torch.sum(y, dim=(), keepdim=True)
-            ys.append(y)
-        return torch.cat(ys, -1)
+        return loop(u, delta, A, B, C, readout, lambda ys: torch.cat(ys, -1))
 
     args = inputs()
     want = f(*args)
