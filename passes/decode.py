@@ -76,8 +76,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method,
-                       named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name, val,
-                       written_args)
+                       named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name,
+                       time_slice, val, written_args)
 from .manager import PassContext, PassManager
 
 STATE_FAMILY = "state_update"
@@ -622,10 +622,16 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     exp_node = _peel(u.decay)[0]
     if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
         behind = exp_node_behind(exp_node)
+        stepped = time_slice(exp_node)
+        if behind is not None and stepped is not None and exp_node_behind(stepped[0]) is behind:
+            raise Miss(f"the state decay is one time step of exp(...) of shape "
+                       f"{tuple(_tensor(behind).shape)}, made for a whole sequence: each in-place update of the "
+                       "state is a step of a scan over time, not a decode step (the scan passes say why the loop "
+                       "was not rewritten)")
         if behind is not None and not _same_shape(behind, shape):
             raise Miss(f"the state decay is exp(...) of shape {tuple(_tensor(behind).shape)} broadcast to the state's "
-                       f"{shape} through views (a scalar decay per head, as in Mamba-2): the op decays each "
-                       "channel and state by exp(dt * A) of the state's shape")
+                       f"{shape} through views (a decay shared along an axis of the state, e.g. a scalar decay per "
+                       "head, as in Mamba-2): the op decays each channel and state by exp(dt * A) of the state's shape")
         raise Miss("the state decay is not exp(dt * A)")
     if not _same_shape(exp_node, shape):
         raise Miss(f"the decay exp(...) has shape {tuple(_tensor(exp_node).shape)}, not the state's {shape}")

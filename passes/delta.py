@@ -28,9 +28,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .fx_utils import (behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, is_call,
-                       is_lossless_cast, is_method, layout_source, permute_view, propagate_val, scan_args, named_args,
-                       scan_nodes, set_scan_args, shape_of, view_chain, written_in_place)
+from .fx_utils import (behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of,
+                       higher_order_op, hop_name, is_call, is_lossless_cast, is_method, layout_source, permute_view,
+                       propagate_val, scan_args, named_args, scan_nodes, set_scan_args, shape_of, view_chain,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -148,7 +149,7 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     top = layout_source(delta)
     softplus = top.base
     if not is_call(softplus, *SOFTPLUS_TARGETS):
-        return None
+        return _softplus_behind_hop(softplus)
     why = _softplus_default(softplus)
     if why is not None:
         return why
@@ -171,6 +172,20 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
             if bias is not None:
                 return DeltaFold(x, perm, bias, None, nodes + [pre], between)
     return DeltaFold(pre, perm, None, None, nodes, between)
+
+
+def _softplus_behind_hop(node: torch.fx.Node) -> str | None:
+    """Why not, when Δ is a softplus passed through a higher-order op (a custom
+    ``autograd.Function`` such as a gradient clip, or a hook): the op's softplus would come with
+    its own backward, not the user's. None when Δ comes from anything else."""
+    hop = higher_order_op(node)
+    if hop is None:
+        return None
+    for arg in hop.all_input_nodes:
+        if is_call(layout_source(arg).base, *SOFTPLUS_TARGETS):
+            return (f"Δ is {hop_name(hop)} of the softplus {arg.name} (a custom autograd.Function, or a hook on "
+                    "the tensor): folding the softplus into the op would drop what that does in the backward")
+    return None
 
 
 def weight_product(node: Any, t_dims: Callable[[int], bool], *targets: Any) -> Optional[tuple[Any, Any]]:

@@ -367,6 +367,22 @@ def pinned_int(size: Any) -> int | None:
     return None
 
 
+def higher_order_op(node: Any) -> torch.fx.Node | None:
+    """The higher-order op call that makes ``node`` (through getitems of its outputs), or None.
+    Dynamo turns a custom ``autograd.Function`` and a hook on an intermediate tensor into one:
+    what it does in the backward is the user's, and no op of ours may replace it."""
+    while is_call(node, operator.getitem) and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" \
+            and isinstance(node.target, torch._ops.HigherOrderOperator):
+        return node
+    return None
+
+
+def hop_name(hop: torch.fx.Node) -> str:
+    return f"torch.ops.higher_order.{hop.target.name()}"
+
+
 def time_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
     """``(base, axis, index)`` if ``node`` selects one index along one axis of ``base``.
 
@@ -393,9 +409,9 @@ def parse_slice(node: Any) -> tuple[torch.fx.Node, int, int, list[int | None]] |
             return None
         axis %= vb.dim()
         index = (slice(None),) * axis + (idx,)
-    elif is_call(node, operator.getitem) and _unbind_source(node.args[0]) is not None:
+    elif is_call(node, operator.getitem) and unbind_source(node.args[0]) is not None:
         # ``for x_t in x.unbind(dim)``: item i of the unbind is x.select(dim, i).
-        base, axis = _unbind_source(node.args[0])
+        base, axis = unbind_source(node.args[0])
         idx = node.args[1]
         if not isinstance(idx, int) or isinstance(idx, bool):
             return None
@@ -470,7 +486,7 @@ def _unit_start(base: torch.fx.Node, axis: int, start: int) -> tuple[torch.fx.No
     return (base, axis, start) if isinstance(start, int) and not isinstance(start, bool) else None
 
 
-def _unbind_source(node: Any) -> tuple[torch.fx.Node, int] | None:
+def unbind_source(node: Any) -> tuple[torch.fx.Node, int] | None:
     """``(x, dim)`` if ``node`` is ``x.unbind(dim)`` / ``torch.unbind(x, dim)``, dim normalised."""
     if not (is_call(node, torch.unbind) or is_method(node, "unbind")) or not node.args:
         return None

@@ -10,8 +10,9 @@ later reader the value it saw in the user's code.
 Soundness: a storage is rewritten only when
 - its tensor (the root) is computed in the graph by a call, not passed in, and no other node
   shares its memory (no views, no inputs, no outputs of ops that return an alias);
-- every write to it is one of the arithmetic ops below on the whole tensor, in the order the
-  graph runs them (no ``copy_``, no ``x[i] = v``, no ``out=``, no other mutating op);
+- every write to it is one of the arithmetic or unary elementwise ops below on the whole tensor,
+  in the order the graph runs them (no ``copy_``, no ``x[i] = v``, no ``out=``, no other mutating
+  op);
 - the out-of-place op gives the same dtype and shape (``h += x`` keeps h's dtype where
   ``h + x`` would promote);
 - the root and all its writes run under one grad mode, outside any functorch transform: under
@@ -44,8 +45,13 @@ log = logging.getLogger("ssm_compile")
 
 _FUNCTIONS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
               operator.itruediv: operator.truediv}
+# The unary elementwise ones matter for the explanation more than for speed: a loop that does
+# ``h.mul_(dA).add_(dBu); h.tanh_()`` reaches the scan matchers out of place, which then name the
+# nonlinear update instead of meeting an opaque write.
 _METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "addcmul_": "addcmul",
-            "addcdiv_": "addcdiv", "neg_": "neg"}
+            "addcdiv_": "addcdiv", "neg_": "neg", "tanh_": "tanh", "sigmoid_": "sigmoid", "relu_": "relu",
+            "exp_": "exp", "abs_": "abs", "sqrt_": "sqrt", "square_": "square", "pow_": "pow", "clamp_": "clamp",
+            "clamp_min_": "clamp_min", "clamp_max_": "clamp_max"}
 
 
 def _among(storage: Any, storages: Any) -> bool:
@@ -53,11 +59,18 @@ def _among(storage: Any, storages: Any) -> bool:
     return storage is not None and any(storage == other for other in storages if other is not None)
 
 
+# Writes that overwrite every element (a reset, ``h.zero_()``), by the function that makes the
+# same tensor anew; like them it carries no gradient to the value it replaces.
+_FILLS = {"zero_": torch.zeros_like, "fill_": torch.full_like}
+
+
 def _out_of_place(node: torch.fx.Node) -> tuple[str, Any] | None:
     if node.op == "call_function" and node.target in _FUNCTIONS:
         return "call_function", _FUNCTIONS[node.target]
     if node.op == "call_method" and node.target in _METHODS:
         return "call_method", _METHODS[node.target]
+    if node.op == "call_method" and node.target in _FILLS:
+        return "call_function", _FILLS[node.target]
     return None
 
 

@@ -63,8 +63,14 @@ class PassContext:
 
     def miss(self, family: str, reason: str, nodes: list[torch.fx.Node] = (),
              covers: list[torch.fx.Node] = ()) -> None:
-        self.misses.append(Miss(family, reason, [n.name for n in nodes]))
         self.covered.update(covers)
+        same = next((m for m in self.misses if (m.family, m.reason) == (family, reason)), None)
+        if same is not None:
+            # A pass that meets the same near-miss once per step (a stale dA[:, :, 0] read by
+            # each step) says so once, at every node it met it.
+            same.nodes.extend(n.name for n in nodes if n.name not in same.nodes)
+            return
+        self.misses.append(Miss(family, reason, [n.name for n in nodes]))
         log.debug("ssm near-miss %s: %s", family, reason)
 
 

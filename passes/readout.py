@@ -24,7 +24,7 @@ __all__ = ["Readout", "match_readout", "last_state_index", "split_state_users"]
 
 @dataclasses.dataclass
 class Readout:
-    end: torch.fx.Node          # the node whose value is y in ``out_roles`` layout
+    end: torch.fx.Node          # the node whose value is y in ``out_roles`` layout ("1": a size-1 axis)
     C: torch.fx.Node
     C_roles: tuple[str, ...]
     out_roles: tuple[str, ...]
@@ -46,34 +46,50 @@ def _complete_readout(node: torch.fx.Node, states: torch.fx.Node, roles: tuple[s
         if role.setdefault(lab, r) != r:
             return None
     out = term.out_labels()
-    if not all(lab in role for lab in out):
+    # A label of the output the states don't have is a size-1 axis the readout keeps
+    # (``sum(-1, keepdim=True)``, a C[..., None] broadcast): role "1", which the op's y gets as
+    # an unsqueeze. A wider one is a broadcast of C along an axis of its own: not a readout.
+    shape = shape_of(node)
+    if shape is None or len(shape) != len(out):
+        return None
+    if any(lab not in role and not _is_one(size) for lab, size in zip(out, shape)):
         return None
     # C may be a product (weight · rms_normalised(C_raw), Jamba's inner norm): one graph value
     # must hold exactly that product.
     c_src = product_source(term, others, role)
     if c_src is None:
         return None
-    out_roles = tuple(role[x] for x in out)
+    out_roles = tuple(role.get(x, "1") for x in out)
     n_label = next(lab for lab, r in role.items() if r == "n")
-    if (sorted(c_src.roles) != ["b", "n", "t"] or sorted(out_roles) != ["b", "d", "t"]
+    if (sorted(c_src.roles) != ["b", "n", "t"] or sorted(r for r in out_roles if r != "1") != ["b", "d", "t"]
             or term.summed_labels() != {n_label}):
         return None
     return Readout(node, c_src.node, c_src.roles, out_roles, term.looked_through)
 
 
+def _is_one(size) -> bool:
+    return isinstance(size, int) and size == 1
+
+
 def match_readout(user: torch.fx.Node, states: torch.fx.Node, roles: tuple[str, ...]
                   ) -> Optional[Readout]:
-    """Follow ``user`` forward (single users) to the first node that is Σ_n states·C."""
-    node, chain = user, []
+    """Follow ``user`` forward (single users) to the first node that is Σ_n states·C, or, when
+    that one keeps size-1 axes (``h @ C[..., None]``), to the last one of the nodes right after
+    it that still is (``.squeeze(-1)``): the op's y then needs no axes added and removed."""
+    node, chain, found = user, [], None
     for _ in range(8):
         chain.append(node)
-        found = _complete_readout(node, states, roles)
-        if found is not None:
-            return _through_views(dataclasses.replace(found, chain=chain))
+        complete = _complete_readout(node, states, roles)
+        if complete is None and found is not None:
+            break
+        if complete is not None:
+            found = dataclasses.replace(complete, chain=list(chain))
+            if "1" not in complete.out_roles:
+                break
         if len(node.users) != 1:
-            return None
+            break
         (node,) = node.users
-    return None
+    return None if found is None else _through_views(found)
 
 
 def _through_views(readout: Readout) -> Readout:

@@ -59,7 +59,7 @@ from .fx_utils import (HOIST_BLOCKED, ContextRegions, addcmul_operands, dropped_
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
-from .scan_loop import emit_or_refusal, emit_selective_scan, mutated, read_through
+from .scan_loop import emit_or_refusal, emit_selective_scan, first_steps, mutated, read_through, time_prefix_source
 
 log = logging.getLogger("ssm_compile")
 
@@ -578,8 +578,18 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     with it; any other write to what the op would read is refused.
     """
     length = shape_of(b_full)[t_axis]
-    disc = match_discretization(a_full, b_full, t_axis)
+    a_src, b_src = a_full, b_full
+    if isinstance(length, int):
+        # A scan over a prefix of precomputed tensors (``(dA[:, :, :k], dBu[:, :, :k])``): step t
+        # of the prefix is step t of the whole, and the op reads u, Δ and B through their first k.
+        a_src, b_src = time_prefix_source(a_full, t_axis), time_prefix_source(b_full, t_axis)
+    disc = match_discretization(a_src, b_src, t_axis)
     if isinstance(disc, str):
+        sliced = next((n for n in (a_src, b_src) if (is_call(n, operator.getitem) or is_method(n, "narrow"))
+                       and isinstance(n.args[0], torch.fx.Node)), None)
+        if sliced is not None:
+            disc += (f"; the scan reads {sliced.name}, a slice of {sliced.args[0].name} that is not a prefix of its "
+                     "time axis alone (dA[:, :, k:]?): the op scans from time 0")
         ctx.miss("discretization", disc, [a_full, b_full])
         return
     if dtype_of(all_states) == torch.float64 and dtype_of(disc.u.node) != torch.float64:
@@ -632,8 +642,11 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
                  [readout.C])
         return
     size = dict(zip(roles, shape_of(all_states)))
+    def narrowed() -> Any:
+        return dataclasses.replace(disc, **{k: first_steps(graph, getattr(disc, k), length) for k in ("u", "delta", "B")})
+
     emitted = emit_or_refusal(graph, anchor, lambda: emit_selective_scan(
-        graph, disc, Source(readout.C, readout.C_roles), length=length,
+        graph, narrowed(), Source(readout.C, readout.C_roles), length=length,
         y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),
         last_state_roles=tuple(r for r in roles if r != "t") if lasts else None,
         last_state_dtype=dtype_of(lasts[0]) if lasts else None))

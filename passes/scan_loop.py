@@ -66,6 +66,8 @@ from .fx_utils import (
     OP_ROUNDING,
     dropped_rounding,
     float64_readout,
+    higher_order_op,
+    hop_name,
     readout_decision,
     op_region,
     is_cast,
@@ -76,6 +78,7 @@ from .fx_utils import (
     permute_view,
     propagate_val,
     time_slice,
+    unbind_source,
     val,
     written_args,
 )
@@ -379,7 +382,7 @@ def _negative_index(node: torch.fx.Node) -> bool:
     return any(isinstance(x, int) and not isinstance(x, bool) and x < 0 for x in index)
 
 
-def _time_prefix_source(node: torch.fx.Node, axis: int) -> torch.fx.Node:
+def time_prefix_source(node: torch.fx.Node, axis: int) -> torch.fx.Node:
     """``x`` when ``node`` is a prefix of ``x`` along ``axis`` alone (``x[:, :, :k]``,
     ``x.narrow(axis, 0, k)``), else ``node``. Step t of the prefix is step t of ``x``, so a loop
     over the prefix's steps is one over ``x``'s first steps."""
@@ -406,7 +409,7 @@ def _too_short(name: str, size, L: int) -> str | None:
     The axis need not be exactly L long: when dynamo recompiles at a new length, the tensor the
     loop ranges over has its length specialised, but a tensor the loop only indexes (C, or u in
     code that discretises per step) keeps a fresh symbol that is only known to be at least L.
-    The loop reads its first L steps, and so does the op, through ``_first_steps``. Decided
+    The loop reads its first L steps, and so does the op, through ``first_steps``. Decided
     without adding guards: a length not provably long enough is refused.
     """
     if statically_known_true(size >= L):
@@ -414,7 +417,7 @@ def _too_short(name: str, size, L: int) -> str | None:
     return f"{name}'s time axis ({_size_repr(size)}) is not provably at least the loop's length {L}"
 
 
-def _first_steps(graph: torch.fx.Graph, src: Source, L: int) -> Source:
+def first_steps(graph: torch.fx.Graph, src: Source, L: int) -> Source:
     """``src`` as the loop reads it, through its first L steps: itself when its time axis is
     provably L long, else a narrowed view (no copy)."""
     if "t" not in src.roles:
@@ -772,10 +775,18 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
             # time_slice normalises a negative index only against a concrete length.
             return ("the readout's C_t at step 0 counts from the end of a time axis of symbolic length "
                     "(C[..., t-k]?): which step it reads is not known")
+        c_labels = rt.factor_labels(fc)
+        if all(lab in role and role[lab] != "b" for lab in c_labels):
+            return (f"the readout reads the same C ({fc.node.name}, indexed by {[role[lab] for lab in c_labels]}) "
+                    "at every step: a time-invariant C, which ssm.selective_scan does not take (it reads C as "
+                    "(batch, state, time))")
         return "the readout's C_t is not a time slice of one tensor"
     c_base, _, c_idx = c_slice
     if c_idx != 0:
-        return f"the readout of h_t uses C at time t{c_idx:+d} (lagged readout)"
+        # Only step 0 is seen here: C[..., t+k], C[..., t-1] (index L-1 at step 0) and a C read
+        # at one fixed time look alike.
+        return (f"the readout of h_t uses C at time t{c_idx:+d} (lagged readout); step 0 reads C at time index "
+                f"{c_idx}, as C[..., t+k], C[..., t-k] wrapping around and a C read at one fixed time all do")
     leaf_roles = [role.get(lab) for lab in rt.factor_labels(fc)]
     c_roles = ["t" if o is None else leaf_roles[o] for o in parse_slice(fc.node)[3]]
     if None in c_roles:
@@ -972,14 +983,16 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
             short = _too_short("B_full", val(b_base).shape[b_axis], L)
             if short is not None:
                 return short
-            disc = match_step_decay_full_input(a_leaf, _time_prefix_source(b_base, b_axis), b_axis)
+            disc = match_step_decay_full_input(a_leaf, time_prefix_source(b_base, b_axis), b_axis)
         else:
             disc = match_step_discretization(a_leaf, b_leaf)
         if isinstance(disc, str):
             return f"discretization: {disc}"
         disc, t0 = disc
         if t0 != 0:
-            return f"the state update at step 0 reads its inputs at time index {t0}, not 0"
+            return (f"the state update at step 0 reads its inputs at time index {t0}, not 0 (a loop that starts "
+                    "late from a state computed before it, e.g. range(1, L) after a first step written out, or a "
+                    "state reset): start from h = zeros and run every step from t = 0 to have it rewritten")
         # The loop's length was read off the first slice's tensor; ``zip(u.unbind(-1),
         # delta.unbind(-1), ...)`` stops at its shortest input, so with sources of known lengths
         # the loop can have no more steps than the shortest: the walk below proves each of them.
@@ -995,7 +1008,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         if b_base is None:
             # Proved at step 0, before the walk, so that an input term read at another time
             # (u[t - 1]) is named as such rather than as a step that does not repeat.
-            disc = match_full_decay_step_input(_time_prefix_source(a_base, a_axis), a_axis, b_leaf, 0)
+            disc = match_full_decay_step_input(time_prefix_source(a_base, a_axis), a_axis, b_leaf, 0)
             if isinstance(disc, str):
                 return f"discretization: {disc}"
     init = None
@@ -1055,7 +1068,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
             short = _too_short("B_full", val(b_base).shape[b_axis], L)
             if short is not None:
                 return short
-            disc = match_discretization(_time_prefix_source(a_base, a_axis), _time_prefix_source(b_base, b_axis),
+            disc = match_discretization(time_prefix_source(a_base, a_axis), time_prefix_source(b_base, b_axis),
                                         (a_axis, b_axis))
         if isinstance(disc, str):
             return f"discretization: {disc}"
@@ -1188,7 +1201,8 @@ def emit_selective_scan(
         C: C_full and its axis roles (b, n, t in some order; b, g, n, t when grouped).
         length: the sequence length L (for a time-invariant B's expanded view); a SymInt under
             dynamic shapes.
-        y_roles / y_dtype: layout ("b", "d", "t" in some order) and dtype of the output to produce.
+        y_roles / y_dtype: layout ("b", "d", "t" in some order; "1" for a size-1 axis) and dtype of
+            the output to produce.
         initial_state: h_{-1} and its roles (b, d, n in some order; leading ones may be missing
             and axes may be size 1, broadcast as in the user's update), or None for zeros.
         last_state_roles / last_state_dtype: the layout and dtype of the last state to produce, or
@@ -1259,7 +1273,11 @@ def emit_selective_scan(
     scan = _node(graph, "call_function", torch.ops.ssm.selective_scan.default,
                  u, delta, A, B, Cv, None, None, None, False, init, want_last)
     y = _node(graph, "call_function", operator.getitem, scan, 0)
-    y = permute_view(graph, y, tuple("bdt".index(r) for r in y_roles))
+    y = permute_view(graph, y, tuple("bdt".index(r) for r in y_roles if r != "1"))
+    if "1" in y_roles:
+        # The size-1 axes a keepdim readout kept, where the user's y has them.
+        y = _node(graph, "call_function", operator.getitem, y,
+                  tuple(None if r == "1" else slice(None) for r in y_roles))
     cast = _cast(graph, y, y_dtype)
     if cast is not y:
         # This cast is the op's own output rounding (the readout's dtype: autocast's bf16 einsum,
@@ -1297,12 +1315,12 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     # trailing roles.
     init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
     d = m.disc
-    disc = dataclasses.replace(d, u=_first_steps(graph, d.u, m.L), delta=_first_steps(graph, d.delta, m.L),
-                               B=_first_steps(graph, d.B, m.L))
+    disc = dataclasses.replace(d, u=first_steps(graph, d.u, m.L), delta=first_steps(graph, d.delta, m.L),
+                               B=first_steps(graph, d.B, m.L))
     return emit_selective_scan(
         graph,
         disc,
-        _first_steps(graph, m.C, m.L),
+        first_steps(graph, m.C, m.L),
         length=m.L,
         y_roles=m.out.roles,
         y_dtype=val(m.out.out_node).dtype,
@@ -1490,17 +1508,32 @@ def _products(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, Any, Any]]:
 
 def _reads_from_step(base: torch.fx.Node, axis: int, index: int) -> bool:
     """Something reads ``base`` along ``axis`` at ``index`` or later: a time slice there, or
-    any use that is not a time slice (an unbind, a view, the whole tensor), counted as one. A
-    use that reads only its shape and dtype (``u.new_zeros(...)`` for the state, ``u.size()``)
-    reads no step."""
+    any use that is not a time slice (a view, the whole tensor), counted as one. A use that
+    reads only its shape and dtype (``u.new_zeros(...)`` for the state, ``u.size()``) reads no
+    step. An unbind along ``axis`` reads the steps whose items are used: ``zip`` over
+    unbinds of unequal lengths stops at the shortest, and leaves the longer ones' tails unread."""
     for n in base.users:
         if (is_method(n, *_BUFFER_METHODS, "size", "dim") or is_call(n, torch.zeros_like, torch.empty_like)) \
                 and n.args and n.args[0] is base and base not in n.args[1:] and base not in n.kwargs.values():
+            continue
+        if unbind_source(n) == (base, axis) and _unbind_items_before(n, val(base).shape[axis], index):
             continue
         ts = time_slice(n)
         if ts is None or ts[0] is not base or ts[1] != axis or ts[2] >= index:
             return True
     return False
+
+
+def _unbind_items_before(unbind: torch.fx.Node, size: Any, index: int) -> bool:
+    """Every used item of ``unbind`` (of ``size`` items) has an index below ``index``; any other
+    use of the tuple (passed whole, indexed by a slice) counts as reading every item."""
+    for item in unbind.users:
+        i = item.args[1] if is_call(item, operator.getitem) else None
+        if not isinstance(i, int) or isinstance(i, bool):
+            return False
+        if item.users and not (0 <= i < index or (i < 0 and is_concrete_int(size) and i + int(size) < index)):
+            return False
+    return True
 
 
 _REVERSE_SCAN = ("the loop walks time backwards (the state the step at t=0 multiplies was made by the step at "
@@ -1539,6 +1572,7 @@ def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):
     """Candidate first steps ``α_0 * H``: α_0 a slice t=0 of a 4-D tensor (A_full[t=0]), or a
     computation on time slices that all read t=0 (per-step discretisation). Yields
     (mul node, α_0, H)."""
+    late, earliest = [], {}
     for m, p, q in products:
         for a0, H in ((p, q), (q, p)):
             if not isinstance(a0, torch.fx.Node) or not isinstance(val(H), torch.Tensor):
@@ -1550,8 +1584,20 @@ def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):
                 continue
             key = _leaf_key(a0, 0)
             found = _key_slices(key)
-            if key[0] == "op" and found and all(k[3] == 0 for k in found):
-                yield m, a0, H
+            if key[0] == "op" and found and len({k[3] for k in found}) == 1:
+                k = found[0][3]
+                shifted = _leaf_key(a0, k)
+                earliest[shifted] = min(k, earliest.get(shifted, k))
+                if k == 0:
+                    yield m, a0, H
+                else:
+                    late.append((k, shifted, m, a0, H))
+    # A per-step chain whose earliest step reads time index k > 0 (``range(1, L)`` after a
+    # first step written before the loop) is tried from that step, so that it is explained:
+    # match_loop refuses a start other than 0. Later steps of a chain are not tried again.
+    for k, shifted, m, a0, H in late:
+        if earliest[shifted] == k:
+            yield m, a0, H
 
 
 def _is_add(node: Any) -> bool:
@@ -1632,24 +1678,23 @@ def _body_signature(body: torch.fx.GraphModule) -> tuple:
                  for n in body.graph.nodes)
 
 
-def _through_higher_order_op(c: torch.fx.Node) -> str | None:
-    """The higher-order op that makes ``c`` (through getitems), by name, or None."""
-    while is_call(c, operator.getitem) and isinstance(c.args[0], torch.fx.Node):
-        c = c.args[0]
-    if c.op == "call_function" and isinstance(c.target, torch._ops.HigherOrderOperator):
-        return f"torch.ops.higher_order.{c.target.name()}"
-    return None
-
-
 def _recurrence_reason(c: Any, H: Any) -> str:
     """Why an unrolled linear recurrence that no anchor started from is left alone."""
-    hop = _through_higher_order_op(c) if isinstance(c, torch.fx.Node) else None
+    hop = higher_order_op(c)
     if hop is not None:
-        return (f"the decay passes through {hop} in every step (a custom "
+        return (f"the decay passes through {hop_name(hop)} in every step (a custom "
                 "autograd.Function, or a hook on the tensor): the op's own gradient would replace what it does "
                 "in the backward; left alone")
     ts = time_slice(c) if isinstance(c, torch.fx.Node) else None
-    if isinstance(c, torch.fx.Node) and ts is None and _key_slices(_leaf_key(c, 0)):
+    slices = _key_slices(_leaf_key(c, 0)) if isinstance(c, torch.fx.Node) and ts is None else []
+    if slices:
+        first = {s[3] for s in slices}
+        if _is_exp(c) and len(first) == 1 and first != {0}:
+            # exp(Δ[t]·A) computed in the step, the earliest step the chain reaches reading time
+            # index k > 0: a loop over range(k, L) from a state made before it.
+            return (f"a linear recurrence whose first step reads its inputs at time index {first.pop()}, not 0 "
+                    "(a loop that starts late from a state computed before it, or a state reset): "
+                    "left alone; start from h = zeros and run every step from t = 0 to have it rewritten")
         return ("a linear recurrence h = a_t*h + x_t whose decay a_t is not a time slice of exp(Δ·A); "
                 "left alone")
     if ts is None:
@@ -1677,9 +1722,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
         if m is None:
             continue
         if isinstance(m, str):
-            # Every product in a one-step "loop" (HF's decode step) anchors a candidate: say so once.
-            if not (m == ONE_STEP and any(x.family == FAMILY and x.reason == m for x in ctx.misses)):
-                ctx.miss(FAMILY, m, [user])
+            ctx.miss(FAMILY, m, [user])
             continue
         err = _emit(gm, m, pos)
         if err is not None:

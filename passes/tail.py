@@ -34,9 +34,10 @@ import torch.nn.functional as F
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
-                       context_refusal, dropped_rounding, dtype_of, follow_views, hoist_before, inverse, is_call,
-                       is_method, layout_source, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
-                       set_scan_args, shape_of, val, view_chain, written_in_place)
+                       context_refusal, dropped_rounding, dtype_of, follow_views, higher_order_op, hoist_before,
+                       hop_name, inverse, is_call, is_method, layout_source, output_getitem, permute_view,
+                       propagate_val, scan_args, scan_nodes, set_scan_args, shape_of, val, view_chain,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
@@ -358,6 +359,10 @@ def _is_inplace_silu(g: Any) -> bool:
     return is_method(g, "silu_") or is_call(g, torch.ops.aten.silu_)
 
 
+def _is_detach(node: Any) -> bool:
+    return (is_method(node, "detach") or is_call(node, torch.detach)) and len(node.args) == 1
+
+
 def _sigmoid_input(s: Any) -> Optional[torch.fx.Node]:
     if (is_call(s, *SIGMOID_TARGETS) or is_method(s, "sigmoid")) and len(s.args) == 1:
         return s.args[0]
@@ -384,9 +389,18 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
     if z is None:
         if is_call(g, *_OTHER_GATES) or is_call(g, *SIGMOID_TARGETS):
             return f"the gate is {g.name}, not silu: the op computes y * silu(z)"
-        if (is_method(g, "detach") or is_call(g, torch.detach)) and g.args and _silu_input(g.args[0]) is not None:
+        if _is_detach(g) and _silu_input(g.args[0]) is not None:
             return f"the gate is {g.name} = silu(z).detach(): the op's gate would send gradients to z"
         factors = _binary(g, MUL_TARGETS)
+        if factors is not None and any(map(_is_detach, factors)):
+            bare = tuple(f.args[0] if _is_detach(f) else f for f in factors)
+            if any(_sigmoid_input(s) is zz for zz, s in (bare, bare[::-1])):
+                return (f"the gate is {g.name} = z * sigmoid(z) with a detached factor: the op's gate would "
+                        "send gradients through both")
+        hop = higher_order_op(g)
+        if hop is not None and any(_silu_input(a) is not None for a in hop.all_input_nodes):
+            return (f"the gate is {hop_name(hop)} of silu(z) (a custom autograd.Function, or a hook on the tensor): "
+                    "the op's gate would drop what that does in the backward")
         sig = next((_sigmoid_input(f) for f in factors or () if _sigmoid_input(f) is not None), None)
         if sig is not None:
             other = factors[1] if _sigmoid_input(factors[0]) is sig else factors[0]
@@ -403,9 +417,13 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
 
 
 def _gate_after_a_sum(add: torch.fx.Node, y: torch.fx.Node) -> str | None:
-    """Why not, when ``add`` = y + X and a user of it is a silu gate (a second D·u term, a
-    residual added before the gate): the op gates y, with its own D·u, alone. None otherwise."""
+    """Why not, when ``add`` = y + X (or y - X, X - y) and a user of it is a silu gate (a second
+    D·u term, a residual added or subtracted before the gate): the op gates y, with its own D·u,
+    alone. None otherwise."""
     operands = _binary(add, ADD_TARGETS)
+    sub = (is_call(add, operator.sub, torch.sub) or is_method(add, "sub")) and len(add.args) == 2 and not add.kwargs
+    if sub:
+        operands = add.args
     if operands is None or y not in operands:
         return None
     for user in add.users:
@@ -413,8 +431,9 @@ def _gate_after_a_sum(add: torch.fx.Node, y: torch.fx.Node) -> str | None:
         if factors is None or add not in factors:
             continue
         if _silu_input(factors[1] if factors[0] is add else factors[0]) is not None:
-            other = operands[1] if operands[0] is y else operands[0]
-            return (f"the gate {user.name} multiplies {add.name} = y + {getattr(other, 'name', other)}, not y: "
+            other = getattr(operands[1] if operands[0] is y else operands[0], "name", "X")
+            spelled = (f"y + {other}" if not sub else f"y - {other}" if operands[0] is y else f"{other} - y")
+            return (f"the gate {user.name} multiplies {add.name} = {spelled}, not y: "
                     "the op gates y (with its own D·u) alone")
     return None
 
