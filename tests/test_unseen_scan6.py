@@ -26,7 +26,8 @@ from torch._dynamo.utils import counters
 
 from ssm_compile.compiler import backend
 from ssm_compile.report import explain
-from test_unseen_scan5 import B_, D_, N_, _assoc_states, _check_rewritten_and_exact, inputs, loop, mul_sum
+from test_unseen_scan5 import (B_, D_, N_, _assoc_states, _check_rewritten_and_exact, _HalfGrad, inputs, loop,
+                               mul_sum)
 
 
 def _with_C_length(args, length):
@@ -147,18 +148,6 @@ def test_readout_broadcast_along_a_wider_axis_of_C_is_left_alone():
 
 # --- near-misses of the tail and Δ folds, with the reason ---------------------------------------
 
-class _ClipGrad(torch.autograd.Function):
-    """Identity forward; the backward clips the gradient, as a gradient-clipping layer would."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.clamp(-0.05, 0.05)
-
-
 def _gated(gate):
     def fn(u, delta, A, B, C):
         y = loop(u, delta, A, B, C, mul_sum)
@@ -169,7 +158,7 @@ def _gated(gate):
 NEAR_MISS_GATES = {
     "sigmoid_detached": (lambda y, z, r: y * (z * torch.sigmoid(z).detach()), "with a detached factor"),
     "z_detached": (lambda y, z, r: y * (z.detach() * torch.sigmoid(z)), "with a detached factor"),
-    "autograd_function": (lambda y, z, r: y * _ClipGrad.apply(F.silu(z)), "autograd_function_apply of silu(z)"),
+    "autograd_function": (lambda y, z, r: y * _HalfGrad.apply(F.silu(z)), "autograd_function_apply of silu(z)"),
     "y_minus_r": (lambda y, z, r: (y - r) * F.silu(z), "= y - "),
     "r_minus_y": (lambda y, z, r: (r - y) * F.silu(z), " - y, not y"),
 }
@@ -188,10 +177,10 @@ def test_gate_near_miss_is_left_alone_with_a_reason(name):
 
 
 def test_softplus_through_an_autograd_function_is_not_folded():
-    """Δ = _ClipGrad(softplus(x)): the op's softplus would bring its own backward, without the
-    clip; the scan is still rewritten, with the user's Δ, and the gradients keep the clip."""
+    """Δ = _HalfGrad(softplus(x)): the op's softplus would bring its own backward, without the
+    halving; the scan is still rewritten, with the user's Δ, and the gradients keep the halving."""
     def fn(u, x, A, B, C):
-        return loop(u, _ClipGrad.apply(F.softplus(x)), A, B, C, mul_sum)
+        return loop(u, _HalfGrad.apply(F.softplus(x)), A, B, C, mul_sum)
 
     args = inputs()
     report = explain(fn, *args)
