@@ -70,12 +70,19 @@ class Report:
             for m in g.misses:
                 where = f" (at {_names(m.nodes)})" if m.nodes else ""
                 lines.append(f"  [{m.family}] {m.reason}{where}")
+            if any(word in m.reason for m in g.misses for word in ("A_full", "B_full", "C_full")):
+                lines.append(f"  ({_FULL_NAMES})")
             if graphs:
                 lines.append("-- graph before --")
                 lines.append(g.before.strip("\n"))
                 lines.append("-- graph after --")
                 lines.append(g.after.strip("\n"))
         return "\n".join(lines) + "\n"
+
+
+# The scan passes' reasons name the step's terms by what they are for every step at once.
+_FULL_NAMES = ("A_full, B_full: the decay exp(Δ·A) and the input term Δ·B·u of every step, (batch, dim, time, "
+               "state); C_full: C of every step; X_full[t] is step t's slice, precomputed or computed in the step")
 
 
 def _names(nodes: list[str], limit: int = 8) -> str:

@@ -337,3 +337,20 @@ def test_a_near_miss_met_at_every_step_is_reported_once():
     keys = [(m.family, m.reason) for m in misses]
     assert misses and len(keys) == len(set(keys)), keys
     assert not _check_left_alone_and_exact(fn, args)
+
+
+def test_reasons_in_the_passes_vocabulary_come_with_its_legend():
+    """Reasons name the step's terms A_full / B_full (the pass's words, not the user's): the
+    report says once per graph what they are (probe AC, run 47)."""
+    def fn(u, delta, A, B, C):
+        dA, dBu = _disc(u, delta, A, B)
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(u.shape[-1]):
+            h = dA[:, :, 0] * h + dBu[:, :, t]
+            ys.append(mul_sum(h, C[:, :, t]))
+        return torch.stack(ys, -1)
+
+    text = explain(fn, *inputs()).format(graphs=False)
+    assert "A_full[t=1]" in text and text.count("A_full, B_full: the decay exp(Δ·A)") == 1, text
+    assert "A_full, B_full:" not in explain(_inplace_loop(lambda h, t: None), *inputs()).format(graphs=False)
