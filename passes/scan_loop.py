@@ -1422,11 +1422,11 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         ctx.miss(FAMILY, "a linear recurrence written with torch.lerp (h = lerp(x_t, h, w_t) = w_t*h + "
                  "(1 - w_t)*x_t, or lerp(h, x_t, w_t)): its input term carries the decay's complement, "
                  "not Δ·B·u, so ssm.selective_scan cannot compute it; left alone", [lerp])
-    closed = _closed_form_scan(gm)
-    if closed is not None:
+    closed = _closed_form_scans(gm)
+    if closed:
         ctx.miss(FAMILY, "a closed-form scan (a running sum or product of the per-step decay over "
                  "the time axis, then exp): only recurrences written as a time loop or with "
-                 "associative_scan are rewritten; this one runs as written", [closed])
+                 "associative_scan are rewritten; each runs as written", closed)
 
 
 def _lerp_recurrence(graph: torch.fx.Graph) -> torch.fx.Node | None:
@@ -1453,10 +1453,11 @@ def _lerp_recurrence(graph: torch.fx.Graph) -> torch.fx.Node | None:
 _RUNNING = ("cumsum", "cumprod")
 
 
-def _closed_form_scan(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
-    """The first ``cumsum``/``cumprod`` over a (batch, L, dim, N)-like tensor that a scan in
-    closed form is built on (``exp(cumsum(Δ·A))``, ``cumprod(exp(Δ·A))``, Mamba-2's segsum), or
-    None. For explain only: nothing is rewritten from it."""
+def _closed_form_scans(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Each ``cumsum``/``cumprod`` over a (batch, L, dim, N)-like tensor that a scan in closed
+    form is built on (``exp(cumsum(Δ·A))``, ``cumprod(exp(Δ·A))``, Mamba-2's segsum; one per
+    layer). For explain only: nothing is rewritten from them."""
+    found = []
     for node in gm.graph.nodes:
         name = bare_name(node)
         if node.op not in ("call_function", "call_method") or name not in _RUNNING:
@@ -1465,11 +1466,9 @@ def _closed_form_scan(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 4:
             continue
         source = node.args[0] if node.args else None
-        if name == "cumprod" and _feeds_from_exp(source):
-            return node
-        if name == "cumsum" and _reaches_exp(node, depth=3):
-            return node
-    return None
+        if (name == "cumprod" and _feeds_from_exp(source)) or (name == "cumsum" and _reaches_exp(node, depth=3)):
+            found.append(node)
+    return found
 
 
 def _feeds_from_exp(node: Any) -> bool:
@@ -1511,17 +1510,25 @@ def _reads_from_step(base: torch.fx.Node, axis: int, index: int) -> bool:
     any use that is not a time slice (a view, the whole tensor), counted as one. A use that
     reads only its shape and dtype (``u.new_zeros(...)`` for the state, ``u.size()``) reads no
     step. An unbind along ``axis`` reads the steps whose items are used: ``zip`` over
-    unbinds of unequal lengths stops at the shortest, and leaves the longer ones' tails unread."""
+    unbinds of unequal lengths stops at the shortest, and leaves the longer ones' tails unread;
+    a prefix along ``axis`` reads its steps."""
     for n in base.users:
         if (is_method(n, *_BUFFER_METHODS, "size", "dim") or is_call(n, torch.zeros_like, torch.empty_like)) \
                 and n.args and n.args[0] is base and base not in n.args[1:] and base not in n.kwargs.values():
             continue
         if unbind_source(n) == (base, axis) and _unbind_items_before(n, val(base).shape[axis], index):
             continue
+        if n is not base and time_prefix_source(n, axis) is base and _at_most(val(n).shape[axis], index):
+            # ``u[:, :, :k]`` after a loop over the first k steps (a D skip on them) reads no later step.
+            continue
         ts = time_slice(n)
         if ts is None or ts[0] is not base or ts[1] != axis or ts[2] >= index:
             return True
     return False
+
+
+def _at_most(size: Any, index: int) -> bool:
+    return is_concrete_int(size) and int(size) <= index
 
 
 def _unbind_items_before(unbind: torch.fx.Node, size: Any, index: int) -> bool:

@@ -354,3 +354,36 @@ def test_reasons_in_the_passes_vocabulary_come_with_its_legend():
     text = explain(fn, *inputs()).format(graphs=False)
     assert "A_full[t=1]" in text and text.count("A_full, B_full: the decay exp(Δ·A)") == 1, text
     assert "A_full, B_full:" not in explain(_inplace_loop(lambda h, t: None), *inputs()).format(graphs=False)
+
+
+@pytest.mark.parametrize("start, rewritten", [(0, True), (1, False)], ids=["prefix", "shifted"])
+def test_prefix_loop_with_u_read_after_it(start, rewritten):
+    """A loop over the first k = L - 2 steps and a skip on ``u[:, :, :k]`` after it: the skip
+    reads no step past k, so the loop is a scan over the first k (run 46 left it alone, naming u
+    as read past the prefix). ``u[:, :, 1:k + 1]`` reads step k, and the loop stays."""
+    def fn(u, delta, A, B, C):
+        k = u.shape[-1] - 2
+        return loop(u, delta, A, B, C, mul_sum, steps=k) + u[:, :, start:start + k] * 0.5
+
+    if rewritten:
+        _check_rewritten_and_exact(fn, inputs())
+    else:
+        assert not _check_left_alone_and_exact(fn, inputs())
+
+
+def test_every_closed_form_scan_of_a_graph_is_accounted_for():
+    """Two layers' ``exp(cumsum(Δ·A))`` scans: explain named only the first (probe AB, on HF's
+    Mamba-2 models, one per mixer)."""
+    def layer(u, delta, A, B, C):
+        dA = delta[..., None] * A[:, None, :]
+        dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+        P = torch.exp(torch.cumsum(dA, 2))
+        return ((P * torch.cumsum(dBu / P, 2)) * C.transpose(1, 2)[:, None]).sum(-1)
+
+    def fn(u, delta, A, B, C):
+        return layer(layer(u, delta, A, B, C), delta, A, B, C)
+
+    args = inputs()
+    misses = [m for m in explain(fn, *args).misses if "closed-form scan" in m.reason]
+    assert len(misses) == 1 and len(misses[0].nodes) == 2, misses
+    assert not _check_left_alone_and_exact(fn, args)
