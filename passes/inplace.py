@@ -69,9 +69,17 @@ def _out_of_place(node: torch.fx.Node) -> tuple[str, Any] | None:
         return "call_function", _FUNCTIONS[node.target]
     if node.op == "call_method" and node.target in _METHODS:
         return "call_method", _METHODS[node.target]
-    if node.op == "call_method" and node.target in _FILLS:
+    if node.op == "call_method" and node.target in _FILLS and not _requires_grad(node.args[0]):
+        # zeros_like/full_like start no autograd history, where ``h.zero_()`` of a tensor that
+        # requires grad keeps one (a zero gradient, but a defined one): only a tensor without
+        # history is refilled out of place.
         return "call_function", _FILLS[node.target]
     return None
+
+
+def _requires_grad(node: Any) -> bool:
+    value = val(node)
+    return not isinstance(value, torch.Tensor) or value.requires_grad
 
 
 def _chains(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:

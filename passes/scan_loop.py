@@ -992,7 +992,7 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         if t0 != 0:
             return (f"the state update at step 0 reads its inputs at time index {t0}, not 0 (a loop that starts "
                     "late from a state computed before it, e.g. range(1, L) after a first step written out, or a "
-                    "state reset): start from h = zeros and run every step from t = 0 to have it rewritten")
+                    "state reset): a scan is rewritten when it runs every step from t = 0")
         # The loop's length was read off the first slice's tensor; ``zip(u.unbind(-1),
         # delta.unbind(-1), ...)`` stops at its shortest input, so with sources of known lengths
         # the loop can have no more steps than the shortest: the walk below proves each of them.
@@ -1701,7 +1701,7 @@ def _recurrence_reason(c: Any, H: Any) -> str:
             # index k > 0: a loop over range(k, L) from a state made before it.
             return (f"a linear recurrence whose first step reads its inputs at time index {first.pop()}, not 0 "
                     "(a loop that starts late from a state computed before it, or a state reset): "
-                    "left alone; start from h = zeros and run every step from t = 0 to have it rewritten")
+                    "left alone; a scan is rewritten when it runs every step from t = 0")
         return ("a linear recurrence h = a_t*h + x_t whose decay a_t is not a time slice of exp(Δ·A); "
                 "left alone")
     if ts is None:

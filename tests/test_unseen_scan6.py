@@ -387,3 +387,22 @@ def test_every_closed_form_scan_of_a_graph_is_accounted_for():
     misses = [m for m in explain(fn, *args).misses if "closed-form scan" in m.reason]
     assert len(misses) == 1 and len(misses[0].nodes) == 2, misses
     assert not _check_left_alone_and_exact(fn, args)
+
+
+@pytest.mark.parametrize("refill", [lambda h: h.zero_(), lambda h: h.fill_(1.5)], ids=["zero_", "fill_"])
+def test_refilling_a_tensor_with_history_keeps_its_history(refill):
+    """``h.zero_()`` on a tensor that requires grad keeps a (zero) gradient path, which
+    ``zeros_like`` would drop: the first version of the out-of-place refill made the output
+    stop requiring grad, and ``backward()`` raise (probe AE)."""
+    def fn(x):
+        h = x * 2
+        refill(h)
+        return h
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend(inductor=False))(x)
+    assert out.requires_grad
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.zeros_like(x))
+    torch.testing.assert_close(out.detach(), fn(x).detach())
