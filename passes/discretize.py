@@ -72,8 +72,7 @@ class Discretized:
 
     ``B.roles`` is ``("b","n","t")`` in some order for the selective case, ``("b","g","n","t")``
     for grouped B (the source before its ``repeat_interleave`` over channels), or ``("d","n")``
-    for a time-invariant B (the caller passes it as grouped B with G = dim, through a stride-0
-    expanded view). ``a_roles``/``b_roles`` are the roles of A_full's and B_full's
+    for a time-invariant B (which the op takes as it is, (dim, N)). ``a_roles``/``b_roles`` are the roles of A_full's and B_full's
     axes. ``nodes`` are the nodes the proof looked through (for the rewrite record).
     """
 

@@ -162,8 +162,10 @@ def _problem(site: FuseSite):
     from ssm_compile.heuristic import Problem
     from ssm_compile.kernels.layout import dim_innermost
 
-    uv, dv, Bv = val(site.args["u"]), val(site.args["delta"]), val(site.args["B"])
+    uv, dv, Bv, Cv = (val(site.args[k]) for k in ("u", "delta", "B", "C"))
     batch, dim, L = uv.shape
+    # A (dim, N) B or C is read per channel: the kernels see G = dim (kernels/selective_scan/invariant.py).
+    groups = dim if 2 in (Bv.dim(), Cv.dim()) else Bv.shape[1] if Bv.dim() == 4 else 1
     legal = ["split"]
     conv_levels = site.conv is not None and not site.stateful
     if conv_levels:
@@ -174,7 +176,7 @@ def _problem(site: FuseSite):
             legal.append("level2")
     others = [n for n in site.conv.users if n is not site.scan] if site.conv is not None else []
     return Problem(
-        batch=batch, dim=dim, L=L, N=Bv.shape[-2], groups=Bv.shape[1] if Bv.dim() == 4 else 1,
+        batch=batch, dim=dim, L=L, N=val(site.args["A"]).shape[1], groups=groups,
         width=val(site.conv_args[1]).shape[1] if site.conv is not None else 0,
         dt_rank=val(site.dt.weight).shape[1] if site.dt is not None else 0,
         act_dtype=uv.dtype, delta_dtype=dv.dtype, conv_has_other_users=bool(others),

@@ -629,12 +629,15 @@ def cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return None
 
 
-def readout_decision(layout: str, y: Any) -> dict[str, str]:
-    """A readout rewrite's decision for ``explain``: the layout, and, where the readout ``y`` the
+def readout_decision(layout: str, y: Any, c_roles: tuple[str, ...]) -> dict[str, str]:
+    """A readout rewrite's decision for ``explain``: the layout; a C that is the same at every
+    step (``c_roles`` without "t"); and, where the readout ``y`` the
     op replaces is 16-bit (autocast's einsum or matmul, a 16-bit model's readout), that eager's
     product reads h rounded to that dtype while the op contracts its fp32 state and rounds y
     once (README, autocast)."""
     decision = {"layout": layout}
+    if "t" not in c_roles:
+        decision["C"] = "time-invariant, (dim, N)" if "d" in c_roles else "time-invariant, (N,) for every channel"
     dtype = dtype_of(y)
     if dtype in HALF_DTYPES:
         decision["y"] = f"contracted in fp32, rounded once to {dtype} (eager's product reads h rounded to it)"

@@ -646,7 +646,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         return dataclasses.replace(disc, **{k: first_steps(graph, getattr(disc, k), length) for k in ("u", "delta", "B")})
 
     emitted = emit_or_refusal(graph, anchor, lambda: emit_selective_scan(
-        graph, narrowed(), Source(readout.C, readout.C_roles), length=length,
+        graph, narrowed(), Source(readout.C, readout.C_roles),
         y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),
         last_state_roles=tuple(r for r in roles if r != "t") if lasts else None,
         last_state_dtype=dtype_of(lasts[0]) if lasts else None))
@@ -664,7 +664,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", disc.nodes, "ssm.selective_scan.default",
                 {"time_invariant_B": disc.time_invariant_B})
     ctx.rewrite("readout", "Σ_n h·C", readout.nodes, "ssm.selective_scan.default",
-                readout_decision("".join(readout.out_roles), readout.end))
+                readout_decision("".join(readout.out_roles), readout.end, readout.C_roles))
 
 
 def _static(size: Any) -> int | str:

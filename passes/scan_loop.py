@@ -751,8 +751,9 @@ def _sources_too_short(disc: Discretized, L: int) -> str | None:
 
 def _c_too_short(c_src: Source, L: int) -> str | None:
     # Checked once every step's readout is known to repeat step 0's: a C read at a fixed time is
-    # reported as that, not as a length it could not be proven to have.
-    return _too_short("C_full", _time_len(c_src), L)
+    # reported as that, not as a length it could not be proven to have. A time-invariant C has
+    # no time axis to be short.
+    return _too_short("C_full", _time_len(c_src), L) if "t" in c_src.roles else None
 
 
 def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[str, ...], L: int,
@@ -776,11 +777,18 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
             return ("the readout's C_t at step 0 counts from the end of a time axis of symbolic length "
                     "(C[..., t-k]?): which step it reads is not known")
         c_labels = rt.factor_labels(fc)
-        if all(lab in role and role[lab] != "b" for lab in c_labels):
-            return (f"the readout reads the same C ({fc.node.name}, indexed by {[role[lab] for lab in c_labels]}) "
-                    "at every step: a time-invariant C, which ssm.selective_scan does not take (it reads C as "
-                    "(batch, state, time))")
-        return "the readout's C_t is not a time slice of one tensor"
+        if not all(lab in role for lab in c_labels):
+            return "the readout's C_t is not a time slice of one tensor"
+        c_roles = [role[lab] for lab in c_labels]
+        if "b" in c_roles:
+            return (f"the readout reads the same C ({fc.node.name}, indexed by {c_roles}) at every step, but "
+                    "one per batch element: ssm.selective_scan takes a time-invariant C only as (dim, N)")
+        if len(set(c_roles)) != len(c_roles) or "n" not in c_roles:
+            return f"the readout's time-invariant C ({fc.node.name}) is indexed by {c_roles}, not (dim, state)"
+        # The same C at every step, (dim, N) or (N,) (mamba_ssm's is_variable_C=False): ``mutated``
+        # in match_loop makes sure nothing writes it between the steps.
+        y_roles = _readout_roles(rt, role, y0)
+        return y_roles if isinstance(y_roles, str) else (view_source(fc.node, c_roles), fc.node, y_roles)
     c_base, _, c_idx = c_slice
     if c_idx != 0:
         # Only step 0 is seen here: C[..., t+k], C[..., t-1] (index L-1 at step 0) and a C read
@@ -797,12 +805,16 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
         c_src = grouped_source(c_base, c_roles)
         if c_src is None:
             return "a per-channel C_t is only accepted as a group broadcast (repeat_interleave over dim)"
-        if disc.time_invariant_B:
-            return "grouped C with a time-invariant B: the op needs one grouping for both"
     elif sorted(c_roles) == ["b", "n", "t"]:
         c_src = view_source(c_base, c_roles)
     else:
         return f"C_t must be indexed by (batch, state), got {leaf_roles}"
+    y_roles = _readout_roles(rt, role, y0)
+    return y_roles if isinstance(y_roles, str) else (c_src, c_base, y_roles)
+
+
+def _readout_roles(rt, role: dict, y0: torch.fx.Node) -> list[str | None] | str:
+    """The roles of the readout y0's axes (None: a size-1 axis), which must be (batch, dim)."""
     y_roles = []
     for lab, size in zip(rt.out_labels(), val(y0).shape):
         r = role.get(lab)
@@ -811,7 +823,7 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
         y_roles.append(r)
     if sorted(r for r in y_roles if r) != ["b", "d"]:
         return "the readout output is not indexed by (batch, dim)"
-    return c_src, c_base, y_roles
+    return y_roles
 
 
 def _match_stacked_readout(stacked: torch.fx.Node, h: list[torch.fx.Node], state_roles: tuple[str, ...], L: int
@@ -843,7 +855,7 @@ def _readout_of_states(states: torch.fx.Node, roles: tuple[str, ...], L: int, co
         return users
     readout, last_views = users
     c_src = Source(readout.C, readout.C_roles)
-    if not _same_size(_time_len(c_src), L):
+    if "t" in c_src.roles and not _same_size(_time_len(c_src), L):
         return "C_full's time axis does not have the loop's length"
     erased = [*collecting, *last_views, *readout.chain, *readout.nodes, readout.end]
     out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(erased)), readout.out_roles)
@@ -1183,7 +1195,6 @@ def emit_selective_scan(
     disc: Discretized,
     C: Source,
     *,
-    length: int | torch.SymInt,
     y_roles: tuple[str, ...],
     y_dtype: torch.dtype,
     initial_state: Source | None = None,
@@ -1198,9 +1209,8 @@ def emit_selective_scan(
 
     Args:
         disc: the proven discretisation (sources of u, Δ, A, B and their axis roles).
-        C: C_full and its axis roles (b, n, t in some order; b, g, n, t when grouped).
-        length: the sequence length L (for a time-invariant B's expanded view); a SymInt under
-            dynamic shapes.
+        C: C_full and its axis roles (b, n, t in some order; b, g, n, t when grouped; d, n or n
+            for a time-invariant C).
         y_roles / y_dtype: layout ("b", "d", "t" in some order; "1" for a size-1 axis) and dtype of
             the output to produce.
         initial_state: h_{-1} and its roles (b, d, n in some order; leading ones may be missing
@@ -1228,22 +1238,15 @@ def emit_selective_scan(
         A = _cast(graph, A, torch.float32)
     if disc.negate_A:
         A = _node(graph, "call_function", operator.neg, A)
-    Cv = permute_view(graph, C.node, C.perm_to("bgnt" if "g" in C.roles else "bnt"))
+    if "t" not in C.roles:
+        Cv = _time_invariant(graph, C, u)
+    else:
+        Cv = permute_view(graph, C.node, C.perm_to("bgnt" if "g" in C.roles else "bnt"))
     if disc.time_invariant_B:
-        # B[d, n] is the same for every batch and step: pass it as grouped B with G = dim,
-        # B and C as stride-0 expanded views, so no (batch, dim, N, L) tensor is made here.
-        Bdn = permute_view(graph, disc.B.node, disc.B.perm_to("dn"))
-        B4 = _node(graph, "call_function", operator.getitem, Bdn, (None, slice(None), slice(None), None))
-        bsz = _node(graph, "call_method", "size", u, 0)
-        dim = _node(graph, "call_method", "size", u, 1)
-        # A symbolic L can't be a graph constant: read it off u at run time instead.
-        steps = length if isinstance(length, int) else _node(graph, "call_method", "size", u, 2)
-        B = _node(graph, "call_method", "expand", B4, bsz, -1, -1, steps)
-        C4 = _node(graph, "call_function", operator.getitem, Cv, (slice(None), None))
-        Cv = _node(graph, "call_method", "expand", C4, -1, dim, -1, -1)
+        B = _time_invariant(graph, disc.B, u)
     elif "g" in disc.B.roles:
         B = permute_view(graph, disc.B.node, disc.B.perm_to("bgnt"))
-        if "g" not in C.roles:
+        if "g" not in C.roles and "t" in C.roles:
             # The op reads B and C in one layout: share C across groups through a stride-0 view.
             groups = _node(graph, "call_method", "size", B, 1)
             C4 = _node(graph, "call_function", operator.getitem, Cv, (slice(None), None))
@@ -1293,6 +1296,16 @@ def emit_selective_scan(
     return y, last
 
 
+def _time_invariant(graph: torch.fx.Graph, src: Source, u: torch.fx.Node) -> torch.fx.Node:
+    """A B or C that is the same at every batch element and step, as the op takes it: (dim, N)
+    (mamba_ssm's is_variable_B/C=False), a (N,) one shared by the channels through a stride-0
+    view. The op reduces its gradient over time and batch without a (batch, dim, N, L) buffer."""
+    if src.roles == ("n",):
+        row = _node(graph, "call_function", operator.getitem, src.node, (None, slice(None)))
+        return _node(graph, "call_method", "expand", row, _node(graph, "call_method", "size", u, 1), -1)
+    return permute_view(graph, src.node, src.perm_to("dn"))
+
+
 def emit_or_refusal(graph: torch.fx.Graph, anchor: torch.fx.Node, emit: Callable[[], _Emitted]) -> _Emitted | str:
     """``emit()``'s nodes inserted before ``anchor``; or, if the op refuses the inputs, the graph
     as it was and the reason.
@@ -1321,7 +1334,6 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
         graph,
         disc,
         first_steps(graph, m.C, m.L),
-        length=m.L,
         y_roles=m.out.roles,
         y_dtype=val(m.out.out_node).dtype,
         initial_state=init,
@@ -1748,7 +1760,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
         ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", m.disc.nodes, emitted,
                     {"time_invariant_B": m.disc.time_invariant_B})
         ctx.rewrite("readout", f"Σ_n h·C, {decision['collector']}", [], emitted,
-                    readout_decision(_layout(m.out.roles), m.out.out_node))
+                    readout_decision(_layout(m.out.roles), m.out.out_node, m.C.roles))
         return True
     return False
 

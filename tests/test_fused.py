@@ -14,6 +14,7 @@ from ssm_compile.config import SSMOptions
 from ssm_compile.kernels.fused import op as fused_op
 from ssm_compile.kernels.fused.reference import fused_mamba_scan_ref
 from ssm_compile.kernels.fused.triton_fused import fused_scan_fwd
+from ssm_compile.kernels.selective_scan.invariant import launcher_views
 from ssm_compile.passes import build_pass_manager
 from ssm_compile.passes import fuse as fuse_pass
 from ssm_compile.passes.fx_utils import normalized_graph_str
@@ -141,6 +142,26 @@ def test_cpu_op_matches_reference(level, dtype):
     out, last = torch.ops.ssm.fused_mamba_scan(**inp)
     assert out.dtype == dtype and last.shape == (0,)
     assert rel_err(out, fused_mamba_scan_ref(**inp)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("which", ["B", "C", "BC"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_time_invariant_B_or_C(level, which):
+    """A (dim, N) B and/or C (mamba_ssm's is_variable_B/C false): the op (CPU path) and the Triton
+    kernel, which reads them as stride-0 (batch, dim, N, L) views, against the fp64 reference."""
+    inp = make_inputs(level, dim=8, N=4, L=19)
+    g = torch.Generator().manual_seed(3)
+    for name in which:
+        inp[name] = torch.randn(8, 4, generator=g)
+    ref = fused_mamba_scan_ref(**inp)
+    out, _ = torch.ops.ssm.fused_mamba_scan(**inp)
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+    launch = fused_scan_fwd(
+        dev["x"], dev["delta"], dev["A"], *launcher_views(dev["B"], dev["C"], *dev["x"].shape), dev["D"],
+        dev["z"], dev["delta_bias"], True, dev["conv_weight"], dev["conv_bias"],
+        dev["conv_activation"] == "silu", dev["dt_weight"])
+    assert rel_err(launch.y.cpu(), ref) <= TOL[torch.float32]
 
 
 def test_cpu_op_equals_split_ops_exactly():

@@ -399,15 +399,9 @@ def test_snapshot_time_invariant_B():
 %L_delta_ = placeholder
 %L_u_ = placeholder
 %sin_1 = .sin(%L_A_)
-%getitem_1 = operator.getitem(%sin_1, (None, :, :, None))
-%size_1 = .size(%L_u_, 0)
-%size_2 = .size(%L_u_, 1)
-%expand_1 = .expand(%getitem_1, %size_1, -1, -1, 9)
-%getitem_2 = operator.getitem(%L_C_, (:, None))
-%expand_2 = .expand(%getitem_2, -1, %size_2, -1, -1)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %L_delta_, %L_A_, %expand_1, %expand_2, None, None, None, False, None, False)
-%getitem_3 = operator.getitem(%selective_scan_1, 0)
-return (%getitem_3,)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %L_delta_, %L_A_, %sin_1, %L_C_, None, None, None, False, None, False)
+%getitem_1 = operator.getitem(%selective_scan_1, 0)
+return (%getitem_1,)
 """)
 
 

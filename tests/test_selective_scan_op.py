@@ -407,7 +407,16 @@ BAD_INPUTS = [
     _bad_case("N-257", _n257, ValueError, r"N = A.shape\[1\] must be in \[1, 256\], got 257"),
     _bad_case("B-N", _shorter("B", 2), ValueError,
               r"\bB must have shape \(batch, G, N, L\) = \(2, 2, 8, 37\)"),
-    _bad_case("B-2d", lambda i: {"B": i["B"][0, 0]}, ValueError, r"\bB must be \(batch, N, L\) or grouped"),
+    _bad_case("B-1d", lambda i: {"B": i["B"][0, 0, 0]}, ValueError,
+              r"\bB must be \(batch, N, L\), grouped \(batch, G, N, L\) or time-invariant \(dim, N\)"),
+    # A 2-D B is time-invariant, (dim, N): these (N, L) and (dim, N) ones are not, or not with a
+    # C grouped in two.
+    _bad_case("B-2d-shape", lambda i: {"B": i["B"][0, 0]}, ValueError,
+              r"time-invariant B must have shape \(dim, N\) = \(4, 8\), got \(8, 37\)"),
+    _bad_case("B-2d-C-G2", lambda i: {"B": i["A"].clone()}, ValueError,
+              r"with a time-invariant B \(dim, N\), a grouped C must have G = 1 or G = dim"),
+    _bad_case("C-2d-B-L", lambda i: {"C": i["A"].clone(), "B": i["B"][:, :1, :, :-1]}, ValueError,
+              r"grouped B must have G = 1 or G = dim .* got \(2, 1, 8, 36\)"),
     _bad_case("B-3d-N", lambda i: {"B": i["B"][:, 0, :-1], "C": i["C"][:, 0, :-1]}, ValueError,
               r"\bB must have shape \(batch, N, L\)"),
     _bad_case("G3-dim4", _three_groups, ValueError, r"G = 3 must divide dim = 4"),

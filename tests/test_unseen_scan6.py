@@ -12,7 +12,7 @@ Recorded behaviour before this round:
 - No reason at all for a gate ``z * sigmoid(z).detach()`` or ``z.detach() * sigmoid(z)``, a gate
   or a Δ softplus passed through a custom autograd.Function, and a gate of ``y - r`` or ``r - y``.
 - "the readout's C_t is not a time slice of one tensor" for mamba_ssm's ``selective_scan_ref``
-  with a time-invariant (dim, N) C.
+  with a time-invariant (dim, N) C (rewritten since run 48: ``test_time_invariant_BC.py``).
 - (Probe AD) ``associative_scan`` over ``(dA[:, :, :k], dBu[:, :, :k])``: left alone with "A_full
   is not exp(Δ·A)". A state updated in place and then ``tanh_()``-ed, ``clamp_()``-ed or
   ``zero_()``-ed: explained as a Mamba-2 per-head decay. A ``range(1, L)`` loop after a first step
@@ -188,25 +188,6 @@ def test_softplus_through_an_autograd_function_is_not_folded():
     reasons = [m.reason for m in report.misses if m.family == "delta"]
     assert len(reasons) == 1 and "autograd_function_apply of the softplus" in reasons[0], report.format(graphs=False)
     _check_rewritten_and_exact(fn, args)
-
-
-def test_time_invariant_C_is_left_alone_with_a_reason():
-    """mamba_ssm's selective_scan_ref with a (dim, N) C (``is_variable_C`` false)."""
-    def fn(u, delta, A, B, C):
-        deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
-        deltaB_u = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-        x = A.new_zeros((u.shape[0], u.shape[1], A.shape[1]))
-        ys = []
-        for i in range(u.shape[2]):
-            x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
-            ys.append(torch.einsum("bdn,dn->bd", x, C))
-        return torch.stack(ys, dim=2)
-
-    u, delta, A, B, _ = inputs()
-    args = [u, delta, A, B, torch.randn(D_, N_, dtype=u.dtype, requires_grad=True)]
-    report = explain(fn, *args)
-    assert any("time-invariant C" in m.reason for m in report.misses), report.format(graphs=False)
-    assert not _check_left_alone_and_exact(fn, args)
 
 
 # --- run 47's probe AD: the five named near-misses crossed with the scan spellings -------------

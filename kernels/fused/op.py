@@ -29,6 +29,7 @@ from ..causal_conv1d.op import check_causal_conv1d_args
 from ..context import register_autograd, without_autocast
 from ..layout import empty_activation
 from ..selective_scan import cpu as scan_cpu
+from ..selective_scan.invariant import launcher_views
 from ..selective_scan.op import check_selective_scan_inputs
 
 _SCHEMA = (
@@ -93,8 +94,7 @@ def _cpu_impl(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus
         u = conv_cpu.causal_conv1d_fwd(x, conv_weight, conv_bias, None, conv_activation in _SILU)
     if dt_weight is not None:
         delta = torch.matmul(dt_weight.to(delta.dtype), delta)
-    grouped = (lambda t: t.unsqueeze(1) if t.dim() == 3 else t)
-    return scan_cpu.selective_scan_fwd(u, delta, A, grouped(B), grouped(C), D, z, delta_bias,
+    return scan_cpu.selective_scan_fwd(u, delta, A, *launcher_views(B, C, *x.shape), D, z, delta_bias,
                                        delta_softplus, initial_state, return_last_state)
 
 
@@ -115,8 +115,7 @@ def _impl(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=Fal
     elif x.device.type == "cuda":
         from .triton_fused import fused_scan_fwd
 
-        grouped = (lambda t: t.unsqueeze(1) if t.dim() == 3 else t)
-        launch = fused_scan_fwd(x, delta, A, grouped(B), grouped(C), D, z, delta_bias, delta_softplus,
+        launch = fused_scan_fwd(x, delta, A, *launcher_views(B, C, *x.shape), D, z, delta_bias, delta_softplus,
                                 conv_weight, conv_bias, conv_activation in _SILU, dt_weight,
                                 initial_state=initial_state, return_last_state=return_last_state)
         y, last_state = launch.y, launch.last_state

@@ -49,7 +49,7 @@ from torch import _C
 from ..context import refuse_forward_ad, refuse_functorch_grad, registration_guard, without_autocast
 from ..inline import register_inline
 from ..layout import empty_activation
-from . import cpu
+from . import cpu, invariant
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -180,10 +180,13 @@ def check_selective_scan_inputs(
     if initial_state is not None:
         _expect_shape("initial_state", initial_state, (batch, dim, dstate), "(batch, dim, N)")
 
+    if invariant.any_time_invariant(B, C):
+        invariant.check_pair(B, C, batch, dim, dstate, seqlen)
+        return
     if B.dim() not in (3, 4):
         raise ValueError(
-            f"selective_scan: B must be (batch, N, L) or grouped (batch, G, N, L), "
-            f"got shape {tuple(B.shape)}"
+            f"selective_scan: B must be (batch, N, L), grouped (batch, G, N, L) or time-invariant "
+            f"(dim, N), got shape {tuple(B.shape)}"
         )
     groups = 1 if B.dim() == 3 else B.shape[1]
     if groups < 1 or dim % groups != 0:
@@ -211,11 +214,6 @@ def _check_device(u: torch.Tensor) -> None:
         )
 
 
-def _grouped(B: torch.Tensor) -> torch.Tensor:
-    """The launchers take B/C as (batch, G, N, L); a 3-D one becomes G = 1 as a view."""
-    return B.unsqueeze(1) if B.dim() == 3 else B
-
-
 @functools.cache
 def _triton_launchers():
     """The Triton launcher modules, imported on the first CUDA call (a cached lookup after that,
@@ -240,7 +238,7 @@ def _forward(launcher, state_dtype, u, delta, A, B, C, D, z, delta_bias, delta_s
     """The launcher's forward on checked inputs, with the (0,) placeholder for a last state
     that was not asked for."""
     y, last_state = launcher.selective_scan_fwd(
-        u, delta, A, _grouped(B), _grouped(C), D, z, delta_bias, delta_softplus, initial_state,
+        u, delta, A, *invariant.launcher_views(B, C, *u.shape), D, z, delta_bias, delta_softplus, initial_state,
         return_last_state, **launch_options,
     )
     if last_state is None:
@@ -302,14 +300,20 @@ def _backward_impl(dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, delta_s
     _checked_state_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     _check_incoming_grads(dy, dlast_state, u, A)
     _check_device(u)
-    launcher = _triton_launchers()[1] if u.is_cuda else cpu
-    grads = launcher.selective_scan_bwd(
-        dy, dlast_state, u, delta, A, _grouped(B), _grouped(C), D, z, delta_bias, delta_softplus,
-        initial_state,
-    )
-    # Give dB/dC back in B/C's own layout; squeezing the size-1 group dim keeps them contiguous.
-    dB = grads.dB.squeeze(1) if B.dim() == 3 else grads.dB
-    dC = grads.dC.squeeze(1) if C.dim() == 3 else grads.dC
+    launcher_fwd, launcher = _triton_launchers() if u.is_cuda else (cpu, cpu)
+    if invariant.any_time_invariant(B, C):
+        # Returns dB/dC in B/C's own shapes, reduced without a (batch, dim, N, L) buffer.
+        grads = invariant.backward(launcher_fwd.selective_scan_fwd, launcher.selective_scan_bwd, dy, dlast_state,
+                                   u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+        dB, dC = grads.dB, grads.dC
+    else:
+        grads = launcher.selective_scan_bwd(
+            dy, dlast_state, u, delta, A, *invariant.launcher_views(B, C, *u.shape), D, z, delta_bias, delta_softplus,
+            initial_state,
+        )
+        # Give dB/dC back in B/C's own layout; squeezing the size-1 group dim keeps them contiguous.
+        dB = grads.dB.squeeze(1) if B.dim() == 3 else grads.dB
+        dC = grads.dC.squeeze(1) if C.dim() == 3 else grads.dC
     return (
         grads.du, grads.ddelta, grads.dA, dB, dC,
         _absent(u) if grads.dD is None else grads.dD,
@@ -481,7 +485,9 @@ def selective_scan_fn(
         delta: (batch, dim, L) time steps, before bias and softplus.
         A: (dim, N) fp32 state matrix (diagonal per channel); 1 <= N <= 256.
         B, C: (batch, N, L), or grouped (batch, G, N, L) with dim % G == 0; channel d uses
-            group d // (dim // G).
+            group d // (dim // G). Either may be time-invariant, (dim, N) (mamba_ssm's
+            ``is_variable_B/C`` false); the other is then (dim, N), (batch, N, L) or grouped with
+            G = 1 or dim.
         D: optional (dim,) skip connection.
         (B, C, z, D, delta_bias may each be fp32/bf16/fp16, whatever u's dtype is.)
         z: optional (batch, dim, L) gate; the output is multiplied by silu(z).

@@ -28,7 +28,7 @@ def selective_scan_ref(
         u, delta: (batch, dim, L). z: (batch, dim, L) or None.
         A: (dim, N). D, delta_bias: (dim,) or None.
         B, C: (batch, N, L), or grouped (batch, G, N, L) with dim % G == 0; channel d reads
-            group d // (dim // G).
+            group d // (dim // G); or time-invariant, (dim, N).
         initial_state: (batch, dim, N) or None (zeros).
 
     Returns:
@@ -42,11 +42,16 @@ def selective_scan_ref(
         delta = delta + delta_bias.double()[:, None]
     if delta_softplus:
         delta = F.softplus(delta)
-    if B.dim() == 3:
-        B, C = B.unsqueeze(1), C.unsqueeze(1)
-    # Expand groups to one (N, L) slice per channel: (batch, G, N, L) -> (batch, dim, N, L).
-    B = B.repeat_interleave(dim // B.shape[1], dim=1)
-    C = C.repeat_interleave(dim // C.shape[1], dim=1)
+    # One (N, L) slice per channel, (batch, dim, N, L): a time-invariant (dim, N) B or C is the
+    # same at every batch and step; a grouped one is repeated over its group's channels.
+    def per_channel(X):
+        if X.dim() == 2:
+            return X[None, :, :, None].expand(batch, dim, X.shape[1], L)
+        if X.dim() == 3:
+            X = X.unsqueeze(1)
+        return X.repeat_interleave(dim // X.shape[1], dim=1)
+
+    B, C = per_channel(B), per_channel(C)
 
     if initial_state is None:
         h = u.new_zeros(batch, dim, A.shape[1])

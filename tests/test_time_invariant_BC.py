@@ -1,0 +1,322 @@
+"""A time-invariant B or C, (dim, N) (mamba_ssm's ``is_variable_B`` / ``is_variable_C`` false):
+the op takes it as it is, and its backward reduces dB/dC over time segments without a
+(batch, dim, N, L) buffer (``kernels/selective_scan/invariant.py``); the scan passes hand it over
+from loops, stacked states and associative_scan alike.
+
+Before run 48 a (dim, N) B reached the op as a stride-0 (batch, dim, N, L) view, whose backward
+returned dB, and dC of the C expanded to match, at that full size; a (dim, N) C was left alone.
+"""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from utils import TOL, rel_err
+
+from ssm_compile.compiler import backend
+from ssm_compile.kernels.selective_scan import invariant, op
+from ssm_compile.kernels.selective_scan.reference import selective_scan_ref
+from ssm_compile.report import explain
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _register_ops():
+    op.register()
+
+
+# B/C kinds: "inv" (dim, N), "var" (batch, N, L), "g1" (batch, 1, N, L), "gd" (batch, dim, N, L).
+PAIRS = [("inv", "inv"), ("inv", "var"), ("var", "inv"), ("inv", "g1"), ("gd", "inv"), ("inv", "gd")]
+
+
+def make_inputs(kind_B, kind_C, batch=2, dim=6, L=23, N=3, dtype=torch.float64, seed=0, softplus=True):
+    g = torch.Generator().manual_seed(seed)
+    wdtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dt)
+
+    shapes = {"inv": (dim, N), "var": (batch, N, L), "g1": (batch, 1, N, L), "gd": (batch, dim, N, L)}
+    return dict(
+        u=randn(batch, dim, L),
+        delta=randn(batch, dim, L) * 0.5 - (1.0 if softplus else -1.5),
+        A=-(torch.rand(dim, N, generator=g, dtype=torch.float64) + 0.1).to(wdtype),
+        B=randn(*shapes[kind_B]),
+        C=randn(*shapes[kind_C]),
+        D=randn(dim, dt=wdtype),
+        z=randn(batch, dim, L),
+        delta_bias=randn(dim, dt=wdtype) * 0.1,
+        initial_state=randn(batch, dim, N, dt=wdtype),
+    )
+
+
+def _grads(run, inputs, dy, dlast):
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    y, last = run(leaves)
+    torch.autograd.backward([y, last], [dy.to(y.dtype), dlast.to(last.dtype)])
+    return y, last, {k: v.grad for k, v in leaves.items()}
+
+
+def _op(leaves):
+    return torch.ops.ssm.selective_scan(**leaves, delta_softplus=True, return_last_state=True)
+
+
+def _ref(leaves):
+    return selective_scan_ref(**leaves, delta_softplus=True, return_last_state=True)
+
+
+@pytest.mark.parametrize("min_segment", [64, 4, 1], ids=lambda s: f"minseg{s}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pair", PAIRS, ids="-".join)
+def test_op_matches_reference(pair, dtype, min_segment, monkeypatch):
+    """Forward, last state and every gradient, in one segment (L = 23 < 64) and in several (the
+    forward's kept states and the carried d last_state are what a wrong segment boundary breaks)."""
+    monkeypatch.setattr(invariant, "MIN_SEGMENT", min_segment)
+    inputs = make_inputs(*pair, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(inputs["u"].shape, generator=g, dtype=torch.float64)
+    dlast = torch.randn(inputs["initial_state"].shape, generator=g, dtype=torch.float64)
+    y, last, got = _grads(_op, inputs, dy, dlast)
+    y_ref, last_ref, want = _grads(_ref, {k: v.double() for k, v in inputs.items()}, dy, dlast)
+    tol = 1e-12 if dtype == torch.float64 else 2 * TOL[dtype]
+    assert rel_err(y, y_ref) < tol and rel_err(last, last_ref) < tol
+    for name, grad in got.items():
+        assert grad.shape == inputs[name].shape and grad.dtype == inputs[name].dtype, name
+        assert rel_err(grad, want[name]) < tol, (name, rel_err(grad, want[name]))
+
+
+def test_segments_cover_the_sequence_and_bound_the_buffers():
+    assert invariant.segment_length(23, 3, min_segment=1) == 8  # ceil(23 / 3): three segments
+    assert invariant.segment_length(2048, 16) == 128  # batch*dim*N*128 = batch*dim*L values
+    assert invariant.segment_length(2048, 256) == 64  # at least MIN_SEGMENT
+    assert invariant.segment_length(40, 16) == 40  # one segment below MIN_SEGMENT
+
+
+@pytest.mark.parametrize("pair", [("inv", "var"), ("var", "inv"), ("inv", "inv")], ids="-".join)
+def test_gradcheck_fp64(pair, monkeypatch):
+    monkeypatch.setattr(invariant, "MIN_SEGMENT", 2)
+    inputs = make_inputs(*pair, batch=1, dim=2, L=7, N=2)
+    names = list(inputs)
+
+    def fn(*tensors):
+        return torch.ops.ssm.selective_scan(**dict(zip(names, tensors)), delta_softplus=True,
+                                            return_last_state=True)
+
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in inputs.values()])
+
+
+@pytest.mark.parametrize("pair", [("inv", "var"), ("var", "inv")], ids="-".join)
+def test_memory_stays_linear_in_L(pair):
+    """The backward's largest allocation is far below a (batch, dim, L, N) tensor: before run 48
+    dB (or dC) came back from the launcher at that size."""
+    batch, dim, L, N = 1, 8, 1024, 16
+    inputs = make_inputs(*pair, batch=batch, dim=dim, L=L, N=N, dtype=torch.float32)
+    leaves = {k: v.requires_grad_() for k, v in inputs.items()}
+    with torch.profiler.profile(profile_memory=True) as prof:
+        y, last = _op(leaves)
+        (y.sum() + last.sum()).backward()
+    full_bytes = batch * dim * L * N * 4
+    allocations = {e.name: e.cpu_memory_usage for e in prof.events() if e.name.startswith("aten::")}
+    # What is left: the (batch, dim, L) activations and gradients, B/C's own (batch, N, L), the
+    # chunk buffers and the segments' (batch, dim, N, 64) dB/dC.
+    assert 0 < max(allocations.values()) <= full_bytes // 8, allocations
+
+
+@pytest.mark.parametrize("pair", [("inv", "var"), ("inv", "inv")], ids="-".join)
+@pytest.mark.parametrize("return_last_state", [False, True], ids=["y", "y+last_state"])
+def test_opcheck(pair, return_last_state):
+    inputs = {k: v.float() if v.dtype == torch.float64 else v
+              for k, v in make_inputs(*pair, batch=2, dim=4, L=9, N=3).items()}
+    for t in inputs.values():
+        t.requires_grad_()
+    torch.library.opcheck(
+        torch.ops.ssm.selective_scan.default, (), dict(inputs, delta_softplus=True, return_last_state=return_last_state),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+
+@pytest.mark.parametrize("pair", [("inv", "var"), ("gd", "inv")], ids="-".join)
+def test_triton_backward_over_segments(pair):
+    """The Triton launchers (TRITON_INTERPRET on a CPU-only machine) under the segmented backward,
+    against the reference; L = 21 in segments of 7 crosses the launchers' chunks and the segments."""
+    from ssm_compile.kernels.selective_scan import triton_bwd, triton_fwd
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = {k: v.to(device) for k, v in make_inputs(*pair, batch=2, dim=4, L=21, N=3, dtype=torch.float32).items()}
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(inputs["u"].shape, generator=g).to(device)
+    dlast = torch.randn(inputs["initial_state"].shape, generator=g).to(device)
+    got = invariant.backward(triton_fwd.selective_scan_fwd, triton_bwd.selective_scan_bwd, dy, dlast, *(inputs[k] for k in ("u", "delta", "A", "B", "C", "D", "z",
+                                                                              "delta_bias")),
+                             True, inputs["initial_state"], min_segment=7)
+    _, _, want = _grads(_ref, {k: v.double() for k, v in inputs.items()}, dy.double(), dlast.double())
+    names = {"u": "du", "delta": "ddelta", "A": "dA", "B": "dB", "C": "dC", "D": "dD", "z": "dz",
+             "delta_bias": "ddelta_bias", "initial_state": "dinitial_state"}
+    for name, field in names.items():
+        grad = getattr(got, field)
+        assert grad.shape == inputs[name].shape, name
+        assert rel_err(grad, want[name]) < 2 * TOL[torch.float32], (name, rel_err(grad, want[name]))
+
+
+# --- the passes ------------------------------------------------------------------------------
+
+BATCH, DIM, STEPS, STATE = 2, 4, 7, 3
+
+
+def _pass_inputs(B_shape, C_shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(BATCH, DIM, STEPS, generator=g, dtype=torch.float64)
+    delta = torch.rand(BATCH, DIM, STEPS, generator=g, dtype=torch.float64) * 0.5 + 0.05
+    A = -torch.rand(DIM, STATE, generator=g, dtype=torch.float64) - 0.2
+    B = torch.randn(*B_shape, generator=g, dtype=torch.float64)
+    C = torch.randn(*C_shape, generator=g, dtype=torch.float64)
+    return [x.requires_grad_() for x in (u, delta, A, B, C)]
+
+
+def ref_loop_invariant_C(u, delta, A, B, C):
+    """mamba_ssm's selective_scan_ref with is_variable_C=False."""
+    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    deltaB_u = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    x = A.new_zeros((u.shape[0], u.shape[1], A.shape[1]))
+    ys = []
+    for i in range(u.shape[2]):
+        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
+        ys.append(torch.einsum("bdn,dn->bd", x, C))
+    return torch.stack(ys, dim=2)
+
+
+def ref_loop_invariant_B_and_C(u, delta, A, B, C):
+    """is_variable_B=False and is_variable_C=False: an S4D-style scan."""
+    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    deltaB_u = torch.einsum("bdl,dn,bdl->bdln", delta, B, u)
+    x = A.new_zeros((u.shape[0], u.shape[1], A.shape[1]))
+    ys = []
+    for i in range(u.shape[2]):
+        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
+        ys.append(torch.einsum("bdn,dn->bd", x, C))
+    return torch.stack(ys, dim=2)
+
+
+def _disc(u, delta, A, B):
+    dA = torch.exp(delta.unsqueeze(-1) * A[:, None, :])
+    dBu = delta.unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1) * u.unsqueeze(-1)
+    return dA, dBu
+
+
+def loop_shared_C(u, delta, A, B, C):
+    """One (N,) C for every channel and step, a broadcast product and sum."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(BATCH, DIM, STATE, dtype=u.dtype)
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append((h * C).sum(-1))
+    return torch.stack(ys, 2)
+
+
+def stacked_invariant_C(u, delta, A, B, C):
+    dA, dBu = _disc(u, delta, A, B)
+    h = torch.zeros(BATCH, DIM, STATE, dtype=u.dtype)
+    hs = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        hs.append(h)
+    return (torch.stack(hs, 2) * C[:, None, :]).sum(-1)
+
+
+def assoc_invariant_C(u, delta, A, B, C):
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    dA, dBu = _disc(u, delta, A, B)
+    _, hs = associative_scan(lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1]), (dA, dBu), dim=2,
+                             combine_mode="generic")
+    return torch.einsum("bdln,dn->bdl", hs, C)
+
+
+REWRITTEN = [
+    (ref_loop_invariant_C, (BATCH, STATE, STEPS), (DIM, STATE), "scan_loop"),
+    (ref_loop_invariant_B_and_C, (DIM, STATE), (DIM, STATE), "scan_loop"),
+    (loop_shared_C, (BATCH, STATE, STEPS), (STATE,), "scan_loop"),
+    (stacked_invariant_C, (BATCH, STATE, STEPS), (DIM, STATE), "scan_loop"),
+    (assoc_invariant_C, (BATCH, STATE, STEPS), (DIM, STATE), "scan_assoc"),
+]
+
+
+def _run(fn, args):
+    want = fn(*args)
+    w = torch.randn_like(want)
+    grads_want = torch.autograd.grad((want * w).sum(), args)
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(fn, backend=backend(inductor=False))(*args)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for g_got, g_want in zip(torch.autograd.grad((got * w).sum(), args), grads_want):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-10)
+    return counters["ssm"]
+
+
+@pytest.mark.parametrize("fn, B_shape, C_shape, family", REWRITTEN, ids=lambda x: getattr(x, "__name__", None))
+def test_time_invariant_scan_is_rewritten_and_matches_eager(fn, B_shape, C_shape, family):
+    args = _pass_inputs(B_shape, C_shape)
+    report = explain(fn, *args)
+    assert report.counts.get(family) == 1 and report.counts.get("readout") == 1, report.format(graphs=False)
+    readout = next(r for r in report.rewrites if r.family == "readout")
+    assert readout.decision["C"].startswith("time-invariant"), readout.decision
+    assert _run(fn, args)[family] == 1
+
+
+def test_a_per_batch_C_is_left_alone_with_a_reason():
+    """The same C at every step but one per batch element, (batch, N): the op has no such input."""
+    def fn(u, delta, A, B, C):
+        dA, dBu = _disc(u, delta, A, B)
+        h = torch.zeros(BATCH, DIM, STATE, dtype=u.dtype)
+        ys = []
+        for t in range(u.shape[2]):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append((h * C[:, None]).sum(-1))
+        return torch.stack(ys, 2)
+
+    args = _pass_inputs((BATCH, STATE, STEPS), (BATCH, STATE))
+    report = explain(fn, *args)
+    assert report.counts.get("scan_loop") is None
+    assert any("one per batch element" in m.reason for m in report.misses), report.format(graphs=False)
+    assert not _run(fn, args)["scan_loop"]
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["rebound", "in-place"])
+def test_a_C_that_changes_between_steps_is_left_alone(inplace):
+    """``C = C * 0.9`` or ``C.mul_(0.9)`` after each readout: the steps read different values, so
+    this is no time-invariant C (and no scan the op computes)."""
+    def fn(u, delta, A, B, C):
+        C = C.clone()
+        dA, dBu = _disc(u, delta, A, B)
+        h = torch.zeros(BATCH, DIM, STATE, dtype=u.dtype)
+        ys = []
+        for t in range(u.shape[2]):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append((h * C).sum(-1))
+            if inplace:
+                C.mul_(0.9)
+            else:
+                C = C * 0.9
+        return torch.stack(ys, 2)
+
+    args = _pass_inputs((BATCH, STATE, STEPS), (DIM, STATE))
+    if inplace:
+        # Eager's backward refuses a C modified after the readouts saved it: compare values only.
+        args = [a.detach() for a in args]
+    report = explain(fn, *args)
+    assert report.counts.get("scan_loop") is None, report.format(graphs=False)
+    assert report.misses, report.format(graphs=False)
+    want = fn(*args)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend=backend(inductor=False))(*args), want,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_launchers_get_stride_0_views():
+    """The launchers take (batch, G, N, L) only: a (dim, N) pair reaches them as G = dim views of
+    the caller's own memory, never as copies."""
+    B, C = torch.randn(4, 3), torch.randn(2, 3, 5)
+    Bv, Cv = invariant.launcher_views(B, C, 2, 4, 5)
+    assert Bv.shape == Cv.shape == (2, 4, 3, 5)
+    assert Bv.data_ptr() == B.data_ptr() and Cv.data_ptr() == C.data_ptr()
+    assert Bv.stride() == (0, 3, 1, 0) and Cv.stride() == (15, 0, 5, 1)
+    assert torch.equal(Bv[1, 2, :, 4], B[2]) and torch.equal(Cv[1, 3], C[1])
