@@ -17,7 +17,9 @@ Soundness: a storage is rewritten only when
   ``h + x`` would promote);
 - the root and all its writes run under one grad mode, outside any functorch transform: under
   ``no_grad`` an in-place write changes a value autograd still holds the old graph for, which an
-  out-of-place op would not.
+  out-of-place op would not;
+- a write inside an autocast region is an op that autocast leaves alone (``_AUTOCAST_NEUTRAL``):
+  in-place ops are never autocast, out-of-place ``exp`` or ``pow`` are.
 Each reader then reads the value of the latest write before it, which is what it read in place.
 Who shares memory with whom is read from the nodes' fake values, so the pass manager runs this
 once, on dynamo's graph, before any rewrite could leave those values stale.
@@ -52,6 +54,17 @@ _METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "addcmul
             "addcdiv_": "addcdiv", "neg_": "neg", "tanh_": "tanh", "sigmoid_": "sigmoid", "relu_": "relu",
             "exp_": "exp", "abs_": "abs", "sqrt_": "sqrt", "square_": "square", "pow_": "pow", "clamp_": "clamp",
             "clamp_min_": "clamp_min", "clamp_max_": "clamp_max"}
+
+
+# The out-of-place ops that no autocast list names, on any device: inside an autocast region they
+# compute what the in-place write did. In-place ops are never autocast, but out of place exp, pow
+# (and square, which is pow), sqrt, addcmul and addcdiv may be (CUDA's fp32 and promote lists): in
+# a region ``h.exp()`` returns fp32 where ``h.exp_()`` kept h's fp16, so those stay in place.
+# The fake values that check each replacement's dtype are computed outside any region and cannot
+# tell.
+_AUTOCAST_NEUTRAL = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, "add", "sub", "mul",
+                               "div", "neg", "tanh", "sigmoid", "relu", "abs", "clamp", "clamp_min", "clamp_max",
+                               torch.zeros_like, torch.full_like})
 
 
 def _among(storage: Any, storages: Any) -> bool:
@@ -126,6 +139,9 @@ def _chain(root: torch.fx.Node, writes: list[torch.fx.Node], regions: ContextReg
     keys = {regions.key[n][0] for n in members}
     if len(keys) > 1:
         return "a grad-mode or functorch boundary lies between its writes"
+    for w in writes:
+        if regions.key[w][1] and _out_of_place(w)[1] not in _AUTOCAST_NEUTRAL:
+            return f"{w.name} is written under autocast, which its out-of-place op would obey and {w.target} does not"
     if regions.transform.get(next(iter(keys))[0]) is not None:
         return "it is written inside a torch.func transform"
     return None

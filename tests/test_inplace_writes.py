@@ -121,7 +121,18 @@ def written_by_setitem(x, y):
     return a + y
 
 
+def exp_under_autocast(x, y):
+    # In place, exp and pow keep a's dtype; out of place, CUDA's autocast would run them in fp32
+    # (probe AF). CPU autocast leaves both alone, so only the graph can tell here.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = x * 2.0
+        a.exp_()
+        a.pow_(2)
+        return a * y
+
+
 @pytest.mark.parametrize("fn, dtypes", [
+    (exp_under_autocast, (torch.float32, torch.float32)),
     (writes_an_input, (torch.float64, torch.float64)),
     (writes_through_a_view, (torch.float64, torch.float64)),
     (promotes, (torch.float32, torch.float64)),
@@ -140,6 +151,42 @@ def test_writes_it_must_keep(fn, dtypes):
     ref = fn(x_ref, y_ref)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     torch.testing.assert_close(x, x_ref, rtol=0, atol=0)  # the caller's tensor written as in eager
+
+
+def test_arithmetic_under_autocast_is_written_out_of_place():
+    """add/mul/tanh/clamp are on no autocast list: inside a region their out-of-place ops compute
+    what the in-place ones did."""
+    def fn(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a = x * 2.0
+            a.mul_(y).add_(1.0)
+            a.tanh_()
+            a.clamp_(-0.5, 0.5)
+            return a * y
+
+    x, y = rand(3, 4, seed=1, dtype=torch.float32), rand(3, 4, seed=2, dtype=torch.float32)
+    changes, gm, out = capture(fn, x, y)
+    assert len(changes) == 1 and "4 in-place write(s)" in changes[0] and not inplace_nodes(gm), changes
+    torch.testing.assert_close(out, fn(x, y), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast runs exp/pow in fp32; needs a GPU")
+def test_exp_under_cuda_autocast_keeps_eager_dtype():
+    """Probe AF's repro: written out of place, ``h.exp()`` would return fp32 under CUDA autocast
+    where eager's ``h.exp_()`` keeps fp16."""
+    def fn(x, w):
+        with torch.autocast("cuda", dtype=torch.float16):
+            h = x @ w
+            h.exp_()
+            h.pow_(2)
+            return h * 1.0
+
+    x, w = torch.randn(4, 8, device="cuda") * 0.1, torch.randn(8, 8, device="cuda") * 0.1
+    ref = fn(x, w)
+    out = torch.compile(fn, backend="ssm")(x, w)
+    torch._dynamo.reset()
+    assert out.dtype == ref.dtype == torch.float16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_no_grad_write_keeps_eager_autograd():
