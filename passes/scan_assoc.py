@@ -589,7 +589,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
                        and isinstance(n.args[0], torch.fx.Node)), None)
         if sliced is not None:
             disc += (f"; the scan reads {sliced.name}, a slice of {sliced.args[0].name} that is not a prefix of its "
-                     "time axis alone (dA[:, :, k:]?): the op scans from time 0")
+                     f"time axis alone ({sliced.args[0].name}[:, :, k:]?): the op scans from time 0")
         ctx.miss("discretization", disc, [a_full, b_full])
         return
     if dtype_of(all_states) == torch.float64 and dtype_of(disc.u.node) != torch.float64:

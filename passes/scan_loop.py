@@ -384,22 +384,44 @@ def _negative_index(node: torch.fx.Node) -> bool:
 
 def time_prefix_source(node: torch.fx.Node, axis: int) -> torch.fx.Node:
     """``x`` when ``node`` is a prefix of ``x`` along ``axis`` alone (``x[:, :, :k]``,
-    ``x.narrow(axis, 0, k)``), else ``node``. Step t of the prefix is step t of ``x``, so a loop
-    over the prefix's steps is one over ``x``'s first steps."""
+    ``x[..., :k, :]``, ``x.narrow(axis, 0, k)``, a prefix of a prefix), else ``node``. Step t of
+    the prefix is step t of ``x``, so a loop over the prefix's steps is one over ``x``'s first
+    steps."""
+    while True:
+        src = _prefix_of(node, axis)
+        if src is None:
+            return node
+        node = src
+
+
+def _prefix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
+    """``x`` when ``node`` is one slice of ``x`` that keeps the first steps of ``axis`` and all of
+    every other axis; else None."""
     vx = val(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(vx, torch.Tensor):
-        return node
+        return None
     if is_call(node, torch.narrow) or is_method(node, "narrow"):
         a = named_args(node, ("input", "dim", "start", "length"))
-        prefix = isinstance(a.get("dim"), int) and a["dim"] % vx.dim() == axis and a.get("start") == 0
-        return node.args[0] if prefix else node
-    if not is_call(node, operator.getitem) or not isinstance(node.args[1], tuple) or len(node.args[1]) > vx.dim():
-        return node
-    for i, item in enumerate(node.args[1]):
+        dim, start = a.get("dim"), a.get("start")
+        if not (isinstance(dim, int) and dim % vx.dim() == axis and isinstance(start, int)):
+            return None
+        # A negative start counts from the end: -size is the first step.
+        first = start == 0 or (start < 0 and isinstance(vx.shape[axis], int) and start + vx.shape[axis] == 0)
+        return node.args[0] if first else None
+    if not is_call(node, operator.getitem):
+        return None
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if items.count(Ellipsis) == 1:
+        # ``x[..., :k, :]``: the ellipsis stands for the axes the other items leave out.
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (vx.dim() - len(items) + 1) + items[at + 1:]
+    if len(items) > vx.dim():
+        return None
+    for i, item in enumerate(items):
         if not isinstance(item, slice) or item.start not in (None, 0) or item.step not in (None, 1):
-            return node
+            return None
         if i != axis and item.stop is not None:
-            return node
+            return None
     return node.args[0]
 
 
