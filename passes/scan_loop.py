@@ -505,8 +505,9 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
             if y_roles[dim] is not None:
                 return "cat joins the outputs along an axis that is not a new time axis"
             roles = ["t" if i == dim else r for i, r in enumerate(y_roles)]
-        if None in roles:
-            return "the collected output has an extra size-1 axis"
+        # A size-1 axis each y_t keeps (``h @ C_t[..., None]``, ``sum(-1, keepdim=True)``) stays in
+        # the stacked output: role "1", which the op's y gets as an added axis.
+        roles = ["1" if r is None else r for r in roles]
         return Collected(c.target.__name__, c, list(c.users), [c], tuple(roles))
 
     # A preallocated buffer: out[:, :, t] = y_t, or out[:, t].copy_(y_t).
@@ -643,6 +644,20 @@ def _aliased_inputs(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:
         # An input of unknown storage may alias any other.
         return {c for c in candidates if isinstance(val(c), torch.Tensor)}
     return {c for c in candidates if c not in roots and storage_of(c) in storages}
+
+
+def _written_in_place(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The first in-place write to ``node``'s memory, through it or any view of it, or None."""
+    seen, stack = {node}, [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if _is_inplace(user, n):
+                return user
+            if user not in seen and _aliases(user, n):
+                seen.add(user)
+                stack.append(user)
+    return None
 
 
 def read_through(loop_nodes: list[torch.fx.Node], sources: set[torch.fx.Node], pos) -> set[torch.fx.Node]:
@@ -1143,8 +1158,18 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         for n in steps[t]:
             if t == L - 1 and n is h[t]:
                 continue
-            if any(u not in allowed for u in n.users):
+            outside = [u for u in n.users if u not in allowed]
+            if outside:
                 what = f"intermediate state h_{t}" if n is h[t] else f"a value of step {t}"
+                written = _written_in_place(n)
+                if written is not None:
+                    # A write the in-place pass could not take out of place (to a view, a part,
+                    # or one that autograd must see): a partial reset or a nonlinear update.
+                    op = written.target if isinstance(written.target, str) else getattr(
+                        written.target, "__name__", str(written.target))
+                    return (f"{what} is written in place ({op} at {written.name}, on "
+                            f"{'it' if written.args[0] is n else 'a view of it'}): a reset or an update that "
+                            "is not h = A_full[t]*h + B_full[t], which the scan passes do not rewrite")
                 return f"{what} is used outside the recurrence"
         for n in readouts[t]:
             if out.step_readouts and n is out.step_readouts[t]:

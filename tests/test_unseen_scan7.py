@@ -5,6 +5,12 @@ the cause and gives eager's result. (Its one dtype finding, in-place ``exp_``/``
 autocast, is in ``test_inplace_writes.py``.)
 
 Recorded behaviour before this round:
+- Per-step readouts that keep a size-1 axis, collected by ``torch.stack``
+  (``stack([h @ C_t[..., None]], -1).squeeze(2)``): left alone with "the collected output has an
+  extra size-1 axis".
+- A state written in place through a view (``h[:, 0].fill_(v)``, ``h.view(b, -1).tanh_()``), or
+  reset with ``h.zero_()`` at one step while the inputs need gradients: "intermediate state h_t is
+  used outside the recurrence", which does not say what uses it.
 - ``associative_scan`` over ``dA[..., :k, :]``, ``dA[:, :, :m][:, :, :k]`` or
   ``dA.narrow(2, -L, k)``, each a prefix of the time axis: left alone with "a slice of dA that is
   not a prefix of its time axis alone (dA[:, :, k:]?)", whichever of dA and dBu was sliced.
@@ -12,7 +18,7 @@ Recorded behaviour before this round:
 import pytest
 import torch
 
-from test_unseen_scan5 import L_, _check_rewritten_and_exact, inputs
+from test_unseen_scan5 import B_, D_, L_, N_, _check_rewritten_and_exact, inputs
 from test_unseen_scan6 import _check_left_alone_and_exact, _combine, _disc
 
 from ssm_compile.report import explain
@@ -54,4 +60,65 @@ def test_a_shifted_slice_is_left_alone_naming_the_sliced_tensor(which):
     sliced = "dA" if which == "decay" else "dBu"
     assert any("not a prefix of its time axis" in m.reason and f"({sliced}[:, :, k:]?)" in m.reason
                for m in report.misses), report.format(graphs=False)
+    assert not _check_left_alone_and_exact(fn, args)
+
+
+# --- per-step readouts that keep a size-1 axis, stacked -------------------------------------------
+
+def _keepdim_loop(readout, collect):
+    def fn(u, delta, A, B, C):
+        dA, dBu = _disc(u, delta, A, B)
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(u.shape[-1]):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append(readout(h, C[:, :, t]))
+        return collect(ys)
+    return fn
+
+
+KEEPDIM = {
+    "matmul-stack-squeeze": _keepdim_loop(lambda h, c: h @ c[:, :, None], lambda ys: torch.stack(ys, -1).squeeze(2)),
+    "sum-keepdim-stack-kept": _keepdim_loop(lambda h, c: (h * c[:, None]).sum(-1, keepdim=True),
+                                            lambda ys: torch.stack(ys, 1)),
+    "sum-keepdim-cat": _keepdim_loop(lambda h, c: (h * c[:, None]).sum(-1, keepdim=True),
+                                     lambda ys: torch.cat(ys, -1)),
+}
+
+
+@pytest.mark.parametrize("name", list(KEEPDIM))
+def test_stacked_readouts_that_keep_a_size_1_axis_are_rewritten(name):
+    _check_rewritten_and_exact(KEEPDIM[name], inputs())
+
+
+# --- in-place writes the in-place pass keeps: the reason names them -------------------------------
+
+def _written_loop(write):
+    def fn(u, delta, A, B, C):
+        dA, dBu = _disc(u, delta, A, B)
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(u.shape[-1]):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            write(h, t)
+            ys.append((h * C[:, None, :, t]).sum(-1))
+        return torch.stack(ys, -1)
+    return fn
+
+
+WRITES = {
+    "slice-fill": (lambda h, t: h[:, 0].fill_(0.5) if t == 3 else None, "fill_", "a view of it"),
+    "view-tanh": (lambda h, t: h.view(B_, -1).tanh_(), "tanh_", "a view of it"),
+    "zero-at-step-3": (lambda h, t: h.zero_() if t == 3 else None, "zero_", "on it"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITES))
+def test_a_state_written_in_place_is_left_alone_naming_the_write(name):
+    write, op, where = WRITES[name]
+    fn = _written_loop(write)
+    args = inputs()
+    report = explain(fn, *args)
+    assert any(f"is written in place ({op} at" in m.reason and where in m.reason for m in report.misses), \
+        report.format(graphs=False)
     assert not _check_left_alone_and_exact(fn, args)
