@@ -646,6 +646,23 @@ def _aliased_inputs(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:
     return {c for c in candidates if c not in roots and storage_of(c) in storages}
 
 
+def _varies_per_step(node: torch.fx.Node, loop: set[torch.fx.Node]) -> str | None:
+    """Why ``node``, an operand every step reads, may differ from step to step, or None: it is
+    computed from time slices (each step's copy reads its own step), or from the loop's nodes."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in loop:
+            return f"is computed from the loop's own values ({n.name}: the state or a step's values)"
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    if _leaf_key(node, 0)[0] in ("slice", "op"):
+        return "is computed from time slices, a different value at each step"
+    return None
+
+
 def _written_in_place(node: torch.fx.Node) -> torch.fx.Node | None:
     """The first in-place write to ``node``'s memory, through it or any view of it, or None."""
     seen, stack = {node}, [node]
@@ -1178,6 +1195,19 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
                 return f"step {t}'s readout value is used outside the loop"
     loop_nodes = set().union(*steps, *readouts)
     last_users = [u for u in h[-1].users if u not in loop_nodes and u not in collected_states]
+
+    # A, and a B or C without a time axis, are read once by the op: each must be one value for
+    # every step. The walk matches a per-step computation on time slices (``C + u[:, :, t].mean(0)``,
+    # ``sigmoid(B * u[:, :, t].mean(0))``) step by step, and a C read off the state
+    # (``h.detach().mean(0)``) as part of the readout: neither is time-invariant (probe AG).
+    for name, node in (("A", disc.A.node), ("B", disc.B.node), ("C", c_base)):
+        if name != "A" and (name == "B" and not disc.time_invariant_B or name == "C" and "t" in c_src.roles):
+            continue
+        varies = _varies_per_step(node, loop_nodes)
+        if varies is not None:
+            return (f"the readout's C" if name == "C" else f"{name}") + (
+                f" ({node.name}) has no time axis but {varies}: it is not one value for every step, "
+                f"which is how ssm.selective_scan reads a{'n' if name == 'A' else ''} {name} without one")
 
     # The op reads its inputs once, where it is placed; a value mutated in place anywhere would
     # make that read differ from what the loop saw.

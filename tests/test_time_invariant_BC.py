@@ -69,6 +69,7 @@ def test_op_matches_reference(pair, dtype, min_segment, monkeypatch):
     """Forward, last state and every gradient, in one segment (L = 23 < 64) and in several (the
     forward's kept states and the carried d last_state are what a wrong segment boundary breaks)."""
     monkeypatch.setattr(invariant, "MIN_SEGMENT", min_segment)
+    assert invariant.segment_length(23, 3) == (23 if min_segment == 64 else 8)
     inputs = make_inputs(*pair, dtype=dtype)
     g = torch.Generator().manual_seed(1)
     dy = torch.randn(inputs["u"].shape, generator=g, dtype=torch.float64)
@@ -93,6 +94,7 @@ def test_segments_cover_the_sequence_and_bound_the_buffers():
 def test_gradcheck_fp64(pair, monkeypatch):
     monkeypatch.setattr(invariant, "MIN_SEGMENT", 2)
     inputs = make_inputs(*pair, batch=1, dim=2, L=7, N=2)
+    assert invariant.segment_length(7, 2) == 4  # two segments
     names = list(inputs)
 
     def fn(*tensors):
@@ -320,3 +322,54 @@ def test_launchers_get_stride_0_views():
     assert Bv.data_ptr() == B.data_ptr() and Cv.data_ptr() == C.data_ptr()
     assert Bv.stride() == (0, 3, 1, 0) and Cv.stride() == (15, 0, 5, 1)
     assert torch.equal(Bv[1, 2, :, 4], B[2]) and torch.equal(Cv[1, 3], C[1])
+
+
+# --- operands with no time axis that still vary per step (probe AG: wrong results before) -------
+
+def _per_step_operand_loop(c_of=None, b_of=None, a_of=None, tail=False):
+    """A textbook loop in which the readout's C, the input's B or the decay's A is recomputed at
+    every step by ``*_of(x, u, h, t)``: none has a time axis, all differ from step to step."""
+    def fn(u, delta, A, B, C):
+        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=u.dtype)
+        ys = []
+        for t in range(u.shape[2]):
+            dt = delta[:, :, t, None]
+            A_t = A if a_of is None else a_of(A, u, h, t)
+            B_t = B[:, None, :, t] if b_of is None else b_of(B, u, h, t)
+            h = torch.exp(dt * A_t) * h + dt * B_t * u[:, :, t, None]
+            C_t = C[:, None, :, t] if c_of is None else c_of(C, u, h, t)
+            y = (h * C_t).sum(-1)
+            ys.append(y + 0.5 * u[:, :, t] if tail else y)
+        return torch.stack(ys, -1)
+    return fn
+
+
+PER_STEP = {
+    "C-plus-a-time-slice": (_per_step_operand_loop(c_of=lambda C, u, h, t: C + u[:, :, t].mean(0)[:, None]),
+                            "B", "C", "time slices"),
+    "C-plus-a-time-slice-tail": (_per_step_operand_loop(c_of=lambda C, u, h, t: C + u[:, :, t].mean(0)[:, None],
+                                                        tail=True), "B", "C", "time slices"),
+    "C-from-the-state": (_per_step_operand_loop(c_of=lambda C, u, h, t: C + h.detach().mean(0)), "B", "C",
+                         "the loop's own values"),
+    "C-from-the-state-tail": (_per_step_operand_loop(c_of=lambda C, u, h, t: C + h.detach().mean(0), tail=True),
+                              "B", "C", "the loop's own values"),
+    "B-from-a-time-slice": (_per_step_operand_loop(b_of=lambda B, u, h, t: torch.sigmoid(B * u[:, :, t].mean(0)[:, None])),
+                            "B-inv", "C", "time slices"),
+    "A-from-a-time-slice": (_per_step_operand_loop(a_of=lambda A, u, h, t: A - torch.sigmoid(u[:, :, t].mean(0))[:, None]),
+                            "B", "C", "time slices"),
+}
+
+
+@pytest.mark.parametrize("name", list(PER_STEP))
+def test_an_operand_without_a_time_axis_that_varies_per_step_is_left_alone(name):
+    """Each step's copy of such an operand reads its own step (or the state): the op, which reads a
+    (dim, N) A, B or C once, would give every step step 0's value (errors of 0.1 to 3.5 before)."""
+    fn, b_kind, c_kind, cause = PER_STEP[name]
+    B_shape = (DIM, STATE) if b_kind == "B-inv" else (BATCH, STATE, STEPS)
+    C_shape = (DIM, STATE) if name.startswith("C-") else (BATCH, STATE, STEPS)
+    args = _pass_inputs(B_shape, C_shape)
+    report = explain(fn, *args)
+    assert report.counts.get("scan_loop") is None, report.format(graphs=False)
+    assert any("has no time axis but is computed from " + cause in m.reason for m in report.misses), \
+        report.format(graphs=False)
+    assert not _run(fn, args)["scan_loop"]

@@ -72,8 +72,9 @@ def launcher_views(B: torch.Tensor, C: torch.Tensor, batch: int, dim: int, seqle
     return tuple(X.unsqueeze(1) if X.dim() == 3 else X for X in (B, C))
 
 
-def segment_length(seqlen: int, dstate: int, min_segment: int = MIN_SEGMENT) -> int:
-    return min(seqlen, max(-(-seqlen // dstate), min_segment))
+def segment_length(seqlen: int, dstate: int, min_segment: int | None = None) -> int:
+    # MIN_SEGMENT read at the call, so that a test can shorten the segments module-wide.
+    return min(seqlen, max(-(-seqlen // dstate), MIN_SEGMENT if min_segment is None else min_segment))
 
 
 class _Reduced:
@@ -110,7 +111,7 @@ class _Reduced:
 
 
 def backward(scan_fwd, scan_bwd, dy, dlast_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
-             min_segment: int = MIN_SEGMENT) -> ScanGrads:
+             min_segment: int | None = None) -> ScanGrads:
     """``scan_bwd`` (a launcher's ``selective_scan_bwd``) for a (dim, N) B or C, segment by segment
     (module docstring); ``scan_fwd``, the same launcher family's forward, finds the segments' states.
 
