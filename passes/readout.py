@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .discretize import index_term, product_source
-from .fx_utils import follow_views, is_call, is_method, shape_of
+from .fx_utils import dtype_of, follow_views, is_call, is_cast, is_method, shape_of, storage_of
 
 __all__ = ["Readout", "match_readout", "last_state_index", "split_state_users"]
 
@@ -32,13 +32,25 @@ class Readout:
     chain: list[torch.fx.Node] = dataclasses.field(default_factory=list)  # states -> end
 
 
+def _same_states(states: torch.fx.Node) -> list[torch.fx.Node]:
+    """``states`` and its no-op casts (``.to(its own dtype)``, ``.float()`` of fp32), which return
+    the very tensor. The op replaces the states, so reading them through such a cast needs no
+    copy kept apart from a caller's write (``protects_saved_input``, where ``index_term`` would
+    otherwise stop): HF's assoc branch reads ``states.to(input_dtype)`` and returns
+    ``states[:, :, -1]`` (fuzz seed 249)."""
+    own = storage_of(states)
+    return [states] + [u for u in states.users
+                       if is_cast(u) and own is not None and storage_of(u) == own and dtype_of(u) == dtype_of(states)]
+
+
 def _complete_readout(node: torch.fx.Node, states: torch.fx.Node, roles: tuple[str, ...]
                       ) -> Optional[Readout]:
-    term = index_term(node, stop=[states], allow_sum=True)
+    same = _same_states(states)
+    term = index_term(node, stop=same, allow_sum=True)
     if term is None or term.exp_of is not None or len(term.factors) < 2:
         return None
-    mine = [f for f in term.factors if f.node is states]
-    others = [f for f in term.factors if f.node is not states]
+    mine = [f for f in term.factors if f.node in same]
+    others = [f for f in term.factors if f.node not in same]
     if len(mine) != 1:
         return None
     role = {}

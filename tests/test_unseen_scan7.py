@@ -11,6 +11,10 @@ Recorded behaviour before this round:
 - A state written in place through a view (``h[:, 0].fill_(v)``, ``h.view(b, -1).tanh_()``), or
   reset with ``h.zero_()`` at one step while the inputs need gradients: "intermediate state h_t is
   used outside the recurrence", which does not say what uses it.
+- (The differential fuzzer, ``test_fuzz_scan.py`` seed 249.) Under grad, associative_scan states
+  read out through a no-op ``.to(u.dtype)`` while ``states[:, :, -1]`` is returned, as HF's
+  assoc branch writes it: left alone with "the states are used by to, which is neither a readout
+  Σ_n h·C nor the last state".
 - ``associative_scan`` over ``dA[..., :k, :]``, ``dA[:, :, :m][:, :, :k]`` or
   ``dA.narrow(2, -L, k)``, each a prefix of the time axis: left alone with "a slice of dA that is
   not a prefix of its time axis alone (dA[:, :, k:]?)", whichever of dA and dBu was sliced.
@@ -21,6 +25,7 @@ import torch
 from test_unseen_scan5 import B_, D_, L_, N_, _check_rewritten_and_exact, inputs
 from test_unseen_scan6 import _check_left_alone_and_exact, _combine, _disc
 
+from ssm_compile.compiler import backend
 from ssm_compile.report import explain
 
 
@@ -122,3 +127,31 @@ def test_a_state_written_in_place_is_left_alone_naming_the_write(name):
     assert any(f"is written in place ({op} at" in m.reason and where in m.reason for m in report.misses), \
         report.format(graphs=False)
     assert not _check_left_alone_and_exact(fn, args)
+
+
+# --- associative_scan states through a no-op cast, with the last state returned ------------------
+
+def test_states_read_through_a_no_op_cast_with_the_last_state_are_rewritten():
+    """The no-op ``.to`` returns the states themselves; under grad, with ``hs[:, :, -1]`` returned to
+    the caller, the readout's index proof stopped there (it took the cast for a copy kept apart
+    from the caller's memory)."""
+    def fn(u, delta, A, B, C):
+        from torch._higher_order_ops.associative_scan import associative_scan
+
+        dA, dBu = _disc(u, delta, A, B)
+        hs = associative_scan(_combine, (dA, dBu), dim=2, combine_mode="generic")[1]
+        return (hs.to(u.dtype) * C.transpose(1, 2)[:, None]).sum(-1), hs[:, :, -1]
+
+    args = inputs()
+    report = explain(fn, *args)
+    assert report.counts.get("scan_assoc") == 1 and report.counts.get("readout") == 1, report.format(graphs=False)
+    want = fn(*args)
+    weights = [torch.randn_like(w) for w in want]
+    grads_want = torch.autograd.grad(sum((w * o).sum() for w, o in zip(weights, want)), args)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=backend(inductor=False))(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(sum((w * o).sum() for w, o in zip(weights, got)), args)
+    for g, w in zip(grads, grads_want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
