@@ -648,19 +648,55 @@ def _aliased_inputs(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:
 
 def _varies_per_step(node: torch.fx.Node, loop: set[torch.fx.Node]) -> str | None:
     """Why ``node``, an operand every step reads, may differ from step to step, or None: it is
-    computed from time slices (each step's copy reads its own step), or from the loop's nodes."""
-    seen, stack = set(), [node]
+    computed from the loop's nodes, or from time slices (each step's copy reads its own step).
+    Only the values it is computed from count: ``C.type_as(x_t)`` or ``C.view_as(h)`` takes a
+    dtype or a shape from a step, the same at every step (which puts it in the readout's region:
+    the walk from the state reaches it through that edge, so only its data inputs are followed)."""
+    stack = _data_inputs(node)
+    seen = set(stack)
     while stack:
         n = stack.pop()
         if n in loop:
             return f"is computed from the loop's own values ({n.name}: the state or a step's values)"
-        for a in n.all_input_nodes:
+        for a in _data_inputs(n):
             if a not in seen:
                 seen.add(a)
                 stack.append(a)
-    if _leaf_key(node, 0)[0] in ("slice", "op"):
+    if _step_kind(node) != "same":
         return "is computed from time slices, a different value at each step"
     return None
+
+
+# Methods that read only the dtype, device or shape of their other tensor arguments.
+_METADATA_OF_OTHERS = frozenset({"to", "type_as", "view_as", "reshape_as", "expand_as"})
+
+
+def _data_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The inputs whose values ``node``'s value is computed from (not those it reads a dtype or a
+    shape off, nor sizes, which the walk has already proved equal at every step)."""
+    if node.op == "call_method" and node.target in _METADATA_OF_OTHERS:
+        first = node.args[0] if node.args else None
+        return [first] if isinstance(first, torch.fx.Node) else []
+    return [a for a in node.all_input_nodes if not _is_metadata(a)]
+
+
+def _is_metadata(node: torch.fx.Node) -> bool:
+    """A size, dim, dtype or device (not a number read off a tensor's values by ``item``)."""
+    if node.op in ("call_method", "call_function") and bare_name(node) in ("item", "tolist", "_local_scalar_dense"):
+        return False
+    return isinstance(val(node), (int, torch.SymInt, torch.Size, torch.dtype, torch.device)) and not isinstance(
+        val(node), bool)
+
+
+def _step_kind(node: torch.fx.Node, depth: int = 0) -> str:
+    """"same" unless ``node``'s value comes, through its data inputs, from a time slice; as far
+    down as ``_leaf_key`` looks (below that, the walk matched every step to this very node)."""
+    if time_slice(node) is not None:
+        return "slice"
+    if depth < 6 and node.op in ("call_function", "call_method"):
+        if any(_step_kind(a, depth + 1) != "same" for a in _data_inputs(node)):
+            return "op"
+    return "same"
 
 
 def _written_in_place(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -373,3 +373,21 @@ def test_an_operand_without_a_time_axis_that_varies_per_step_is_left_alone(name)
     assert any("has no time axis but is computed from " + cause in m.reason for m in report.misses), \
         report.format(graphs=False)
     assert not _run(fn, args)["scan_loop"]
+
+
+METADATA_ONLY = {
+    "C.type_as(x_t)": _per_step_operand_loop(c_of=lambda C, u, h, t: C.type_as(u[:, :, t])),
+    "C.to(x_t)": _per_step_operand_loop(c_of=lambda C, u, h, t: C.to(u[:, :, t])),
+    "C.type_as(h)": _per_step_operand_loop(c_of=lambda C, u, h, t: C.type_as(h)),
+    "C.view_as(h[0])": _per_step_operand_loop(c_of=lambda C, u, h, t: C.view_as(h[0])),
+    "A.to(x_t)": _per_step_operand_loop(a_of=lambda A, u, h, t: A.to(u[:, :, t])),
+}
+
+
+@pytest.mark.parametrize("name", list(METADATA_ONLY))
+def test_an_operand_that_takes_only_a_dtype_or_shape_from_a_step_is_rewritten(name):
+    """Probe AH: the per-step check of ``ddb716d`` followed every input, so a C or A that reads only
+    a step's dtype or shape was refused as varying per step."""
+    C_shape = (DIM, STATE) if name.startswith("C") else (BATCH, STATE, STEPS)
+    args = _pass_inputs((BATCH, STATE, STEPS), C_shape)
+    assert _run(METADATA_ONLY[name], args)["scan_loop"] == 1
