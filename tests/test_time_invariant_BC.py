@@ -172,28 +172,25 @@ def _pass_inputs(B_shape, C_shape, seed=0):
     return [x.requires_grad_() for x in (u, delta, A, B, C)]
 
 
-def ref_loop_invariant_C(u, delta, A, B, C):
-    """mamba_ssm's selective_scan_ref with is_variable_C=False."""
-    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
-    deltaB_u = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    x = A.new_zeros((u.shape[0], u.shape[1], A.shape[1]))
-    ys = []
-    for i in range(u.shape[2]):
-        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
-        ys.append(torch.einsum("bdn,dn->bd", x, C))
-    return torch.stack(ys, dim=2)
+def _selective_scan_ref_loop(input_term: str):
+    """mamba_ssm's selective_scan_ref with is_variable_C=False: a (dim, N) C; ``input_term`` is the
+    einsum of Δ, B and u (a per-step B, or a (dim, N) one for is_variable_B=False too)."""
+    def fn(u, delta, A, B, C):
+        deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+        deltaB_u = torch.einsum(input_term, delta, B, u)
+        x = A.new_zeros((u.shape[0], u.shape[1], A.shape[1]))
+        ys = []
+        for i in range(u.shape[2]):
+            x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
+            ys.append(torch.einsum("bdn,dn->bd", x, C))
+        return torch.stack(ys, dim=2)
+    return fn
 
 
-def ref_loop_invariant_B_and_C(u, delta, A, B, C):
-    """is_variable_B=False and is_variable_C=False: an S4D-style scan."""
-    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
-    deltaB_u = torch.einsum("bdl,dn,bdl->bdln", delta, B, u)
-    x = A.new_zeros((u.shape[0], u.shape[1], A.shape[1]))
-    ys = []
-    for i in range(u.shape[2]):
-        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
-        ys.append(torch.einsum("bdn,dn->bd", x, C))
-    return torch.stack(ys, dim=2)
+ref_loop_invariant_C = _selective_scan_ref_loop("bdl,bnl,bdl->bdln")
+ref_loop_invariant_C.__name__ = "ref_loop_invariant_C"
+ref_loop_invariant_B_and_C = _selective_scan_ref_loop("bdl,dn,bdl->bdln")
+ref_loop_invariant_B_and_C.__name__ = "ref_loop_invariant_B_and_C"
 
 
 def _disc(u, delta, A, B):
