@@ -646,7 +646,7 @@ def _aliased_inputs(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:
     return {c for c in candidates if c not in roots and storage_of(c) in storages}
 
 
-def _varies_per_step(node: torch.fx.Node, loop: set[torch.fx.Node]) -> str | None:
+def _varies_per_step(node: torch.fx.Node, loop: set[torch.fx.Node], L: int) -> str | None:
     """Why ``node``, an operand every step reads, may differ from step to step, or None: it is
     computed from the loop's nodes, or from time slices (each step's copy reads its own step).
     Only the values it is computed from count: ``C.type_as(x_t)`` or ``C.view_as(h)`` takes a
@@ -662,7 +662,7 @@ def _varies_per_step(node: torch.fx.Node, loop: set[torch.fx.Node]) -> str | Non
             if a not in seen:
                 seen.add(a)
                 stack.append(a)
-    if _step_kind(node) != "same":
+    if _step_kind(node, L) != "same":
         return "is computed from time slices, a different value at each step"
     return None
 
@@ -688,13 +688,18 @@ def _is_metadata(node: torch.fx.Node) -> bool:
         val(node), bool)
 
 
-def _step_kind(node: torch.fx.Node, depth: int = 0) -> str:
+def _step_kind(node: torch.fx.Node, L: int, depth: int = 0) -> str:
     """"same" unless ``node``'s value comes, through its data inputs, from a time slice; as far
-    down as ``_leaf_key`` looks (below that, the walk matched every step to this very node)."""
-    if time_slice(node) is not None:
-        return "slice"
+    down as ``_leaf_key`` looks (below that, the walk matched every step to this very node).
+    A slice that each of L steps shifts by one needs an axis of at least L; an index into a
+    shorter one (HF Zamba's per-head ``A[h]``) is one value for every step."""
+    ts = time_slice(node)
+    if ts is not None:
+        size = val(ts[0]).shape[ts[1]] if isinstance(val(ts[0]), torch.Tensor) else None
+        if not (is_concrete_int(size) and int(size) < L):
+            return "slice"
     if depth < 6 and node.op in ("call_function", "call_method"):
-        if any(_step_kind(a, depth + 1) != "same" for a in _data_inputs(node)):
+        if any(_step_kind(a, L, depth + 1) != "same" for a in _data_inputs(node)):
             return "op"
     return "same"
 
@@ -1239,9 +1244,9 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
     for name, node in (("A", disc.A.node), ("B", disc.B.node), ("C", c_base)):
         if name != "A" and (name == "B" and not disc.time_invariant_B or name == "C" and "t" in c_src.roles):
             continue
-        varies = _varies_per_step(node, loop_nodes)
+        varies = _varies_per_step(node, loop_nodes, L)
         if varies is not None:
-            return (f"the readout's C" if name == "C" else f"{name}") + (
+            return ("the readout's C" if name == "C" else f"{name}") + (
                 f" ({node.name}) has no time axis but {varies}: it is not one value for every step, "
                 f"which is how ssm.selective_scan reads a{'n' if name == 'A' else ''} {name} without one")
 
