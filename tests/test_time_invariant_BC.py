@@ -8,7 +8,7 @@ returned dB, and dC of the C expanded to match, at that full size; a (dim, N) C 
 """
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from test_unseen_scan5 import compare_with_eager
 from utils import TOL, rel_err
 
 from ssm_compile.compiler import backend
@@ -238,19 +238,6 @@ REWRITTEN = [
 ]
 
 
-def _run(fn, args):
-    want = fn(*args)
-    w = torch.randn_like(want)
-    grads_want = torch.autograd.grad((want * w).sum(), args)
-    torch._dynamo.reset()
-    counters.clear()
-    got = torch.compile(fn, backend=backend(inductor=False))(*args)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    for g_got, g_want in zip(torch.autograd.grad((got * w).sum(), args), grads_want):
-        torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-10)
-    return counters["ssm"]
-
-
 @pytest.mark.parametrize("fn, B_shape, C_shape, family", REWRITTEN, ids=lambda x: getattr(x, "__name__", None))
 def test_time_invariant_scan_is_rewritten_and_matches_eager(fn, B_shape, C_shape, family):
     args = _pass_inputs(B_shape, C_shape)
@@ -258,7 +245,7 @@ def test_time_invariant_scan_is_rewritten_and_matches_eager(fn, B_shape, C_shape
     assert report.counts.get(family) == 1 and report.counts.get("readout") == 1, report.format(graphs=False)
     readout = next(r for r in report.rewrites if r.family == "readout")
     assert readout.decision["C"].startswith("time-invariant"), readout.decision
-    assert _run(fn, args)[family] == 1
+    assert compare_with_eager(fn, args)[family] == 1
 
 
 def test_a_per_batch_C_is_left_alone_with_a_reason():
@@ -276,7 +263,7 @@ def test_a_per_batch_C_is_left_alone_with_a_reason():
     report = explain(fn, *args)
     assert report.counts.get("scan_loop") is None
     assert any("one per batch element" in m.reason for m in report.misses), report.format(graphs=False)
-    assert not _run(fn, args)["scan_loop"]
+    assert not compare_with_eager(fn, args)["scan_loop"]
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["rebound", "in-place"])
@@ -369,7 +356,7 @@ def test_an_operand_without_a_time_axis_that_varies_per_step_is_left_alone(name)
     assert report.counts.get("scan_loop") is None, report.format(graphs=False)
     assert any("has no time axis but is computed from " + cause in m.reason for m in report.misses), \
         report.format(graphs=False)
-    assert not _run(fn, args)["scan_loop"]
+    assert not compare_with_eager(fn, args)["scan_loop"]
 
 
 METADATA_ONLY = {
@@ -387,4 +374,4 @@ def test_an_operand_that_takes_only_a_dtype_or_shape_from_a_step_is_rewritten(na
     a step's dtype or shape was refused as varying per step."""
     C_shape = (DIM, STATE) if name.startswith("C") else (BATCH, STATE, STEPS)
     args = _pass_inputs((BATCH, STATE, STEPS), C_shape)
-    assert _run(METADATA_ONLY[name], args)["scan_loop"] == 1
+    assert compare_with_eager(METADATA_ONLY[name], args)["scan_loop"] == 1
