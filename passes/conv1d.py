@@ -300,6 +300,13 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 ctx.miss(FAMILY, f"{writer.name} writes in place to the padded input's memory: the op would "
                          "read it where the conv runs, not where the user's F.pad did", [conv])
                 continue
+            # ``xp[..., :W-1] = conv_state`` fills the pad with an initial window; the op reads x
+            # from a zero one.
+            writer = written_in_place(graph, [pad])
+            if writer is not None:
+                ctx.miss(FAMILY, f"{writer.name} writes in place to the padded tensor (an initial window "
+                         "copied into the pad?): the op would read x after a zero window", [conv])
+                continue
         reason = check_causal_conv(conv, x, weight, args, sliced, left_padded=pad is not None)
         if reason is not None and pad is None and left_pad_source(x, weight) is not None:
             # A causal conv of the padded input is still rewritten; anything else checked on it

@@ -14,6 +14,7 @@ import logging
 import operator
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
+import sympy
 import torch
 import torch.fx
 from torch._dispatch.python import enable_python_dispatcher
@@ -199,6 +200,33 @@ def addcmul_operands(node: Any) -> tuple[Any, Any, Any] | None:
             and set(node.kwargs) <= {"value"} and node.kwargs.get("value", 1) == 1):
         return node.args[0], node.args[1], node.args[2]
     return None
+
+
+# The symbolic proofs (scan_loop's step, scan_assoc's combine) take numbers and sums exactly; the
+# floats do not. To sympy ``dA*h + 1e16 - 1e16 + dBu`` is ``dA*h + dBu``, where the floats lose
+# dA*h in the 1e16; ``x*1e200*1e200/1e200/1e200`` is x, where the floats overflow. So a number is
+# taken only where it changes nothing (0 added, ±1 multiplied or divided by), and a sum whose two
+# sides share a term, which algebra merges or cancels, is refused (``shared_term``).
+IDENTITY_SUMMANDS = (0,)
+IDENTITY_FACTORS = (1, -1)
+
+
+def identity_number(a: Any, identities: tuple[int, ...]) -> sympy.Integer | None:
+    """``a`` as an exact sympy integer if it is a Python number among ``identities``, else None."""
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and a in identities:
+        return sympy.Integer(int(a))
+    return None
+
+
+def shared_term(left: sympy.Expr, right: sympy.Expr) -> sympy.Expr | None:
+    """A term of ``left + right`` that both sides hold (up to a numeric factor), or None.
+
+    Expanded, such a term is merged or cancelled by the algebra but rounded, absorbed or turned
+    into inf - inf = NaN by the floats: ``(dA*h + x) - x`` is not dA*h where x is 1e16 or inf."""
+    def terms(e: sympy.Expr) -> set[sympy.Expr]:
+        return {t.as_coeff_Mul()[1] for t in sympy.Add.make_args(sympy.expand(e)) if t != 0}
+    common = terms(left) & terms(right)
+    return min(common, key=str) if common else None
 
 
 def is_cast(node: Any) -> bool:

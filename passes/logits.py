@@ -67,7 +67,9 @@ def logits_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         # Not near-misses, nothing to report: no fp32-output matmul off CUDA, or not half precision.
         product = val(linear)
-        if product.device.type != "cuda" or product.dtype not in _HALF or val(linear.args[0]).dim() < 2:
+        # A 1-D weight (a scalar head, linear(h, w) of shape (..., )) is a matrix-vector product: no mm.
+        if (product.device.type != "cuda" or product.dtype not in _HALF or val(linear.args[0]).dim() < 2
+                or val(linear.args[1]).dim() != 2):
             continue
         reason = _reason_to_keep(linear, cast, graph) or context_refusal(graph, [linear, cast], linear)
         if reason:

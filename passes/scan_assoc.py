@@ -53,9 +53,9 @@ import torch.fx
 import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
-from .fx_utils import (HOIST_BLOCKED, ContextRegions, addcmul_operands, dropped_rounding, dtype_of, float64_readout,
-                       hoist_before, is_call, is_method, mutates, node_order, pinned_int, readout_decision, shape_of,
-                       val)
+from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, ContextRegions, addcmul_operands,
+                       dropped_rounding, dtype_of, float64_readout, hoist_before, identity_number, is_call, is_method,
+                       mutates, node_order, pinned_int, readout_decision, shape_of, shared_term, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
@@ -185,12 +185,29 @@ def _adjacent(left: Interval, right: Interval) -> bool:
     return left is not None and right is not None and left[1] + 1 == right[0]
 
 
-def _expr_of(node: Any, env: dict[torch.fx.Node, sympy.Expr]) -> sympy.Expr:
+def _expr_of(node: Any, env: dict[torch.fx.Node, sympy.Expr], identities: tuple[int, ...] = ()) -> sympy.Expr:
     if isinstance(node, (int, float)) and not isinstance(node, bool):
-        return sympy.sympify(node)
+        exact = identity_number(node, identities)
+        if exact is None:
+            raise _Fail(f"the combine computes with the number {node!r}: the proof takes it exactly, where the "
+                        "floats round (a sum absorbs a term, a product overflows); only 0 added and ±1 "
+                        "multiplied are taken")
+        return exact
     if isinstance(node, torch.fx.Node) and node in env:
         return env[node]
     raise _Fail(f"the combine uses {node!r}, which is not one of its inputs or a number")
+
+
+def _summed(left: sympy.Expr, right: sympy.Expr) -> sympy.Expr:
+    term = shared_term(left, right)
+    if term is not None:
+        raise _Fail(f"the combine adds two sides that share the term {term}: the proof would merge or cancel "
+                    "them, the floats round them (or give inf - inf = NaN)")
+    return left + right
+
+
+_IDENTITIES = {operator.add: (IDENTITY_SUMMANDS, IDENTITY_SUMMANDS), operator.sub: (IDENTITY_SUMMANDS, IDENTITY_SUMMANDS),
+               operator.mul: (IDENTITY_FACTORS, IDENTITY_FACTORS), operator.truediv: ((), IDENTITY_FACTORS)}
 
 
 def _eval_arith(node: torch.fx.Node, env: dict[torch.fx.Node, sympy.Expr]) -> sympy.Expr:
@@ -199,20 +216,26 @@ def _eval_arith(node: torch.fx.Node, env: dict[torch.fx.Node, sympy.Expr]) -> sy
     fused = addcmul_operands(node)
     if fused is not None:
         # ``torch.addcmul(b_r, a_r, b_l)``: b_r + a_r * b_l, the combine's b half in one call.
-        c, a, b = (_expr_of(x, env) for x in fused)
-        return c + a * b
+        c = _expr_of(fused[0], env, IDENTITY_SUMMANDS)
+        a, b = (_expr_of(x, env, IDENTITY_FACTORS) for x in fused[1:])
+        return _summed(c, a * b)
     if is_call(node, torch.addcmul) or is_method(node, "addcmul"):
         raise _Fail(f"the combine calls addcmul with {dict(node.kwargs) or 'extra arguments'}: only "
                     "addcmul(c, a, b) with value 1 is c + a*b")
     if node.kwargs:
         raise _Fail(f"the combine calls {node.target} with keyword arguments")
     if key in _SYMPY_BINARY and len(node.args) == 2:
-        left, right = _expr_of(node.args[0], env), _expr_of(node.args[1], env)
-        if _SYMPY_BINARY[key] is operator.truediv and right.free_symbols:
+        op = _SYMPY_BINARY[key]
+        left, right = (_expr_of(x, env, ids) for x, ids in zip(node.args, _IDENTITIES[op]))
+        if op is operator.truediv and right.free_symbols:
             # sympy cancels x / x to 1; the floats do not where x is 0 (a decay that underflowed).
             raise _Fail("the combine divides by one of its inputs, which algebra would cancel where the "
                         "floats give NaN (a decay of 0)")
-        return _SYMPY_BINARY[key](left, right)
+        if op is operator.add:
+            return _summed(left, right)
+        if op is operator.sub:
+            return _summed(left, -right)
+        return op(left, right)
     if key in _SYMPY_UNARY and len(node.args) == 1:
         return _SYMPY_UNARY[key](_expr_of(node.args[0], env))
     raise _Fail(f"the combine applies {getattr(key, '__name__', key)}, which is not linear-recurrence "

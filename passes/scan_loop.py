@@ -53,6 +53,8 @@ from .discretize import (
 )
 from .fx_utils import (
     HALF_DTYPES,
+    IDENTITY_FACTORS,
+    IDENTITY_SUMMANDS,
     VIEW_OPS,
     ContextRegions,
     addcmul_operands,
@@ -68,6 +70,7 @@ from .fx_utils import (
     float64_readout,
     higher_order_op,
     hop_name,
+    identity_number,
     readout_decision,
     op_region,
     is_cast,
@@ -77,6 +80,7 @@ from .fx_utils import (
     parse_slice,
     permute_view,
     propagate_val,
+    shared_term,
     time_slice,
     unbind_source,
     val,
@@ -262,7 +266,7 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
     env: dict[torch.fx.Node, sympy.Expr] = {h_prev: H}
     leaves: dict[sympy.Symbol, torch.fx.Node] = {}
 
-    def arg(a):
+    def arg(a, identities: tuple[int, ...] = ()):
         if isinstance(a, torch.fx.Node):
             if a not in env:
                 s = sympy.Symbol(f"leaf{len(leaves)}")
@@ -270,13 +274,25 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
                 env[a] = s
             return env[a]
         if isinstance(a, (int, float)) and not isinstance(a, bool):
-            return sympy.nsimplify(a)
+            return number(a, identities)
         raise _NotElementwise(f"argument {a!r}")
 
-    def number(a):
-        if isinstance(a, (int, float)) and not isinstance(a, bool):
-            return sympy.nsimplify(a)
-        raise _NotElementwise(f"a scale factor {a!r} that is not a number")
+    def number(a, identities: tuple[int, ...]):
+        if not isinstance(a, (int, float)) or isinstance(a, bool):
+            raise _NotElementwise(f"a scale factor {a!r} that is not a number")
+        exact = identity_number(a, identities)
+        if exact is None:
+            raise _StateTerms(f"computes with the number {a!r} in {name}: the proof takes it exactly, where the "
+                              "floats round (a sum absorbs a term, a product overflows); only 0 added and ±1 "
+                              "multiplied are taken")
+        return exact
+
+    def summed(left, right):
+        term = shared_term(left, right)
+        if term is not None:
+            raise _StateTerms(f"adds two sides that share the term {term} in {name}: the proof would merge or "
+                              "cancel them, the floats round them (or give inf - inf = NaN)")
+        return left + right
 
     for n in region:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
@@ -287,21 +303,23 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
             env[n] = arg(a[0])
             continue
         extra_kw = set(n.kwargs)
-        # torch.add/sub(x, y, alpha=c) is x ± c*y (c a number; the proof below then finds a decay
-        # or an addend scaled by c unless c is 1).
+        # torch.add/sub(x, y, alpha=c) is x ± c*y (c ±1: a scaled addend is no step of the op).
         if (is_call(n, operator.add, torch.add) or is_method(n, "add")) and extra_kw <= {"alpha"} and len(a) == 2:
-            env[n] = arg(a[0]) + number(n.kwargs.get("alpha", 1)) * arg(a[1])
+            env[n] = summed(arg(a[0], IDENTITY_SUMMANDS),
+                            number(n.kwargs.get("alpha", 1), IDENTITY_FACTORS) * arg(a[1], IDENTITY_SUMMANDS))
         elif (is_call(n, operator.sub, torch.sub) or is_method(n, "sub")) and extra_kw <= {"alpha"} and len(a) == 2:
-            env[n] = arg(a[0]) - number(n.kwargs.get("alpha", 1)) * arg(a[1])
+            env[n] = summed(arg(a[0], IDENTITY_SUMMANDS),
+                            -number(n.kwargs.get("alpha", 1), IDENTITY_FACTORS) * arg(a[1], IDENTITY_SUMMANDS))
         elif (is_call(n, *_MUL) or is_method(n, "mul")) and not extra_kw and len(a) == 2:
-            env[n] = arg(a[0]) * arg(a[1])
+            env[n] = arg(a[0], IDENTITY_FACTORS) * arg(a[1], IDENTITY_FACTORS)
         elif (is_call(n, operator.truediv, torch.div) or is_method(n, "div")) and not extra_kw and len(a) == 2:
             # By a number only: sympy cancels x / x to 1, the floats give NaN where x is 0.
-            env[n] = arg(a[0]) / number(a[1])
+            env[n] = arg(a[0]) / number(a[1], IDENTITY_FACTORS)
         elif (is_call(n, operator.neg, torch.neg) or is_method(n, "neg")) and not extra_kw and len(a) == 1:
             env[n] = -arg(a[0])
         elif (is_call(n, torch.addcmul) or is_method(n, "addcmul")) and len(a) == 3 and extra_kw <= {"value"}:
-            env[n] = arg(a[0]) + arg(n.kwargs.get("value", 1)) * arg(a[1]) * arg(a[2])
+            env[n] = summed(arg(a[0], IDENTITY_SUMMANDS), number(n.kwargs.get("value", 1), IDENTITY_FACTORS)
+                            * arg(a[1], IDENTITY_FACTORS) * arg(a[2], IDENTITY_FACTORS))
         elif (is_call(n, torch.tanh) or is_method(n, "tanh")) and len(a) == 1:
             env[n] = sympy.tanh(arg(a[0]))
         elif (is_call(n, torch.exp) or is_method(n, "exp")) and len(a) == 1:
@@ -991,9 +1009,9 @@ def _match_buffered_readout(buffered, state_roles: tuple[str, ...], L: int
     return _readout_of_states(buf, roles, L, writes)
 
 
-def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.fx.Node, Any, Any]], pos
-               ) -> LoopMatch | str | None:
-    """Try to prove that the recurrence anchored at ``a0 * H`` is a selective scan.
+def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
+               products: list[tuple[torch.fx.Node, Any, Any]], pos) -> LoopMatch | str | None:
+    """Try to prove that the recurrence anchored at ``anchor`` = ``a0 * H`` is a selective scan.
 
     Returns the match, a reason string, or None when ``a0 * H`` does not even start a chain
     of steps (an ordinary product, not worth a miss record).
@@ -1012,16 +1030,25 @@ def match_loop(a0: torch.fx.Node, H: torch.fx.Node, products: list[tuple[torch.f
         # Worth a miss only when the "decay" is an exp, as a decode step's is: a product of any
         # slice with a size-1 axis (x[:, 0] * rsqrt(...) in a norm) is not a step of anything.
         return ONE_STEP if exp_behind(a0) or exp_behind(base) else None
-    # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies. Of several such
-    # products, the state nearest H is this loop's: a second loop started from the same H (a
-    # reverse loop from one zero tensor) also multiplies its own state by α_1, many steps on.
-    h0 = None
-    for _, p, q in products:
-        for a1, x in ((p, q), (q, p)):
-            if (isinstance(a1, torch.fx.Node) and isinstance(x, torch.fx.Node) and pos[x] > pos[H]
-                    and (h0 is None or pos[x] < pos[h0])
-                    and _leaf_key(a1, 1) == key0 and _between(H, x, pos) is not None):
-                h0 = x
+    # h_0 is what step 1's multiplier (α_0 with every time index + 1) multiplies, computed from
+    # this anchor (two loops from one H and one α_0 slice have two anchors, each its own h_0).
+    # Of several such products, the state nearest H is this loop's: a second loop started from
+    # the anchor's state (a reverse loop) also multiplies its own state by α_1, many steps on.
+    def step_one_state(source: torch.fx.Node) -> torch.fx.Node | None:
+        found = None
+        for _, p, q in products:
+            for a1, x in ((p, q), (q, p)):
+                if (isinstance(a1, torch.fx.Node) and isinstance(x, torch.fx.Node) and pos[x] > pos[H]
+                        and (found is None or pos[x] < pos[found]) and _leaf_key(a1, 1) == key0
+                        and (x is source or _between(source, x, pos) is not None)):
+                    found = x
+        return found
+
+    h0 = step_one_state(anchor)
+    if h0 is None and step_one_state(H) is not None:
+        # H's chain goes on through another product (this one is a readout's h_t * C[t], say),
+        # whose own anchor proves or refuses it.
+        return None
     if h0 is None:
         if per_step and not (_is_exp(a0) and _same_shape(val(a0).shape, val(H).shape)):
             return None
@@ -1855,7 +1882,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
         if (user, a0) in tried:
             continue
         tried.add((user, a0))
-        m = match_loop(a0, H, products, pos)
+        m = match_loop(user, a0, H, products, pos)
         if m is None:
             continue
         if isinstance(m, str):

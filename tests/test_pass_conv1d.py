@@ -235,6 +235,20 @@ def neg_cat_state(x, w, b):
     return F.conv1d(torch.cat([pad, x], dim=-1), w, b, groups=x.shape[1])
 
 
+def neg_pad_state(x, w, b):
+    # An initial window written into F.pad's zeros (probe AI, run 49: rewritten, the window lost).
+    xp = F.pad(x, (w.shape[-1] - 1, 0))
+    xp[..., :w.shape[-1] - 1] = x[:, :, -(w.shape[-1] - 1):] * 0.5
+    return F.conv1d(xp, w, b, groups=x.shape[1])
+
+
+def neg_cat_state_after(x, w, b):
+    # The same written into the cat's output rather than into its zeros block.
+    xp = torch.cat([torch.zeros(x.shape[0], x.shape[1], w.shape[-1] - 1), x], dim=-1)
+    xp[..., :w.shape[-1] - 1] = x[:, :, -(w.shape[-1] - 1):] * 0.5
+    return F.conv1d(xp, w, b, groups=x.shape[1])
+
+
 def neg_cat_zeros_after(x, w, b):
     pad = torch.zeros(x.shape[0], x.shape[1], w.shape[-1] - 1)
     return F.conv1d(torch.cat([x, pad], dim=-1), w, b, groups=x.shape[1])
@@ -276,6 +290,8 @@ NEGATIVES = {
     "fp64": (f_functional_silu, {"dtype": torch.float64}, "dtype torch.float64 is not supported"),
     "cat-state-copied-into-zeros": (neg_cat_state, {}, "concatenates zeros in front of x"),
     "cat-zeros-W-2": (neg_cat_zeros_short, {}, "concatenates zeros in front of x"),
+    "pad-state-written-into-pad": (neg_pad_state, {}, "writes in place to the padded tensor"),
+    "cat-state-written-into-cat": (neg_cat_state_after, {}, "writes in place to the padded tensor"),
 }
 
 

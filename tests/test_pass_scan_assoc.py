@@ -466,5 +466,12 @@ def test_prove_combine_directly():
     assert "not the linear-recurrence combine" in scan_assoc.prove_combine(trace(combine_wrong_order))
     assert "tanh" in scan_assoc.prove_combine(trace(combine_nonlinear))
     assert "divides by one of its inputs" in scan_assoc.prove_combine(trace(combine_divides))
-    # By a number it is exact algebra: (2 * b_r) / 2 is b_r.
-    assert scan_assoc.prove_combine(trace(lambda l, r: (l[0] * r[0], r[0] * l[1] + (2 * r[1]) / 2))) == (0, 1)
+    # Numbers are exact to the algebra, not to the floats: (2 * b_r) / 2 overflows where b_r
+    # exceeds half the largest float, b_r + 1e16 - 1e16 loses b_r. Only 0 and ±1 are taken.
+    assert "the number 2" in scan_assoc.prove_combine(trace(lambda l, r: (l[0] * r[0], r[0] * l[1] + (2 * r[1]) / 2)))
+    assert "the number 1e+16" in scan_assoc.prove_combine(
+        trace(lambda l, r: (l[0] * r[0], r[0] * l[1] + 1e16 + r[1] - 1e16)))
+    assert scan_assoc.prove_combine(trace(lambda l, r: (l[0] * r[0] * 1, r[0] * l[1] + r[1] - 0))) == (0, 1)
+    # A term that both sides of a sum hold cancels to the algebra, gives inf - inf in floats.
+    assert "share the term" in scan_assoc.prove_combine(
+        trace(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1] + l[1] - l[1])))

@@ -1016,9 +1016,9 @@ def state_cancelled(extra):
 
 
 @pytest.mark.parametrize("extra, reason", [
-    (lambda new, h: new - 0.0 * h, "cancels the state out in mul"),
+    (lambda new, h: new - 0.0 * h, "computes with the number 0.0 in mul"),
     (lambda new, h: new + h - h, "adds two terms that both hold the state in add"),
-    (lambda new, h: torch.addcmul(new, h, h, value=0), "both hold the state in addcmul"),
+    (lambda new, h: torch.addcmul(new, h, h, value=0), "computes with the number 0 in addcmul"),
 ], ids=["-0*h", "+h-h", "addcmul(.,h,h,value=0)"])
 def test_state_terms_that_cancel_are_left_alone(extra, reason):
     """Once the state overflows (exp(Δ·A) > 1 here), eager's 0·inf and inf - inf are NaN, where
