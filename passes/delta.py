@@ -138,6 +138,15 @@ def as_vector(graph: torch.fx.Graph, node: torch.fx.Node, dim: int, before: torc
     return vector
 
 
+def binary_operands(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
+    """``(a, b)`` if ``node`` is a plain two-operand call of ``targets`` (ADD_TARGETS or
+    MUL_TARGETS) or the matching tensor method (``a.add(b)``, ``a.mul(b)``)."""
+    method = "add" if targets is ADD_TARGETS else "mul"
+    if (is_call(node, *targets) or is_method(node, method)) and len(node.args) == 2 and not node.kwargs:
+        return node.args[0], node.args[1]
+    return None
+
+
 def match_delta(delta: Any) -> DeltaFold | str | None:
     """Prove ``delta`` = views(softplus(views(pre + bias))) with elementwise steps only.
 
@@ -164,8 +173,9 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
         bias = named_args(pre, ("input", "weight", "bias")).get("bias")
         if bias is not None and dim_axis == len(shape_of(pre)) - 1 and shape_of(bias) == (dim,):
             return DeltaFold(pre, perm, bias, pre, nodes + [pre], between)
-    if is_call(pre, *ADD_TARGETS) and len(pre.args) == 2 and not pre.kwargs:
-        for x, bias_b in (pre.args, pre.args[::-1]):
+    operands = binary_operands(pre, ADD_TARGETS)
+    if operands is not None:
+        for x, bias_b in (operands, operands[::-1]):
             if shape_of(x) != shape_of(pre):
                 continue
             bias = match_bias(bias_b, shape_of(pre), dim_axis, dim)

@@ -32,7 +32,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, match_bias
+from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, match_bias
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
                        context_refusal, dropped_rounding, dtype_of, follow_views, higher_order_op, hoist_before,
                        hop_name, inverse, is_call, is_method, layout_source, output_getitem, permute_view,
@@ -167,15 +167,6 @@ def _written_term(graph: torch.fx.Graph, roots: list[torch.fx.Node], stops: set)
     return None if writer is None else f"{writer.name} writes in place to the memory of a value in"
 
 
-def _binary(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
-    """``(a, b)`` if ``node`` is a plain two-operand call of ``targets`` (ADD_TARGETS or
-    MUL_TARGETS) or the matching tensor method (``a.add(b)``, ``a.mul(b)``)."""
-    method = "add" if targets is ADD_TARGETS else "mul"
-    if (is_call(node, *targets) or is_method(node, method)) and len(node.args) == 2 and not node.kwargs:
-        return node.args[0], node.args[1]
-    return None
-
-
 def _replace_with(node: torch.fx.Node, replacement: torch.fx.Node) -> None:
     """Make ``node``'s users read ``replacement`` instead, cast to ``node``'s dtype if the user's
     code produced another one (type promotion against an fp32 ``D`` makes bf16 code fp32)."""
@@ -214,14 +205,14 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
             return f"torch.addcmul(y, ...) with {dict(add.kwargs)} is not the op's y + u * D"
         other, factors = None, fused[1:]
     else:
-        operands = _binary(add, ADD_TARGETS)
+        operands = binary_operands(add, ADD_TARGETS)
         if operands is None or chain.top not in operands or operands[0] is operands[1]:
             return _skip_subtracted(add, chain.top, u_op)
         other = operands[1] if operands[0] is chain.top else operands[0]
         # The product may be computed in another layout and permuted back (``(u.mT * D).mT``).
         behind = layout_source(other, allow_casts=False)
         product, sigma, views = behind.base, behind.perm, view_chain(other, behind.base)
-        factors = _binary(product, MUL_TARGETS)
+        factors = binary_operands(product, MUL_TARGETS)
         if factors is None:
             return _skip_after_a_sum(add, u_op)
     top_shape = shape_of(chain.top)
@@ -272,7 +263,7 @@ def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | N
 
 def _product_of(node: Any, u: torch.fx.Node) -> bool:
     """``node`` is a two-factor product with a factor that is ``u`` (through views and casts)."""
-    factors = _binary(node, MUL_TARGETS)
+    factors = binary_operands(node, MUL_TARGETS)
     return factors is not None and any(isinstance(f, torch.fx.Node) and layout_source(f).base is u for f in factors)
 
 
@@ -283,7 +274,7 @@ def _skip_after_a_sum(add: torch.fx.Node, u_op: Any) -> str | None:
     the skip (the common case: y + X is the residual or another direction's output)."""
     op_u = layout_source(u_op).base
     for user in add.users:
-        operands = _binary(user, ADD_TARGETS)
+        operands = binary_operands(user, ADD_TARGETS)
         if operands is None or add not in operands:
             continue
         if _product_of(operands[1] if operands[0] is add else operands[0], op_u):
@@ -345,7 +336,7 @@ def _silu_input(g: Any) -> Optional[torch.fx.Node]:
         return g.args[0]
     if is_method(g, "silu") and len(g.args) == 1:
         return g.args[0]
-    factors = _binary(g, MUL_TARGETS)
+    factors = binary_operands(g, MUL_TARGETS)
     if factors is not None:
         for z, s in (factors, factors[::-1]):
             if _sigmoid_input(s) is z:
@@ -371,7 +362,7 @@ def _sigmoid_input(s: Any) -> Optional[torch.fx.Node]:
 
 def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
     """Prove ``mul`` (possibly with the next mul) computes ``chain.top * silu(z)``."""
-    factors = _binary(mul, MUL_TARGETS)
+    factors = binary_operands(mul, MUL_TARGETS)
     if factors is None or chain.top not in factors or factors[0] is factors[1]:
         return _gate_after_a_sum(mul, chain.top)
     g = factors[1] if factors[0] is chain.top else factors[0]
@@ -380,7 +371,7 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
     if z is None and len(mul.users) == 1:
         # (y * sigmoid(z)) * z and (y * z) * sigmoid(z): the gate split over two muls.
         (outer,) = mul.users
-        outer_factors = _binary(outer, MUL_TARGETS)
+        outer_factors = binary_operands(outer, MUL_TARGETS)
         if outer_factors is not None and mul in outer_factors:
             h = outer_factors[1] if outer_factors[0] is mul else outer_factors[0]
             for zz, s in ((g, h), (h, g)):
@@ -391,7 +382,7 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
             return f"the gate is {g.name}, not silu: the op computes y * silu(z)"
         if _is_detach(g) and _silu_input(g.args[0]) is not None:
             return f"the gate is {g.name} = silu(z).detach(): the op's gate would send gradients to z"
-        factors = _binary(g, MUL_TARGETS)
+        factors = binary_operands(g, MUL_TARGETS)
         if factors is not None and any(map(_is_detach, factors)):
             bare = tuple(f.args[0] if _is_detach(f) else f for f in factors)
             if any(_sigmoid_input(s) is zz for zz, s in (bare, bare[::-1])):
@@ -420,14 +411,14 @@ def _gate_after_a_sum(add: torch.fx.Node, y: torch.fx.Node) -> str | None:
     """Why not, when ``add`` = y + X (or y - X, X - y) and a user of it is a silu gate (a second
     D·u term, a residual added or subtracted before the gate): the op gates y, with its own D·u,
     alone. None otherwise."""
-    operands = _binary(add, ADD_TARGETS)
+    operands = binary_operands(add, ADD_TARGETS)
     sub = (is_call(add, operator.sub, torch.sub) or is_method(add, "sub")) and len(add.args) == 2 and not add.kwargs
     if sub:
         operands = add.args
     if operands is None or y not in operands:
         return None
     for user in add.users:
-        factors = _binary(user, MUL_TARGETS)
+        factors = binary_operands(user, MUL_TARGETS)
         if factors is None or add not in factors:
             continue
         if _silu_input(factors[1] if factors[0] is add else factors[0]) is not None:

@@ -328,6 +328,8 @@ class XDt(nn.Module):
         if self.variant == "written":  # x_dbl written in place after dt_proj read it
             dt_pre = self.dt_proj(dt)
             x_dbl.mul_(2)
+        elif self.variant == "bias_add_method":  # the bias added by the method (probe AI, run 49)
+            dt_pre = F.linear(dt, self.dt_proj.weight).add(self.dt_proj.bias)
         elif self.variant == "cast":  # dt_proj reads a rounded copy: another precision
             dt_pre = F.linear(dt.to(torch.bfloat16), self.dt_proj.weight.to(torch.bfloat16)).float()
         else:
@@ -358,7 +360,8 @@ class XDt(nn.Module):
         return selective_scan_fn(x.transpose(1, 2), delta, self.A, B, C), x_dbl.clone()
 
 
-@pytest.mark.parametrize("variant", ["split", "slice", "slice_from_the_end", "split_keywords", "rows", "rows_T"])
+@pytest.mark.parametrize("variant", ["split", "slice", "slice_from_the_end", "split_keywords", "rows", "rows_T",
+                                     "bias_add_method"])
 def test_forms_are_rewritten(variant):
     torch.manual_seed(0)
     model = XDt(variant)
@@ -366,6 +369,9 @@ def test_forms_are_rewritten(variant):
     cap, (y, x_dbl) = _compiled(model, x)
     ref_y, ref_x_dbl = model(x)
     assert len(_x_dt_ops(cap.gm)) == 1
+    # dt_proj's bias and the softplus reach the scan as its delta_bias and delta_softplus.
+    (scan,) = [n for n in cap.gm.graph.nodes if n.target is torch.ops.ssm.selective_scan.default]
+    assert scan.args[7] is not None and scan.args[8] is True, scan.args
     assert torch.equal(x_dbl, ref_x_dbl)  # x_dbl, also a graph output, is the op's first output
     assert rel_err(y, ref_y.double()) < TOL[torch.float32]
 
