@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.fx
 
-from .delta import LINEAR_TARGETS, weight_product
+from .delta import LINEAR_TARGETS, MATMUL_TARGETS, weight_product
 from .fx_utils import (context_refusal, is_call, is_method, layout_source, named_args, node_order,
                        propagate_val, scan_args, scan_nodes, shape_of, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
@@ -61,7 +61,15 @@ class Site(NamedTuple):
 
 
 def _linear(node: Any) -> Optional[tuple[Any, Any]]:
-    """``(input, weight)`` of a bias-free ``F.linear``, else None."""
+    """``(input, weight)`` of a bias-free ``F.linear``, or of the same product written
+    ``input @ weight.t()`` (``.T``, ``transpose(0, 1)``, ``permute(1, 0)``: a 2-D weight's
+    transposed view), else None."""
+    if is_call(node, *MATMUL_TARGETS) and len(node.args) == 2 and not node.kwargs:
+        x, weight_t = node.args
+        if not isinstance(weight_t, torch.fx.Node) or len(shape_of(weight_t) or ()) != 2:
+            return None
+        top = layout_source(weight_t, allow_casts=False)
+        return (x, top.base) if top.perm == (1, 0) and top.base is not weight_t else None
     if not is_call(node, *LINEAR_TARGETS):
         return None
     args = named_args(node, ("input", "weight", "bias"))
@@ -121,20 +129,21 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     if not isinstance(delta, torch.fx.Node):
         return None
     dt_proj = _value_source(delta)
-    dt_args = _linear(dt_proj)
-    rows_product = dt_args is None
-    if rows_product:
-        dt_args = _rows_product(dt_proj)
-    if dt_args is None:
-        return None
-    low, dt_weight = dt_args
-    if not isinstance(low, torch.fx.Node) or not isinstance(dt_weight, torch.fx.Node):
-        return None
-    top = layout_source(low, allow_casts=False)
-    if top.perm != ((1, 0) if rows_product else tuple(range(len(top.perm)))):
-        return None
-    columns = _leading_columns(top.base)
-    if columns is None:
+    # ``W @ dt.t()`` reads both ways: as mamba_simple's rows product of the weight, and as
+    # ``x @ w.t()`` with W as x. The reading whose low-rank operand is x_dbl's first columns holds.
+    for rows_product, dt_args in ((False, _linear(dt_proj)), (True, _rows_product(dt_proj))):
+        if dt_args is None:
+            continue
+        low, dt_weight = dt_args
+        if not isinstance(low, torch.fx.Node) or not isinstance(dt_weight, torch.fx.Node):
+            continue
+        top = layout_source(low, allow_casts=False)
+        if top.perm != ((1, 0) if rows_product else tuple(range(len(top.perm)))):
+            continue
+        columns = _leading_columns(top.base)
+        if columns is not None:
+            break
+    else:
         return None
     x_dbl, rank = columns
     x_args = _linear(x_dbl)

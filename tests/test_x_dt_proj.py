@@ -330,6 +330,9 @@ class XDt(nn.Module):
             x_dbl.mul_(2)
         elif self.variant == "bias_add_method":  # the bias added by the method (probe AI, run 49)
             dt_pre = F.linear(dt, self.dt_proj.weight).add(self.dt_proj.bias)
+        elif self.variant in ("matmul_t", "matmul_T"):  # the linear written as a product (probe AI, run 49)
+            w = self.dt_proj.weight
+            dt_pre = dt @ (w.t() if self.variant == "matmul_t" else w.T) + self.dt_proj.bias
         elif self.variant == "cast":  # dt_proj reads a rounded copy: another precision
             dt_pre = F.linear(dt.to(torch.bfloat16), self.dt_proj.weight.to(torch.bfloat16)).float()
         else:
@@ -361,7 +364,7 @@ class XDt(nn.Module):
 
 
 @pytest.mark.parametrize("variant", ["split", "slice", "slice_from_the_end", "split_keywords", "rows", "rows_T",
-                                     "bias_add_method"])
+                                     "bias_add_method", "matmul_t", "matmul_T"])
 def test_forms_are_rewritten(variant):
     torch.manual_seed(0)
     model = XDt(variant)
