@@ -164,11 +164,17 @@ def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: 
     time = _kept_steps(sliced, val(conv).shape)
     if isinstance(time, str):
         return time
-    if time.start not in (None, 0) or time.step not in (None, 1):
-        return f"slice {time!r} does not start at step 0: not a causal conv"
+    # Named as the user wrote it: narrow(dim, start, length) or [start:stop:step].
+    spelled = (f"narrow{tuple(sliced.args[1:])!r}" if _is_narrow(sliced)
+               else f"[..., {'' if time.start is None else time.start}:{'' if time.stop is None else time.stop}"
+                    f"{'' if time.step is None else f':{time.step}'}]")
+    if time.step not in (None, 1):
+        return f"the slice {spelled} steps by {time.step}, not 1: not a causal conv"
+    if time.start not in (None, 0):
+        return f"the slice {spelled} does not start at step 0: not a causal conv"
     out = val(sliced)
     if not (isinstance(out, torch.Tensor) and _same_size(out.shape[-1], length)):
-        return f"slice {time!r} does not keep exactly the first L={length} steps: not a causal conv"
+        return f"the slice {spelled} does not keep exactly the first L={length} steps: not a causal conv"
     return None
 
 

@@ -263,6 +263,14 @@ def neg_narrow_from_1(x, w, b):
     return F.conv1d(x, w, b, padding=3, groups=x.shape[1]).narrow(-1, 1, x.shape[-1])
 
 
+def neg_slice_step_2(x, w, b):
+    return F.conv1d(x, w, b, padding=3, groups=x.shape[1])[..., 0:2 * x.shape[-1]:2]
+
+
+def neg_narrow_short(x, w, b):
+    return F.conv1d(x, w, b, padding=3, groups=x.shape[1]).narrow(-1, 0, x.shape[-1] - 1)
+
+
 def neg_batch_row_slice(x, w, b):
     return F.conv1d(x, w, b, padding=3, groups=x.shape[1])[0:1, :, :x.shape[-1]]
 
@@ -278,7 +286,11 @@ NEGATIVES = {
     "groups-1": (neg_not_depthwise, {"w": (DIM, DIM, W)}, "not depthwise"),
     "padding-W-2": (neg_padding_short, {}, "padding 2 is not kernel_size - 1"),
     "padding-same": (neg_padding_same, {}, "padding 'same'"),
-    "slice-from-3": (neg_slice_not_from_start, {}, "does not start at step 0"),
+    "slice-from-3": (neg_slice_not_from_start, {}, "the slice [..., 3:] does not start at step 0"),
+    # The step and the narrow's length are named (probe AI, run 49: "slice(0, 12, 2) does not
+    # start at step 0", and a narrow printed as slice(0, None, None)).
+    "slice-step-2": (neg_slice_step_2, {}, "the slice [..., 0:22:2] steps by 2, not 1"),
+    "narrow-L-1": (neg_narrow_short, {}, "the slice narrow(-1, 0, 10) does not keep exactly the first L=11"),
     "slice-L+1": (neg_slice_too_long, {}, "first L=11 steps"),
     "stride-2": (neg_stride, {}, "stride 2 is not 1"),
     "dilation-2": (neg_dilation, {}, "dilation 2 is not 1"),
