@@ -76,7 +76,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method,
-                       named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name,
+                       mutates, named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name,
                        time_slice, val, written_args)
 from .manager import PassContext, PassManager
 
@@ -365,6 +365,27 @@ def _inputs_written(inputs: dict[str, Any], scope: set[torch.fx.Node], order: di
         if writer is not None:
             return (f"{writer.name} writes {name} ({node.name}) in place after the step reads it and before the "
                     "op would: the op would read the written value")
+    return None
+
+
+def _intermediates_written(inputs: list[Any], outputs: list[torch.fx.Node], state: torch.fx.Node,
+                           order: dict[torch.fx.Node, int]) -> str | None:
+    """Why the op, which computes the step's values (softplus(dt + b), exp(dt·A), dt·B·x, the
+    gate) from ``inputs`` itself, would miss a write to one of them: a mutating node before the
+    last of ``outputs`` that is no step of that computation (``dA[:, 0].mul_(2)``,
+    ``g.detach().zero_()``) and writes memory such a value lives in. The state's own memory is
+    ``_state_moved``'s to check. None if there is no such write."""
+    step = _ancestors(*outputs)
+    computed = step - _ancestors(*[n for n in inputs if isinstance(n, torch.fx.Node)])
+    storages = {storage_of(n) for n in computed if isinstance(val(n), torch.Tensor)} - {None, storage_of(state)}
+    end = max(order[n] for n in outputs if n is not None)
+    for node in _between(order, -1, end):
+        if node in step or not mutates(node):
+            continue
+        written = {storage_of(a) for a in written_args(node) if isinstance(val(a), torch.Tensor)}
+        if written & storages:
+            return (f"{node.name} writes in place to a value the step computes (through a view or an alias): "
+                    "the op computes that value itself and would not see the write")
     return None
 
 
@@ -1030,6 +1051,10 @@ def check_state_update(m: dict[str, Any]) -> str | None:
         return reason
     reason = _inputs_written({name: m[name] for name in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")},
                              _ancestors(last, u.h, *u.writes), order, order[last])
+    if reason is not None:
+        return reason
+    reason = _intermediates_written([m[name] for name in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias")],
+                                    [last, u.h, *u.writes], m["state"], order)
     if reason is not None:
         return reason
     if u.form == "returned":

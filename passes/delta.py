@@ -254,7 +254,9 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     # The op reads the pre-activation (and the bias, the linear's operands) where it runs, not
     # where the user read them, and the folded linear is recomputed: a write in between
     # (``s = x + b; x.mul_(2)``, ``x = dt_proj(dt); x.add_(c)``) would change what it reads.
-    reads = [fold.pre, fold.bias]
+    # The sum, the softplus and the views between are recomputed or read past: a write to any of
+    # them (``s = dt + b; s[:, 0].mul_(2)``, ``delta.zero_()``) is one the op would not see.
+    reads = [fold.pre, fold.bias, *fold.nodes, *fold.between]
     if fold.linear is not None:
         linear_args = named_args(fold.linear, ("input", "weight", "bias"))
         reads += [linear_args["input"], linear_args["weight"]]
@@ -274,8 +276,8 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
         return
     writer = written_in_place(graph, reads)
     if writer is not None:
-        ctx.miss(FAMILY, f"{writer.name} writes in place to memory Δ's inputs live in: the op would read "
-                 "them at another point than the user's code did", [scan])
+        ctx.miss(FAMILY, f"{writer.name} writes in place to memory Δ or its inputs live in: the op would "
+                 "compute Δ from them at another point than the user's code did", [scan])
         return
     pre = fold.pre
     with graph.inserting_before(scan):

@@ -376,7 +376,8 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
             h = outer_factors[1] if outer_factors[0] is mul else outer_factors[0]
             for zz, s in ((g, h), (h, g)):
                 if _sigmoid_input(s) is zz:
-                    z, out, nodes = zz, outer, [mul, outer]
+                    # The gate's nodes are the two muls and the sigmoid (g may be z itself).
+                    z, out, nodes, g = zz, outer, [mul, outer], s
     if z is None:
         if is_call(g, *_OTHER_GATES) or is_call(g, *SIGMOID_TARGETS):
             return f"the gate is {g.name}, not silu: the op computes y * silu(z)"

@@ -82,12 +82,13 @@ def check_copy_removable(path: list[torch.fx.Node], split: torch.fx.Node) -> str
     for node in aliases:
         if isinstance(node, torch.fx.Node) and any(mutates(u) for u in node.users):
             return f"{node.name} is written in place, so the copy protects the op's input"
-    # Another view of the same memory (``xdbl[..., r:].mul_(2)``) writes the copied elements
+    # Another view of the same memory (``xdbl[..., r:].mul_(2)``, or of a cast on the path that
+    # made new memory: ``Bd = B.double(); Bd.view(-1).mul_(2)``) writes the copied elements
     # without being a user of anything on the path: compare storages, not nodes.
-    writer = written_in_place(split.graph, [split.args[0]])
+    writer = written_in_place(split.graph, [split.args[0], *path])
     if writer is not None:
-        return (f"{writer.name} writes in place to memory the split's input shares, so the copy "
-                "protects the op's input")
+        return (f"{writer.name} writes in place to memory the split's input (or a value on the way to "
+                "the copy) shares, so the copy protects the op's input")
     return None
 
 
