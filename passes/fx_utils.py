@@ -1220,9 +1220,12 @@ def protects_saved_input(copy: torch.fx.Node) -> bool:
     wrong gradients. A rewrite must keep such a copy.
     """
     src = copy.args[0] if copy.args else None
+    # A cast to the dtype a tensor has, or ``.contiguous()`` of a contiguous one, returns the
+    # tensor itself: the same memory, no copy, nothing kept apart.
+    if not isinstance(src, torch.fx.Node) or storage_of(copy) == storage_of(src) is not None:
+        return False
     # The storage test first: it is a set lookup, grad_enabled_at walks the graph.
-    return (isinstance(src, torch.fx.Node) and storage_of(src) in caller_storages(copy.graph)
-            and grad_enabled_at(copy))
+    return storage_of(src) in caller_storages(copy.graph) and grad_enabled_at(copy)
 
 
 def storage_of(node: torch.fx.Node) -> StorageWeakRef | None:

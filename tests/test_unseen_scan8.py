@@ -21,6 +21,7 @@ multiplied), and a sum whose two sides share a term is refused (``fx_utils.share
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 from test_unseen_scan5 import B_, D_, L_, N_, compare_with_eager, inputs
 from test_unseen_scan6 import _combine, _disc
@@ -139,3 +140,45 @@ def test_two_loops_from_one_state_and_one_decay_are_proved_each_from_its_own_anc
     assert compare_with_eager(fn, args)["scan_loop"] == 1
     # Both plain: both rewritten.
     assert compare_with_eager(_two_loops(first_lag=0), args)["scan_loop"] == 2
+
+
+def hf_assoc_block(hidden_states, dt, A, B, C, D, z, delta_bias):
+    """HF MambaMixer's associative_scan branch as a function of its inputs, which are graph
+    inputs here (in the model they are computed from parameters)."""
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    input_dtype = hidden_states.dtype
+    dt = F.softplus(dt + delta_bias.to(dt.dtype)[..., None])
+    B, C = B.transpose(1, 2), C.transpose(1, 2)
+    discrete_A = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
+    discrete_B = dt[:, :, :, None] * B[:, None, :, :].float()
+    deltaB_u = discrete_B * hidden_states[:, :, :, None].float()
+    _, all_states = associative_scan(_combine, (discrete_A, deltaB_u), dim=2, combine_mode="generic")
+    y = torch.matmul(all_states.transpose(1, 2).to(input_dtype), C.unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+    return (y + hidden_states * D[None, :, None]) * F.silu(z), all_states[:, :, -1]
+
+
+def test_no_op_casts_of_caller_tensors_are_no_protective_copies():
+    """Under grad, ``B.float()`` of an fp32 graph input and ``all_states.to(fp32)`` with the last
+    state returned are the tensors themselves, not copies that keep what the backward saves apart
+    from the caller's memory (``protects_saved_input``): the block is rewritten (before, with
+    every input needing grad: "the states are used by transpose_2, which is neither a readout
+    ..."; with grad on u alone: "B_full: a factor has an axis that is not one of ...")."""
+    g = torch.Generator().manual_seed(0)
+    b, d, n, L = 2, 3, 3, 6
+    shapes = [(b, d, L), (b, d, L), (d, n), (b, n, L), (b, n, L), (d,), (b, d, L), (d,)]
+    args = [torch.randn(*s, generator=g) for s in shapes]  # fp32: .float() is the tensor itself
+    args[2] = -args[2].abs() - 0.3
+    for needs_grad in [range(8), [0]]:
+        inputs = [a.clone().requires_grad_(i in needs_grad) for i, a in enumerate(args)]
+        report = explain(hf_assoc_block, *inputs)
+        assert report.counts.get("scan_assoc") == 1 and not report.misses, report.format(graphs=False)
+        want = hf_assoc_block(*inputs)
+        torch._dynamo.reset()
+        got = torch.compile(hf_assoc_block, backend="ssm")(*inputs)
+        weights = [torch.randn_like(w) for w in want]
+        grads = [x for x in inputs if x.requires_grad]
+        g_want = torch.autograd.grad(sum((w * r).sum() for w, r in zip(want, weights)), grads)
+        g_got = torch.autograd.grad(sum((w * r).sum() for w, r in zip(got, weights)), grads)
+        for a, e in zip((*got, *g_got), (*want, *g_want)):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
