@@ -29,7 +29,7 @@ import torch.fx
 
 from .delta import LINEAR_TARGETS, MATMUL_TARGETS
 from .fx_utils import (context_refusal, grad_enabled_at, is_call, is_method, propagate_val, scan_args,
-                       scan_nodes, shape_of, val)
+                       scan_nodes, shape_of, val, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "fuse"
@@ -146,6 +146,15 @@ def check_fusable(scan: torch.fx.Node) -> FuseSite | str | None:
     refusal = context_refusal(scan.graph, [scan, conv, *(dt.nodes if dt is not None else ())])
     if refusal is not None:
         return refusal
+    # ... from the conv's input and weights and from dt_low and W_dt, read there: a write to any
+    # of them after the user's conv or product read it, or to their results (u, Δ) before the
+    # scan, is one the fused op would not see.
+    recomputed = ([conv, *conv_args[:3]] if conv is not None else []) + (
+        [dt.weight, dt.low, *dt.nodes] if dt is not None else [])
+    writer = written_in_place(scan.graph, [n for n in recomputed if isinstance(n, torch.fx.Node)])
+    if writer is not None:
+        return (f"{writer.name} writes in place to the conv's or the dt projection's inputs or results, "
+                "which a fused level recomputes at the scan: kept split")
     # The grad mode where the scan runs, not the one the graph is compiled under: a forward that
     # opens ``torch.enable_grad()`` itself, called under ``torch.no_grad()``, records grads.
     if grad_enabled_at(scan):

@@ -78,6 +78,14 @@ def _linear(node: Any) -> Optional[tuple[Any, Any]]:
     return args["input"], args["weight"]
 
 
+def _weight_views(product: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes between ``x @ W.t()``'s second operand and W (none for ``F.linear``)."""
+    if not is_call(product, *MATMUL_TARGETS):
+        return []
+    weight_t = product.args[1]
+    return view_chain(weight_t, layout_source(weight_t, allow_casts=False).base)
+
+
 def _last_axis(axis: Any, node: torch.fx.Node) -> bool:
     shape = shape_of(node)
     return isinstance(axis, int) and shape is not None and axis % len(shape) == len(shape) - 1
@@ -172,10 +180,16 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     order = node_order(scan.graph)
     if order[dt_weight] > order[x_dbl]:
         return "dt_proj's weight is computed after x_proj: dt cannot be computed where x_proj runs"
-    writer = written_in_place(scan.graph, [x_dbl, dt_weight])
+    # The op reads the weights and x_dbl's columns where x_proj runs, past what the user's code
+    # read them through: a ``.contiguous()`` copy (``W.t().contiguous()``, ``dt.contiguous()``)
+    # or a view. A write to any of them, or to a weight after the copy was made, is one the op
+    # would not see.
+    followed = [*view_chain(low, top.base), *_weight_views(x_dbl), *_weight_views(dt_proj)]
+    writer = written_in_place(scan.graph, [x_dbl, dt_weight, x_weight, *followed])
     if writer is not None:
-        return (f"{writer.name} writes in place to x_proj's output or dt_proj's weight: dt, computed "
-                "where x_proj runs, would read them at another point than the user's code did")
+        return (f"{writer.name} writes in place to x_proj's output, a weight or a copy or view of them the "
+                "products read: dt, computed where x_proj runs, would read them at another point than the "
+                "user's code did")
     return Site(x_dbl, dt_proj, x, x_weight, dt_weight, nodes, rows_product)
 
 

@@ -198,3 +198,121 @@ def test_copy_of_a_written_cast_is_kept():
 
     report = _compiled_equals_eager(fn, [u, delta, A, xin, Wx])
     assert any("the copy protects the op's input" in r for r in _misses(report)), report.format(graphs=False)
+
+
+# --- fused levels (probe AM) ------------------------------------------------------------------
+
+def _fuse_inputs():
+    g = torch.Generator().manual_seed(0)
+    b, d, n, L, R, W = 2, 4, 3, 6, 2, 4
+    return [torch.randn(b, d, L, generator=g), torch.randn(d, W, generator=g) * .5,
+            torch.randn(d, generator=g) * .1, torch.randn(b, R, L, generator=g) * .5,
+            torch.randn(d, R, generator=g) * .5, -torch.rand(d, n, generator=g) - .5,
+            torch.randn(b, n, L, generator=g), torch.randn(b, n, L, generator=g), torch.randn(d, generator=g),
+            torch.randn(b, d, L, generator=g), torch.randn(d, generator=g)]
+
+
+def _conv_then_scan(write):
+    """The conv op and the scan op on ``W_dt @ dt_low``, with ``write`` applied in between."""
+    def fn(x, cw, cb, low, Wdt, A, B, C, D, z, bias):
+        u = torch.ops.ssm.causal_conv1d(x, cw, cb, "silu")
+        delta = Wdt @ low
+        write(x=x, cw=cw, cb=cb, u=u, low=low, Wdt=Wdt, delta=delta)
+        return torch.ops.ssm.selective_scan(u, delta, A, B, C, D, z, bias, True)[0]
+    return fn
+
+
+FUSE_WRITES = {
+    "x.mul_(3) after the conv": (lambda x, **_: x.mul_(3), "level1"),
+    "conv weight written": (lambda cw, **_: cw.mul_(2), "level2"),
+    "conv output u[:, 0] = 0": (lambda u, **_: u.__setitem__((slice(None), 0), 0.0), "level1"),
+    "dt_low written after the product": (lambda low, **_: low.mul_(2), "dt"),
+    "W_dt written after the product": (lambda Wdt, **_: Wdt.mul_(2), "level2"),
+    "delta.detach()[:, 0].zero_()": (lambda delta, **_: delta.detach()[:, 0].zero_(), "dt"),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSE_WRITES))
+def test_forced_fusion_level_sees_writes_to_what_it_recomputes(case):
+    """A forced fused level recomputes the conv and Δ = W_dt @ dt_low at the scan (``fuse=...``;
+    ``auto`` keeps split on the CPU): a write in between must keep the ops split."""
+    write, level = FUSE_WRITES[case]
+    got, want, record = _fused(_conv_then_scan(write), level)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert any("which a fused level recomputes at the scan" in m.reason for m in record.misses), record.misses
+
+
+def test_forced_fusion_level_without_writes_still_fuses():
+    got, want, record = _fused(_conv_then_scan(lambda **_: None), "level2")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert [r.family for r in record.rewrites] == ["fuse"], record.rewrites
+
+
+def _fused(fn, level):
+    """fn compiled with a forced fusion level (the rewritten graph run eagerly), eager's result,
+    and what the passes did."""
+    from ssm_compile.compiler import SSMBackend
+    from ssm_compile.config import SSMOptions
+
+    args = _fuse_inputs()
+    records = []
+    with torch.no_grad():
+        want = fn(*[a.clone() for a in args])
+        torch._dynamo.reset()
+        configured = SSMBackend(SSMOptions(inductor=False, fuse=level), on_graph=records.append)
+        got = torch.compile(fn, backend=configured)(*[a.clone() for a in args])
+    torch._dynamo.reset()
+    (record,) = records
+    return got, want, record
+
+
+# --- x_dt_proj through a copy of a weight (probe AM) -------------------------------------------
+
+def _x_dt_block(x_proj, dt_proj):
+    R, N = 2, 3
+
+    def fn(x, Wx, Wdt, bias, A):
+        from ssm_compile.kernels.selective_scan.op import selective_scan_fn
+
+        x_dbl = x_proj(x, Wx)
+        dt, B, C = x_dbl.split([R, N, N], dim=-1)
+        delta = F.softplus(dt_proj(dt, Wdt) + bias)
+        return selective_scan_fn(x.transpose(1, 2), delta.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2))
+    return fn
+
+
+def _x_dt_inputs():
+    g = torch.Generator().manual_seed(0)
+    b, L, d, R, N = 2, 5, 4, 2, 3
+    return [torch.randn(b, L, d, generator=g), torch.randn(R + 2 * N, d, generator=g) * .5,
+            torch.randn(d, R, generator=g) * .5, torch.randn(d, generator=g) * .1,
+            -torch.rand(d, N, generator=g) - .5]
+
+
+def _copied_then_written(x, W):
+    Wt = W.t().contiguous()  # a copy of W^T: the product reads the copy, not W
+    W.zero_()
+    return x @ Wt
+
+
+def _copy_written(x, W):
+    Wt = W.t().contiguous()
+    Wt[0] = 0.0  # the copy is written, W is not
+    return x @ Wt
+
+
+@pytest.mark.parametrize("x_proj, dt_proj", [
+    (_copied_then_written, lambda dt, W: F.linear(dt, W)),
+    (lambda x, W: F.linear(x, W), _copy_written),
+], ids=["W_x written after its copy", "W_dt's copy written"])
+def test_x_dt_proj_through_a_weight_copy_sees_the_writes(x_proj, dt_proj):
+    fn = _x_dt_block(x_proj, dt_proj)
+    report = _compiled_equals_eager(fn, _x_dt_inputs(), rtol=1e-5, atol=1e-6)
+    assert not report.counts.get("x_dt_proj") and any(
+        "a weight or a copy or view of them" in r for r in _misses(report, "x_dt_proj")), report.format(graphs=False)
+
+
+def test_x_dt_proj_through_a_weight_transpose_is_rewritten():
+    fn = _x_dt_block(lambda x, W: x @ W.t(), lambda dt, W: dt @ W.T)
+    report = _compiled_equals_eager(fn, _x_dt_inputs(), rtol=1e-5, atol=1e-6)
+    assert report.counts.get("x_dt_proj") == 1, report.format(graphs=False)
