@@ -377,7 +377,10 @@ def _intermediates_written(inputs: list[Any], outputs: list[torch.fx.Node], stat
     ``_state_moved``'s to check. None if there is no such write."""
     step = _ancestors(*outputs)
     computed = step - _ancestors(*[n for n in inputs if isinstance(n, torch.fx.Node)])
-    storages = {storage_of(n) for n in computed if isinstance(val(n), torch.Tensor)} - {None, storage_of(state)}
+    # Views of the inputs (``B.unsqueeze(1)``) share the inputs' memory, which the op reads where
+    # it runs; a write to it is ``_inputs_written``'s (between the step's read and the op) to judge.
+    storages = ({storage_of(n) for n in computed if isinstance(val(n), torch.Tensor)}
+                - {storage_of(n) for n in inputs if isinstance(n, torch.fx.Node)} - {None, storage_of(state)})
     end = max(order[n] for n in outputs if n is not None)
     for node in _between(order, -1, end):
         if node in step or not mutates(node):

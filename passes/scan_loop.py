@@ -311,7 +311,15 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
             env[n] = summed(arg(a[0], IDENTITY_SUMMANDS),
                             -number(n.kwargs.get("alpha", 1), IDENTITY_FACTORS) * arg(a[1], IDENTITY_SUMMANDS))
         elif (is_call(n, *_MUL) or is_method(n, "mul")) and not extra_kw and len(a) == 2:
-            env[n] = arg(a[0], IDENTITY_FACTORS) * arg(a[1], IDENTITY_FACTORS)
+            left, right = arg(a[0], IDENTITY_FACTORS), arg(a[1], IDENTITY_FACTORS)
+            env[n] = left * right
+            if (H in left.free_symbols and H in right.free_symbols
+                    and sympy.diff(env[n], H, 2) == 0):
+                # Two factors that hold the state and multiply to something linear in it:
+                # exp(y)·exp(-y) is 1 to sympy, inf·0 = NaN in floats where y overflows. (h·h
+                # stays quadratic and is refused below as not linear.)
+                raise _StateTerms(f"multiplies two values that both hold the state in {name}: the proof would "
+                                  "merge or cancel them (exp(y)·exp(-y) = 1), the floats do not")
         elif (is_call(n, operator.truediv, torch.div) or is_method(n, "div")) and not extra_kw and len(a) == 2:
             # By a number only: sympy cancels x / x to 1, the floats give NaN where x is 0.
             env[n] = arg(a[0]) / number(a[1], IDENTITY_FACTORS)

@@ -176,6 +176,44 @@ def test_decode_step_without_writes_is_still_rewritten():
     assert report.counts.get("state_update") == 1, report.format(graphs=False)
 
 
+def _step_after(prepare):
+    """A decode step (in-place state update) whose inputs ``prepare`` rewrites first."""
+    def fn(state, x, dt, A, B, C, D, z, dt_bias):
+        x, B = prepare(x, B)
+        dt = F.softplus(dt + dt_bias)
+        dA, dBx = _disc(x, dt, A, B)
+        state.mul_(dA).add_(dBx)
+        y = (state @ C.unsqueeze(-1)).squeeze(-1)
+        return (y + D * x) * F.silu(z)
+    return fn
+
+
+def _normalised_in_place(x, B):
+    B = B * 1.0
+    B.div_(B.norm(dim=-1, keepdim=True))
+    return x, B
+
+
+def _clone_written(x, B):
+    x = x.clone()
+    x.mul_(2)
+    return x, B
+
+
+def test_decode_step_reads_an_input_written_before_it():
+    """An input written in place before the step (its own memory, read where the op runs) is no
+    value the step computes: rewritten (probe AN: refused since the check above was added)."""
+    report = _compiled_equals_eager(_step_after(_normalised_in_place), _decode_inputs(), rtol=1e-5, atol=1e-6)
+    assert report.counts.get("state_update") == 1, report.format(graphs=False)
+
+
+def test_decode_step_after_a_written_clone_is_left_alone():
+    """``x = x.clone(); x.mul_(2)``: the match reads x through the clone, so the write to the clone
+    is one the op would miss (a wrong result before run 49)."""
+    report = _compiled_equals_eager(_step_after(_clone_written), _decode_inputs(), rtol=1e-5, atol=1e-6)
+    assert not report.counts.get("state_update"), report.format(graphs=False)
+
+
 # --- x_proj pieces ------------------------------------------------------------------------------
 
 def test_copy_of_a_written_cast_is_kept():

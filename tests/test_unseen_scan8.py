@@ -71,6 +71,9 @@ UPDATES = {
     "alpha-near-one": (lambda a, h, b, u: torch.add(b, a * h, alpha=1.00000007), "the number 1.00000007"),
     "divided-near-one": (lambda a, h, b, u: (a * h + b) / 1.00000001, "the number 1.00000001"),
     "overflowing-scales": (lambda a, h, b, u: a * h * 1e200 * 1e200 / 1e200 / 1e200 + b, "the number 1e+200"),
+    # exp(y)·exp(-y) of a y made from the state is 1 to sympy, inf·0 = NaN in floats (probe AN).
+    "exp-cancel": (lambda a, h, b, u: (lambda y: y * torch.exp(y) * torch.exp(-y) + b)(a * h),
+                   "multiplies two values that both hold the state"),
     # One tensor x added and subtracted again (x = 1e16·u[:, :, :1], of no time step).
     "cancelled-tensor": (lambda a, h, b, u: (lambda x: a * h + x - x + b)(1e16 * u[:, :, :1]), "share the term"),
 }
