@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
-from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
+from .fx_utils import (INPLACE_OPERATORS, KEPT_ROUNDING, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method,
                        mutates, named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name,
                        time_slice, val, written_args)
@@ -1754,8 +1754,12 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 cs = graph.call_method("clone", (m["cs"],))
                 propagate_val(cs)
         with graph.inserting_before(last):
-            x = _newest_tap(graph, m)
-            x = _widen_for(graph, x, out_dtype)
+            tap = _newest_tap(graph, m)
+            x = _widen_for(graph, tap, out_dtype)
+            if x is not tap:
+                # The tap was rounded into the narrower window (the program's cast or ours):
+                # widened here, the round trip must survive inductor.
+                x.meta[KEPT_ROUNDING] = True
             weight = m["weight"] if _tensor(m["weight"]).dim() == 2 else depthwise_weight(graph, m["weight"])
             op, result, new = _call_update(
                 graph, torch.ops.ssm.causal_conv1d_update.default, torch.ops.ssm.causal_conv1d_update_functional.default,

@@ -376,6 +376,29 @@ def test_conv_step_on_a_narrower_state_reads_x_rounded(fn):
     assert torch.equal(c_in["conv_state"], e_in["conv_state"])
 
 
+@pytest.mark.parametrize("fn", [cat_cast_copy_widened, returned_cast_window_widened],
+                         ids=["cat-cast-copy_", "returned-cast-window"])
+def test_conv_step_on_a_narrower_state_reads_x_rounded_through_inductor(fn):
+    """The same through inductor, which folds a cast down and back up unless told to emulate it:
+    the rewrite's x.to(bf16) ... .to(fp32) must survive (probe AO, run 49: 7e-3 off eager under
+    backend="ssm" while plain inductor matched; the backend now sets emulate_precision_casts for
+    such a graph). (roll + setitem is left out: plain inductor drops that rounding itself.)"""
+    inp = conv_inputs()
+    inp["conv_state"] = inp["conv_state"].bfloat16()
+    want_in = {k: v.clone() for k, v in inp.items()}
+    want = as_tuple(fn(**want_in))
+    for backend in ("inductor", "ssm"):
+        torch._dynamo.reset()
+        counters.clear()
+        got_in = {k: v.clone() for k, v in inp.items()}
+        got = as_tuple(torch.compile(fn, backend=backend)(**got_in))
+        assert counters["ssm"]["conv_update"] == (backend == "ssm"), dict(counters["ssm"])
+        for o, r in zip(got, want, strict=True):
+            assert o.dtype == r.dtype and rel_err(o, r) <= TOL[torch.float32], backend
+        assert torch.equal(got_in["conv_state"], want_in["conv_state"]), backend
+    torch._dynamo.reset()
+
+
 def returned_promoted_window(x, conv_state, weight, bias):
     """The cat promotes a bf16 state's window to x's fp32: the returned window holds x unrounded."""
     window = torch.cat([conv_state[:, :, 1:], x[:, :, None]], -1)
