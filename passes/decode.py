@@ -250,7 +250,7 @@ def _narrowing(casts: list[torch.fx.Node]) -> list[str]:
 
 
 def _rounding_refusal(sources: list[Any], sinks: list[Any], last: torch.fx.Node,
-                      order: dict[torch.fx.Node, int]) -> str | None:
+                      order: dict[torch.fx.Node, int], dropped: list | None = None) -> str | None:
     """Why the op, reading ``sources`` and standing for ``sinks``, would drop a rounding the step
     makes (``fx_utils.dropped_rounding``: only one no finer than the op's inputs may go), or None.
 
@@ -262,6 +262,9 @@ def _rounding_refusal(sources: list[Any], sinks: list[Any], last: torch.fx.Node,
         trailing.add(node)
         node = node.args[0]
     region = [n for n in op_region(sources, [s for s in sinks if s is not None], order) if n not in trailing]
+    if dropped is not None:
+        # What the op computes without the program's roundings, for its record.
+        dropped.extend(n for n in region if is_cast(n))
     return dropped_rounding(region, sources)
 
 
@@ -1048,8 +1051,9 @@ def check_state_update(m: dict[str, Any]) -> str | None:
     if x.dtype not in SUPPORTED_DTYPES:
         return f"x has dtype {x.dtype}"
     order, last = m["order"], m["last"]
+    m["region_casts"] = []
     reason = _rounding_refusal([m[name] for name in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias")],
-                               [last, u.h, *u.writes], last, order)
+                               [last, u.h, *u.writes], last, order, m["region_casts"])
     if reason is not None:
         return reason
     reason = _inputs_written({name: m[name] for name in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")},
@@ -1240,6 +1244,9 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         last.replace_all_uses_with(result)
         if u.form == "returned":
             u.h.replace_all_uses_with(new)
+        # Before the erase: the record reads each cast's input. dt's own casts are peeled
+        # outside the region (the op reads dt_raw) and counted with it.
+        dropped = _narrowing(list(dict.fromkeys(m["casts"] + m["region_casts"])))
         _erase_unused(graph, m["chain"] + [m["readout_first"], last] + u.writes)
         order = node_order(graph)
         ctx.rewrite(STATE_FAMILY, f"state*exp(dt*A)+dt*B*x ({u.form}); C-readout"
@@ -1250,7 +1257,7 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                      "dt_softplus": m["dt_softplus"],
                      "dt_bias": m["dt_bias"] is not None, "D": m["D"] is not None, "z": m["z"] is not None,
                      "groups": int(_tensor(m["B"]).shape[1]) if _tensor(m["B"]).dim() == 3 else 1,
-                     "rounding_casts_dropped": _narrowing(m["casts"])})
+                     "rounding_casts_dropped": dropped})
     _unexplained_state_writes(graph, ctx)
 
 

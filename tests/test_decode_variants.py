@@ -683,3 +683,23 @@ def test_hf_generate_tokens_equal_and_decode_rewritten(make):
     decode_graphs = ssm_after_short["state_update"] // mamba_layers
     assert decode_graphs >= 1 and ssm_after_short["state_update"] == decode_graphs * mamba_layers
     assert ssm_after_short["conv_update"] == ssm_after_short["state_update"]
+
+
+def test_dropped_roundings_inside_the_step_are_recorded():
+    """With bf16 x, dt, B and C, a bf16 rounding of the decay inside the step is one the op may
+    drop (no finer than its inputs); the record must name it (probe AO, run 49: it listed only
+    dt's casts, ``[]`` here)."""
+    def step(state, dt, B, C, x, A):
+        dt_ = F.softplus(dt.float())
+        xf, Bf, Cf = x.float(), B.float(), C.float()
+        dA = (dt_[..., None] * A).exp().bfloat16().float()
+        state.copy_(torch.addcmul((dt_ * xf)[..., None] * Bf[:, None, :], state, dA))
+        return torch.sum(state * Cf[:, None], dim=-1).to(x.dtype)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 4, 3, generator=g), (torch.randn(2, 4, generator=g) * 0.5).bfloat16(),
+            torch.randn(2, 3, generator=g).bfloat16(), torch.randn(2, 3, generator=g).bfloat16(),
+            torch.randn(2, 4, generator=g).bfloat16(), -torch.rand(4, 3, generator=g) - 0.2]
+    report = explain(step, *args)
+    (rewrite,) = [r for r in report.rewrites if r.family == "state_update"]
+    assert any(c.endswith("float32->bfloat16") for c in rewrite.decision["rounding_casts_dropped"]), rewrite.decision
