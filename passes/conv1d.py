@@ -287,7 +287,12 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if is_unpadded(args, weight):
             source = left_pad_source(x, weight)
             if source is None:
-                if is_call(x, *_PAD_TARGETS):
+                dilation = _single(args["dilation"])
+                if is_call(x, *_PAD_TARGETS) and dilation != 1:
+                    # F.pad(x, (d·(W-1), 0)) then a dilated conv is a causal dilated conv: the
+                    # dilation, not the pad, is what the op does not take.
+                    ctx.miss(FAMILY, f"dilation {dilation} is not 1 (a dilated conv over a padded input)", [conv])
+                elif is_call(x, *_PAD_TARGETS):
                     ctx.miss(FAMILY, f"the input is padded by {x.args[1:]!r} {dict(x.kwargs)!r}, not zeros "
                              "(W-1, 0) on the left only: not a causal conv", [conv])
                 elif is_call(x, torch.cat, torch.concat) and is_zeros(_first_part(x)):

@@ -271,6 +271,11 @@ def neg_narrow_short(x, w, b):
     return F.conv1d(x, w, b, padding=3, groups=x.shape[1]).narrow(-1, 0, x.shape[-1] - 1)
 
 
+def neg_padded_dilated(x, w, b):
+    # A causal dilated conv: padded by dilation·(W-1) on the left (probe AI, run 49: blamed on the pad).
+    return F.conv1d(F.pad(x, (2 * (w.shape[-1] - 1), 0)), w, b, dilation=2, groups=x.shape[1])
+
+
 def neg_batch_row_slice(x, w, b):
     return F.conv1d(x, w, b, padding=3, groups=x.shape[1])[0:1, :, :x.shape[-1]]
 
@@ -290,6 +295,7 @@ NEGATIVES = {
     # The step and the narrow's length are named (probe AI, run 49: "slice(0, 12, 2) does not
     # start at step 0", and a narrow printed as slice(0, None, None)).
     "slice-step-2": (neg_slice_step_2, {}, "the slice [..., 0:22:2] steps by 2, not 1"),
+    "padded-dilated": (neg_padded_dilated, {}, "dilation 2 is not 1 (a dilated conv over a padded input)"),
     "narrow-L-1": (neg_narrow_short, {}, "the slice narrow(-1, 0, 10) does not keep exactly the first L=11"),
     "slice-L+1": (neg_slice_too_long, {}, "first L=11 steps"),
     "stride-2": (neg_stride, {}, "stride 2 is not 1"),
