@@ -371,14 +371,13 @@ def _inputs_written(inputs: dict[str, Any], scope: set[torch.fx.Node], order: di
     return None
 
 
-def _intermediates_written(inputs: list[Any], outputs: list[torch.fx.Node], state: torch.fx.Node,
-                           order: dict[torch.fx.Node, int]) -> str | None:
+def _intermediates_written(inputs: list[Any], step: set[torch.fx.Node], outputs: list[torch.fx.Node],
+                           state: torch.fx.Node, order: dict[torch.fx.Node, int]) -> str | None:
     """Why the op, which computes the step's values (softplus(dt + b), exp(dt·A), dt·B·x, the
     gate) from ``inputs`` itself, would miss a write to one of them: a mutating node before the
-    last of ``outputs`` that is no step of that computation (``dA[:, 0].mul_(2)``,
+    last of ``outputs`` that is no node of ``step`` (the outputs' ancestors; ``dA[:, 0].mul_(2)``,
     ``g.detach().zero_()``) and writes memory such a value lives in. The state's own memory is
     ``_state_moved``'s to check. None if there is no such write."""
-    step = _ancestors(*outputs)
     computed = step - _ancestors(*[n for n in inputs if isinstance(n, torch.fx.Node)])
     # Views of the inputs (``B.unsqueeze(1)``) share the inputs' memory, which the op reads where
     # it runs; a write to it is ``_inputs_written``'s (between the step's read and the op) to judge.
@@ -1056,12 +1055,13 @@ def check_state_update(m: dict[str, Any]) -> str | None:
                                [last, u.h, *u.writes], last, order, m["region_casts"])
     if reason is not None:
         return reason
+    step = _ancestors(last, u.h, *u.writes)
     reason = _inputs_written({name: m[name] for name in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")},
-                             _ancestors(last, u.h, *u.writes), order, order[last])
+                             step, order, order[last])
     if reason is not None:
         return reason
     reason = _intermediates_written([m[name] for name in ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias")],
-                                    [last, u.h, *u.writes], m["state"], order)
+                                    step, [last, u.h, *u.writes], m["state"], order)
     if reason is not None:
         return reason
     if u.form == "returned":

@@ -12,7 +12,7 @@ import functools
 import inspect
 import logging
 import operator
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import sympy
 import torch
@@ -210,27 +210,32 @@ def addcmul_operands(node: Any) -> tuple[Any, Any, Any] | None:
 # floats do not. To sympy ``dA*h + 1e16 - 1e16 + dBu`` is ``dA*h + dBu``, where the floats lose
 # dA*h in the 1e16; ``x*1e200*1e200/1e200/1e200`` is x, where the floats overflow. So a number is
 # taken only where it changes nothing (0 added, ±1 multiplied or divided by), and a sum whose two
-# sides share a term, which algebra merges or cancels, is refused (``shared_term``).
+# sides share a term, which algebra merges or cancels, is refused (``proof_sum``).
 IDENTITY_SUMMANDS = (0,)
 IDENTITY_FACTORS = (1, -1)
 
 
-def identity_number(a: Any, identities: tuple[int, ...]) -> sympy.Integer | None:
-    """``a`` as an exact sympy integer if it is a Python number among ``identities``, else None."""
+def proof_number(a: Any, identities: tuple[int, ...], refuse: Callable[[str], Exception], where: str = "") -> sympy.Integer:
+    """The Python number ``a`` as an exact sympy integer if it is among ``identities``; else raise
+    ``refuse`` with the reason (``where`` names the node, as " in add")."""
     if isinstance(a, (int, float)) and not isinstance(a, bool) and a in identities:
         return sympy.Integer(int(a))
-    return None
+    raise refuse(f"computes with the number {a!r}{where}: the proof takes it exactly, where the floats round "
+                 "(a sum absorbs a term, a product overflows); only 0 added and ±1 multiplied are taken")
 
 
-def shared_term(left: sympy.Expr, right: sympy.Expr) -> sympy.Expr | None:
-    """A term of ``left + right`` that both sides hold (up to a numeric factor), or None.
+def proof_sum(left: sympy.Expr, right: sympy.Expr, refuse: Callable[[str], Exception], where: str = "") -> sympy.Expr:
+    """``left + right``, or raise ``refuse`` when both sides hold a term (up to a numeric factor).
 
     Expanded, such a term is merged or cancelled by the algebra but rounded, absorbed or turned
     into inf - inf = NaN by the floats: ``(dA*h + x) - x`` is not dA*h where x is 1e16 or inf."""
     def terms(e: sympy.Expr) -> set[sympy.Expr]:
         return {t.as_coeff_Mul()[1] for t in sympy.Add.make_args(sympy.expand(e)) if t != 0}
     common = terms(left) & terms(right)
-    return min(common, key=str) if common else None
+    if common:
+        raise refuse(f"adds two sides that share the term {min(common, key=str)}{where}: the proof would merge or "
+                     "cancel them, the floats round them (or give inf - inf = NaN)")
+    return left + right
 
 
 def is_cast(node: Any) -> bool:

@@ -54,8 +54,8 @@ import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
 from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, ContextRegions, addcmul_operands,
-                       dropped_rounding, dtype_of, float64_readout, hoist_before, identity_number, is_call, is_method,
-                       mutates, node_order, pinned_int, readout_decision, shape_of, shared_term, val)
+                       dropped_rounding, dtype_of, float64_readout, hoist_before, is_call, is_method,
+                       mutates, node_order, pinned_int, proof_number, proof_sum, readout_decision, shape_of, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
@@ -187,23 +187,18 @@ def _adjacent(left: Interval, right: Interval) -> bool:
 
 def _expr_of(node: Any, env: dict[torch.fx.Node, sympy.Expr], identities: tuple[int, ...] = ()) -> sympy.Expr:
     if isinstance(node, (int, float)) and not isinstance(node, bool):
-        exact = identity_number(node, identities)
-        if exact is None:
-            raise _Fail(f"the combine computes with the number {node!r}: the proof takes it exactly, where the "
-                        "floats round (a sum absorbs a term, a product overflows); only 0 added and ±1 "
-                        "multiplied are taken")
-        return exact
+        return proof_number(node, identities, _combine_fail)
     if isinstance(node, torch.fx.Node) and node in env:
         return env[node]
     raise _Fail(f"the combine uses {node!r}, which is not one of its inputs or a number")
 
 
+def _combine_fail(reason: str) -> _Fail:
+    return _Fail(f"the combine {reason}")
+
+
 def _summed(left: sympy.Expr, right: sympy.Expr) -> sympy.Expr:
-    term = shared_term(left, right)
-    if term is not None:
-        raise _Fail(f"the combine adds two sides that share the term {term}: the proof would merge or cancel "
-                    "them, the floats round them (or give inf - inf = NaN)")
-    return left + right
+    return proof_sum(left, right, _combine_fail)
 
 
 _IDENTITIES = {operator.add: (IDENTITY_SUMMANDS, IDENTITY_SUMMANDS), operator.sub: (IDENTITY_SUMMANDS, IDENTITY_SUMMANDS),

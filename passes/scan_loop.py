@@ -70,7 +70,8 @@ from .fx_utils import (
     float64_readout,
     higher_order_op,
     hop_name,
-    identity_number,
+    proof_number,
+    proof_sum,
     readout_decision,
     op_region,
     is_cast,
@@ -80,7 +81,6 @@ from .fx_utils import (
     parse_slice,
     permute_view,
     propagate_val,
-    shared_term,
     time_slice,
     unbind_source,
     val,
@@ -280,19 +280,10 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
     def number(a, identities: tuple[int, ...]):
         if not isinstance(a, (int, float)) or isinstance(a, bool):
             raise _NotElementwise(f"a scale factor {a!r} that is not a number")
-        exact = identity_number(a, identities)
-        if exact is None:
-            raise _StateTerms(f"computes with the number {a!r} in {name}: the proof takes it exactly, where the "
-                              "floats round (a sum absorbs a term, a product overflows); only 0 added and ±1 "
-                              "multiplied are taken")
-        return exact
+        return proof_number(a, identities, _StateTerms, f" in {name}")
 
     def summed(left, right):
-        term = shared_term(left, right)
-        if term is not None:
-            raise _StateTerms(f"adds two sides that share the term {term} in {name}: the proof would merge or "
-                              "cancel them, the floats round them (or give inf - inf = NaN)")
-        return left + right
+        return proof_sum(left, right, _StateTerms, f" in {name}")
 
     for n in region:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))

@@ -16,7 +16,7 @@ Recorded behaviour before this round:
   first loop's reason at both anchors.
 
 Now a number in a step or a combine is taken only where it changes nothing (0 added, ±1
-multiplied), and a sum whose two sides share a term is refused (``fx_utils.shared_term``);
+multiplied), and a sum whose two sides share a term is refused (``fx_utils.proof_sum``);
 ``h_0`` is looked for among the anchor's own users.
 """
 import pytest
