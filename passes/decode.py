@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
-from .fx_utils import (INPLACE_OPERATORS, KEPT_ROUNDING, addcmul_operands, bare_name, context_refusal, depthwise_weight,
+from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method,
                        mutates, named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name,
                        time_slice, val, written_args)
@@ -1714,6 +1714,20 @@ def check_window_update(m: dict[str, Any]) -> str | None:
                         tuple(m["writes"]), {*m["reads"], *m["nodes"], m["first"]}, "conv state")
 
 
+def _kept_rounding(graph: torch.fx.Graph, tap: torch.fx.Node, out_dtype: torch.dtype) -> torch.fx.Node:
+    """``tap`` (rounded into a window narrower than ``out_dtype``) widened to ``out_dtype`` with
+    its rounding kept: inductor folds a plain cast down and back up (``ssm::round_through``
+    says when), so the widened value is rounded again through the op, which changes nothing
+    where the fold did not happen."""
+    dtype = _tensor(tap).dtype
+    wide = _widen_for(graph, tap, out_dtype)
+    if wide is tap:
+        return tap
+    kept = graph.call_function(torch.ops.ssm.round_through.default, (wide, dtype))
+    propagate_val(kept)
+    return kept
+
+
 def _newest_tap(graph: torch.fx.Graph, m: dict[str, Any]) -> torch.fx.Node:
     """The new input as the step's readout sees it in the window: x as appended (``x3``, with
     the program's casts), promoted by the cat, then stored in the conv state (roll and copy_
@@ -1762,11 +1776,7 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 propagate_val(cs)
         with graph.inserting_before(last):
             tap = _newest_tap(graph, m)
-            x = _widen_for(graph, tap, out_dtype)
-            if x is not tap:
-                # The tap was rounded into the narrower window (the program's cast or ours):
-                # widened here, the round trip must survive inductor.
-                x.meta[KEPT_ROUNDING] = True
+            x = _kept_rounding(graph, tap, out_dtype)
             weight = m["weight"] if _tensor(m["weight"]).dim() == 2 else depthwise_weight(graph, m["weight"])
             op, result, new = _call_update(
                 graph, torch.ops.ssm.causal_conv1d_update.default, torch.ops.ssm.causal_conv1d_update_functional.default,

@@ -27,10 +27,6 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # ``node.meta`` key marking a cast a rewrite emitted as an op's own output rounding (to the dtype
 # the replaced code produced), as opposed to a cast the user wrote.
 OP_ROUNDING = "ssm_op_rounding"
-# ``node.meta`` key marking a widening cast a rewrite emitted after a rounding the replaced code
-# made (a value stored into a narrower buffer and read back): the round trip is one inductor folds
-# away unless ``emulate_precision_casts`` is set, which the backend then sets for the graph.
-KEPT_ROUNDING = "ssm_kept_rounding"
 
 SCAN_QUALNAME = "ssm::selective_scan"
 SCAN_ARG_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",

@@ -215,19 +215,6 @@ def _unvectorised_cpu_recurrence(options: SSMOptions, ctx, example_inputs) -> SS
     return dataclasses.replace(options, inductor_config={**options.inductor_config, "cpp.simdlen": 1})
 
 
-def _emulated_roundings(options: SSMOptions, gm: torch.fx.GraphModule) -> SSMOptions:
-    """``options`` with inductor's ``emulate_precision_casts`` on for a graph where a rewrite
-    rounds an op's input the way the replaced code did (a decode step's newest conv tap, stored
-    into a bf16 conv state and read back widened): written as a cast down and back up, the
-    rounding is one inductor would otherwise fold away. A user's own setting is left as it is."""
-    from ssm_compile.passes.fx_utils import KEPT_ROUNDING
-
-    if "emulate_precision_casts" in options.inductor_config or not any(
-            n.meta.get(KEPT_ROUNDING) for n in gm.graph.nodes):
-        return options
-    return dataclasses.replace(options, inductor_config={**options.inductor_config, "emulate_precision_casts": True})
-
-
 def _auto_cpp_wrapper(options: SSMOptions, example_inputs) -> bool:
     """Auto's choice for one rewritten graph: the C++ wrapper where the graph runs on CUDA, is
     compiled for inference, and no CUDA graphs are asked for (CUDA graphs already take the
@@ -286,7 +273,7 @@ class SSMBackend:
         ctx = _run_passes(pm, gm, undo)
         log.info("ssm backend: %d rewrite(s), %d near-miss(es) in a graph of %d nodes",
                  len(ctx.rewrites), len(ctx.misses), len(gm.graph.nodes))
-        options = _emulated_roundings(_unvectorised_cpu_recurrence(self.options, ctx, example_inputs), gm)
+        options = _unvectorised_cpu_recurrence(self.options, ctx, example_inputs)
         if self.on_graph is not None:
             record_options = dict(pm.options)
             if options is not self.options:

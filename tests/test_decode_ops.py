@@ -321,6 +321,33 @@ def test_opcheck_causal_conv1d_update():
         torch.library.opcheck(torch.ops.ssm.causal_conv1d_update.default, args)
 
 
+@pytest.mark.parametrize("src,dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                       (torch.float64, torch.float32), (torch.float64, torch.bfloat16)])
+def test_round_through_is_the_cast_round_trip(src, dtype):
+    """ssm::round_through is x.to(dtype).to(x.dtype), bit for bit, and so is its gradient."""
+    x = (torch.randn(3, 5, dtype=src) * 3).requires_grad_()
+    g = torch.randn(3, 5, dtype=src)
+    y = torch.ops.ssm.round_through(x, dtype)
+    want = x.to(dtype).to(src)
+    assert y.dtype == src and torch.equal(y, want) and not torch.equal(y, x)
+    (gx,) = torch.autograd.grad(y, x, g)
+    (want_gx,) = torch.autograd.grad(want, x, g)
+    assert torch.equal(gx, want_gx)
+    torch.library.opcheck(torch.ops.ssm.round_through.default, (x.detach(), dtype))
+    torch.library.opcheck(torch.ops.ssm.round_through.default, (x, dtype))
+
+
+@pytest.mark.parametrize("x,dtype,match", [
+    (torch.randn(3), torch.float32, "dtype must be a floating-point dtype narrower than x's torch.float32"),
+    (torch.randn(3), torch.int8, "dtype must be a floating-point dtype narrower"),
+    (torch.randn(3, dtype=torch.float16), torch.bfloat16, "narrower than x's torch.float16"),
+    (torch.arange(3), torch.float16, "x must be a floating-point Tensor, got torch.int64"),
+])
+def test_round_through_refuses_bad_input(x, dtype, match):
+    with pytest.raises(TypeError, match=match):
+        torch.ops.ssm.round_through(x, dtype)
+
+
 def test_decode_ops_refuse_backward():
     """Inference-only: a backward through a decode op raises instead of giving wrong gradients."""
     inp = make_state_update_inputs(2, 8, 4, 0, torch.float32, True)

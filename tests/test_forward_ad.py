@@ -60,6 +60,7 @@ CASES = {
     "causal_conv1d_update_functional(x)": (
         "ssm::causal_conv1d_update_functional", lambda x: ops.causal_conv1d_update_functional(
             x, I["conv_state"], I["conv_w"], I["conv_b"], "silu")[0], I["x_step"]),
+    "round_through(x)": ("ssm::round_through", lambda x: ops.round_through(x, torch.bfloat16), I["u"]),
     "x_dt_proj(x)": ("ssm::x_dt_proj", lambda x: ops.x_dt_proj(x, I["x_w"], I["dt_w"])[1], I["x_rows"]),
     "x_dt_proj(x_weight)": ("ssm::x_dt_proj", lambda w: ops.x_dt_proj(I["x_rows"], w, I["dt_w"])[0], I["x_w"]),
     "fused_mamba_scan(conv level, x)": ("ssm::fused_mamba_scan", lambda x: ops.fused_mamba_scan(
@@ -92,7 +93,8 @@ def test_tangent_is_refused_naming_the_op(case, api):
         APIS[api](f, x, torch.randn_like(x))
 
 
-@pytest.mark.parametrize("case", ["x_dt_proj(x)", "fused_mamba_scan(conv level, x)", "selective_scan(u)"])
+@pytest.mark.parametrize("case", ["x_dt_proj(x)", "fused_mamba_scan(conv level, x)", "selective_scan(u)",
+                                  "round_through(x)"])
 def test_vmap_of_the_forward_still_works(case):
     _, f, x = CASES[case]
     stacked = torch.stack([x, x * 0.5 + 0.1])
@@ -100,7 +102,7 @@ def test_vmap_of_the_forward_still_works(case):
     torch.testing.assert_close(torch.vmap(f)(stacked), expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["x_dt_proj(x)", "fused_mamba_scan(conv level, x)"])
+@pytest.mark.parametrize("case", ["x_dt_proj(x)", "fused_mamba_scan(conv level, x)", "round_through(x)"])
 def test_functorch_grad_is_refused_naming_the_op(case):
     """torch's generated autograd kernel, under torch.func.grad, fails with torch's generic
     "must override the setup_context staticmethod"; the ops name themselves instead."""

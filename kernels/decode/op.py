@@ -1,4 +1,5 @@
-"""The decode ops ``ssm::selective_state_update`` and ``ssm::causal_conv1d_update``.
+"""The decode ops ``ssm::selective_state_update`` and ``ssm::causal_conv1d_update`` (and
+``ssm::round_through``, a rounding the decode rewrites keep).
 
 Both update a cache tensor in place, and say so in their schema (``Tensor(a!)``), so that
 functionalization turns the call into a functional op plus a copy back, and CUDA graphs capture
@@ -27,7 +28,7 @@ import functools
 import torch
 from torch import _C
 
-from ..context import refuse_forward_ad, registration_guard, without_autocast
+from ..context import refuse_forward_ad, register_autograd, registration_guard, without_autocast
 from ..inline import register_inline
 from . import cpu
 
@@ -49,6 +50,7 @@ _STATE_UPDATE_FUNCTIONAL_SCHEMA = (
     "selective_state_update_functional(Tensor state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
     "Tensor? D=None, Tensor? z=None, Tensor? dt_bias=None, bool dt_softplus=False) -> (Tensor, Tensor)"
 )
+_ROUND_THROUGH_SCHEMA = "round_through(Tensor x, ScalarType dtype) -> Tensor"
 _CONV_UPDATE_FUNCTIONAL_SCHEMA = (
     "causal_conv1d_update_functional(Tensor x, Tensor conv_state, Tensor weight, Tensor? bias=None, "
     "str? activation=None) -> (Tensor, Tensor)"
@@ -338,10 +340,45 @@ def _autograd_kernel(op):
     return kernel
 
 
+def check_round_through_args(x, dtype) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"ssm::round_through: x must be a floating-point Tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize >= x.dtype.itemsize:
+        raise TypeError(f"ssm::round_through: dtype must be a floating-point dtype narrower than x's "
+                        f"{x.dtype}, got {dtype}")
+
+
+def round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype``'s precision, returned in x's dtype: ``x.to(dtype).to(x.dtype)``.
+
+    A decode rewrite hands ``causal_conv1d_update`` the newest input as the replaced code read
+    it back from a narrower conv state. Written as two casts, that round trip is folded away by
+    inductor's C++ backend before torch 2.13 (it caches the down-cast's source as the up-cast's
+    result, ``emulate_precision_casts`` or not), and by its Triton code unless the whole graph
+    emulates casts; as an op, it is a call inductor does not look into."""
+    check_round_through_args(x, dtype)
+    return x.to(dtype).to(x.dtype)
+
+
+def _round_through_fake(x, dtype):
+    check_round_through_args(x, dtype)
+    return torch.empty_like(x)
+
+
+def _round_through_backward(ctx, grad):
+    # Eager's two casts round the gradient the same way on the way back.
+    return grad.to(ctx.dtype).to(grad.dtype), None
+
+
+def _round_through_setup(ctx, inputs, output):
+    ctx.dtype = inputs[1]
+
+
 @functools.cache
 def register() -> torch.library.Library:
-    """Define ``ssm::selective_state_update``, ``ssm::causal_conv1d_update`` and their functional
-    twins (idempotent).
+    """Define ``ssm::selective_state_update``, ``ssm::causal_conv1d_update``, their functional
+    twins and ``ssm::round_through`` (idempotent).
 
     Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
     """
@@ -364,6 +401,11 @@ def register() -> torch.library.Library:
             # The functional twins stay calls of the op: they run where the state is a view, off
             # the per-layer path of a model whose cache holds one tensor per layer.
             register_inline(lib, f"ssm::{name}", traced)
+    lib.define(_ROUND_THROUGH_SCHEMA)
+    for device_key in ("CPU", "CUDA"):
+        lib.impl("round_through", round_through, device_key)
+    torch.library.register_fake("ssm::round_through", _round_through_fake, lib=lib)
+    register_autograd(lib, "round_through", _round_through_backward, _round_through_setup)
     return lib
 
 
