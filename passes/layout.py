@@ -345,15 +345,18 @@ _FAKE_RUN_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, U
                     GuardOnDataDependentSymNode)
 
 
-def _check_aliasing(gm: torch.fx.GraphModule, values: dict, out_node: torch.fx.Node) -> None:
+def _check_aliasing(gm: torch.fx.GraphModule, values: dict, out_node: torch.fx.Node,
+                    traced: list[OutputLayout | None]) -> None:
     """Raise ``LayoutError`` where the new layouts could change what the program computes.
 
     A view-or-copy call (``reshape``, ``flatten``, ``contiguous``, a mended ``.view``) on the
-    memory of an ssm op's output may now copy where eager viewed. That is invisible unless
-    something writes in place to that memory or to the call's result, or the result is
-    returned (the caller could write); then the graph must not be rewritten. ``as_strided`` on
-    that memory would read it by eager's strides: the same. Decided on the new fake values,
-    whose storages are the rewritten graph's real aliasing.
+    memory of an ssm op's output may now copy where eager viewed, or view where eager copied.
+    That is invisible unless something writes in place to that memory or to the call's result,
+    or the caller can: where the result is returned, the outputs must share memory exactly as
+    eager's did (``traced``), and no gradient may be recorded through the op (its backward may
+    have saved the memory the caller would then write). ``as_strided`` on that memory would
+    read it by eager's strides: the same. Decided on the new fake values, whose storages are
+    the rewritten graph's real aliasing.
     """
     ops = {n for n in values if n.op == "call_function" and getattr(n.target, "namespace", None) == "ssm"}
     outputs = [n for n in values if n in ops or (is_call(n, operator.getitem) and n.args[0] in ops)]
@@ -370,15 +373,34 @@ def _check_aliasing(gm: torch.fx.GraphModule, values: dict, out_node: torch.fx.N
             raise LayoutError(f"{n.name} = {n.format_node()} reads an ssm op's output by explicit "
                               "strides, and the op's layout need not be eager's")
     memory = op_memory | {storage_of_value(values[n]) for n in risky}
-    returned = {storage_of_value(values.get(a)) for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)}
+    leaves = [storage_of_value(values.get(a)) if isinstance(a, torch.fx.Node) else None
+              for a in pytree.tree_leaves(out_node.args)]
+    grad = any(isinstance(values[n], torch.Tensor) and values[n].requires_grad for n in outputs)
     for n in risky:
-        if storage_of_value(values[n]) in returned:
-            raise LayoutError(f"{n.name} = {n.format_node()} may copy where eager viewed an ssm op's "
-                              "output, and it is returned, so a caller could tell")
+        storage = storage_of_value(values[n])
+        if storage not in leaves:
+            continue
+        if grad or not _shares_as_traced(leaves, traced, storage):
+            raise LayoutError(f"{n.name} = {n.format_node()} may copy where eager viewed an ssm op's output "
+                              f"(or view where eager copied), and it is returned, so a caller could tell: "
+                              + ("the op records a gradient" if grad else "the outputs share memory otherwise"))
     for m in values:
         if mutates(m) and any(storage_of_value(values.get(a)) in memory for a in written_args(m)):
             raise LayoutError(f"{m.name} writes in place to memory that "
                               f"{', '.join(n.name for n in risky)} may now copy instead of view")
+
+
+def _shares_as_traced(leaves: list[Any], traced: list[OutputLayout | None], storage: Any) -> bool:
+    """The outputs in ``storage`` (by their new values' storages, ``leaves``) share memory with
+    each other and with no other output, as the traced ones did."""
+    if len(leaves) != len(traced):
+        return False
+    here = [i for i, s in enumerate(leaves) if s == storage]
+    eager = {traced[i].storage if traced[i] is not None else None for i in here}
+    if len(eager) != 1 or None in eager:
+        return False
+    (eager_storage,) = eager
+    return all(traced[i] is None or (traced[i].storage == eager_storage) == (i in here) for i in range(len(traced)))
 
 
 def _is_stride_error(n: torch.fx.Node, e: Exception) -> bool:
@@ -416,7 +438,7 @@ def settle_layouts(gm: torch.fx.GraphModule, traced: list[OutputLayout | None],
             changes += drawn
             interp, outputs = _run_fake(gm, values, mode)  # the copy's layout reaches what follows it
         if outputs is not None:
-            _check_aliasing(gm, interp.values, out_node)
+            _check_aliasing(gm, interp.values, out_node, traced)
             outputs = pytree.tree_leaves(outputs)
             changes += _restore_viewed_bases(gm, interp.values, out_node, outputs, traced)
             changes += _restore_outputs(gm, out_node, outputs, traced)

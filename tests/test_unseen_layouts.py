@@ -110,15 +110,60 @@ def test_returned_scan_output_keeps_eager_strides(layout):
     assert out[0].is_contiguous() and out[0].view(BATCH, -1).shape == (BATCH, DIM * L)
 
 
-def test_returned_view_falls_back_with_reason():
+RETURNED_ALONE = {
+    # A view in eager, a copy of the op's output after the rewrite (mended to reshape).
+    "view": lambda y: y.view(BATCH, -1),
+    # A copy in eager ("b d l -> b l d" then contiguous), a view of the op's output after it
+    # (probe AP, run 50: the whole graph was compiled without ssm rewrites).
+    "transpose-contiguous": lambda y: y.transpose(1, 2).contiguous(),
+    "transpose-reshape": lambda y: y.transpose(1, 2).reshape(BATCH, L, DIM // 2, 2),
+}
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+@pytest.mark.parametrize("tail", list(RETURNED_ALONE))
+def test_returned_alone_view_or_copy_is_rewritten(tail, inductor):
+    """A view-or-copy of the op's output that is the only thing returned of it: the caller holds
+    one tensor either way, so whether it is a copy cannot show."""
     def fn(u, delta, A, B, C):
-        return scan_y(u, delta, A, B, C).view(BATCH, -1)
+        return RETURNED_ALONE[tail](scan_y(u, delta, A, B, C))
 
     args = scan_inputs()
+    out = compiled(fn, args, inductor)
+    assert counters["ssm"]["scan_loop"] == 1
+    assert_like_eager(out, fn(*args))
+
+
+@pytest.mark.parametrize("tail", list(RETURNED_ALONE))
+def test_returned_view_or_copy_under_grad_falls_back_with_reason(tail):
+    """The same under autograd: the op's backward may hold the memory the caller would get."""
+    def fn(u, delta, A, B, C):
+        return RETURNED_ALONE[tail](scan_y(u, delta, A, B, C))
+
+    args = [a.requires_grad_() for a in scan_inputs()]
     out = compiled(fn, args)
+    ref = fn(*args)
     assert counters["ssm"]["scan_loop"] == 0
-    assert torch.equal(out, fn(*args)) and out.stride() == fn(*args).stride()
-    assert "is returned" in reasons(fn, args)
+    assert torch.equal(out, ref) and out.stride() == ref.stride()
+    assert "is returned" in reasons(fn, args) and "records a gradient" in reasons(fn, args)
+
+
+def test_returned_copy_and_the_output_stay_apart():
+    """y and y.transpose(1, 2).contiguous() (a copy in eager): after the rewrite the second is
+    a view of the op's output, the first the output itself; returning both would alias them."""
+    def fn(u, delta, A, B, C):
+        y = scan_y(u, delta, A, B, C)
+        return y, y.transpose(1, 2).contiguous()
+
+    args = scan_inputs()
+    ref = fn(*args)
+    out = compiled(fn, args, inductor=True)
+    assert_like_eager(out, ref)
+    seen = out[1].clone()
+    out[0].add_(1.0)
+    assert torch.equal(out[1], seen)
+    assert counters["ssm"]["scan_loop"] == 0
+    assert "the outputs share memory otherwise" in reasons(fn, args)
 
 
 # Found against 0c7d6a8 (one copy per output: the caller got two buffers); the layout check now
