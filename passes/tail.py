@@ -120,11 +120,19 @@ def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
         if isinstance(found, str):
             ctx.miss(family, found, [user])
             return None
-        if len(chain.top.users) > 1:
+        if any(other is not user and not _reads_shape_only(other, chain.top) for other in chain.top.users):
             ctx.miss(family, f"y ({chain.top.name}) has other users besides the {family}", [user])
             return None
         return chain, user, found
     return None
+
+
+def _reads_shape_only(user: torch.fx.Node, y: torch.fx.Node) -> bool:
+    """``user`` reads nothing of ``y`` but its shape (``D.expand_as(y)``, ``y.size(-1)``), which the
+    fold leaves as it is: the op's output replaces y and y + D*x has y's shape."""
+    if is_method(user, "expand_as", "view_as", "reshape_as"):
+        return len(user.args) == 2 and user.args[1] is y and user.args[0] is not y and not user.kwargs
+    return is_method(user, "size", "dim", "numel") and user.args[0] is y
 
 
 def _fold_refusal(scan: torch.fx.Node, chain: YChain, folded: list[torch.fx.Node], value: torch.fx.Node,

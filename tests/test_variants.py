@@ -1016,3 +1016,36 @@ def test_look_alike_is_left_alone_with_a_reason(fn, reason):
     assert any(reason in m.reason for m in report.misses if m.family == "scan_loop"), report.format(graphs=False)
     # The untouched graph runs eagerly: bit for bit eager's result.
     assert torch.equal(report.output, fn(*args))
+
+
+SHAPE_READERS = {
+    "expand_as": lambda y, x, D: y + x * D[:, None].expand_as(y),
+    "size": lambda y, x, D: y + x * D.view(1, y.size(1), 1),
+}
+
+
+@pytest.mark.parametrize("reader", list(SHAPE_READERS))
+def test_skip_whose_D_reads_y_shape_is_folded(reader):
+    """``D[:, None].expand_as(y)``: the broadcast reads y's shape, not its values, so y has no
+    other user that the fold could change (probe AQ, run 50: refused as "y has other users",
+    and the gate after it too). Values and gradients as eager's, in fp64."""
+    from utils import scan_inputs, scan_y
+
+    def fn(u, delta, A, B, C, D, z):
+        y = SHAPE_READERS[reader](scan_y(u, delta, A, B, C), u, D)
+        return y * F.silu(z)
+
+    g = torch.Generator().manual_seed(3)
+    u, delta, A, B, C = (t.double() for t in scan_inputs())
+    D, z = torch.randn(u.shape[1], generator=g, dtype=torch.float64), torch.randn(u.shape, generator=g, dtype=torch.float64)
+    args = [u.requires_grad_(), delta, A, B, C, D.requires_grad_(), z]
+    ref = fn(*args)
+    want = torch.autograd.grad(ref.sum(), [u, D])
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(fn, backend=backend(inductor=False))(*args)
+    assert counters["ssm"]["skip"] == 1 and counters["ssm"]["gate"] == 1, dict(counters["ssm"])
+    got = torch.autograd.grad(out.sum(), [u, D])
+    assert rel_err(out, ref) <= 1e-12
+    for g_, w in zip(got, want, strict=True):
+        assert rel_err(g_, w) <= 1e-12
