@@ -251,8 +251,14 @@ class PassManager:
                        + read_single_cats(gm)):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:
+            rewrites = len(ctx.rewrites)
             fn(gm, ctx)
             gm.graph.lint()
+            if len(ctx.rewrites) > rewrites:
+                # What a rewrite replaced stays in the graph until nothing uses it: a later pass
+                # would take it for a user of the values it read (the next scan's Δ·u product of
+                # this scan's y looked like a gate on y).
+                gm.graph.eliminate_dead_code(is_impure_node=lambda n: not _removable_if_unused(n))
         if len(ctx.rewrites) > before:
             # Clean up what the rewrites orphaned; a graph no pass rewrote keeps every node dynamo
             # put in it.

@@ -81,6 +81,7 @@ from .fx_utils import (
     parse_slice,
     permute_view,
     propagate_val,
+    shape_of,
     time_slice,
     unbind_source,
     val,
@@ -910,6 +911,10 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
     leaf_roles = [role.get(lab) for lab in rt.factor_labels(fc)]
     c_roles = ["t" if o is None else leaf_roles[o] for o in parse_slice(fc.node)[3]]
     if None in c_roles:
+        # A size-1 axis inserted before the loop (``Cs = C.mT.unsqueeze(1)`` read as ``Cs[:, :, t]``):
+        # the tensor it was inserted into has the real axes.
+        c_base, c_roles = _without_unit_axes(c_base, c_roles)
+    if None in c_roles:
         # A size-1 axis C_t broadcasts along (one C for the whole batch, or for every state): the
         # op reads C with real (batch, state) axes, and sorting the roles would compare None.
         return f"C_t broadcasts along a size-1 axis (axis roles {c_roles}); the op needs C as (batch, state, time)"
@@ -923,6 +928,24 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
         return f"C_t must be indexed by (batch, state), got {leaf_roles}"
     y_roles = _readout_roles(rt, role, y0)
     return y_roles if isinstance(y_roles, str) else (c_src, c_base, y_roles)
+
+
+def _without_unit_axes(node: torch.fx.Node, roles: list[str | None]) -> tuple[torch.fx.Node, list[str | None]]:
+    """``node`` and its axis ``roles`` (None: a size-1 axis), looked through the views that
+    inserted its size-1 axes (``x.unsqueeze(1)``, ``x[:, None]``) to the tensor without them;
+    unchanged where a None axis is not size 1 or was not inserted by a view."""
+    shape = shape_of(node)
+    if shape is None or any(r is None and not statically_known_true(shape[i] == 1) for i, r in enumerate(roles)):
+        return node, roles
+    t = index_term(node)
+    if t is None or t.summed or len(t.factors) != 1:
+        return node, roles
+    out, leaf = t.out_labels(), t.factor_labels(t.factors[0])
+    role = dict(zip(out, roles))
+    if len(set(out)) != len(out) or len(set(leaf)) != len(leaf) or not set(leaf) <= set(out) \
+            or any(role[lab] is not None for lab in out if lab not in leaf):
+        return node, roles
+    return t.factors[0].node, [role[lab] for lab in leaf]
 
 
 def _readout_roles(rt, role: dict, y0: torch.fx.Node) -> list[str | None] | str:

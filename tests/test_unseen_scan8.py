@@ -185,3 +185,70 @@ def test_no_op_casts_of_caller_tensors_are_no_protective_copies():
         g_got = torch.autograd.grad(sum((w * r).sum() for w, r in zip(got, weights)), grads)
         for a, e in zip((*got, *g_got), (*want, *g_want)):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+# C with its channel axis inserted before the loop (probe AP, run 50: refused as "C_t broadcasts
+# along a size-1 axis", while C[:, None, :, t] inside the loop was rewritten).
+PRE_INSERTED_C = {
+    "unsqueeze": lambda C: C.transpose(1, 2).unsqueeze(1),
+    "none-index": lambda C: C.transpose(1, 2)[:, None],
+    "view": lambda C: C.transpose(1, 2).reshape(B_, 1, L_, N_),
+}
+
+
+@pytest.mark.parametrize("name", list(PRE_INSERTED_C))
+def test_readout_C_with_its_channel_axis_inserted_before_the_loop(name):
+    def fn(u, delta, A, B, C):
+        dA, dBu = _disc(u, delta, A, B)
+        Cs = PRE_INSERTED_C[name](C)  # (batch, 1, L, N)
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(L_):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append((h * Cs[:, :, t]).sum(-1))
+        return torch.stack(ys, -1)
+
+    assert compare_with_eager(fn, inputs())["scan_loop"] == 1
+
+
+def test_readout_C_broadcast_over_a_real_axis_is_still_refused():
+    """A size-1 axis that is C's own (one C for the whole batch, broadcast along it) stays refused."""
+    def fn(u, delta, A, B, C):
+        dA, dBu = _disc(u, delta, A, B)
+        Cs = C[:1].transpose(1, 2).unsqueeze(1)  # (1, 1, L, N): batch 0's C for every batch element
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(L_):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append((h * Cs[:, :, t]).sum(-1))
+        return torch.stack(ys, -1)
+
+    assert compare_with_eager(fn, inputs())["scan_loop"] == 0
+    assert any("broadcasts along a size-1 axis" in r for r in _reasons(explain(fn, *inputs()), "scan_loop"))
+
+
+def test_stacked_scans_get_no_reason_from_what_a_rewrite_replaced():
+    """Scan 2 reads scan 1's y as u: its Δ·u product, replaced by scan 2's op but left in the
+    graph until the end, was taken by the tail pass for a gate on scan 1's y ("the gate is
+    delta, not silu"; probe AQ, run 50). Passes now run on a graph without what earlier
+    rewrites orphaned."""
+    def fn(u, delta, A, B, C, D):
+        delta = F.softplus(delta + D[:, None])  # a computed Δ, which the gate matcher looks at
+        y1 = loop_textbook(u, delta, A, B, C)
+        y2 = loop_textbook(y1, delta, A, B, C)
+        return y2 + y1 * D[:, None]
+
+    def loop_textbook(u, delta, A, B, C):
+        dA = torch.exp(delta[..., None] * A[:, None, :])
+        dBu = (delta * u)[..., None] * B[:, None].transpose(-1, -2)  # Δ·u: a product with y1
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(L_):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+        return torch.stack(ys, -1)
+
+    args = [*inputs(), torch.randn(D_, dtype=torch.float64, requires_grad=True)]
+    report = explain(fn, *args)
+    assert report.misses == [], report.format(graphs=False)
+    assert compare_with_eager(fn, args)["scan_loop"] == 2
