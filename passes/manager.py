@@ -151,6 +151,26 @@ def _checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     return bodies
 
 
+def _report_other_bodies(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """A reason for each ``exp(Δ·A)`` in the body of a higher-order op other than a checkpoint
+    (a custom ``autograd.Function``'s forward, which dynamo keeps as one under grad): the passes
+    do not enter those, and without a word ``explain`` would show nothing for that code."""
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "_name", None) if node.op == "call_function" else None
+        if not isinstance(node.target, torch._ops.HigherOrderOperator) or name in _CHECKPOINT_HOPS:
+            continue
+        for arg in node.all_input_nodes:
+            body = getattr(gm, arg.target, None) if arg.op == "get_attr" else None
+            if not isinstance(body, torch.fx.GraphModule):
+                continue
+            found = [n.name for sub in body.modules() if isinstance(sub, torch.fx.GraphModule)
+                     for n in unscanned_discretizations(sub)]
+            if found:
+                ctx.miss("scan", f"exp(Δ·A) ({', '.join(found)}) is computed inside the body of {node.name} "
+                         f"(torch.ops.higher_order.{name}: a custom autograd.Function's forward under grad, "
+                         "say), which the passes do not enter; that code runs as written", [node])
+
+
 def _with_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     """``gm`` and, recursively, the checkpointed subgraphs it calls, outermost first."""
     modules, seen = [gm], {id(gm)}
@@ -271,6 +291,7 @@ class PassManager:
         for body in _checkpoint_bodies(gm):
             if id(body) not in seen:
                 self._run(body, ctx, seen, body=True)
+        _report_other_bodies(gm, ctx)
 
     @staticmethod
     def _report_unscanned(gm: torch.fx.GraphModule, ctx: PassContext, rewrites_before: int,

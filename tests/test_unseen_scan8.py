@@ -252,3 +252,33 @@ def test_stacked_scans_get_no_reason_from_what_a_rewrite_replaced():
     report = explain(fn, *args)
     assert report.misses == [], report.format(graphs=False)
     assert compare_with_eager(fn, args)["scan_loop"] == 2
+
+
+def test_a_scan_inside_a_custom_autograd_function_gets_a_reason():
+    """Under grad dynamo keeps a custom autograd.Function as a higher-order op whose body the
+    passes do not enter: the code runs as written, and explain now says so (probe AS, run 50:
+    "0 rewrite(s), 0 near-miss(es)")."""
+    class ScanFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, u, delta, A, B, C):
+            dA, dBu = _disc(u, delta, A, B)
+            h = u.new_zeros(B_, D_, N_)
+            ys = []
+            for t in range(L_):
+                h = dA[:, :, t] * h + dBu[:, :, t]
+                ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+            return torch.stack(ys, -1)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 0.5, None, None, None, None
+
+    def fn(u, delta, A, B, C):
+        return ScanFn.apply(u, delta, A, B, C)
+
+    u, delta, A, B, C = inputs()
+    args = [u, delta.detach(), A.detach(), B.detach(), C.detach()]
+    report = explain(fn, *args)
+    assert report.rewrites == []
+    assert any("inside the body of" in r and "autograd_function_apply" in r for r in _reasons(report, "scan"))
+    torch.testing.assert_close(report.output, fn(*args), rtol=1e-12, atol=1e-12)
