@@ -132,10 +132,21 @@ _CHECKPOINT_HOPS = ("tag_activation_checkpoint", "wrap_activation_checkpoint")
 
 
 def _eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
-    """FX's dead-code elimination with ``_removable_if_unused``: never FX's own purity test, which
-    takes ``state.copy_(x)`` with an unused result for dead code."""
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: not _removable_if_unused(n))
+    """``_remove_dead_nodes``, then recompile."""
+    _remove_dead_nodes(gm.graph)
     gm.recompile()
+
+
+def _remove_dead_nodes(graph: torch.fx.Graph) -> None:
+    """Dead-code elimination of ``graph`` alone with ``_removable_if_unused``. Not FX's
+    ``eliminate_dead_code``: whatever purity test it is given, it then recurses into the
+    subgraphs of higher-order ops (a checkpoint, ``cond``, a custom ``autograd.Function``) with
+    its own, which takes ``v[:, 1:].add_(u)`` with an unused result for dead code (probe AR,
+    run 50: such a write inside a body was dropped whenever the graph around it was rewritten,
+    4.5 off eager). A checkpoint body the passes enter gets its own call."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and _removable_if_unused(node):
+            graph.erase_node(node)
 
 
 def _checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
@@ -278,7 +289,7 @@ class PassManager:
                 # What a rewrite replaced stays in the graph until nothing uses it: a later pass
                 # would take it for a user of the values it read (the next scan's Δ·u product of
                 # this scan's y looked like a gate on y).
-                gm.graph.eliminate_dead_code(is_impure_node=lambda n: not _removable_if_unused(n))
+                _remove_dead_nodes(gm.graph)
         if len(ctx.rewrites) > before:
             # Clean up what the rewrites orphaned; a graph no pass rewrote keeps every node dynamo
             # put in it.
