@@ -196,11 +196,11 @@ PRE_INSERTED_C = {
 }
 
 
-@pytest.mark.parametrize("name", list(PRE_INSERTED_C))
-def test_readout_C_with_its_channel_axis_inserted_before_the_loop(name):
+def _loop_reading(make_cs):
+    """The textbook loop whose readout reads ``Cs = make_cs(C)`` as ``Cs[:, :, t]``."""
     def fn(u, delta, A, B, C):
         dA, dBu = _disc(u, delta, A, B)
-        Cs = PRE_INSERTED_C[name](C)  # (batch, 1, L, N)
+        Cs = make_cs(C)
         h = u.new_zeros(B_, D_, N_)
         ys = []
         for t in range(L_):
@@ -208,21 +208,18 @@ def test_readout_C_with_its_channel_axis_inserted_before_the_loop(name):
             ys.append((h * Cs[:, :, t]).sum(-1))
         return torch.stack(ys, -1)
 
-    assert compare_with_eager(fn, inputs())["scan_loop"] == 1
+    return fn
+
+
+@pytest.mark.parametrize("name", list(PRE_INSERTED_C))
+def test_readout_C_with_its_channel_axis_inserted_before_the_loop(name):
+    assert compare_with_eager(_loop_reading(PRE_INSERTED_C[name]), inputs())["scan_loop"] == 1
 
 
 def test_readout_C_broadcast_over_a_real_axis_is_still_refused():
     """A size-1 axis that is C's own (one C for the whole batch, broadcast along it) stays refused."""
-    def fn(u, delta, A, B, C):
-        dA, dBu = _disc(u, delta, A, B)
-        Cs = C[:1].transpose(1, 2).unsqueeze(1)  # (1, 1, L, N): batch 0's C for every batch element
-        h = u.new_zeros(B_, D_, N_)
-        ys = []
-        for t in range(L_):
-            h = dA[:, :, t] * h + dBu[:, :, t]
-            ys.append((h * Cs[:, :, t]).sum(-1))
-        return torch.stack(ys, -1)
-
+    # (1, 1, L, N): batch 0's C for every batch element.
+    fn = _loop_reading(lambda C: C[:1].transpose(1, 2).unsqueeze(1))
     assert compare_with_eager(fn, inputs())["scan_loop"] == 0
     assert any("broadcasts along a size-1 axis" in r for r in _reasons(explain(fn, *inputs()), "scan_loop"))
 
@@ -261,13 +258,7 @@ def test_a_scan_inside_a_custom_autograd_function_gets_a_reason():
     class ScanFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, u, delta, A, B, C):
-            dA, dBu = _disc(u, delta, A, B)
-            h = u.new_zeros(B_, D_, N_)
-            ys = []
-            for t in range(L_):
-                h = dA[:, :, t] * h + dBu[:, :, t]
-                ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-            return torch.stack(ys, -1)
+            return _loop(lambda dA, h, dBu, u: dA * h + dBu)(u, delta, A, B, C)
 
         @staticmethod
         def backward(ctx, g):
