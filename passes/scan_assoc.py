@@ -639,7 +639,14 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     reads = read_through(list(full), sources, order) | full | sources
     readout_nodes = [readout.end, *readout.chain, *readout.nodes]
     reads |= read_through(readout_nodes, {readout.C, all_states}, order) | set(readout_nodes)
-    if mutated(*reads, all_states, ignore=frozenset(n for n in scan_nodes if mutates(n))):
+    own_writes = frozenset(n for n in scan_nodes if mutates(n))
+    if mutated(all_states, ignore=own_writes):
+        # HF's ``ssm_state = all_states[:, :, -1]`` later copied over by a decode step, say.
+        ctx.miss(FAMILY, f"the states ({all_states.name}) are written in place after the scan, through them or a "
+                 "view of them (a last state updated in a cache): the op returns y and the last state as new "
+                 "tensors, not the states' memory", [all_states])
+        return
+    if mutated(*reads, ignore=own_writes):
         ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)

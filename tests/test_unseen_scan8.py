@@ -273,3 +273,27 @@ def test_a_scan_inside_a_custom_autograd_function_gets_a_reason():
     assert report.rewrites == []
     assert any("inside the body of" in r and "autograd_function_apply" in r for r in _reasons(report, "scan"))
     torch.testing.assert_close(report.output, fn(*args), rtol=1e-12, atol=1e-12)
+
+
+def test_assoc_states_written_after_the_scan_get_their_own_reason():
+    """HF's associative_scan path under a recording cache: ``ssm_state = all_states[:, :, -1]``,
+    later overwritten in place. Left alone (the op returns new tensors, not the states' memory),
+    with a reason that names the states, not "a value the scan reads its inputs through" (probe
+    AR, run 50)."""
+    def fn(u, delta, A, B, C, cache):
+        from torch._higher_order_ops.associative_scan import associative_scan
+
+        dA, dBu = _disc(u, delta, A, B)
+        hs = associative_scan(_combine, (dA, dBu), dim=2, combine_mode="generic")[1]
+        y = torch.einsum("bdln,bnl->bdl", hs, C)
+        last = hs[:, :, -1]
+        last.copy_(cache)  # a later step writes the state it kept
+        return y, last * 2
+
+    args = [*(t.detach() for t in inputs()), torch.randn(B_, D_, N_, dtype=torch.float64)]
+    report = explain(fn, *args)
+    assert report.counts.get("scan_assoc") is None
+    assert any("are written in place after the scan" in r for r in _reasons(report, "scan_assoc")), \
+        report.format(graphs=False)
+    for got, want in zip(report.output, fn(*args), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
