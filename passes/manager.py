@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from .discretize import unscanned_discretizations
 from .einops_calls import expand_einops_calls
-from .fx_utils import INPLACE_OPERATORS, mutates, val
+from .fx_utils import INPLACE_OPERATORS, hop_name, mutates, val
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import rewrite_local_writes
 from .layout import output_layouts, random_input_layouts, settle_layouts
@@ -167,8 +167,8 @@ def _report_other_bodies(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     (a custom ``autograd.Function``'s forward, which dynamo keeps as one under grad): the passes
     do not enter those, and without a word ``explain`` would show nothing for that code."""
     for node in gm.graph.nodes:
-        name = getattr(node.target, "_name", None) if node.op == "call_function" else None
-        if not isinstance(node.target, torch._ops.HigherOrderOperator) or name in _CHECKPOINT_HOPS:
+        if (not isinstance(node.target, torch._ops.HigherOrderOperator)
+                or node.target.name() in _CHECKPOINT_HOPS):
             continue
         for arg in node.all_input_nodes:
             body = getattr(gm, arg.target, None) if arg.op == "get_attr" else None
@@ -178,7 +178,7 @@ def _report_other_bodies(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                      for n in unscanned_discretizations(sub)]
             if found:
                 ctx.miss("scan", f"exp(Δ·A) ({', '.join(found)}) is computed inside the body of {node.name} "
-                         f"(torch.ops.higher_order.{name}: a custom autograd.Function's forward under grad, "
+                         f"({hop_name(node)}: a custom autograd.Function's forward under grad, "
                          "say), which the passes do not enter; that code runs as written", [node])
 
 
