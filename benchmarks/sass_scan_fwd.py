@@ -41,7 +41,8 @@ def compile_fwd(dtype: str, cfg: ScanFwdConfig, n: int = 16, layout: str = "dens
                   HAS_DELTA_BIAS=True, HAS_INIT=False, STORE_LAST=store_last, TIME_SPLIT=False,
                   PREFETCH=cfg.prefetch,
                   DT_RANK_PAD=dt_dot_meta(dt_rank, torch_dtype)[0] if dt_rank else 0,
-                  DOT_PRECISION=dt_dot_meta(dt_rank, torch_dtype)[1])
+                  DOT_PRECISION=dt_dot_meta(dt_rank, torch_dtype)[1],
+                  N_RAGGED=max(1, n // lanes_n) * lanes_n != n)
     ptr_types = {p: f"*{elt}" if p in _ACT_PTRS else "*fp32" for p in _PTR_ARGS}
     # Unit strides, as Triton's specialisation sees them: along L for dense (batch, dim, L)
     # activations; along dim for channel-innermost ones (nn.Linear-based Mamba code, the HF model),

@@ -57,8 +57,19 @@ def test_a_write_inside_a_body_survives_a_rewrite_around_it(name):
     want = torch.autograd.grad(ref.sum(), [x, w, b])
     torch._dynamo.reset()
     counters.clear()
-    out = torch.compile(fn, backend=backend(inductor=False))(x, w, b)
-    assert counters["ssm"]["conv1d"] == 1, dict(counters["ssm"])
+    ssm = backend(inductor=False)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return ssm(gm, example_inputs)
+
+    out = torch.compile(fn, backend=recording)(x, w, b)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if not graphs:
+        # torch 2.11's dynamo gives the whole frame back to eager on a torch.cond whose branch
+        # writes in place under grad (2.13 captures it): nothing reached the backend to test.
+        pytest.skip(f"dynamo (torch {torch.__version__}) captured no graph of the {name} program")
+    assert counters["ssm"]["conv1d"] == 1, dict(counters["ssm"])
     for got, exp in zip(torch.autograd.grad(out.sum(), [x, w, b]), want, strict=True):
         torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
