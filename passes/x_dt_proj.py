@@ -22,10 +22,12 @@ by an equal value, so those steps and any other user of dt_proj see what they sa
 Soundness: the op computes exactly the two linears (same rounding points), so the rewrite holds
 when
 - dt_proj's input is the first R columns of x_proj's output, through views that give back the
-  same tensor (a split's first piece, ``x_dbl[..., :R]``, ``x_dbl.narrow(-1, 0, R)``), and R is
+  same tensor (a split's or tensor_split's first piece, ``x_dbl[..., :R]``,
+  ``x_dbl.narrow(-1, 0, R)``), and R is
   W_dt's second dimension (in the 2-D product form, that input transposed: ``.t()``, ``.T``,
   ``.transpose(0, 1)``, ``.permute(1, 0)``);
-- neither linear has a bias, and every tensor (x, both weights, both outputs) has one floating
+- each product is a linear (``F.linear``, ``x @ W.t()``, or an einsum that is one:
+  ``'bld,ed->ble'``), neither has a bias, and every tensor (x, both weights, both outputs) has one floating
   dtype: no cast or autocast region changes a product's precision;
 - dt is now computed where x_proj ran, earlier than the user's code did, so nothing may write in
   place to x_dbl (any view of it) or W_dt, W_dt must exist there, and both products must run
@@ -63,7 +65,9 @@ class Site(NamedTuple):
 def _linear(node: Any) -> Optional[tuple[Any, Any]]:
     """``(input, weight)`` of a bias-free ``F.linear``, or of the same product written
     ``input @ weight.t()`` (``.T``, ``transpose(0, 1)``, ``permute(1, 0)``: a 2-D weight's
-    transposed view), else None."""
+    transposed view) or ``torch.einsum('bld,ed->ble', input, weight)``, else None."""
+    if is_call(node, torch.einsum, torch.functional.einsum):
+        return _einsum_linear(node)
     if is_call(node, *MATMUL_TARGETS) and len(node.args) == 2 and not node.kwargs:
         x, weight_t = node.args
         if not isinstance(weight_t, torch.fx.Node) or len(shape_of(weight_t) or ()) != 2:
@@ -76,6 +80,36 @@ def _linear(node: Any) -> Optional[tuple[Any, Any]]:
     if args.get("bias") is not None or "input" not in args or "weight" not in args:
         return None
     return args["input"], args["weight"]
+
+
+def _einsum_linear(node: torch.fx.Node) -> Optional[tuple[Any, Any]]:
+    """``(input, weight)`` when the einsum is ``F.linear(input, weight)``: two operands, a 2-D
+    weight ``'ec'`` whose second letter is the input's last axis, and an output that is the
+    input's subscripts with that axis replaced by ``e`` (``'...d,ed->...e'``, ``'bld,ed->ble'``).
+    A permuted output, a repeated letter (a diagonal) or an implicit output is not a linear."""
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or len(operands) != 2 or node.kwargs or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != 2:
+        return None
+    xs, ws = subscripts
+    ellipsis = xs.startswith("...")
+    letters = xs[3:] if ellipsis else xs
+    if (not letters.isalpha() or len(set(letters)) != len(letters) or len(ws) != 2 or not ws.isalpha()
+            or ws[1] != letters[-1] or ws[0] in letters):
+        return None
+    if out != ("..." if ellipsis else "") + letters[:-1] + ws[0]:
+        return None
+    x, weight = operands
+    x_shape, w_shape = shape_of(x), shape_of(weight)
+    if x_shape is None or w_shape is None or len(w_shape) != 2 or (
+            len(x_shape) < len(letters) if ellipsis else len(x_shape) != len(letters)):
+        return None
+    return x, weight
 
 
 def _weight_views(product: torch.fx.Node) -> list[torch.fx.Node]:
@@ -105,6 +139,9 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
             return None
         first = sizes[0] if isinstance(sizes, (list, tuple)) and sizes else sizes
         return (source, first) if isinstance(first, int) and not isinstance(first, bool) else None
+    if is_call(node, operator.getitem) and node.args[1] == 0 and (
+            is_call(node.args[0], torch.tensor_split) or is_method(node.args[0], "tensor_split")):
+        return _tensor_split_first(node.args[0])
     if is_method(node, "narrow") or is_call(node, torch.narrow):
         source, axis, start, length = (list(node.args) + [None] * 4)[:4]
         if isinstance(source, torch.fx.Node) and _last_axis(axis, source) and start == 0 and isinstance(length, int):
@@ -127,6 +164,31 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
             width = shape_of(source)[-1]
             if isinstance(width, int) and width + last.stop > 0:
                 return source, width + last.stop
+    return None
+
+
+def _tensor_split_first(split: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
+    """``(x_dbl, R)`` when the first piece of ``torch.tensor_split`` along the last axis is
+    x_dbl's first R columns: at the first of its indices, or, for a number of sections s of a
+    width W, the first piece's W // s (+1 when s does not divide W); else None."""
+    source, *rest = split.args
+    rest = dict(zip(("sections", "dim"), rest))
+    for key in ("indices", "sections", "indices_or_sections", "tensor_indices_or_sections", "dim"):
+        if key in split.kwargs:
+            rest["dim" if key == "dim" else "sections"] = split.kwargs[key]
+    sections = rest.get("sections")
+    if not isinstance(source, torch.fx.Node) or not _last_axis(rest.get("dim", 0), source):
+        return None
+    width = shape_of(source)[-1]
+    if not isinstance(width, int):
+        return None
+    if isinstance(sections, (list, tuple)):
+        first = sections[0] if sections else None
+        if isinstance(first, int) and not isinstance(first, bool) and 0 < first < width:
+            return source, first
+        return None
+    if isinstance(sections, int) and not isinstance(sections, bool) and sections > 1:
+        return source, width // sections + (1 if width % sections else 0)
     return None
 
 

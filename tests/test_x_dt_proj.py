@@ -313,7 +313,13 @@ class XDt(nn.Module):
 
         if self.variant.startswith("rows"):
             return self._rows_forward(x)
-        x_dbl = self.x_proj(x)
+        if self.variant in ("einsum", "einsum_ellipsis"):  # x_proj as an einsum (unseen code, run 51)
+            x_dbl = torch.einsum("bld,ed->ble" if self.variant == "einsum" else "...d,ed->...e", x,
+                                 self.x_proj.weight)
+        elif self.variant == "einsum_permuted":  # (batch, R + 2N, L): not a linear, transposed back
+            x_dbl = torch.einsum("bld,ed->bel", x, self.x_proj.weight).transpose(1, 2)
+        else:
+            x_dbl = self.x_proj(x)
         R, N = self.R, self.N
         if self.variant == "middle_columns":  # dt from columns N..N+R: not x_dbl's first R
             B, dt, C = x_dbl.split([N, R, N], dim=-1)
@@ -323,6 +329,14 @@ class XDt(nn.Module):
             dt, B, C = x_dbl[..., :-2 * N], x_dbl[..., -2 * N:-N], x_dbl[..., -N:]
         elif self.variant == "split_keywords":
             dt, B, C = torch.split(x_dbl, split_size_or_sections=[R, N, N], dim=-1)
+        elif self.variant == "tensor_split":
+            dt, B, C = torch.tensor_split(x_dbl, [R, R + N], dim=-1)
+        elif self.variant == "tensor_split_method":
+            dt, B, C = x_dbl.tensor_split((R, R + N), -1)
+        elif self.variant == "tensor_split_late":  # first piece ends at R + 1: dt_proj reads R + 1 columns
+            dt, B, C = torch.tensor_split(x_dbl, [R + 1, R + N], dim=-1)
+            B = torch.cat([dt[..., R:], B], dim=-1)[..., :N]
+            dt = dt[..., :R]
         else:
             dt, B, C = x_dbl.split([R, N, N], dim=-1)
         if self.variant == "written":  # x_dbl written in place after dt_proj read it
@@ -330,6 +344,11 @@ class XDt(nn.Module):
             x_dbl.mul_(2)
         elif self.variant == "bias_add_method":  # the bias added by the method (probe AI, run 49)
             dt_pre = F.linear(dt, self.dt_proj.weight).add(self.dt_proj.bias)
+        elif self.variant in ("einsum", "einsum_ellipsis", "einsum_permuted"):
+            dt_pre = torch.einsum("blr,dr->bld", dt, self.dt_proj.weight) + self.dt_proj.bias
+        elif self.variant == "einsum_dt_transposed":  # W_dt read as (R, dim): another product
+            w = self.dt_proj.weight.reshape(self.R, -1)
+            dt_pre = torch.einsum("blr,rd->bld", dt, w) + self.dt_proj.bias
         elif self.variant in ("matmul_t", "matmul_T"):  # the linear written as a product (probe AI, run 49)
             w = self.dt_proj.weight
             dt_pre = dt @ (w.t() if self.variant == "matmul_t" else w.T) + self.dt_proj.bias
@@ -364,7 +383,8 @@ class XDt(nn.Module):
 
 
 @pytest.mark.parametrize("variant", ["split", "slice", "slice_from_the_end", "split_keywords", "rows", "rows_T",
-                                     "bias_add_method", "matmul_t", "matmul_T"])
+                                     "bias_add_method", "matmul_t", "matmul_T", "einsum", "einsum_ellipsis",
+                                     "tensor_split", "tensor_split_method"])
 def test_forms_are_rewritten(variant):
     torch.manual_seed(0)
     model = XDt(variant)
@@ -386,6 +406,9 @@ NEAR_MISSES = {
     "written": "mul_",
     "cast": None,
     "rows_middle_columns": None,
+    "einsum_permuted": None,
+    "einsum_dt_transposed": None,
+    "tensor_split_late": None,
 }
 
 
