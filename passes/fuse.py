@@ -242,9 +242,10 @@ def fuse_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         problem, device = _problem(site)
         decision = decide(problem, override, device=device)
         if decision.level == "split":
-            ctx.miss(FAMILY, f"kept split ({decision.est_regs} est. registers, actual "
-                             f"{decision.actual_regs}, occupancy {decision.occupancy:.3f}): "
-                             f"{decision.reason}", [scan])
+            # The register and occupancy figures describe a CUDA launch; elsewhere they mean nothing.
+            numbers = (f" ({decision.est_regs} est. registers, actual {decision.actual_regs}, occupancy "
+                       f"{decision.occupancy:.3f})" if problem.device == "cuda" else "")
+            ctx.miss(FAMILY, f"kept split{numbers}: {decision.reason}", [scan])
             continue
         register_fused()
         fused = _emit(gm, site, decision.level)
