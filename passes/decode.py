@@ -93,6 +93,14 @@ _SOFTPLUS = (F.softplus, torch.nn.functional.softplus, torch._C._nn.softplus)
 _SILU = (F.silu, torch.nn.functional.silu)
 
 
+def _is_silu(node: Any) -> bool:
+    """``F.silu(x)`` that returns a new tensor: no ``inplace`` flag, or ``inplace=False`` as
+    ``nn.SiLU()`` records it (mamba_simple's ``self.act``)."""
+    if not is_call(node, *_SILU) or not 1 <= len(node.args) <= 2 or set(node.kwargs) - {"inplace"}:
+        return False
+    return node.args[1:] in ((), (False,)) and node.kwargs.get("inplace", False) is False
+
+
 class Miss(Exception):
     """A near-miss: the anchor looked like a decode step but a proof step failed."""
 
@@ -1001,7 +1009,7 @@ def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict
         mul = _operands(nxt, _MUL, "mul")
         if mul is not None and z is None and node in mul:
             other = mul[1] if mul[0] is node else mul[0]
-            if is_call(other, *_SILU) and len(other.args) == 1 and not other.kwargs:
+            if _is_silu(other):
                 z = _peel(other.args[0])[0]
                 node = nxt
                 nodes.append(nxt)
@@ -1335,7 +1343,7 @@ def match_conv_update(cat: torch.fx.Node) -> dict[str, Any] | None:
     node, activation = out_slice, None
     node, _ = _follow_casts(node)
     nxt = _single_user(node)
-    if nxt is not None and is_call(nxt, *_SILU) and len(nxt.args) == 1 and not nxt.kwargs:
+    if nxt is not None and _is_silu(nxt):
         node, activation = nxt, "silu"
     node, _ = _follow_casts(node)
     return dict(cat=cat, conv_state=conv_state, x=x, copy=copy, conv=conv, weight=args["weight"],
@@ -1547,7 +1555,7 @@ def _match_window_readout(user: torch.fx.Node, src: torch.fx.Node) -> dict[str, 
     end, casts = _follow_casts(end)
     nodes += casts
     nxt = _single_user(end)
-    if nxt is not None and is_call(nxt, *_SILU) and len(nxt.args) == 1 and not nxt.kwargs:
+    if nxt is not None and _is_silu(nxt):
         activation, end = "silu", nxt
         nodes.append(nxt)
         end, casts = _follow_casts(end)
@@ -1600,7 +1608,7 @@ def _match_full_window_conv(full: torch.fx.Node, cs: torch.fx.Node, x3: torch.fx
     nodes = [full, *casts, conv, sel, *tail]
     activation = None
     nxt = _single_user(end)
-    if nxt is not None and is_call(nxt, *_SILU) and len(nxt.args) == 1 and not nxt.kwargs:
+    if nxt is not None and _is_silu(nxt):
         activation = "silu"
         end, tail = _follow_casts(nxt)
         nodes += [nxt, *tail]

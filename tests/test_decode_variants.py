@@ -710,3 +710,50 @@ def test_dropped_roundings_inside_the_step_are_recorded():
     report = explain(step, *args)
     (rewrite,) = [r for r in report.rewrites if r.family == "state_update"]
     assert any(c.endswith("float32->bfloat16") for c in rewrite.decision["rounding_casts_dropped"]), rewrite.decision
+
+
+# --- silu as nn.SiLU records it (probe AU, run 51) -------------------------------------------
+# mamba_simple's step applies ``self.act = nn.SiLU()`` to the conv output and to z; dynamo records
+# the module as ``F.silu(x, inplace=False)``. The keyword kept both folds out of the ops.
+
+def roll_setitem_module_act(x, conv_state, weight, bias):
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    return torch.nn.SiLU()(torch.sum(conv_state * weight, dim=-1) + bias)
+
+
+def test_conv_step_folds_an_nn_silu():
+    inp = conv_inputs()
+    y_e, y_c, e_in, c_in, cap = run_step(roll_setitem_module_act, inp)
+    assert dict(counters["ssm"]) == {"conv_update": 1}, cap.ctx.misses
+    (record,) = cap.ctx.rewrites
+    assert record.decision["activation"] == "silu", record.decision
+    assert not [n for n in cap.gm.graph.nodes if n.target is F.silu]
+    assert rel_err(y_c, y_e) <= TOL[torch.float32]
+    assert torch.equal(c_in["conv_state"], e_in["conv_state"])
+
+
+def gate_module_act(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(state * dA + dBu)
+    return (torch.einsum("bdn,bn->bd", state, C) + D * x) * torch.nn.SiLU()(z)
+
+
+def gate_inplace_silu(state, x, dt, A, B, C, D, z, dt_bias):
+    """``F.silu(z, inplace=True)`` writes z: the gate is not folded, the write stays."""
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(state * dA + dBu)
+    return (torch.einsum("bdn,bn->bd", state, C) + D * x) * F.silu(z, inplace=True)
+
+
+@pytest.mark.parametrize("fn", [gate_module_act, gate_inplace_silu], ids=["nn.SiLU", "silu-inplace"])
+def test_state_step_gate_through_silu_keywords(fn):
+    y_e, y_c, e_in, c_in, cap = run_step(fn, state_inputs())
+    assert dict(counters["ssm"]) == {"state_update": 1}, cap.ctx.misses
+    (record,) = cap.ctx.rewrites
+    assert record.decision["z"] is (fn is gate_module_act), record.decision
+    assert rel_err(y_c, y_e) <= TOL[torch.float32]
+    for name in ("state", "z"):
+        assert rel_err(c_in[name], e_in[name]) <= TOL[torch.float32], name
+    if fn is gate_inplace_silu:
+        assert not torch.equal(e_in["z"], state_inputs()["z"])  # eager's write happened, and the compiled one
