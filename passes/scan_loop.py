@@ -889,6 +889,9 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
             # time_slice normalises a negative index only against a concrete length.
             return ("the readout's C_t at step 0 counts from the end of a time axis of symbolic length "
                     "(C[..., t-k]?): which step it reads is not known")
+        if _computed_from(fc.node, h0):
+            return (f"the readout's C at step 0 ({fc.node.name}) is computed from the state h_0: the readout "
+                    "is not linear in the state")
         c_labels = rt.factor_labels(fc)
         if not all(lab in role for lab in c_labels):
             return "the readout's C_t is not a time slice of one tensor"
@@ -928,6 +931,21 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
         return f"C_t must be indexed by (batch, state), got {leaf_roles}"
     y_roles = _readout_roles(rt, role, y0)
     return y_roles if isinstance(y_roles, str) else (c_src, c_base, y_roles)
+
+
+def _computed_from(node: torch.fx.Node, h0: torch.fx.Node, limit: int = 64) -> bool:
+    """``node`` reads ``h0`` within ``limit`` nodes upstream: a readout factor built from the
+    state (``C[:, :, t] + h.mean(1)``), which no time-invariant or per-step C can be."""
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n is h0:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
 
 
 def _without_unit_axes(node: torch.fx.Node, roles: list[str | None]) -> tuple[torch.fx.Node, list[str | None]]:

@@ -297,3 +297,18 @@ def test_assoc_states_written_after_the_scan_get_their_own_reason():
         report.format(graphs=False)
     for got, want in zip(report.output, fn(*args), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_readout_factor_computed_from_the_state_names_that():
+    """``C_t + h.mean(1)`` (probe AT, run 51): the reason said "reads the same C at every step",
+    which is false; the factor holds the state, so the readout is not linear in it."""
+    def fn(u, delta, A, B, C):
+        dA, dBu = _disc(u, delta, A, B)
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(L_):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t] + h.mean(1)))
+        return torch.stack(ys, -1)
+
+    _left_alone(fn, inputs(), "scan_loop", "is computed from the state h_0")
