@@ -886,9 +886,13 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
         return "A_full is not exp(Δ·A)"
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]
-    if inner.summed or len(inner.factors) < 2:
-        return (f"A_full is exp of a product of {len(inner.factors)} factors with {len(inner.summed)} "
-                "summed axes; expected exp(Δ·A)")
+    if inner.summed:
+        return f"A_full is exp of a contraction over {len(inner.summed)} axes; expected exp(Δ·A)"
+    if len(inner.factors) < 2:
+        # exp(Δ·A + s), exp(2·Δ·A), exp(logsigmoid(x)): one opaque value, not Δ times A.
+        x = inner.factors[0].node.name if inner.factors else "a constant"
+        return (f"A_full is exp({x}), and {x} is not a product of a time-varying Δ and A (a sum, a "
+                "number or another function of them?); expected exp(Δ·A)")
     if len(set(a_out)) != 4:
         return "A_full's axes are not four distinct indices"
     if len(inner.factors) == 2:

@@ -312,3 +312,20 @@ def test_readout_factor_computed_from_the_state_names_that():
         return torch.stack(ys, -1)
 
     _left_alone(fn, inputs(), "scan_loop", "is computed from the state h_0")
+
+
+@pytest.mark.parametrize("decay", [lambda x: torch.exp(x + 0.5), lambda x: torch.exp(F.logsigmoid(x))],
+                         ids=["exp(dtA+s)", "exp(logsigmoid(dtA))"])
+def test_an_exponent_that_is_not_delta_times_A_is_named(decay):
+    """The reason read "exp of a product of 1 factors with 0 summed axes" (probe AT, run 51)."""
+    def fn(u, delta, A, B, C):
+        _, dBu = _disc(u, delta, A, B)
+        dA = decay(delta[..., None] * A[None, :, None, :])
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(L_):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+        return torch.stack(ys, -1)
+
+    _left_alone(fn, inputs(), "scan_loop", "is not a product of a time-varying Δ and A")
