@@ -6,6 +6,7 @@ reason so that ``ssm_compile.explain`` can say why a near-miss was left alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import operator
@@ -233,6 +234,38 @@ def _report_aten_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                  "module instead", aten[:1])
 
 
+@functools.lru_cache(maxsize=1)
+def _sources_digest() -> bytes:
+    """Hash of every Python source of the installed package, read once per process (the code that
+    runs is the code that was imported). A cached artifact has all of it baked in:
+    - the passes, every module and not only those that register one: the shared matchers
+      (fx_utils, discretize, readout) decide what gets rewritten too;
+    - the backend's compile driver and settings (``ssm_compile/``): how AOTAutograd compiles the
+      rewritten graph (the backward ahead, no donated buffers);
+    - the kernels package: each op's fake implementation, its ``register_autograd`` backward and,
+      on CUDA, the Triton launches inductor inlines are traced into the artifact. Without them a
+      new version that changed only a backward kept serving the old one's gradients from a warm
+      cache (probe AW, run 51).
+    """
+    h = hashlib.sha256()
+    for name, path in source_files():
+        h.update(name.encode())
+        h.update(path.read_bytes())
+    return h.digest()
+
+
+def source_files() -> list[tuple[str, pathlib.Path]]:
+    """(name relative to its package root, path) of the package's Python sources: ``ssm_compile``,
+    ``ssm_compile.passes`` and ``ssm_compile.kernels``, wherever the install put them."""
+    import ssm_compile
+    import ssm_compile.kernels
+
+    roots = (pathlib.Path(ssm_compile.__file__).parent, pathlib.Path(__file__).parent,
+             pathlib.Path(ssm_compile.kernels.__file__).parent)
+    return [(f"{root.name}/{path.relative_to(root).as_posix()}", path)
+            for root in roots for path in sorted(root.rglob("*.py"))]
+
+
 class PassManager:
     """An ordered list of named passes. Pass modules add themselves through ``register(pm)``."""
 
@@ -329,21 +362,11 @@ class PassManager:
                      "written", [node])
 
     def uuid(self) -> str:
-        """Hash of the pass package's sources (and the compile driver's), the pass order and the
-        options, for inductor's cache keys. Every module of the package is hashed, not only those
-        that register a pass: the shared matchers (fx_utils, discretize, readout) decide what gets
-        rewritten too."""
-        h = hashlib.sha256()
+        """Hash of the package's sources (``_sources_digest``), the pass order and the options,
+        for inductor's cache keys."""
+        h = hashlib.sha256(_sources_digest())
         for name, _ in self.passes:
             h.update(name.encode())
-        package = pathlib.Path(__file__).parent
-        # The backend's compile driver too: it sets how AOTAutograd compiles the rewritten graph
-        # (the backward ahead, no donated buffers), which a cached artifact has baked in.
-        from ssm_compile import compiler
-
-        for path in [*sorted(package.glob("*.py")), pathlib.Path(compiler.__file__)]:
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
         h.update(repr(sorted(self.options.items())).encode())
         return h.hexdigest()
 

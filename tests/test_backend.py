@@ -335,8 +335,11 @@ def test_hf_mamba_takes_associative_scan_under_folded_is_exporting(folded_is_exp
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-def test_uuid_hashes_helper_modules_of_the_pass_package(monkeypatch):
-    # A change in a shared matcher (no pass registered from it) must still miss inductor's cache.
+@pytest.mark.parametrize("edited_file", ["fx_utils.py", "triton_bwd.py", "compiler.py"])
+def test_uuid_hashes_every_source_of_the_package(monkeypatch, edited_file):
+    # A change in a shared matcher (no pass registered from it), in a kernel (an op's backward is
+    # traced into the cached artifact: probe AW, run 51) or in the compile driver must miss
+    # inductor's cache.
     import pathlib
 
     import ssm_compile.passes.manager as manager
@@ -347,10 +350,16 @@ def test_uuid_hashes_helper_modules_of_the_pass_package(monkeypatch):
 
     def edited(path):
         data = real(path)
-        return data + b"\n# edited" if path.name == "fx_utils.py" else data
+        return data + b"\n# edited" if path.name == edited_file else data
 
     monkeypatch.setattr(manager.pathlib.Path, "read_bytes", edited)
-    assert pm.uuid() != before
+    manager._sources_digest.cache_clear()  # read once per process; this test edits the "disk"
+    try:
+        assert pm.uuid() != before
+    finally:
+        monkeypatch.undo()
+        manager._sources_digest.cache_clear()
+    assert pm.uuid() == before
 
 
 def test_inline_launches_option(monkeypatch):
