@@ -1084,9 +1084,11 @@ def _size_one_note(node: Any) -> str:
     """Why A (``node``) can fail the role proof: an axis of size 1 (N = 1, a single channel)
     indexes nothing, so it reads as a broadcast axis, not as the state's or the channels'."""
     value = val(node) if isinstance(node, torch.fx.Node) else None
-    if isinstance(value, torch.Tensor) and any(statically_known_true(s == 1) for s in value.shape):
-        return (f" (A has shape {tuple(value.shape)}: an axis of size 1, N = 1 or dim = 1, reads as "
-                "broadcast, so such a scan is not rewritten)")
+    ones = [i for i, s in enumerate(value.shape) if statically_known_true(s == 1)] if isinstance(
+        value, torch.Tensor) else []
+    if ones:
+        return (f" (A has shape {tuple(value.shape)}: its size-1 axis {ones[0]} indexes nothing, so it reads as "
+                "a broadcast axis and A's (dim, state) roles are not proved here)")
     return ""
 
 

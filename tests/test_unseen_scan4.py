@@ -368,7 +368,7 @@ def test_shape_edge(case):
 def test_state_size_one_says_why():
     # N = 1: A (dim, 1) has no axis that the proof can tell from a broadcast one; the reason says so.
     args = make_inputs(n=1)
-    check(paper_scan, args, rewritten=0, reason="an axis of size 1", ref=reference(*args)[0])
+    check(paper_scan, args, rewritten=0, reason="size-1 axis 1 indexes nothing", ref=reference(*args)[0])
 
 
 def chained_loops(u, delta, A, B, C):
