@@ -29,10 +29,13 @@ from test_unseen_scan6 import _combine, _disc
 from ssm_compile.report import explain
 
 
-def _loop(update):
-    """The textbook loop over precomputed (dA, dBu), its state update spelled by ``update``."""
+def _loop(update, decay=None):
+    """The textbook loop over precomputed (dA, dBu), its state update spelled by ``update`` and,
+    given ``decay``, dA = decay(Δ·A) instead of exp(Δ·A)."""
     def fn(u, delta, A, B, C):
         dA, dBu = _disc(u, delta, A, B)
+        if decay is not None:
+            dA = decay(delta[..., None] * A[:, None, :])
         h = u.new_zeros(B_, D_, N_)
         ys = []
         for t in range(L_):
@@ -318,14 +321,5 @@ def test_readout_factor_computed_from_the_state_names_that():
                          ids=["exp(dtA+s)", "exp(logsigmoid(dtA))"])
 def test_an_exponent_that_is_not_delta_times_A_is_named(decay):
     """The reason read "exp of a product of 1 factors with 0 summed axes" (probe AT, run 51)."""
-    def fn(u, delta, A, B, C):
-        _, dBu = _disc(u, delta, A, B)
-        dA = decay(delta[..., None] * A[None, :, None, :])
-        h = u.new_zeros(B_, D_, N_)
-        ys = []
-        for t in range(L_):
-            h = dA[:, :, t] * h + dBu[:, :, t]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-        return torch.stack(ys, -1)
-
+    fn = _loop(lambda a, h, b, u: a * h + b, decay)
     _left_alone(fn, inputs(), "scan_loop", "is not a product of a time-varying Δ and A")
