@@ -887,7 +887,7 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]
     if inner.summed:
-        return f"A_full is exp of a contraction over {len(inner.summed)} axes; expected exp(Δ·A)"
+        return f"A_full is exp of a contraction with {len(inner.summed)} summed axes; expected exp(Δ·A)"
     if len(inner.factors) < 2:
         # exp(Δ·A + s), exp(2·Δ·A), exp(logsigmoid(x)): one opaque value, not Δ times A.
         x = inner.factors[0].node.name if inner.factors else "a constant"

@@ -889,14 +889,16 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
             # time_slice normalises a negative index only against a concrete length.
             return ("the readout's C_t at step 0 counts from the end of a time axis of symbolic length "
                     "(C[..., t-k]?): which step it reads is not known")
-        if _computed_from(fc.node, h0):
-            return (f"the readout's C at step 0 ({fc.node.name}) is computed from the state h_0: the readout "
-                    "is not linear in the state")
         c_labels = rt.factor_labels(fc)
         if not all(lab in role for lab in c_labels):
             return "the readout's C_t is not a time slice of one tensor"
         c_roles = [role[lab] for lab in c_labels]
         if "b" in c_roles:
+            # A (dim, N) C built from the state is refused later, per step, with the reason below;
+            # a per-batch one ends here, so it gets that reason here (probe AT, run 51).
+            if _computed_from(fc.node, h0):
+                return (f"the readout's C at step 0 ({fc.node.name}) has no time axis but is computed from the "
+                        "loop's own values (the state h_0): the readout is not linear in the state")
             return (f"the readout reads the same C ({fc.node.name}, indexed by {c_roles}) at every step, but "
                     "one per batch element: ssm.selective_scan takes a time-invariant C only as (dim, N)")
         if len(set(c_roles)) != len(c_roles) or "n" not in c_roles:
@@ -934,8 +936,9 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
 
 
 def _computed_from(node: torch.fx.Node, h0: torch.fx.Node, limit: int = 64) -> bool:
-    """``node`` reads ``h0`` within ``limit`` nodes upstream: a readout factor built from the
-    state (``C[:, :, t] + h.mean(1)``), which no time-invariant or per-step C can be."""
+    """``node``'s value is computed from ``h0`` within ``limit`` nodes upstream: a readout factor
+    built from the state (``C[:, :, t] + h.mean(1)``), which no time-invariant or per-step C can
+    be. A dtype or shape read off the state (``C.type_as(h)``) is not its value."""
     seen: set[torch.fx.Node] = set()
     stack = [node]
     while stack and len(seen) < limit:
@@ -944,7 +947,7 @@ def _computed_from(node: torch.fx.Node, h0: torch.fx.Node, limit: int = 64) -> b
             return True
         if n not in seen:
             seen.add(n)
-            stack.extend(n.all_input_nodes)
+            stack.extend(_data_inputs(n))
     return False
 
 

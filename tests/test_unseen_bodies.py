@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 from ssm_compile.compiler import backend
+from ssm_compile.report import explain
 
 
 def shifted(u):
@@ -66,10 +67,14 @@ def test_a_write_inside_a_body_survives_a_rewrite_around_it(name):
 
     out = torch.compile(fn, backend=recording)(x, w, b)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    if not graphs:
-        # torch 2.11's dynamo gives the whole frame back to eager on a torch.cond whose branch
-        # writes in place under grad (2.13 captures it): nothing reached the backend to test.
-        pytest.skip(f"dynamo (torch {torch.__version__}) captured no graph of the {name} program")
+    assert graphs, "dynamo captured no graph"
+    if name == "cond" and not counters["ssm"]["conv1d"]:
+        # torch 2.11's torch.cond does not run on the fake tensors the layout check gives the
+        # rewritten graph ("Mixing fake modes NYI", benchmarks/repros/cond_body_write_torch211.py),
+        # so the graph compiles without rewrites: correct (asserted above), nothing rewritten to test.
+        reasons = [m.reason for m in explain(fn, x, w, b).misses]
+        assert any("Mixing fake modes" in r for r in reasons), reasons
+        pytest.skip(f"torch {torch.__version__}: torch.cond does not run on the layout check's fake tensors")
     assert counters["ssm"]["conv1d"] == 1, dict(counters["ssm"])
     for got, exp in zip(torch.autograd.grad(out.sum(), [x, w, b]), want, strict=True):
         torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)

@@ -314,7 +314,7 @@ def test_readout_factor_computed_from_the_state_names_that():
             ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t] + h.mean(1)))
         return torch.stack(ys, -1)
 
-    _left_alone(fn, inputs(), "scan_loop", "is computed from the state h_0")
+    _left_alone(fn, inputs(), "scan_loop", "is computed from the loop's own values (the state h_0)")
 
 
 @pytest.mark.parametrize("decay", [lambda x: torch.exp(x + 0.5), lambda x: torch.exp(F.logsigmoid(x))],
