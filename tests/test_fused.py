@@ -134,6 +134,23 @@ def test_conv_levels_refuse_states_naming_them(level, state):
         torch.ops.ssm.fused_mamba_scan(**inp)
 
 
+def test_conv_level_launcher_refuses_a_block_across_groups():
+    """A channel block reads one B/C group: a config whose block spans two gave channels 4-7 the
+    wrong group's B and C (0.81 relative error, probe AX, run 51); it is refused as the scan's
+    launcher refuses it."""
+    from ssm_compile.kernels.selective_scan.triton_fwd import ScanFwdConfig
+
+    g = torch.Generator().manual_seed(0)
+    b, dim, L, N, G, W = 1, 12, 8, 4, 3, 4  # four channels per group
+    x, delta = torch.randn(b, dim, L, generator=g), torch.randn(b, dim, L, generator=g) - 1
+    A = -torch.rand(dim, N, generator=g) - 0.5
+    B, C = torch.randn(b, G, N, L, generator=g), torch.randn(b, G, N, L, generator=g)
+    config = ScanFwdConfig(block_d=8, chunk_t=4, lanes_n=4, num_warps=1, n_segments=1)
+    with pytest.raises(ValueError, match="block_d=8 must divide dim // G = 4"):
+        fused_scan_fwd(x, delta, A, B, C, None, None, None, True, torch.randn(dim, W, generator=g), None, True,
+                       None, config=config)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
                          ids=["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("level", LEVELS)

@@ -64,7 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, _state_tile, scan_fwd_config,
+from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, _state_tile, check_block_in_group,
+                                         scan_fwd_config,
                                          selective_scan_fwd_launch)
 from ..layout import empty_activation
 from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, num_sms, project_dt, silu, softplus
@@ -289,6 +290,7 @@ def fused_scan_fwd(
     if config is None:
         n_sms = num_sms(x.device.index) if x.is_cuda else 132
         config = fused_config(batch, dim, L, N, dims_per_group, n_sms)
+    check_block_in_group(config, G, dims_per_group)
     R = dt_weight.shape[1] if dt_weight is not None else 0
     # The batch offset is int64 in the kernel; offsets within one batch row are int32.
     for name, t in (("x", x), ("delta", delta), ("z", z), ("B", B), ("C", C)):

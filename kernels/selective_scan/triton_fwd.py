@@ -492,6 +492,15 @@ class _LaunchPlan(NamedTuple):
     lanes_n: int
 
 
+def check_block_in_group(config: ScanFwdConfig, G: int, dims_per_group: int) -> None:
+    """A program's channel block reads one B/C group (``_state_tile``'s ``pid_g``): with G > 1
+    its width must divide dim // G, or the block's later channels read the wrong group."""
+    if G > 1 and dims_per_group % config.block_d:
+        raise ValueError(
+            f"config.block_d={config.block_d} must divide dim // G = {dims_per_group}: a channel "
+            "block reads a single B/C group")
+
+
 @functools.lru_cache(maxsize=1024)
 def _launch_plan(batch: int, dim: int, L: int, N: int, config: ScanFwdConfig) -> _LaunchPlan:
     block_n = _next_pow2(N)
@@ -593,10 +602,7 @@ def selective_scan_fwd_launch(
                                  u.element_size() == 2)
     if config.prefetch not in (1, 2):
         raise ValueError(f"config.prefetch: expected 1 or 2 chunks ahead, got {config.prefetch}")
-    if G > 1 and dims_per_group % config.block_d:
-        raise ValueError(
-            f"config.block_d={config.block_d} must divide dim // G = {dims_per_group}: a channel "
-            "block reads a single B/C group")
+    check_block_in_group(config, G, dims_per_group)
     # The kernel adds the batch offset in int64 but indexes within one batch row in int32.
     for name, t in (("u", u), ("delta", delta), ("z", z), ("B", B), ("C", C)):
         if t is not None and _row_span(t.shape, t.stride()) >= 2**31:
