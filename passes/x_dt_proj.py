@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .delta import LINEAR_TARGETS, MATMUL_TARGETS, weight_product
 from .fx_utils import (context_refusal, is_call, is_method, layout_source, named_args, node_order,
@@ -86,7 +87,8 @@ def _einsum_linear(node: torch.fx.Node) -> Optional[tuple[Any, Any]]:
     """``(input, weight)`` when the einsum is ``F.linear(input, weight)``: two operands, a 2-D
     weight ``'ec'`` whose second letter is the input's last axis, and an output that is the
     input's subscripts with that axis replaced by ``e`` (``'...d,ed->...e'``, ``'bld,ed->ble'``).
-    A permuted output, a repeated letter (a diagonal) or an implicit output is not a linear."""
+    A permuted output, a repeated letter (a diagonal), an implicit output or a broadcast
+    contracted axis is not a linear."""
     equation, *operands = node.args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
@@ -108,6 +110,10 @@ def _einsum_linear(node: torch.fx.Node) -> Optional[tuple[Any, Any]]:
     x_shape, w_shape = shape_of(x), shape_of(weight)
     if x_shape is None or w_shape is None or len(w_shape) != 2 or (
             len(x_shape) < len(letters) if ellipsis else len(x_shape) != len(letters)):
+        return None
+    # einsum broadcasts a size-1 axis against its letter's other axes: x[..., :1] with a (E, D)
+    # weight is x times W's row sums, not a linear.
+    if not statically_known_true(x_shape[-1] == w_shape[1]):
         return None
     return x, weight
 

@@ -318,6 +318,8 @@ class XDt(nn.Module):
                                  self.x_proj.weight)
         elif self.variant == "einsum_permuted":  # (batch, R + 2N, L): not a linear, transposed back
             x_dbl = torch.einsum("bld,ed->bel", x, self.x_proj.weight).transpose(1, 2)
+        elif self.variant == "einsum_broadcast":  # a size-1 d broadcast against W's: x[..., :1] * W.sum(1)
+            x_dbl = torch.einsum("bld,ed->ble", x[..., :1], self.x_proj.weight)
         else:
             x_dbl = self.x_proj(x)
         R, N = self.R, self.N
@@ -344,7 +346,7 @@ class XDt(nn.Module):
             x_dbl.mul_(2)
         elif self.variant == "bias_add_method":  # the bias added by the method (probe AI, run 49)
             dt_pre = F.linear(dt, self.dt_proj.weight).add(self.dt_proj.bias)
-        elif self.variant in ("einsum", "einsum_ellipsis", "einsum_permuted"):
+        elif self.variant in ("einsum", "einsum_ellipsis", "einsum_permuted", "einsum_broadcast"):
             dt_pre = torch.einsum("blr,dr->bld", dt, self.dt_proj.weight) + self.dt_proj.bias
         elif self.variant == "einsum_dt_transposed":  # W_dt read as (R, dim): another product
             w = self.dt_proj.weight.reshape(self.R, -1)
@@ -407,6 +409,7 @@ NEAR_MISSES = {
     "cast": None,
     "rows_middle_columns": None,
     "einsum_permuted": None,
+    "einsum_broadcast": None,
     "einsum_dt_transposed": None,
     "tensor_split_late": None,
 }
