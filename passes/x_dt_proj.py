@@ -177,14 +177,12 @@ def _tensor_split_first(split: torch.fx.Node) -> Optional[tuple[torch.fx.Node, i
     """``(x_dbl, R)`` when the first piece of ``torch.tensor_split`` along the last axis is
     x_dbl's first R columns: at the first of its indices, or, for a number of sections s of a
     width W, the first piece's W // s (+1 when s does not divide W); else None."""
-    args = list(split.args)
-    source = args.pop(0) if args else split.kwargs.get("input", split.kwargs.get("self"))
-    rest = dict(zip(("sections", "dim"), args))
-    for key in ("indices", "sections", "indices_or_sections", "tensor_indices_or_sections", "dim"):
-        if key in split.kwargs:
-            rest["dim" if key == "dim" else "sections"] = split.kwargs[key]
-    sections = rest.get("sections")
-    if not isinstance(source, torch.fx.Node) or not _last_axis(rest.get("dim", 0), source):
+    args = named_args(split, ("input", "sections", "dim"))
+    source = args.get("input", args.get("self"))
+    # Its overloads name the second argument ``indices``, ``sections`` or ``tensor_indices_or_sections``.
+    sections = next((args[k] for k in ("sections", "indices", "indices_or_sections", "tensor_indices_or_sections")
+                     if k in args), None)
+    if not isinstance(source, torch.fx.Node) or not _last_axis(args.get("dim", 0), source):
         return None
     width = shape_of(source)[-1]
     if not isinstance(width, int):
