@@ -195,7 +195,7 @@ def test_state_update_refuses_inputs_sharing_the_state(alias):
                 z=torch.randn(BATCH, DIM, generator=g), dt_bias=torch.randn(DIM, generator=g))
     args[alias] = {"x": state[:, :, 0], "z": state[:, :, 1], "B": state[:, 0, :], "dt_bias": state[0, :, 2]}[alias]
     before = state.clone()
-    with pytest.raises(ValueError, match=f"{alias} shares memory with state"):
+    with pytest.raises(ValueError, match=f"^ssm::selective_state_update: {alias} shares memory with state"):
         ssm_compile.selective_state_update(state, **args)
     assert torch.equal(state, before), "the refused call must not have written the state"
     # A copy of the same values is fine, and the state's neighbour in the buffer is no alias.
@@ -207,7 +207,7 @@ def test_conv_update_refuses_inputs_sharing_the_state():
     g = torch.Generator().manual_seed(3)
     conv_state = torch.randn(BATCH, DIM, 3, generator=g)
     weight = torch.randn(DIM, 4, generator=g)
-    with pytest.raises(ValueError, match="x shares memory with conv_state"):
+    with pytest.raises(ValueError, match="^ssm::causal_conv1d_update: x shares memory with conv_state"):
         ssm_compile.causal_conv1d_update(conv_state[:, :, 2], conv_state, weight)
     y = ssm_compile.causal_conv1d_update(conv_state[:, :, 2].clone(), conv_state, weight)
     assert y.shape == (BATCH, DIM)

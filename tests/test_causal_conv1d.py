@@ -269,29 +269,29 @@ def _bad(**changes):
 
 
 BAD_INPUTS = {  # name: (inputs, error, message regex)
-    "x-rank": (_bad(x=torch.randn(6, 11)), ValueError, r"^x: .*\(batch, dim, seqlen\)"),
-    "x-int": (_bad(x=torch.ones(2, 6, 11, dtype=torch.int32)), TypeError, r"^x: expected dtype"),
-    "weight-dim": (_bad(weight=torch.randn(5, 4)), ValueError, r"^weight: .*\(dim=6, W\)"),
-    "weight-W1": (_bad(weight=torch.randn(6, 1)), ValueError, r"^weight: .*W in \[2, 8\]"),
+    "x-rank": (_bad(x=torch.randn(6, 11)), ValueError, r"^causal_conv1d: x: .*\(batch, dim, seqlen\)"),
+    "x-int": (_bad(x=torch.ones(2, 6, 11, dtype=torch.int32)), TypeError, r"^causal_conv1d: x: expected dtype"),
+    "weight-dim": (_bad(weight=torch.randn(5, 4)), ValueError, r"^causal_conv1d: weight: .*\(dim=6, W\)"),
+    "weight-W1": (_bad(weight=torch.randn(6, 1)), ValueError, r"^causal_conv1d: weight: .*W in \[2, 8\]"),
     "weight-W9": (
-        _bad(weight=torch.randn(6, 9), initial_state=None), ValueError, r"^weight: .*\[2, 8\]"
+        _bad(weight=torch.randn(6, 9), initial_state=None), ValueError, r"^causal_conv1d: weight: .*\[2, 8\]"
     ),
-    "weight-3d": (_bad(weight=torch.randn(6, 1, 4)), ValueError, r"^weight: expected shape"),
+    "weight-3d": (_bad(weight=torch.randn(6, 1, 4)), ValueError, r"^causal_conv1d: weight: expected shape"),
     "weight-int": (
-        _bad(weight=torch.ones(6, 4, dtype=torch.int64)), TypeError, r"^weight: expected dtype"
+        _bad(weight=torch.ones(6, 4, dtype=torch.int64)), TypeError, r"^causal_conv1d: weight: expected dtype"
     ),
-    "bias-shape": (_bad(bias=torch.randn(7)), ValueError, r"^bias: expected shape \(6,\)"),
-    "activation": (_bad(activation="relu"), ValueError, r"^activation: .*'silu' or 'swish'"),
+    "bias-shape": (_bad(bias=torch.randn(7)), ValueError, r"^causal_conv1d: bias: expected shape \(6,\)"),
+    "activation": (_bad(activation="relu"), ValueError, r"^causal_conv1d: activation: .*'silu' or 'swish'"),
     "init-shape": (
-        _bad(initial_state=torch.randn(2, 6, 4)), ValueError, r"^initial_state: .*\(2, 6, 3\)"
+        _bad(initial_state=torch.randn(2, 6, 4)), ValueError, r"^causal_conv1d: initial_state: .*\(2, 6, 3\)"
     ),
     "init-dtype": (
         _bad(initial_state=torch.ones(2, 6, 3, dtype=torch.int32)), TypeError,
-        r"^initial_state: expected dtype",
+        r"^causal_conv1d: initial_state: expected dtype",
     ),
-    "bias-device": (_bad(bias=torch.randn(6, device="meta")), ValueError, r"^bias: .*device cpu"),
-    "x-None": (_bad(x=None), TypeError, r"^x: expected a Tensor, got NoneType"),
-    "weight-None": (_bad(weight=None), TypeError, r"^weight: expected a Tensor, got NoneType"),
+    "bias-device": (_bad(bias=torch.randn(6, device="meta")), ValueError, r"^causal_conv1d: bias: .*device cpu"),
+    "x-None": (_bad(x=None), TypeError, r"^causal_conv1d: x: expected a Tensor, got NoneType"),
+    "weight-None": (_bad(weight=None), TypeError, r"^causal_conv1d: weight: expected a Tensor, got NoneType"),
 }
 
 
@@ -303,7 +303,7 @@ def test_bad_inputs_name_the_argument(name):
 
 
 def test_backward_rejects_bad_dy():
-    with pytest.raises(ValueError, match=r"^dy: expected shape \(2, 6, 11\)"):
+    with pytest.raises(ValueError, match=r"^causal_conv1d_backward: dy: expected shape \(2, 6, 11\)"):
         torch.ops.ssm.causal_conv1d_backward(torch.randn(2, 6, 10), *op_args(_bad()))
 
 

@@ -133,9 +133,9 @@ def test_decode_states_with_shared_elements_are_refused(layout, device):
     A = -torch.rand(d, N, device=device)
     Bm, Cm = (torch.randn(b, N, device=device) for _ in range(2))
     before, conv_before = state.clone(), conv_state.clone()
-    with pytest.raises(ValueError, match="state must not have elements that share memory"):
+    with pytest.raises(ValueError, match="^ssm::selective_state_update: state must not have elements that share memory"):
         decode_op._state_update_impl(state, x, dt, A, Bm, Cm, None, z, None, True)
-    with pytest.raises(ValueError, match="conv_state must not have elements that share memory"):
+    with pytest.raises(ValueError, match="^ssm::causal_conv1d_update: conv_state must not have elements that share memory"):
         decode_op._conv_update_impl(x, conv_state, torch.randn(d, W, device=device), None, "silu")
     assert torch.equal(state, before) and torch.equal(conv_state, conv_before)
 

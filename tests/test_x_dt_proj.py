@@ -227,12 +227,12 @@ def _bad(**changes):
 
 
 BAD_INPUTS = {
-    "x-1d": (_bad(x=torch.randn(32)), ValueError, r"^x: expected a \(\.\.\., rows, K\) tensor"),
-    "x-int": (_bad(x=torch.ones(2, 9, 32, dtype=torch.int32)), TypeError, r"^x: expected dtype"),
-    "x_weight-K": (_bad(x_weight=torch.randn(10, 31)), ValueError, r"^x_weight: expected shape \(R \+ 2N, K=32\)"),
-    "dt_weight-R": (_bad(dt_weight=torch.randn(20, 10)), ValueError, r"^dt_weight: expected shape \(dim, R\)"),
-    "dt_weight-dtype": (_bad(dt_weight=torch.randn(20, 4, dtype=torch.float64)), TypeError, r"^dt_weight: expected x's dtype"),
-    "x_weight-device": (_bad(x_weight=torch.randn(10, 32, device="meta")), ValueError, r"^x_weight: expected x's device"),
+    "x-1d": (_bad(x=torch.randn(32)), ValueError, r"^x_dt_proj: x: expected a \(\.\.\., rows, K\) tensor"),
+    "x-int": (_bad(x=torch.ones(2, 9, 32, dtype=torch.int32)), TypeError, r"^x_dt_proj: x: expected dtype"),
+    "x_weight-K": (_bad(x_weight=torch.randn(10, 31)), ValueError, r"^x_dt_proj: x_weight: expected shape \(R \+ 2N, K=32\)"),
+    "dt_weight-R": (_bad(dt_weight=torch.randn(20, 10)), ValueError, r"^x_dt_proj: dt_weight: expected shape \(dim, R\)"),
+    "dt_weight-dtype": (_bad(dt_weight=torch.randn(20, 4, dtype=torch.float64)), TypeError, r"^x_dt_proj: dt_weight: expected x's dtype"),
+    "x_weight-device": (_bad(x_weight=torch.randn(10, 32, device="meta")), ValueError, r"^x_dt_proj: x_weight: expected x's device"),
 }
 
 

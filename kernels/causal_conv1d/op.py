@@ -59,19 +59,19 @@ def _check_args_cached(x, weight, bias, activation, initial_state) -> None:
     _VALIDATED.add(key)
 
 
-def _check_tensor(name: str, t: torch.Tensor, shape: tuple, device: torch.device) -> None:
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple, device: torch.device, op: str) -> None:
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        raise ValueError(f"{op}{name}: expected shape {shape}, got {tuple(t.shape)}")
     # fp64 is accepted on CPU only, for gradcheck: the Triton kernels accumulate in fp32, so
     # fp64 on CUDA would silently lose precision.
     allowed = _DTYPES + ((torch.float64,) if device.type == "cpu" else ())
     if t.dtype not in allowed:
         raise TypeError(
-            f"{name}: expected dtype float32, bfloat16 or float16 (float64 on CPU only), "
+            f"{op}{name}: expected dtype float32, bfloat16 or float16 (float64 on CPU only), "
             f"got {t.dtype}"
         )
     if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (x's device), got {t.device}")
+        raise ValueError(f"{op}{name}: expected device {device} (x's device), got {t.device}")
 
 
 def check_causal_conv1d_args(
@@ -80,35 +80,41 @@ def check_causal_conv1d_args(
     bias: Optional[torch.Tensor],
     activation: Optional[str],
     initial_state: Optional[torch.Tensor],
+    op: Optional[str] = "causal_conv1d",
 ) -> None:
-    """Raise ValueError/TypeError naming the argument if the inputs break the op's contract."""
+    """Raise ValueError/TypeError naming the argument if the inputs break the op's contract.
+
+    ``op`` heads each message; None leaves it to a caller that wraps the error in its own context
+    (``fused_mamba_scan``)."""
+    op = f"{op}: " if op else ""
     for name, t, required in (("x", x, True), ("weight", weight, True), ("bias", bias, False),
                               ("initial_state", initial_state, False)):
         if not (isinstance(t, torch.Tensor) or (t is None and not required)):
-            raise TypeError(f"{name}: expected a Tensor{'' if required else ' or None'}, got {type(t).__name__}")
+            raise TypeError(f"{op}{name}: expected a Tensor{'' if required else ' or None'}, "
+                            f"got {type(t).__name__}")
     if x.dim() != 3:
-        raise ValueError(f"x: expected a (batch, dim, seqlen) tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"{op}x: expected a (batch, dim, seqlen) tensor, got shape {tuple(x.shape)}")
     batch, dim, _ = x.shape
-    _check_tensor("x", x, tuple(x.shape), x.device)
+    _check_tensor("x", x, tuple(x.shape), x.device, op)
     if weight.dim() != 2 or weight.shape[0] != dim:
-        raise ValueError(f"weight: expected shape (dim={dim}, W), got {tuple(weight.shape)}")
+        raise ValueError(f"{op}weight: expected shape (dim={dim}, W), got {tuple(weight.shape)}")
     width = weight.shape[1]
     if not MIN_WIDTH <= width <= MAX_WIDTH:
         raise ValueError(
-            f"weight: expected width W in [{MIN_WIDTH}, {MAX_WIDTH}], got shape "
+            f"{op}weight: expected width W in [{MIN_WIDTH}, {MAX_WIDTH}], got shape "
             f"{tuple(weight.shape)} (W={width})"
         )
-    _check_tensor("weight", weight, (dim, width), x.device)
+    _check_tensor("weight", weight, (dim, width), x.device, op)
     if bias is not None:
-        _check_tensor("bias", bias, (dim,), x.device)
+        _check_tensor("bias", bias, (dim,), x.device, op)
     if initial_state is not None:
-        _check_tensor("initial_state", initial_state, (batch, dim, width - 1), x.device)
+        _check_tensor("initial_state", initial_state, (batch, dim, width - 1), x.device, op)
     if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
+        raise ValueError(f"{op}activation: expected None, 'silu' or 'swish', got {activation!r}")
 
 
 def _check_grad(dy: torch.Tensor, x: torch.Tensor) -> None:
-    _check_tensor("dy", dy, tuple(x.shape), x.device)
+    _check_tensor("dy", dy, tuple(x.shape), x.device, "causal_conv1d_backward: ")
 
 
 def _is_silu(activation: Optional[str]) -> bool:

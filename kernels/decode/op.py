@@ -199,10 +199,10 @@ def _distinct_elements(t: torch.Tensor) -> bool:
     return True
 
 
-def check_no_overlap(written_name: str, written: torch.Tensor, **read) -> None:
+def check_no_overlap(op: str, written_name: str, written: torch.Tensor, **read) -> None:
     """An op that writes ``written`` in place reads each tensor of ``read`` whole, before or after
     its write as its kernel schedules it: one that shares memory with ``written`` would see either,
-    so it is refused by name. Not part of the cached signature check: it depends on where the
+    so it is refused by name (``op`` heads the message). Not part of the cached signature check: it depends on where the
     tensors live, not on their shapes. Only views of one base can share memory (tensors that
     alias without being views, built from one storage by hand, are not looked for): the base
     comparison costs ~0.1 us a tensor on this host-bound path, and the address ranges are read
@@ -212,7 +212,7 @@ def check_no_overlap(written_name: str, written: torch.Tensor, **read) -> None:
     if not written.is_contiguous() and not _distinct_elements(written):
         # Two of its elements at one address (an expanded batch of one state, say): each would
         # take whichever update landed last, and the other rows' outputs would read it.
-        raise ValueError(f"{written_name} must not have elements that share memory (strides "
+        raise ValueError(f"{op}: {written_name} must not have elements that share memory (strides "
                          f"{tuple(written.stride())} for shape {tuple(written.shape)}, e.g. from expand); "
                          f"the op updates it in place; pass {written_name}.contiguous()")
     root = written if written._base is None else written._base
@@ -222,13 +222,14 @@ def check_no_overlap(written_name: str, written: torch.Tensor, **read) -> None:
             continue
         r0, r1 = _span(t)
         if r0 < w1 and w0 < r1:
-            raise ValueError(f"{name} shares memory with {written_name}, which the op updates in place; "
+            raise ValueError(f"{op}: {name} shares memory with {written_name}, which the op updates in place; "
                              f"pass a copy ({name}.clone())")
 
 
 def _state_update_impl(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     _checked_once(check_selective_state_update_args, state, x, dt, A, B, C, D, z, dt_bias)
-    check_no_overlap("state", state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    check_no_overlap("ssm::selective_state_update", "state", state,
+                     x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
     B, C = _grouped(B), _grouped(C)
     if state.is_cuda:
         y = _triton_decode().selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
@@ -261,7 +262,7 @@ def _silu_named(activation):
 
 def _conv_update_impl(x, conv_state, weight, bias=None, activation=None):
     _checked_once(check_causal_conv1d_update_args, x, conv_state, weight, bias, activation)
-    check_no_overlap("conv_state", conv_state, x=x, weight=weight, bias=bias)
+    check_no_overlap("ssm::causal_conv1d_update", "conv_state", conv_state, x=x, weight=weight, bias=bias)
     activation = _silu_named(activation)
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
     if x.is_cuda:

@@ -77,7 +77,7 @@ def check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bi
                          "(conv_weight=None): the conv levels' kernel carries no state")
     if conv_weight is not None:
         try:
-            check_causal_conv1d_args(x, conv_weight, conv_bias, conv_activation, None)
+            check_causal_conv1d_args(x, conv_weight, conv_bias, conv_activation, None, op=None)
         except (ValueError, TypeError) as e:
             raise type(e)(f"fused_mamba_scan: conv inputs (weight=conv_weight, bias=conv_bias, "
                           f"activation=conv_activation): {e}") from e

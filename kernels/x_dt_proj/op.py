@@ -30,22 +30,23 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def check_x_dt_proj_args(x: torch.Tensor, x_weight: torch.Tensor, dt_weight: torch.Tensor) -> None:
     """Raise ValueError/TypeError naming the argument if the inputs break the op's contract."""
     if x.dim() < 2:
-        raise ValueError(f"x: expected a (..., rows, K) tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"x_dt_proj: x: expected a (..., rows, K) tensor, got shape {tuple(x.shape)}")
     # fp64 is accepted on CPU only, for gradcheck: the kernel accumulates in fp32.
     allowed = _DTYPES + ((torch.float64,) if x.device.type == "cpu" else ())
     if x.dtype not in allowed:
-        raise TypeError(f"x: expected dtype float32, bfloat16 or float16 (float64 on CPU only), got {x.dtype}")
+        raise TypeError(f"x_dt_proj: x: expected dtype float32, bfloat16 or float16 (float64 on CPU only), "
+                        f"got {x.dtype}")
     K = x.shape[-1]
     if x_weight.dim() != 2 or x_weight.shape[1] != K:
-        raise ValueError(f"x_weight: expected shape (R + 2N, K={K}), got {tuple(x_weight.shape)}")
+        raise ValueError(f"x_dt_proj: x_weight: expected shape (R + 2N, K={K}), got {tuple(x_weight.shape)}")
     if dt_weight.dim() != 2 or not 1 <= dt_weight.shape[1] < x_weight.shape[0]:
-        raise ValueError(f"dt_weight: expected shape (dim, R) with 1 <= R < x_weight.shape[0]="
+        raise ValueError(f"x_dt_proj: dt_weight: expected shape (dim, R) with 1 <= R < x_weight.shape[0]="
                          f"{x_weight.shape[0]}, got {tuple(dt_weight.shape)}")
     for name, t in (("x_weight", x_weight), ("dt_weight", dt_weight)):
         if t.dtype != x.dtype:
-            raise TypeError(f"{name}: expected x's dtype {x.dtype}, got {t.dtype}")
+            raise TypeError(f"x_dt_proj: {name}: expected x's dtype {x.dtype}, got {t.dtype}")
         if t.device != x.device:
-            raise ValueError(f"{name}: expected x's device {x.device}, got {t.device}")
+            raise ValueError(f"x_dt_proj: {name}: expected x's device {x.device}, got {t.device}")
 
 
 def _fake(x, x_weight, dt_weight):
