@@ -30,7 +30,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .fx_utils import (dtype_of, exp_node_behind, is_call, is_cast, is_method, layout_source, named_args, parse_slice,
-                       protects_saved_input, squeezed_unit_piece, val, view_chain)
+                       protects_saved_input, squeezed_unit_piece, unit_piece, val, view_chain)
 
 __all__ = [
     "Source",
@@ -66,13 +66,19 @@ class Source:
         return tuple(self.roles.index(r) for r in order)
 
 
+# A B without a time axis, sorted roles: one per channel and state (mamba_ssm's is_variable_B=False),
+# one per state shared by the channels, or one per batch element and state (the same at every step).
+_INVARIANT_B_ROLES = (["d", "n"], ["n"], ["b", "n"])
+
+
 @dataclasses.dataclass
 class Discretized:
     """The proof's result: what ``ssm.selective_scan`` needs, each with its axis roles.
 
     ``B.roles`` is ``("b","n","t")`` in some order for the selective case, ``("b","g","n","t")``
-    for grouped B (the source before its ``repeat_interleave`` over channels), or ``("d","n")``
-    for a time-invariant B (which the op takes as it is, (dim, N)). ``a_roles``/``b_roles`` are the roles of A_full's and B_full's
+    for grouped B (the source before its ``repeat_interleave`` over channels), or a time-invariant
+    B: ``("d","n")`` (which the op takes as it is), ``("n",)`` or ``("b","n")`` (the op reads those
+    through stride-0 views). ``a_roles``/``b_roles`` are the roles of A_full's and B_full's
     axes. ``nodes`` are the nodes the proof looked through (for the rewrite record).
     """
 
@@ -1027,8 +1033,9 @@ def _full_input(b_full: torch.fx.Node, tb: int, decay: _Decay) -> Discretized | 
         if B_src is None:
             return ("B_full: a per-channel B is only accepted as a group broadcast (repeat_interleave over dim, "
                     "or its einops form 'b g ... -> b (g h) ...')")
-    elif sorted(B_src.roles) not in (["b", "n", "t"], ["d", "n"]):
-        return f"B_full: B must be indexed by (batch, state, time) or (dim, state), got {B_src.roles}"
+    elif sorted(B_src.roles) != ["b", "n", "t"] and sorted(B_src.roles) not in _INVARIANT_B_ROLES:
+        return (f"B_full: B must be indexed by (batch, state, time), (dim, state), (state) or (batch, state), "
+                f"got {B_src.roles}")
     return Discretized(u=u_src, delta=decay.delta, A=decay.A, B=B_src, a_roles=decay.a_roles, b_roles=b_roles,
                        nodes=list(dict.fromkeys(decay.nodes + bt.looked_through)), negate_A=decay.negate_A)
 
@@ -1092,11 +1099,23 @@ def _size_one_note(node: Any) -> str:
     return ""
 
 
+def _kept_time_axis_note(alpha: torch.fx.Node) -> str:
+    """Why a multiplier read as ``x[:, t:t + 1]`` fails: that step keeps x's time axis at size 1,
+    so the state carries an extra axis, and no state of that shape is proved here."""
+    piece = unit_piece(alpha)
+    if piece is None:
+        return ""
+    base, axis, _ = piece
+    return (f" (it is step t of {base.name} with its time axis {axis} kept at size 1, as x[:, t:t + 1] "
+            "reads it: the state then has a size-1 axis, which the scan pass does not prove; a step "
+            "read as x[:, t] is)")
+
+
 def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     """Prove ``alpha == exp(Δ[t0] ⊗ A)``, then ``prove_input(decay)``; ``(Discretized, t0)``."""
     at = index_term(alpha, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
-        return "the state's multiplier is not exp(Δ·A)"
+        return "the state's multiplier is not exp(Δ·A)" + _kept_time_axis_note(alpha)
     inner = at.exp_of
     if inner.summed or len(inner.factors) != 2:
         return "the state's multiplier is not exp of a product Δ·A"
@@ -1166,8 +1185,9 @@ def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | st
     for item in items:
         if item[0] == "other":
             _, roles, node = item
-            if roles is None or sorted(roles) != ["d", "n"] or B_src is not None:
-                return "the state's addend: a factor is neither a time slice nor a time-invariant B (dim, state)"
+            if roles is None or sorted(roles) not in _INVARIANT_B_ROLES or B_src is not None:
+                return ("the state's addend: a factor is neither a time slice nor a time-invariant B (dim, state), "
+                        "(state) or (batch, state)")
             B_src = Source(node, roles)
             continue
         base, idx, roles = item[1]
@@ -1220,9 +1240,9 @@ def _partial_product(sl: tuple[torch.fx.Node, int, tuple[str, ...]], decay: _Dec
         if froles is None:
             return None
         if "t" not in froles:
-            if sorted(froles) != ["d", "n"]:
+            if sorted(froles) not in _INVARIANT_B_ROLES:
                 return None
-            split.append(("other", froles, f.node))  # a time-invariant B (dim, state)
+            split.append(("other", froles, f.node))  # a time-invariant B
         else:
             split.append(("slice", (f.node, idx, froles)))
     return split, [base, *pt.looked_through]

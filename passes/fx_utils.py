@@ -464,8 +464,7 @@ def parse_slice(node: Any) -> tuple[torch.fx.Node, int, int, list[int | None]] |
 
 def squeezed_unit_piece(squeeze: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
     """``(x, axis, i)`` if ``squeeze`` removes ``axis`` from a width-1 piece of ``x`` starting at
-    i along that axis: ``x.narrow(axis, i, 1)``, ``x[..., i:i + 1, ...]`` (every other axis
-    whole) or item i of ``x.split(1, axis)``. Only an explicit squeeze axis counts: a bare
+    i along that axis (``unit_piece``). Only an explicit squeeze axis counts: a bare
     ``squeeze()`` would also drop any other axis of size 1."""
     if len(squeeze.args) != 2 or squeeze.kwargs:
         return None
@@ -473,45 +472,92 @@ def squeezed_unit_piece(squeeze: torch.fx.Node) -> tuple[torch.fx.Node, int, int
     vp = val(piece)
     if not isinstance(piece, torch.fx.Node) or not isinstance(vp, torch.Tensor) or not isinstance(axis, int):
         return None
-    axis %= vp.dim()
-    if vp.shape[axis] != 1:
+    return unit_piece(piece, axis % vp.dim()) if vp.dim() else None
+
+
+def unit_piece(piece: Any, axis: int | None = None) -> tuple[torch.fx.Node, int, int] | None:
+    """``(x, axis, i)`` if ``piece`` is the width-1 piece of ``x`` at i along ``axis``, the axis
+    kept: ``x.narrow(axis, i, 1)``, ``x[..., i:i + 1, ...]`` (every other axis whole), item i of
+    ``x.split(1, axis)`` or of ``x.chunk(n, axis)`` / ``torch.tensor_split(x, n, axis)`` where x
+    has n along the axis, or ``x.select(axis, i).unsqueeze(axis)``. ``axis`` None: the one axis
+    the piece narrows."""
+    vp = val(piece)
+    if not isinstance(piece, torch.fx.Node) or not isinstance(vp, torch.Tensor) or vp.dim() == 0:
         return None
+    found = _unit_piece(piece, vp)
+    if found is None or vp.shape[found[1]] != 1 or (axis is not None and found[1] != axis):
+        return None
+    return found
+
+
+def _unit_piece(piece: torch.fx.Node, vp: torch.Tensor) -> tuple[torch.fx.Node, int, int] | None:
     if is_method(piece, "narrow") or is_call(piece, torch.narrow):
         if len(piece.args) != 4 or piece.kwargs:
             return None
         base, dim, start, length = piece.args
         vb = val(base)
-        if (not isinstance(vb, torch.Tensor) or vb.dim() != vp.dim() or not isinstance(dim, int)
-                or dim % vb.dim() != axis or length != 1 or not isinstance(start, int)):
+        if not isinstance(vb, torch.Tensor) or vb.dim() != vp.dim() or not isinstance(dim, int) or length != 1:
             return None
-        return _unit_start(base, axis, start)
+        return _unit_start(base, dim % vb.dim(), start)
+    if is_method(piece, "unsqueeze") or is_call(piece, torch.unsqueeze):
+        if len(piece.args) != 2 or piece.kwargs or not isinstance(piece.args[1], int):
+            return None
+        axis = piece.args[1] % vp.dim()
+        sel = piece.args[0]
+        if not (is_call(sel, torch.select) or is_method(sel, "select")) or len(sel.args) != 3 or sel.kwargs:
+            return None
+        base, dim, idx = sel.args
+        vb = val(base)
+        if not isinstance(vb, torch.Tensor) or vb.dim() != vp.dim() or not isinstance(dim, int) or dim % vb.dim() != axis:
+            return None
+        return _unit_start(base, axis, idx)
     if not is_call(piece, operator.getitem):
         return None
     src, item = piece.args
-    if (is_method(src, "split") or is_call(src, torch.split, torch.functional.split)) and isinstance(item, int):
-        base = src.args[0] if src.args else None
-        size = src.args[1] if len(src.args) > 1 else src.kwargs.get("split_size_or_sections",
-                                                                     src.kwargs.get("split_size"))
-        dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
-        vb = val(base)
-        if (not isinstance(vb, torch.Tensor) or vb.dim() != vp.dim() or size != 1
-                or not isinstance(dim, int) or dim % vb.dim() != axis):
-            return None
-        return _unit_start(base, axis, item)
+    if isinstance(item, int) and not isinstance(item, bool):
+        return _split_item(src, item, vp)
     index = item if isinstance(item, tuple) else (item,)
     vs = val(src)
     if not isinstance(vs, torch.Tensor) or vs.dim() != vp.dim() or len(index) > vs.dim():
         return None
-    for k, x in enumerate(index):
-        if k == axis:
-            if not (isinstance(x, slice) and x.step in (None, 1) and isinstance(x.start, int)
-                    and isinstance(x.stop, int) and x.stop - x.start == 1 and (x.start >= 0) == (x.stop > 0)):
-                return None
-        elif not (isinstance(x, slice) and x == slice(None)):
-            return None
-    if axis >= len(index):
+    narrowed = [k for k, x in enumerate(index) if not (isinstance(x, slice) and x == slice(None))]
+    if len(narrowed) != 1:
         return None
-    return _unit_start(src, axis, index[axis].start)
+    x = index[narrowed[0]]
+    if not (isinstance(x, slice) and x.step in (None, 1) and isinstance(x.start, int) and isinstance(x.stop, int)
+            and x.stop - x.start == 1 and (x.start >= 0) == (x.stop > 0)):
+        return None
+    return _unit_start(src, narrowed[0], x.start)
+
+
+def _split_item(src: Any, item: int, vp: torch.Tensor) -> tuple[torch.fx.Node, int, int] | None:
+    """Item ``item`` of a split into width-1 pieces: ``split(1, axis)``, or ``chunk(n, axis)`` /
+    ``tensor_split(x, n, axis)`` with n the axis' size (known statically: a symbolic size could
+    give pieces of other widths)."""
+    if is_method(src, "split") or is_call(src, torch.split, torch.functional.split):
+        names = ("split_size_or_sections", "split_size")
+    elif is_method(src, "chunk") or is_call(src, torch.chunk):
+        names = ("chunks",)
+    elif is_method(src, "tensor_split") or is_call(src, torch.tensor_split):
+        names = ("indices_or_sections", "sections")
+    else:
+        return None
+    kwargs = dict(src.kwargs)
+    base = src.args[0] if src.args else kwargs.pop("input", kwargs.pop("self", None))
+    size = src.args[1] if len(src.args) > 1 else next((kwargs.pop(n) for n in names if n in kwargs), None)
+    dim = src.args[2] if len(src.args) > 2 else kwargs.pop("dim", 0)
+    vb = val(base)
+    if (kwargs or len(src.args) > 3 or not isinstance(vb, torch.Tensor) or vb.dim() != vp.dim()
+            or not isinstance(dim, int) or not isinstance(size, int) or isinstance(size, bool)):
+        return None
+    dim %= vb.dim()
+    width = vb.shape[dim]
+    if names[0] == "split_size_or_sections":
+        if size != 1:
+            return None
+    elif not (isinstance(width, int) and size == width):
+        return None
+    return _unit_start(base, dim, item)
 
 
 def _unit_start(base: torch.fx.Node, axis: int, start: int) -> tuple[torch.fx.Node, int, int] | None:

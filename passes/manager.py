@@ -22,7 +22,7 @@ from .fx_utils import INPLACE_OPERATORS, hop_name, mutates, val
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import rewrite_local_writes
 from .layout import output_layouts, random_input_layouts, settle_layouts
-from .pieces import read_single_cats, read_whole_pieces
+from .pieces import read_single_cats, read_unit_pieces, read_whole_pieces
 
 log = logging.getLogger("ssm_compile")
 
@@ -312,7 +312,7 @@ class PassManager:
         for node, reason in einops_kept:
             ctx.miss("einops", reason, [node])
         for change in (einops_changes + rewrite_local_writes(gm) + read_whole_pieces(gm)
-                       + read_single_cats(gm)):
+                       + read_single_cats(gm) + read_unit_pieces(gm)):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:
             rewrites = len(ctx.rewrites)

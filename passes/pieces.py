@@ -1,5 +1,5 @@
 """Before the rewrites: a split piece that is the whole tensor is that tensor, and so is a cat of
-one tensor.
+one tensor; a loop's width-1 pieces are selects.
 
 transformers 5.25's ``mamba_scan_forward`` cuts every scan input in two before the scan,
 ``torch.tensor_split(x, [L - k], dim)``, where k is the number of recurrent states the cache asks
@@ -24,6 +24,16 @@ in memory: the result aliases x. So it is done only when nothing else reads x, x
 writes in place at all to x's or the cat's memory (or to memory of unknown origin), the cat's
 metadata is not changed in place, both run in one grad mode, and the cat's strides are x's (or,
 after the rewrites, the layout pass will mend what relies on them: ``read_single_cats``).
+
+A loop that takes each step as a width-1 piece that keeps the time axis (``x[:, :, t:t + 1]``,
+``x.narrow(2, t, 1)``, ``zip(x.split(1, 2), ...)``, ``x.chunk(L, 2)``) reads the same values as one
+that selects step t and puts the axis back, ``x.select(2, t).unsqueeze(2)``: both are views of x
+with the same sizes, offset and strides but for the stride of the size-1 axis, which no
+value computed from them depends on (``view`` and ``is_contiguous`` ignore it). The matchers
+read a select as a time slice and an unsqueeze as a broadcast, so ``read_unit_pieces`` writes
+the pieces so. Only where one tensor is cut into two or more such pieces along one axis (a
+loop's steps), and only pieces nobody writes or reshapes in place, returns, or reads the strides
+of.
 """
 from __future__ import annotations
 
@@ -35,8 +45,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (ContextRegions, is_call, is_method, metadata_mutated, mutates, reads_alike_to_autograd, same_sizes, storage_of,
-                       val, written_args)
+from .fx_utils import (ContextRegions, is_call, is_method, metadata_mutated, mutates, propagate_val, reads_alike_to_autograd,
+                       same_sizes, storage_of, unit_piece, val, written_args)
 
 _SPLIT_FUNCTIONS = (torch.tensor_split, torch.split, torch.functional.split, torch.split_with_sizes, torch.chunk,
                     torch.hsplit, torch.vsplit, torch.dsplit)
@@ -142,4 +152,60 @@ def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> lis
         cat.replace_all_uses_with(x)
         graph.erase_node(cat)
         changes.append(f"{cat.name} is a cat of {x.name} alone: its users read {x.name}")
+    return changes
+
+
+# What reads a tensor's strides rather than its values: the one difference between a unit piece
+# and the select that replaces it.
+_STRIDE_READERS_METHODS = ("as_strided", "as_strided_", "stride", "set_", "data_ptr", "untyped_storage")
+
+
+def _plain_unit_piece(node: torch.fx.Node, returned: set) -> tuple[torch.fx.Node, int, int] | None:
+    found = unit_piece(node)
+    if found is None or node in returned or metadata_mutated(node):
+        return None
+    if is_method(node, "unsqueeze") or is_call(node, torch.unsqueeze):
+        return None  # already a select put back
+    for user in node.users:
+        if (mutates(user) and node in written_args(user)) or is_method(user, *_STRIDE_READERS_METHODS) \
+                or is_call(user, torch.as_strided):
+            return None
+    return found
+
+
+def read_unit_pieces(gm: torch.fx.GraphModule) -> list[str]:
+    """Write each width-1 piece of a loop's steps as a select put back (module docstring); a
+    line per tensor."""
+    graph = gm.graph
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
+    groups: dict[tuple[torch.fx.Node, int], list[tuple[torch.fx.Node, int]]] = collections.defaultdict(list)
+    for node in graph.nodes:
+        found = _plain_unit_piece(node, returned)
+        if found is not None:
+            base, axis, index = found
+            groups[(base, axis)].append((node, index))
+    changes = []
+    for (base, axis), pieces in groups.items():
+        size = val(base).shape[axis]
+        if len({i % size if isinstance(size, int) else i for _, i in pieces}) < 2:
+            continue
+        for piece, index in pieces:
+            with graph.inserting_before(piece):
+                sel = graph.call_method("select", (base, axis, index))
+                put_back = graph.call_method("unsqueeze", (sel, axis))
+            for new in (sel, put_back):
+                new.meta.update({k: v for k, v in piece.meta.items() if k not in ("val", "example_value")})
+            propagate_val(sel)
+            propagate_val(put_back)
+            piece.replace_all_uses_with(put_back)
+            source = piece.args[0] if is_call(piece, operator.getitem) else None
+            graph.erase_node(piece)
+            if source is not None and not source.users:
+                graph.erase_node(source)
+        changes.append(f"{len(pieces)} width-1 pieces of {base.name} along axis {axis} read as "
+                       f"{base.name}.select({axis}, t).unsqueeze({axis})")
+    if changes:
+        graph.lint()
+        gm.recompile()
     return changes

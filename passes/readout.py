@@ -73,8 +73,9 @@ def _complete_readout(node: torch.fx.Node, states: torch.fx.Node, roles: tuple[s
         return None
     out_roles = tuple(role.get(x, "1") for x in out)
     n_label = next(lab for lab, r in role.items() if r == "n")
-    # C per (batch, step), or time-invariant: (dim, N) or (N,), mamba_ssm's is_variable_C=False.
-    if (sorted(c_src.roles) not in (["b", "n", "t"], ["d", "n"], ["n"])
+    # C per (batch, step), or time-invariant: (dim, N) or (N,), mamba_ssm's is_variable_C=False,
+    # or (batch, N), one per batch element (the op reads it as a stride-0 (batch, N, L) view).
+    if (sorted(c_src.roles) not in (["b", "n", "t"], ["d", "n"], ["n"], ["b", "n"])
             or sorted(r for r in out_roles if r != "1") != ["b", "d", "t"]
             or term.summed_labels() != {n_label}):
         return None

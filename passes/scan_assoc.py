@@ -59,7 +59,8 @@ from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, Conte
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
-from .scan_loop import emit_or_refusal, emit_selective_scan, first_steps, mutated, read_through, time_prefix_source
+from .scan_loop import (emit_or_refusal, emit_selective_scan, first_steps, mutated, read_through, time_prefix_source,
+                        written_after)
 
 log = logging.getLogger("ssm_compile")
 
@@ -646,7 +647,10 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
                  "view of them (a last state updated in a cache): the op returns y and the last state as new "
                  "tensors, not the states' memory", [all_states])
         return
-    if mutated(*reads, ignore=own_writes):
+    # A source filled in place before it is made (``xs[:, k] = ...; u = xs.view(...)``) is read
+    # after its writes by the user's code and the op alike (``written_after``).
+    if (mutated(*(reads - sources), ignore=own_writes)
+            or any(written_after(s, order, own_writes) for s in sources)):
         ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)

@@ -628,6 +628,20 @@ def mutated(*nodes: torch.fx.Node, ignore: frozenset[torch.fx.Node] = frozenset(
     its base (what it is a view of) or any view of that base, however deep (``A.T.mul_()`` changes
     A), by a node not in ``ignore``. Nodes with one base share one walk of its views: asking about
     every time slice of a (batch, dim, L, N) tensor costs one walk, not L."""
+    return next(_writes(nodes, ignore), None) is not None
+
+
+def written_after(node: torch.fx.Node, pos: dict[torch.fx.Node, int],
+                  ignore: frozenset[torch.fx.Node] = frozenset()) -> bool:
+    """Some node not in ``ignore`` writes ``node``'s memory in place at or after ``node``'s own
+    place. A write before it (a buffer filled in place, then viewed: VMamba's cross-scan written
+    as ``xs = x.new_empty(...); xs[:, k] = ...; u = xs.view(...)``) is done before anything can
+    read ``node``'s value, so an op that reads ``node`` anywhere after it reads what the user's
+    code read."""
+    return any(pos[w] >= pos[node] for w in _writes((node,), ignore))
+
+
+def _writes(nodes, ignore):
     roots = set()
     for root in nodes:
         while root.args and isinstance(root.args[0], torch.fx.Node) and _aliases(root, root.args[0]):
@@ -640,11 +654,10 @@ def mutated(*nodes: torch.fx.Node, ignore: frozenset[torch.fx.Node] = frozenset(
         n = stack.pop()
         for user in n.users:
             if _is_inplace(user, n) and user not in ignore:
-                return True
+                yield user
             if user not in seen and _aliases(user, n):
                 seen.add(user)
                 stack.append(user)
-    return False
 
 
 def _aliased_inputs(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -899,12 +912,15 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
             if _computed_from(fc.node, h0):
                 return (f"the readout's C at step 0 ({fc.node.name}) has no time axis but is computed from the "
                         "loop's own values (the state h_0): the readout is not linear in the state")
-            return (f"the readout reads the same C ({fc.node.name}, indexed by {c_roles}) at every step, but "
-                    "one per batch element: ssm.selective_scan takes a time-invariant C only as (dim, N)")
+            if sorted(c_roles) != ["b", "n"]:
+                return (f"the readout reads the same C ({fc.node.name}, indexed by {c_roles}) at every step: "
+                        "ssm.selective_scan takes a C without a time axis as (dim, state), (state) or "
+                        "(batch, state)")
         if len(set(c_roles)) != len(c_roles) or "n" not in c_roles:
             return f"the readout's time-invariant C ({fc.node.name}) is indexed by {c_roles}, not (dim, state)"
-        # The same C at every step, (dim, N) or (N,) (mamba_ssm's is_variable_C=False): ``mutated``
-        # in match_loop makes sure nothing writes it between the steps.
+        # The same C at every step, (dim, N) or (N,) (mamba_ssm's is_variable_C=False), or one per
+        # batch element, (batch, N): ``mutated`` in match_loop makes sure nothing writes it between
+        # the steps.
         y_roles = _readout_roles(rt, role, y0)
         return y_roles if isinstance(y_roles, str) else (view_source(fc.node, c_roles), fc.node, y_roles)
     c_base, _, c_idx = c_slice
@@ -1077,15 +1093,24 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
     # this anchor (two loops from one H and one α_0 slice have two anchors, each its own h_0).
     # Of several such products, the state nearest H is this loop's: a second loop started from
     # the anchor's state (a reverse loop) also multiplies its own state by α_1, many steps on.
-    def step_one_state(source: torch.fx.Node) -> torch.fx.Node | None:
+    def step_one_state(source: torch.fx.Node, shift: int = 1) -> torch.fx.Node | None:
         found = None
         for _, p, q in products:
             for a1, x in ((p, q), (q, p)):
                 if (isinstance(a1, torch.fx.Node) and isinstance(x, torch.fx.Node) and pos[x] > pos[H]
-                        and (found is None or pos[x] < pos[found]) and _leaf_key(a1, 1) == key0
+                        and (found is None or pos[x] < pos[found]) and _leaf_key(a1, shift) == key0
                         and (x is source or _between(source, x, pos) is not None)):
                     found = x
         return found
+
+    def strided_steps() -> str | None:
+        # Step 1 found k > 1 indices on: range(start, L, k) (probe, run 51: this read as "no state chain").
+        stride = next((k for k in (2, 3, 4) if step_one_state(anchor, k) is not None), None)
+        if stride is None:
+            return None
+        return (f"the loop steps through time {stride} indices at a time (range(start, L, {stride})?): the next "
+                f"step's multiplier reads every time index + {stride}, so the recurrence skips time steps, and "
+                "ssm.selective_scan scans every step")
 
     h0 = step_one_state(anchor)
     if h0 is None and step_one_state(H) is not None:
@@ -1098,6 +1123,9 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         if per_step:
             if _made_by_step_key(H, key0, depth=3):
                 return _REVERSE_SCAN
+            strided = strided_steps()
+            if strided is not None:
+                return strided
             # exp(...) of time slices multiplying a state-shaped value looks like a step; say why
             # it is not one (e.g. a loop-invariant value such as -A recomputed in every step is a
             # different node per step, and only time slices are compared shifted).
@@ -1116,7 +1144,7 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         if sh is not None:
             # A product of two time slices (B̄[t] * x[t] inside a step): no state to chain.
             return None
-        return "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
+        return strided_steps() or "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
     region = _between(H, h0, pos)
     if L is None:
         L = _count_steps(region, H, h0)
@@ -1327,10 +1355,11 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
     if init is not None:
         sources["initial state"] = init
     for name, node in sources.items():
-        if mutated(node):
-            # ``mutated`` follows shared memory: B and C split from one x_proj output are both
+        if written_after(node, pos):
+            # The walk follows shared memory: B and C split from one x_proj output are both
             # "mutated" when either is written, so the message says it may be through another view.
-            return f"{name} is mutated in place (it, or a view sharing its memory, is written)"
+            return (f"{name} is mutated in place (it, or a view sharing its memory, is written after {node.name} "
+                    "is made)")
     if mutated(*disc.nodes):
         return "a value between the sources and A_full/B_full is mutated in place"
     # The loop may read a source through a copy the passes look through (``A = A.clone()``) that
@@ -1426,21 +1455,29 @@ def emit_selective_scan(
         A = _cast(graph, A, torch.float32)
     if disc.negate_A:
         A = _node(graph, "call_function", operator.neg, A)
-    if "t" not in C.roles:
+    # A B or C with a batch axis but no time axis is one per batch element: the op reads it as a
+    # (batch, N, L) one, the same at every step.
+    c_per_step = "t" in C.roles or "b" in C.roles
+    if "t" not in C.roles and "b" in C.roles:
+        Cv = _per_batch(graph, C, u)
+    elif "t" not in C.roles:
         Cv = _time_invariant(graph, C, u)
     else:
         Cv = permute_view(graph, C.node, C.perm_to("bgnt" if "g" in C.roles else "bnt"))
-    if disc.time_invariant_B:
+    if disc.time_invariant_B and "b" not in disc.B.roles:
         B = _time_invariant(graph, disc.B, u)
     elif "g" in disc.B.roles:
         B = permute_view(graph, disc.B.node, disc.B.perm_to("bgnt"))
-        if "g" not in C.roles and "t" in C.roles:
+        if "g" not in C.roles and c_per_step:
             # The op reads B and C in one layout: share C across groups through a stride-0 view.
             groups = _node(graph, "call_method", "size", B, 1)
             C4 = _node(graph, "call_function", operator.getitem, Cv, (slice(None), None))
             Cv = _node(graph, "call_method", "expand", C4, -1, groups, -1, -1)
     else:
-        B = permute_view(graph, disc.B.node, disc.B.perm_to("bnt"))
+        if disc.time_invariant_B:
+            B = _per_batch(graph, disc.B, u)
+        else:
+            B = permute_view(graph, disc.B.node, disc.B.perm_to("bnt"))
         if "g" in C.roles:
             groups = _node(graph, "call_method", "size", Cv, 1)
             B4 = _node(graph, "call_function", operator.getitem, B, (slice(None), None))
@@ -1482,6 +1519,14 @@ def emit_selective_scan(
         last = permute_view(graph, last, tuple("bdn".index(r) for r in last_state_roles))
         last = _cast(graph, last, last_state_dtype)
     return y, last
+
+
+def _per_batch(graph: torch.fx.Graph, src: Source, u: torch.fx.Node) -> torch.fx.Node:
+    """A (batch, N) B or C, the same at every step, as the op's (batch, N, L) one: a stride-0
+    view over time (no copy; the view's backward sums the gradient over time)."""
+    bn = permute_view(graph, src.node, src.perm_to("bn"))
+    bn1 = _node(graph, "call_function", operator.getitem, bn, (slice(None), slice(None), None))
+    return _node(graph, "call_method", "expand", bn1, -1, -1, _node(graph, "call_method", "size", u, 2))
 
 
 def _time_invariant(graph: torch.fx.Graph, src: Source, u: torch.fx.Node) -> torch.fx.Node:
@@ -1904,6 +1949,12 @@ def _recurrence_reason(c: Any, H: Any) -> str:
                     "left alone; a scan is rewritten when it runs every step from t = 0")
         return ("a linear recurrence h = a_t*h + x_t whose decay a_t is not a time slice of exp(Δ·A); "
                 "left alone")
+    if ts is None and exp_behind(c):
+        # exp(Δ·A) with a Δ that has no time axis (S4D's learned per-channel step, probe AZ): the
+        # op takes Δ per (batch, dim, time), and no proof here reads one from a Δ without time.
+        return ("a linear recurrence h = exp(Δ·A)*h + x_t whose Δ has no time axis (the same step at every t, "
+                "as in S4D): left alone, since ssm.selective_scan reads Δ per (batch, dim, time); a Δ "
+                "broadcast to (batch, dim, L) before the loop is rewritten")
     if ts is None:
         return ("a linear recurrence h = c*h + x_t with a time-invariant decay c (an EMA), not exp(Δ_t·A): "
                 "left alone, since ssm.selective_scan would compute c as exp(log c), which is not exactly c")

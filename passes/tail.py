@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, match_bias
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
@@ -264,8 +265,21 @@ def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | N
     if not ((is_call(sub, operator.sub, torch.sub) or is_method(sub, "sub")) and len(sub.args) == 2
             and not sub.kwargs and y in sub.args):
         return None
-    if not _product_of(sub.args[1] if sub.args[0] is y else sub.args[0], layout_source(u_op).base):
+    term = sub.args[1] if sub.args[0] is y else sub.args[0]
+    u = layout_source(u_op).base
+    if not _product_of(term, u):
         return None
+    # Only a (dim,) coefficient makes the subtracted term a D·u of the other sign: a per-step one
+    # (Hydra's diagonal correction (C_t·B_t)·Δ_t·u_t, probe AZ) is no skip whatever its sign.
+    coeff = next((f for f in binary_operands(term, MUL_TARGETS)
+                  if not (isinstance(f, torch.fx.Node) and layout_source(f).base is u)), None)
+    shape = shape_of(coeff) if isinstance(coeff, torch.fx.Node) else None
+    dim = shape_of(u_op)[1] if shape_of(u_op) is not None else None
+    # (Only the reason depends on this: sizes not provably 1 count as wide.)
+    wide = [s for s in (shape or ()) if not statically_known_true(s == 1)]
+    if dim is not None and (len(wide) > 1 or len(wide) == 1 and not statically_known_true(wide[0] == dim)):
+        return (f"{sub.name} subtracts the product of the scan's u and {coeff.name} (shape {list(shape)}), "
+                "which is not a (dim,) vector D: not the op's skip y + D·u")
     return f"{sub.name} subtracts {'D·u from y' if sub.args[0] is y else 'y from D·u'}: the op adds D·u to y"
 
 

@@ -559,7 +559,7 @@ NON_MAMBA = {
     "conv-depthwise-stride2": (lambda: CausalConvNet("stride2"), "stride (2,) is not 1"),
     "data-dependent-branch": (DataDependent, None),
     "ema-loop": (EMA, None),
-    "s4d-loop": (S4D, "time-invariant decay"),
+    "s4d-loop": (S4D, "whose Δ has no time axis (the same step at every t, as in S4D)"),
     "tanh-rnn-loop": (TanhRNN, None),
 }
 

@@ -248,22 +248,122 @@ def test_time_invariant_scan_is_rewritten_and_matches_eager(fn, B_shape, C_shape
     assert compare_with_eager(fn, args)[family] == 1
 
 
-def test_a_per_batch_C_is_left_alone_with_a_reason():
-    """The same C at every step but one per batch element, (batch, N): the op has no such input."""
+# --- a B or C without a time axis: (N,) for every channel, (batch, N) per batch element --------
+# (run 52; before, such a B was a miss, "neither a time slice nor a time-invariant B (dim, state)",
+# and a (batch, N) C was left alone: "ssm.selective_scan takes a time-invariant C only as (dim, N)")
+
+def _shared_disc(u, delta, A, B):
+    dA = torch.exp(delta.unsqueeze(-1) * A[:, None, :])
+    Bx = {1: lambda: B, 2: lambda: B[:, None, None, :], 3: lambda: B.transpose(1, 2).unsqueeze(1)}[B.dim()]()
+    return dA, delta.unsqueeze(-1) * Bx * u.unsqueeze(-1)
+
+
+def _c_at(C, t):
+    return C[:, None, :] if C.dim() == 2 else C[:, None, :, t]
+
+
+def _c_of_states(C):
+    return C[:, None, None, :] if C.dim() == 2 else C.transpose(1, 2)[:, None]
+
+
+def shared_loop(u, delta, A, B, C):
+    dA, dBu = _shared_disc(u, delta, A, B)
+    h = u.new_zeros(BATCH, DIM, STATE)
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append((h * _c_at(C, t)).sum(-1))
+    return torch.stack(ys, 2)
+
+
+def shared_step_loop(u, delta, A, B, C):
+    """The discretisation inside the loop, from the step's slices."""
+    h = u.new_zeros(BATCH, DIM, STATE)
+    ys = []
+    for t in range(u.shape[2]):
+        dt = delta[:, :, t, None]
+        Bx = {1: lambda: B, 2: lambda: B[:, None, :], 3: lambda: B[:, None, :, t]}[B.dim()]()
+        h = torch.exp(dt * A) * h + dt * Bx * u[:, :, t, None]
+        ys.append((h * _c_at(C, t)).sum(-1))
+    return torch.stack(ys, 2)
+
+
+def shared_stacked(u, delta, A, B, C):
+    dA, dBu = _shared_disc(u, delta, A, B)
+    h = u.new_zeros(BATCH, DIM, STATE)
+    hs = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        hs.append(h)
+    return (torch.stack(hs, 2) * _c_of_states(C)).sum(-1)
+
+
+def shared_assoc(u, delta, A, B, C):
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    dA, dBu = _shared_disc(u, delta, A, B)
+    _, hs = associative_scan(lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1]), (dA, dBu), dim=2,
+                             combine_mode="generic")
+    return (hs * _c_of_states(C)).sum(-1)
+
+
+SHARED = [((STATE,), (BATCH, STATE, STEPS)), ((BATCH, STATE), (BATCH, STATE, STEPS)),
+          ((BATCH, STATE, STEPS), (BATCH, STATE)), ((BATCH, STATE), (BATCH, STATE)), ((STATE,), (BATCH, STATE))]
+
+
+@pytest.mark.parametrize("shapes", SHARED, ids=lambda s: f"B{len(s[0])}d-C{len(s[1])}d")
+@pytest.mark.parametrize("fn, family", [(shared_loop, "scan_loop"), (shared_step_loop, "scan_loop"),
+                                        (shared_stacked, "scan_loop"), (shared_assoc, "scan_assoc")],
+                         ids=["loop", "step-loop", "stacked", "assoc"])
+def test_a_B_or_C_without_a_time_axis_is_rewritten(fn, family, shapes):
+    args = _pass_inputs(*shapes)
+    report = explain(fn, *args)
+    assert report.counts.get(family) == 1 and report.counts.get("readout") == 1, report.format(graphs=False)
+    assert compare_with_eager(fn, args)[family] == 1
+
+
+def test_a_C_per_batch_and_channel_is_left_alone_with_a_reason():
+    """The same C at every step but one per (batch, channel), (batch, dim, N): the op has no such input."""
     def fn(u, delta, A, B, C):
         dA, dBu = _disc(u, delta, A, B)
         h = torch.zeros(BATCH, DIM, STATE, dtype=u.dtype)
         ys = []
         for t in range(u.shape[2]):
             h = dA[:, :, t] * h + dBu[:, :, t]
-            ys.append((h * C[:, None]).sum(-1))
+            ys.append((h * C).sum(-1))
         return torch.stack(ys, 2)
 
-    args = _pass_inputs((BATCH, STATE, STEPS), (BATCH, STATE))
+    args = _pass_inputs((BATCH, STATE, STEPS), (BATCH, DIM, STATE))
     report = explain(fn, *args)
     assert report.counts.get("scan_loop") is None
-    assert any("one per batch element" in m.reason for m in report.misses), report.format(graphs=False)
+    assert any("takes a C without a time axis as (dim, state), (state) or (batch, state)" in m.reason
+               for m in report.misses), report.format(graphs=False)
     assert not compare_with_eager(fn, args)["scan_loop"]
+
+
+def test_triton_launchers_read_per_batch_views():
+    """A (batch, N) B and C reach the launchers as stride-0 (batch, 1, N, L) views (the passes'
+    expand): forward and backward against the reference (TRITON_INTERPRET on a CPU-only machine)."""
+    from ssm_compile.kernels.selective_scan import triton_bwd, triton_fwd
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = make_inputs("var", "var", batch=2, dim=4, L=21, N=3, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    Bb, Cb = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+    inputs["B"], inputs["C"] = Bb[:, :, None].expand(2, 3, 21), Cb[:, :, None].expand(2, 3, 21)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    dy = torch.randn(inputs["u"].shape, generator=g).to(device)
+    dlast = torch.randn(inputs["initial_state"].shape, generator=g).to(device)
+    args = [inputs[k] for k in ("u", "delta", "A")] + [inputs["B"][:, None], inputs["C"][:, None]] + [
+        inputs[k] for k in ("D", "z", "delta_bias")]
+    y, last = triton_fwd.selective_scan_fwd(*args, True, inputs["initial_state"], True)
+    got = triton_bwd.selective_scan_bwd(dy, dlast, *args, True, inputs["initial_state"])
+    want_y, want_last, want = _grads(_ref, {k: v.double() for k, v in inputs.items()}, dy.double(), dlast.double())
+    assert rel_err(y, want_y) < TOL[torch.float32] and rel_err(last, want_last) < TOL[torch.float32]
+    for name, grad in (("u", got.du), ("delta", got.ddelta), ("A", got.dA), ("B", got.dB[:, 0]), ("C", got.dC[:, 0]),
+                       ("D", got.dD), ("z", got.dz), ("delta_bias", got.ddelta_bias),
+                       ("initial_state", got.dinitial_state)):
+        assert rel_err(grad, want[name]) < 2 * TOL[torch.float32], (name, rel_err(grad, want[name]))
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["rebound", "in-place"])

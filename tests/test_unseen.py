@@ -556,6 +556,17 @@ def stride_2_loop(u, delta, A, B, C):
     return torch.stack(ys, dim=2)
 
 
+def stride_3_step_loop(u, delta, A, B, C):
+    """The discretisation in the step, every third step from t = 1."""
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(1, u.shape[2], 3):
+        dt = delta[:, :, t, None]
+        h = torch.exp(dt * A) * h + dt * B[:, None, :, t] * u[:, :, t, None]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=2)
+
+
 def outputs_reversed(u, delta, A, B, C):
     dA, dBu = disc(u, delta, A, B)
     h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
@@ -662,7 +673,8 @@ LOOK_ALIKES = [
     pytest.param(step_with(lambda a, h, b: a * h.flip(-1) + b), "(flip)", id="state-flipped"),
     pytest.param(step_with(lambda a, h, b: a * h * h + b), "not linear", id="a*h*h+b"),
     pytest.param(injected_state_midway, "starts at time index 3", id="state-injected-midway"),
-    pytest.param(stride_2_loop, "no state chain", id="range(0,L,2)"),
+    pytest.param(stride_2_loop, "the loop steps through time 2 indices at a time", id="range(0,L,2)"),
+    pytest.param(stride_3_step_loop, "the loop steps through time 3 indices at a time", id="range(1,L,3)-in-step"),
     pytest.param(outputs_reversed, "not collected exactly once, in time order", id="stack(ys[::-1])"),
     pytest.param(output_also_accumulated, "not collected exactly once", id="y-also-accumulated"),
     pytest.param(mid_state_returned, "intermediate state h_2 is used outside", id="mid-state-returned"),
@@ -810,6 +822,9 @@ TAILS = [
                  id="skip-subtracted"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: D[:, None] * u - y), {"delta"}, "subtracts y from D·u",
                  id="y-subtracted-from-skip"),
+    # Hydra's diagonal correction: a per-step coefficient, no D of either sign (probe AZ, run 52).
+    pytest.param(tail(_sp, lambda y, u, D, z, dt: y - (dt * z) * u), {"delta"}, "which is not a (dim,) vector D",
+                 id="per-step-term-subtracted"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: y + (u * D[:, None] + 1.0)), {"delta"}, None, id="skip-plus-const"),
     pytest.param(tail(_sp, lambda y, u, D, z, dt: (y + u * D[:, None]) * torch.sigmoid(z)), {"delta", "skip"},
                  "the gate is sigmoid, not silu", id="gate-sigmoid(z)"),
