@@ -29,8 +29,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (dtype_of, exp_node_behind, is_call, is_cast, is_method, layout_source, named_args, parse_slice,
-                       protects_saved_input, squeezed_unit_piece, unit_piece, val, view_chain)
+from .fx_utils import (dtype_of, exp_node_behind, higher_order_op, hop_name, is_call, is_cast, is_method, layout_source,
+                       named_args, parse_slice, protects_saved_input, squeezed_unit_piece, unit_piece, val, view_chain)
 
 __all__ = [
     "Source",
@@ -889,7 +889,7 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
             return (f"A_full is exp(Δ·A) cast by {a_exp.name} from {dtype_of(a_exp.args[0])} to {dtype_of(a_exp)}: "
                     "the op computes the decay in fp32 and never rounds it, so it would drop the rounding "
                     "the program computes with")
-        return "A_full is not exp(Δ·A)"
+        return "A_full is not exp(Δ·A)" + _hop_note(a_exp)
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]
     if inner.summed:
@@ -988,7 +988,7 @@ def _full_input(b_full: torch.fx.Node, tb: int, decay: _Decay) -> Discretized | 
     bt = index_term(b_full, decay.stops)
     if bt is None or bt.summed or len(bt.factors) < 3:
         n = 0 if bt is None else len(bt.factors)
-        return f"B_full is not a product Δ·B·u (found {n} factors)"
+        return f"B_full is not a product Δ·B·u (found {n} factors)" + _hop_note(layout_source(b_full).base)
     deltas = []
     for f in bt.factors:
         if decay.sliced is not None and f.node is decay.sliced[0]:
@@ -1085,6 +1085,16 @@ def match_step_decay_full_input(alpha: torch.fx.Node, b_full: torch.fx.Node, t_a
     """The mixed form: the multiplier computed in the loop (``alpha == exp(Δ[t0] ⊗ A)``), the
     input term precomputed (``b_full == Δ·B·u``, time axis ``t_axis``, with the same Δ)."""
     return _with_negation(lambda neg: _match_step_decay(alpha, neg, lambda d: _full_input(b_full, t_axis, d)))
+
+
+def _hop_note(node: Any) -> str:
+    """Why a full term reads as no product at all when a higher-order op makes it: a hook on it or a
+    custom autograd.Function, whose backward no op may replace (probe BA)."""
+    hop = higher_order_op(node)
+    if hop is None:
+        return ""
+    return (f" (it is the output of {hop_name(hop)}, a custom autograd.Function or a hook on the tensor: what "
+            "it does in the backward is the program's, and the op's own gradient would replace it)")
 
 
 def _size_one_note(node: Any) -> str:

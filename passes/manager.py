@@ -218,6 +218,19 @@ def _attribute_reads_first(gm: torch.fx.GraphModule) -> None:
 _ATEN_SIGNS = ("exp", "softplus")
 
 
+def _backward_hooked(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The tensors a hook is registered on through compiled autograd's backward state: the
+    trampoline's first argument, or a node dynamo marked as hooked."""
+    hooked = []
+    for node in gm.graph.nodes:
+        if node.meta.get("has_backward_hook"):
+            hooked.append(node)
+        elif (node.op == "call_function" and getattr(node.target, "__name__", "") == "_register_hook_trampoline"
+              and node.args and isinstance(node.args[0], torch.fx.Node)):
+            hooked.append(node.args[0])
+    return list(dict.fromkeys(hooked))
+
+
 def _report_aten_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     """A reason for a graph of aten ops (``torch.export``'s ``ep.module()``, a graph traced by
     ``make_fx``): dynamo records such a program's calls as ``torch.ops.aten.*`` overloads, which no
@@ -296,6 +309,17 @@ class PassManager:
 
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext, seen: set[int], body: bool = False) -> None:
         seen.add(id(gm))
+        hooked = _backward_hooked(gm)
+        if hooked:
+            # Under compiled autograd dynamo registers a tensor hook as a call that nothing reads
+            # (``_register_hook_trampoline(t, backward_state)``): a rewrite that replaced t, or a
+            # pre-pass that pointed its users elsewhere, would leave the hook on a tensor the
+            # backward never reaches, silently dropping what it does to the gradient (probe BA).
+            names = ", ".join(n.name for n in hooked[:4]) + (", ..." if len(hooked) > 4 else "")
+            ctx.miss("graph", f"compiled autograd registers backward hooks on {names} in this graph, and a "
+                     "rewrite or a pre-pass could move a hooked value off the backward's path, so that its "
+                     "hook never runs: the graph is left as traced", hooked[:1])
+            return
         before, misses_before = len(ctx.rewrites), len(ctx.misses)
         if body:
             # Dynamo dead-code-eliminates its root graph but not a checkpoint body: under dynamic
