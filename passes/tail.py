@@ -125,6 +125,25 @@ def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
             ctx.miss(family, f"y ({chain.top.name}) has other users besides the {family}", [user])
             return None
         return chain, user, found
+    hooked = _hooked_y(chain.top)
+    if hooked is not None:
+        ctx.miss(family, f"y ({chain.top.name}) passes through {hop_name(hooked)} (a hook on the tensor, or a custom "
+                 f"autograd.Function) before the sum or product after it: no {family} is folded across it, "
+                 "since the op's output would bypass what it does in the backward", [hooked])
+    return None
+
+
+def _hooked_y(y: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The higher-order op that reads ``y`` and whose output some sum or product reads (where a
+    skip or gate would be: a hook on y, probe BA), or None."""
+    for user in y.users:
+        hop = higher_order_op(user)
+        if hop is None:
+            continue
+        outs = [hop, *(u for u in hop.users if is_call(u, operator.getitem))]
+        if any(binary_operands(r, ADD_TARGETS) is not None or binary_operands(r, MUL_TARGETS) is not None
+               for o in outs for r in o.users):
+            return hop
     return None
 
 

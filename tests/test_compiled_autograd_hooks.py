@@ -1,4 +1,4 @@
-"""Tensor hooks under compiled autograd (probe BA, run 52).
+"""Tensor hooks under compiled autograd, and on the scan's output (probe BA, run 52).
 
 With ``torch._dynamo.config.compiled_autograd = True`` dynamo records ``t.register_hook(fn)`` on an
 intermediate tensor as a call nothing reads, ``_register_hook_trampoline(t, backward_state)``,
@@ -37,7 +37,10 @@ def block(u, dt, A, B, C, D, z, dt_bias, hook_on):
     for t in range(u.shape[1]):
         h = dA[:, t] * h + dBu[:, t]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))
-    return (torch.stack(ys, 1) + u * D) * F.silu(z)
+    y = torch.stack(ys, 1)
+    if hook_on == "y":
+        y.register_hook(lambda g: g * 0.5)
+    return (y + u * D) * F.silu(z)
 
 
 def inputs():
@@ -80,3 +83,20 @@ def test_hooks_under_compiled_autograd_keep_their_gradients(hook_on, monkeypatch
         assert not blocked and report.counts.get("scan_loop") == 1, report.format(graphs=False)
     else:
         assert blocked and not report.rewrites, report.format(graphs=False)
+
+
+def test_a_hook_on_y_keeps_the_skip_and_gate_out_with_a_reason():
+    # Without compiled autograd: the scan is rewritten, the hook stays on its output, and the
+    # skip and gate after the hook are not folded (they would bypass it), each with a reason.
+    want = grads(block, "y", compiled_backward=False)
+    torch._dynamo.reset()
+    got = grads(torch.compile(block, backend=backend(inductor=False)), "y", compiled_backward=False)
+    torch._dynamo.reset()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    report = explain(lambda *a: block(*a, hook_on="y"), *[a.requires_grad_() for a in inputs()])
+    torch._dynamo.reset()
+    assert report.counts.get("scan_loop") == 1 and not report.counts.get("skip") and not report.counts.get("gate")
+    for family in ("skip", "gate"):
+        assert any(m.family == family and "passes through torch.ops.higher_order." in m.reason
+                   for m in report.misses), report.format(graphs=False)
