@@ -485,7 +485,7 @@ def unit_piece(piece: Any, axis: int | None = None) -> tuple[torch.fx.Node, int,
     if not isinstance(piece, torch.fx.Node) or not isinstance(vp, torch.Tensor) or vp.dim() == 0:
         return None
     found = _unit_piece(piece, vp)
-    if found is None or vp.shape[found[1]] != 1 or (axis is not None and found[1] != axis):
+    if found is None or not statically_known_true(vp.shape[found[1]] == 1) or (axis is not None and found[1] != axis):
         return None
     return found
 
@@ -524,8 +524,10 @@ def _unit_piece(piece: torch.fx.Node, vp: torch.Tensor) -> tuple[torch.fx.Node, 
     if len(narrowed) != 1:
         return None
     x = index[narrowed[0]]
-    if not (isinstance(x, slice) and x.step in (None, 1) and isinstance(x.start, int) and isinstance(x.stop, int)
-            and x.stop - x.start == 1 and (x.start >= 0) == (x.stop > 0)):
+    # ``x[..., i:i + 1]``, or an open stop (``x[..., -1:]``, ``x[..., L - 1:]``) whose width the
+    # caller checks is 1.
+    if not (isinstance(x, slice) and x.step in (None, 1) and isinstance(x.start, int)
+            and (x.stop is None or isinstance(x.stop, int) and x.stop - x.start == 1 and (x.start >= 0) == (x.stop > 0))):
         return None
     return _unit_start(src, narrowed[0], x.start)
 

@@ -28,12 +28,12 @@ after the rewrites, the layout pass will mend what relies on them: ``read_single
 A loop that takes each step as a width-1 piece that keeps the time axis (``x[:, :, t:t + 1]``,
 ``x.narrow(2, t, 1)``, ``zip(x.split(1, 2), ...)``, ``x.chunk(L, 2)``) reads the same values as one
 that selects step t and puts the axis back, ``x.select(2, t).unsqueeze(2)``: both are views of x
-with the same sizes, offset and strides but for the stride of the size-1 axis, which no
-value computed from them depends on (``view`` and ``is_contiguous`` ignore it). The matchers
-read a select as a time slice and an unsqueeze as a broadcast, so ``read_unit_pieces`` writes
-the pieces so. Only where one tensor is cut into two or more such pieces along one axis (a
-loop's steps), and only pieces nobody writes or reshapes in place, returns, or reads the strides
-of.
+with the same sizes and offset. The matchers read a select as a time slice and an unsqueeze as a
+broadcast, so ``read_unit_pieces`` writes the pieces so, where the two also have the same
+strides (the size-1 axis' stride can differ, on a channels-last x say, and conv2d or pooling
+choose their output's layout from it, which later code may read: probe BB, run 52). Only where
+one tensor is cut into two or more such pieces along one axis (a loop's steps), and only pieces
+nobody writes or reshapes in place, returns, or reads the strides of.
 """
 from __future__ import annotations
 
@@ -190,6 +190,7 @@ def read_unit_pieces(gm: torch.fx.GraphModule) -> list[str]:
         size = val(base).shape[axis]
         if len({i % size if isinstance(size, int) else i for _, i in pieces}) < 2:
             continue
+        done = 0
         for piece, index in pieces:
             with graph.inserting_before(piece):
                 sel = graph.call_method("select", (base, axis, index))
@@ -197,14 +198,23 @@ def read_unit_pieces(gm: torch.fx.GraphModule) -> list[str]:
             for new in (sel, put_back):
                 new.meta.update({k: v for k, v in piece.meta.items() if k not in ("val", "example_value")})
             propagate_val(sel)
-            propagate_val(put_back)
+            p, q = val(piece), propagate_val(put_back)
+            if not (same_sizes(p.stride(), q.stride()) and statically_known_true(p.storage_offset() == q.storage_offset())):
+                # The size-1 axis' stride differs (a channels-last base): conv2d, pooling and
+                # group_norm pick their output's memory format from it, and code after them may
+                # read that layout (probe BB). Left as it is.
+                graph.erase_node(put_back)
+                graph.erase_node(sel)
+                continue
+            done += 1
             piece.replace_all_uses_with(put_back)
             source = piece.args[0] if is_call(piece, operator.getitem) else None
             graph.erase_node(piece)
             if source is not None and not source.users:
                 graph.erase_node(source)
-        changes.append(f"{len(pieces)} width-1 pieces of {base.name} along axis {axis} read as "
-                       f"{base.name}.select({axis}, t).unsqueeze({axis})")
+        if done:
+            changes.append(f"{done} width-1 pieces of {base.name} along axis {axis} read as "
+                           f"{base.name}.select({axis}, t).unsqueeze({axis})")
     if changes:
         graph.lint()
         gm.recompile()

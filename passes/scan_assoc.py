@@ -649,8 +649,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         return
     # A source filled in place before it is made (``xs[:, k] = ...; u = xs.view(...)``) is read
     # after its writes by the user's code and the op alike (``written_after``).
-    if (mutated(*(reads - sources), ignore=own_writes)
-            or any(written_after(s, order, own_writes) for s in sources)):
+    if any(written_after(n, order, own_writes) for n in reads):
         ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)

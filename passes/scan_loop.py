@@ -1360,11 +1360,14 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
             # "mutated" when either is written, so the message says it may be through another view.
             return (f"{name} is mutated in place (it, or a view sharing its memory, is written after {node.name} "
                     "is made)")
-    if mutated(*disc.nodes):
+    # (A view of a source made after the source's fills, ``u.unsqueeze(-1)``, shares the memory
+    # written before it: only writes at or after a node's own place count, as for the sources.)
+    if any(written_after(n, pos) for n in disc.nodes):
         return "a value between the sources and A_full/B_full is mutated in place"
     # The loop may read a source through a copy the passes look through (``A = A.clone()``) that
     # is written in place between steps, while the op reads the source itself once.
-    if mutated(*read_through(sorted(loop_nodes, key=pos.__getitem__), set(sources.values()), pos)):
+    if any(written_after(n, pos) for n in read_through(sorted(loop_nodes, key=pos.__getitem__),
+                                                        set(sources.values()), pos)):
         return "a value the loop reads its inputs through is written in place"
     if val(h[-1]).dtype == torch.float64 and val(disc.u.node).dtype != torch.float64:
         # The op accumulates in float32 unless u is float64: a state the user keeps in float64

@@ -148,9 +148,24 @@ def two_axes(u, delta, A, B, C):
     return sum(u[:, i:i + 1, t:t + 1] for i in range(DIM) for t in range(L))
 
 
+def channels_last_conv(u, delta, A, B, C):
+    # The width-1 pieces of a channels-last x have the stride of its channel axis on their
+    # size-1 axis, a select put back has 1 there: conv2d picks its output's layout from it, and
+    # as_strided reads that layout through the strides the code asked for (probe BB: 23.2 off).
+    x = u.detach().reshape(BATCH, DIM, 2, L // 2).contiguous(memory_format=torch.channels_last)
+    w = delta.detach()[0, :, :3].reshape(DIM, 1, 3, 1).expand(DIM, DIM, 3, 1).contiguous()
+    outs = []
+    for i in range(L // 2):
+        y = torch.nn.functional.conv2d(x[:, :, :, i:i + 1], w, padding=(1, 0))
+        s = y.stride()
+        outs.append(torch.as_strided(y, (BATCH, 2, DIM), (s[0], s[2], s[1])))
+    return torch.stack(outs, 1)
+
+
 @pytest.mark.parametrize("fn, changed", [
+    (channels_last_conv, []),
     (written_piece, ["b", "c", "u"]), (one_piece, []), (strided_reader, []), (returned, []),
-], ids=["written", "one-piece", "as_strided", "returned"])
+], ids=["channels-last", "written", "one-piece", "as_strided", "returned"])
 def test_pieces_left_as_written(fn, changed):
     args = [t.detach() for t in inputs()]
     changes, gm, out = _capture_pieces(fn, *[a.clone() for a in args])
@@ -174,6 +189,9 @@ def test_a_piece_narrowing_two_axes_is_not_a_unit_piece():
     (lambda x: x[:, :, 3:4], (2, 3)),
     (lambda x: x[:, :, -2:-1], (2, -2)),
     (lambda x: x[:, -1:0], None),            # empty: -1 .. 0
+    (lambda x: x[:, :, -1:], (2, -1)),       # an open stop, width 1
+    (lambda x: x[:, :, 5:], (2, 5)),
+    (lambda x: x[:, :, 4:], None),           # an open stop, width 2
     (lambda x: x[:, None, 1:2], None),       # an inserted axis: not a plain piece
     (lambda x: x[:, 1:2, 1:2], None),        # narrows two axes
     (lambda x: x[:, :, 1:3], None),          # width 2
