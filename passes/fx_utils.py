@@ -1144,21 +1144,54 @@ def _is_foreach_inplace(node: torch.fx.Node) -> bool:
 
 def _writes_an_input(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
-        return node.target in _INPLACE_DUNDERS or (node.target.endswith("_") and not node.target.startswith("_"))
+        return node.target in _INPLACE_DUNDERS or _inplace_name(node.target)
     if _is_foreach_inplace(node):
         return True
     if node.op != "call_function":
         return False
     if node.target is operator.setitem or node.target in INPLACE_OPERATORS:
         return True
-    # torch.relu_ / torch.sigmoid_, and F.relu(x, inplace=True) / F.silu(x, True) as dynamo records them.
-    name = getattr(node.target, "__name__", "")
-    if name.endswith("_") and not name.startswith("_"):
+    # torch.relu_ / torch.sigmoid_ / torch._add_relu_, and F.relu(x, inplace=True) / F.silu(x, True)
+    # as dynamo records them.
+    if _inplace_name(getattr(node.target, "__name__", "")):
         return True
     if _inplace_flag(node):
         return True
+    if _writing_packet(node.target) or _writing_body(node):
+        return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _inplace_name(name: str) -> bool:
+    # ``mul_``, ``_add_relu_``, ``_index_put_impl_``; not a dunder (``__getitem__``).
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _writing_packet(target: Any) -> bool:
+    """An op overload packet (``torch.ops.ns.op``, as dynamo records a custom op called without an
+    overload) with an overload that writes an argument (``mutates_args``, whatever its name)."""
+    if not isinstance(target, torch._ops.OpOverloadPacket):
+        return False
+    for name in target.overloads():
+        schema = getattr(getattr(target, name, None), "_schema", None)
+        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return True
+    return False
+
+
+def _writing_body(node: torch.fx.Node) -> bool:
+    """A higher-order op whose body writes in place (a checkpoint body that scales its argument or
+    a tensor it captured, both passed in as operands): taken as writing every tensor operand."""
+    if not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return False
+    module = node.graph.owning_module
+    for arg in node.all_input_nodes:
+        body = getattr(module, arg.target, None) if arg.op == "get_attr" and module is not None else None
+        if isinstance(body, torch.fx.GraphModule) and any(
+                mutates(n) for sub in body.modules() if isinstance(sub, torch.fx.GraphModule) for n in sub.graph.nodes):
+            return True
+    return False
 
 
 def _inplace_flag(node: torch.fx.Node) -> bool:
@@ -1229,6 +1262,9 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
                        if a.alias_info is not None and a.alias_info.is_write]
         elif _is_foreach_inplace(node) and node.args and isinstance(node.args[0], (list, tuple)):
             written = list(node.args[0])
+        elif _writing_packet(node.target) or _writing_body(node):
+            # Which operand is written is not read off here: every tensor operand may be.
+            written = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
         else:
             written = list(node.args[:1])
     return [a for a in written if isinstance(a, torch.fx.Node)] + _out_nodes(node)

@@ -365,7 +365,7 @@ def _check_aliasing(gm: torch.fx.GraphModule, values: dict, out_node: torch.fx.N
         return
     # (Not the copies the draw-order restore made: eager has no view there to tell them from.)
     risky = [n for n in values if (_stride_dependent(n) or _as_strided(n)) and not n.meta.get(_DRAW_COPY)
-             and isinstance(n.args[0], torch.fx.Node) and storage_of_value(values.get(n.args[0])) in op_memory]
+             and n.args and isinstance(n.args[0], torch.fx.Node) and storage_of_value(values.get(n.args[0])) in op_memory]
     if not risky:
         return
     for n in risky:

@@ -593,7 +593,9 @@ def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: 
 # itself when there is nothing to convert (``A.float()`` of a float A, ``x.contiguous()``).
 _ALIASING_OPS = frozenset(VIEW_OPS + (
     "view_as", "reshape_as", "expand_as", "swapaxes", "swapdims", "diagonal", "detach", "contiguous", "float",
-    "double", "half", "bfloat16", "to", "type", "type_as"))
+    "double", "half", "bfloat16", "to", "type", "type_as",
+    # vmap's batched view of its operand: a write inside the vmapped function writes the operand.
+    "_add_batch_dim"))
 _ALIAS_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 
 
@@ -642,11 +644,17 @@ def written_after(node: torch.fx.Node, pos: dict[torch.fx.Node, int],
 
 
 def _writes(nodes, ignore):
-    roots = set()
-    for root in nodes:
-        while root.args and isinstance(root.args[0], torch.fx.Node) and _aliases(root, root.args[0]):
-            root = root.args[0]
-        roots.add(root)
+    # Up through every operand a node may alias, not only its first positional one: a view taken
+    # by keyword (``torch.narrow(input=xs, ...)``), or one of several results that alias their
+    # inputs (``torch.broadcast_tensors(w, xs)[1]``) (probe BC, run 52).
+    roots: set[torch.fx.Node] = set()
+    up = list(nodes)
+    while up:
+        node = up.pop()
+        if node in roots:
+            continue
+        roots.add(node)
+        up.extend(a for a in node.all_input_nodes if a not in roots and _aliases(node, a))
     roots |= _aliased_inputs(roots)
     seen = set(roots)
     stack = list(roots)

@@ -56,7 +56,7 @@ def _is_step(node: Any) -> bool:
         return True
     # getitem on a split's output tuple ends the walk (handled by the caller); getitem on a
     # tensor is indexing, a view.
-    return is_call(node, *_VIEW_FUNCTIONS) and not _is_split(node.args[0])
+    return is_call(node, *_VIEW_FUNCTIONS) and bool(node.args) and not _is_split(node.args[0])
 
 
 def _schema(op: torch.fx.Node) -> torch.FunctionSchema:
