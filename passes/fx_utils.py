@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import operator
+import types
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import sympy
@@ -1157,10 +1158,35 @@ def _writes_an_input(node: torch.fx.Node) -> bool:
         return True
     if _inplace_flag(node):
         return True
-    if _writing_packet(node.target) or _writing_body(node):
+    if _writing_packet(node.target) or _writing_body(node) or _opaque_python_call(node):
         return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+# Modules whose plain Python functions dynamo records as calls (``torch.functional.split``,
+# ``F.silu``, ``operator.add``): their writes are known by name, flag or schema.
+_KNOWN_MODULES = ("torch", "operator", "_operator", "math", "builtins", "einops", "functools")
+
+
+def _opaque_python_call(node: torch.fx.Node) -> bool:
+    """A call of a Python function of the user's that dynamo did not trace into
+    (``torch._dynamo.allow_in_graph``): what it does to its tensors is not seen, so it may write
+    any of them (probe BD, run 52)."""
+    target = node.target
+    if not callable(target) or not isinstance(target, (types.FunctionType, functools.partial)):
+        return False
+    module = getattr(target, "__module__", None) or ""
+    return module.split(".")[0] not in _KNOWN_MODULES and any(
+        isinstance(val(a), torch.Tensor) for a in node.all_input_nodes)
+
+
+def _receiver(node: torch.fx.Node) -> Any:
+    """The tensor an in-place call without a schema writes: its first operand, positional or by
+    keyword (``torch.neg_(input=t)``, ``F.silu(input=t, inplace=True)``, ``_foreach_mul_(self=[t])``)."""
+    if node.args:
+        return node.args[0]
+    return next((node.kwargs[k] for k in ("input", "self", "tensor", "tensors") if k in node.kwargs), None)
 
 
 def _inplace_name(name: str) -> bool:
@@ -1260,13 +1286,13 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
             named.update(node.kwargs)
             written = [named.get(a.name) for a in schema.arguments
                        if a.alias_info is not None and a.alias_info.is_write]
-        elif _is_foreach_inplace(node) and node.args and isinstance(node.args[0], (list, tuple)):
-            written = list(node.args[0])
-        elif _writing_packet(node.target) or _writing_body(node):
+        elif _is_foreach_inplace(node) and isinstance(_receiver(node), (list, tuple)):
+            written = list(_receiver(node))
+        elif _writing_packet(node.target) or _writing_body(node) or _opaque_python_call(node):
             # Which operand is written is not read off here: every tensor operand may be.
             written = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
         else:
-            written = list(node.args[:1])
+            written = [_receiver(node)]
     return [a for a in written if isinstance(a, torch.fx.Node)] + _out_nodes(node)
 
 

@@ -67,8 +67,14 @@ def grads(fn, hook_on, compiled_backward):
 
 
 @pytest.mark.parametrize("hook_on", ["dt", "dA", None])
-def test_hooks_under_compiled_autograd_keep_their_gradients(hook_on, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+def test_hooks_under_compiled_autograd_keep_their_gradients(hook_on):
+    # torch's own config patch: a monkeypatch of the config module's attribute is undone by a
+    # delattr that, in some pytest versions, hides the option from every later compile.
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        _check_hooks_under_compiled_autograd(hook_on)
+
+
+def _check_hooks_under_compiled_autograd(hook_on):
     want = grads(block, hook_on, compiled_backward=False)
     torch._dynamo.reset()
     got = grads(torch.compile(block, backend=backend(inductor=False)), hook_on, compiled_backward=True)

@@ -13,9 +13,17 @@ write: 1.4 to 9.7 off eager. The misses were
   (``torch.ops.ns.op``, no schema on the packet), a checkpoint body that writes its operand or a
   tensor it captured, and a write inside ``torch.vmap`` (through ``_add_batch_dim``).
 Every program is now left as traced; values are compared with eager in fp64.
+
+Probe BD found the same in the passes that fold the tail, Δ and the decode step into ops: a write
+whose target is passed by keyword (``torch.neg_(input=D)``, ``torch.relu_(input=z)``,
+``torch._foreach_mul_(self=[z], ...)``) was known to write but not what, and a function dynamo
+calls without tracing into it (``torch._dynamo.allow_in_graph``) was not known to write at all;
+the fold then read the value after the write where the user's code read it before (0.5 to 72 off).
+Those folds are now refused (``FOLDS`` below).
 """
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from torch._dynamo.utils import counters
 from torch._higher_order_ops.associative_scan import associative_scan
@@ -144,6 +152,63 @@ def test_a_write_the_walk_missed_now_refuses_the_rewrite(name):
     torch._dynamo.reset()
     counters.clear()
     got = torch.compile(fn, backend=backend(inductor=False))(*inputs())
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not counters["ssm"][family], dict(counters["ssm"])
+
+
+# --- folds (probe BD) -------------------------------------------------------------------------
+
+@torch._dynamo.allow_in_graph
+def _doubled_sum(t):
+    t.mul_(2)
+    return t.sum()
+
+
+def _gate_after(write):
+    def fn(u, delta, A, B, C, D, z):
+        zz = z.clone()
+        y = loop(u, delta, A, B, C) + u * D[None, :, None]
+        extra = write(zz)
+        return y * F.silu(zz) + (0 if extra is None else extra)
+    return fn
+
+
+def skip_D_negated(u, delta, A, B, C, D, z):
+    Dc = D.clone()
+    y = loop(u, delta, A, B, C)
+    torch.neg_(input=Dc)
+    return y + u * Dc[None, :, None]
+
+
+def delta_input_negated(u, delta, A, B, C, D, z):
+    pre = delta.clone()
+    dl = F.softplus(pre + D[None, :, None])
+    torch.neg_(input=pre)
+    A = A * 1.0  # made after the write: the op is placed after it
+    return loop(u, dl, A, B, C)
+
+
+FOLDS = {
+    "gate-relu_-keyword": (_gate_after(lambda zz: torch.relu_(input=zz)), "gate"),
+    "gate-silu-inplace-keyword": (_gate_after(lambda zz: F.silu(input=zz, inplace=True)), "gate"),
+    "gate-foreach-self-keyword": (_gate_after(lambda zz: torch._foreach_mul_(self=[zz], scalar=2.0) and None), "gate"),
+    "gate-allow_in_graph": (_gate_after(_doubled_sum), "gate"),
+    "skip-D-neg_-keyword": (skip_D_negated, "skip"),
+    "delta-neg_-keyword": (delta_input_negated, "delta"),
+}
+
+
+@pytest.mark.parametrize("name", list(FOLDS))
+def test_a_fold_across_a_write_it_did_not_see_is_refused(name):
+    fn, family = FOLDS[name]
+    g = torch.Generator().manual_seed(1)
+    args = inputs() + [torch.randn(DIM, generator=g, dtype=torch.float64),
+                       torch.randn(BATCH, DIM, L, generator=g, dtype=torch.float64)]
+    want = fn(*[a.clone() for a in args])
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(fn, backend=backend(inductor=False))(*[a.clone() for a in args])
     torch._dynamo.reset()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert not counters["ssm"][family], dict(counters["ssm"])
