@@ -645,12 +645,15 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         # HF's ``ssm_state = all_states[:, :, -1]`` later copied over by a decode step, say.
         ctx.miss(FAMILY, f"the states ({all_states.name}) are written in place after the scan, through them or a "
                  "view of them (a last state updated in a cache): the op returns y and the last state as new "
-                 "tensors, not the states' memory", [all_states])
+                 "tensors, not the states' memory", [all_states], covers=[a_full, *disc.nodes])
         return
     # A source filled in place before it is made (``xs[:, k] = ...; u = xs.view(...)``) is read
     # after its writes by the user's code and the op alike (``written_after``).
-    if any(written_after(n, order, own_writes) for n in reads):
-        ctx.miss(FAMILY, "a value the scan reads its inputs through is written in place", [all_states])
+    written = next((n for n in sorted(reads, key=order.__getitem__) if written_after(n, order, own_writes)), None)
+    if written is not None:
+        # The scan was recognised (probe BC: explain also reported an orphaned exp(Δ·A)).
+        ctx.miss(FAMILY, f"a value the scan reads its inputs through ({written.name}) is written in place after it "
+                 "is made", [all_states], covers=[a_full, *disc.nodes])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)
     # The op must run under the grad mode / autocast / functorch state the states and the

@@ -212,3 +212,15 @@ def test_a_fold_across_a_write_it_did_not_see_is_refused(name):
     torch._dynamo.reset()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert not counters["ssm"][family], dict(counters["ssm"])
+
+
+def test_a_refused_associative_scan_is_named_as_recognised():
+    # The miss names the value written; explain reported an orphaned exp(Δ·A) as well ("no scan
+    # over it was recognised") although scan_assoc had recognised the scan (probe BC).
+    from ssm_compile.report import explain
+
+    fn, _ = PROGRAMS["assoc-movedim-keyword"]
+    report = explain(fn, *inputs())
+    reasons = [(m.family, m.reason) for m in report.misses]
+    assert any(f == "scan_assoc" and "is written in place after it is made" in r for f, r in reasons), reasons
+    assert not any("no scan over it was recognised" in r for _, r in reasons), reasons
