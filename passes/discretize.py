@@ -225,6 +225,9 @@ class _Evaluator:
         # Each branch returns None when the node is not a pure relabelling/product; it then
         # becomes a leaf, which keeps the evaluator sound: it never claims more than it proved.
         if top and self.allow_exp and (is_call(node, torch.exp) or is_method(node, "exp")):
+            if len(node.args) != 1 or node.kwargs:
+                # ``torch.exp(input=x)``, ``torch.exp(x, out=y)``: not read as an exp here (a leaf).
+                return None
             inner = self.term(node.args[0])
             if inner is None:
                 return None

@@ -224,3 +224,26 @@ def test_a_refused_associative_scan_is_named_as_recognised():
     reasons = [(m.family, m.reason) for m in report.misses]
     assert any(f == "scan_assoc" and "is written in place after it is made" in r for f, r in reasons), reasons
     assert not any("no scan over it was recognised" in r for _, r in reasons), reasons
+
+
+def test_exp_by_keyword_is_a_leaf_not_an_error(caplog):
+    # ``torch.exp(input=x)`` has no positional operand: the discretisation read node.args[0] and
+    # the scan pass raised IndexError (caught: the graph ran without rewrites, with a warning).
+    import logging
+
+    def fn(x, delta, A, B, C):
+        h = x.new_zeros(BATCH, DIM, N)
+        ys = []
+        for t in range(L):
+            dt = delta[:, :, t, None]
+            h = torch.exp(input=dt * A) * h + dt * B[:, None, :, t] * x[:, :, t, None]
+            ys.append((h * C[:, None, :, t]).sum(-1))
+        return torch.stack(ys, -1)
+
+    want = fn(*inputs())
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="ssm_compile"):
+        got = torch.compile(fn, backend=backend(inductor=False))(*inputs())
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert "raised" not in caplog.text, caplog.text
