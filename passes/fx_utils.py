@@ -1174,7 +1174,7 @@ def _opaque_python_call(node: torch.fx.Node) -> bool:
     (``torch._dynamo.allow_in_graph``): what it does to its tensors is not seen, so it may write
     any of them (probe BD, run 52)."""
     target = node.target
-    if not callable(target) or not isinstance(target, (types.FunctionType, functools.partial)):
+    if not isinstance(target, types.FunctionType):
         return False
     module = getattr(target, "__module__", None) or ""
     return module.split(".")[0] not in _KNOWN_MODULES and any(

@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from test_pieces_and_staging import capture
 
 from ssm_compile.compiler import backend
 from ssm_compile.passes.fx_utils import unit_piece
@@ -102,19 +103,6 @@ def test_the_pieces_are_read_as_selects_put_back(caplog):
         assert f"{L} width-1 pieces of {name} along axis 2 read as {name}.select(2, t).unsqueeze(2)" in changes
 
 
-def _capture_pieces(fn, *args):
-    seen = {}
-
-    def be(gm, example_inputs):
-        seen["changes"] = read_unit_pieces(gm)
-        seen["gm"] = gm
-        return gm.forward
-
-    out = torch.compile(fn, backend=be, fullgraph=True)(*args)
-    torch._dynamo.reset()
-    return seen["changes"], seen["gm"], out
-
-
 def written_piece(u, delta, A, B, C):
     # Each step's Δ piece is scaled in place: a write through the piece reaches delta itself, so
     # a later step reads what an earlier one wrote. Left as written.
@@ -168,7 +156,7 @@ def channels_last_conv(u, delta, A, B, C):
 ], ids=["channels-last", "written", "one-piece", "as_strided", "returned"])
 def test_pieces_left_as_written(fn, changed):
     args = [t.detach() for t in inputs()]
-    changes, gm, out = _capture_pieces(fn, *[a.clone() for a in args])
+    changes, gm, out = capture(fn, *[a.clone() for a in args], rewrite=read_unit_pieces)
     assert sorted(c.split(" of l_")[1].split("_ ")[0] for c in changes) == changed
     ref = fn(*args)
     ref = ref if isinstance(ref, tuple) else (ref,)
@@ -180,7 +168,7 @@ def test_pieces_left_as_written(fn, changed):
 
 def test_a_piece_narrowing_two_axes_is_not_a_unit_piece():
     args = [t.detach() for t in inputs()]
-    changes, gm, out = _capture_pieces(two_axes, *args)
+    changes, gm, out = capture(two_axes, *args, rewrite=read_unit_pieces)
     assert changes == []
     torch.testing.assert_close(out, two_axes(*args), rtol=0, atol=0)
 
