@@ -21,6 +21,7 @@ from .einops_calls import expand_einops_calls
 from .fx_utils import INPLACE_OPERATORS, hop_name, mutates, val
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import rewrite_local_writes
+from .keywords import positional_operands
 from .layout import output_layouts, random_input_layouts, settle_layouts
 from .pieces import read_single_cats, read_unit_pieces, read_whole_pieces
 
@@ -331,11 +332,13 @@ class PassManager:
         # Only here, on dynamo's graph: the rewrites read who shares memory with whom from the
         # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
         _attribute_reads_first(gm)
-        # einops calls first: the others and the matchers see only torch calls.
+        # Operands by position first: every pass after it reads them so.
+        keyword_changes = positional_operands(gm)
+        # einops calls next: the others and the matchers see only torch calls.
         einops_changes, einops_kept = expand_einops_calls(gm)
         for node, reason in einops_kept:
             ctx.miss("einops", reason, [node])
-        for change in (einops_changes + rewrite_local_writes(gm) + read_whole_pieces(gm)
+        for change in (keyword_changes + einops_changes + rewrite_local_writes(gm) + read_whole_pieces(gm)
                        + read_single_cats(gm) + read_unit_pieces(gm)):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:

@@ -21,8 +21,7 @@ Recorded behaviour:
   stays symbolic. The number of graphs is asserted.
 - Greedy decoding compiles the step twice (the prompt's tokens are strided views, the generated
   ones are not); each graph has every layer's state and conv updates rewritten.
-- Batch 1 gives eager's answer but the scan is NOT rewritten (a missed rewrite, not a wrong one):
-  ``test_batch1_scan_is_rewritten`` fails until passes/discretize.py handles it (see there).
+- Batch 1 (a single prompt) gives eager's answer and every layer's scan is rewritten.
 """
 import copy
 import math
@@ -244,11 +243,8 @@ def test_dynamic_batch_and_length_inference():
     assert {f: counters["ssm"][f] for f in SCAN_FAMILIES} == per_layer(6), fired()
 
 
-# A single prompt (batch 1) is the common generation case. It gives eager's answer, but the scan is
-# not rewritten: passes/discretize.py's einsum evaluator gives every size-1 operand axis its own
-# index (line ~306, "a size-1 operand axis broadcasts"), also when the letter is size 1 in every
-# operand, so u and B lose their batch axis; where B comes from a (batch*L, N) split reshaped to
-# (1, N, L), B is then found as (t, n) and refused. test_batch1_scan_is_rewritten fails on that.
+# A single prompt (batch 1) is the common generation case. The size-1 batch axis once made
+# discretize.py's einsum evaluator lose u's and B's batch axis, and the scan was not rewritten.
 def _scan_args(batch, dim=6, n=4, length=5):
     g = torch.Generator().manual_seed(0)
     return (torch.randn(batch, dim, length, generator=g), torch.rand(batch, dim, length, generator=g),
