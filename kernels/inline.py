@@ -175,9 +175,11 @@ def memoize_access_analysis() -> None:
 INLINED: set[str] = set()
 
 
-def register_inline(lib: torch.library.Library, qualname: str, traced_impl: Callable[..., Any]) -> None:
+def register_inline(lib: torch.library.Library, qualname: str, traced_impl: Callable[..., Any],
+                    functional_impl: Optional[Callable[..., Any]] = None) -> None:
     """Give ``qualname`` (``"ssm::name"``) the rule above; ``traced_impl`` takes the op's
-    positional arguments and launches through ``wrap_triton``."""
+    positional arguments and launches through ``wrap_triton``. ``functional_impl``, if given,
+    replaces the whole op where it is not inlined (same arguments, traced under the mode)."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     INLINED.add(qualname)
@@ -187,6 +189,9 @@ def register_inline(lib: torch.library.Library, qualname: str, traced_impl: Call
         if inlines(types, args, kwargs):
             with mode:
                 return traced_impl(*args)
+        if functional_impl is not None:
+            with mode:
+                return functional_impl(*args, **kwargs)
         return mode.__torch_dispatch__(op, types, args, kwargs)
 
     torch.library.register_torch_dispatch(qualname, FunctionalTensorMode, rule, lib=lib)

@@ -27,11 +27,16 @@ class Report:
         graphs: one ``GraphRecord`` per graph dynamo compiled, in compile order.
         graph_breaks: dynamo's graph-break reasons seen during the run, with counts.
         output: what the model returned on the explained run.
+        untraced: why dynamo gave up on a whole frame and ran it eagerly, with dynamo's counts of
+            its tries. A graph break inside a loop does that (``print`` or ``retain_grad()`` in the
+            time loop): no graph and no graph break is recorded, so without these the report
+            would be empty.
     """
 
     graphs: list[GraphRecord]
     graph_breaks: dict[str, int]
     output: Any = dataclasses.field(default=None, repr=False)
+    untraced: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def rewrites(self) -> list:
@@ -48,8 +53,10 @@ class Report:
 
     def summary(self) -> str:
         counts = ", ".join(f"{family} x{n}" for family, n in sorted(self.counts.items())) or "none"
+        untraced = ", frames run eagerly (below)" if self.untraced else ""
         return (f"ssm_compile.explain: {len(self.graphs)} graph(s), {sum(self.graph_breaks.values())} "
-                f"graph break(s), {len(self.rewrites)} rewrite(s) [{counts}], {len(self.misses)} near-miss(es)")
+                f"graph break(s), {len(self.rewrites)} rewrite(s) [{counts}], {len(self.misses)} near-miss(es)"
+                + untraced)
 
     def __str__(self) -> str:
         return self.format(graphs=True)
@@ -59,6 +66,9 @@ class Report:
         lines = [self.summary()]
         for reason, n in self.graph_breaks.items():
             lines.append(f"  graph break x{n}: {reason}")
+        for reason in self.untraced:
+            # Not counted: dynamo tries a frame again after some failures, and counts each try.
+            lines.append(f"  frame run eagerly (dynamo could not trace it, so no backend saw it): {reason}")
         for i, g in enumerate(self.graphs, 1):
             lines.append(f"\n== graph {i} (options: {g.options}) ==")
             lines.append("rewrites:" if g.rewrites else "rewrites: none")
@@ -119,6 +129,8 @@ def explain(model_or_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Repor
         output = compiled(*args, **kwargs)
         breaks = collections.Counter(counters["graph_break"])
         breaks.subtract(saved.get("graph_break", {}))
+        untraced = collections.Counter(counters["unimplemented"])
+        untraced.subtract(saved.get("unimplemented", {}))
     finally:
         torch._dynamo.reset()
         # Every counter as it was (ssm, graph_break, stats, ...): explaining is not compiling.
@@ -126,6 +138,18 @@ def explain(model_or_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Repor
         for name, counts in counters.items():
             counts.clear()
             counts.update(saved.get(name, {}))
-    report = Report(graphs=records, graph_breaks={k: v for k, v in breaks.items() if v > 0}, output=output)
+    report = Report(graphs=records, graph_breaks={k: v for k, v in breaks.items() if v > 0}, output=output,
+                    untraced=_untraced_reasons(untraced))
     log.info("%s", report.summary())
     return report
+
+
+def _untraced_reasons(counts: collections.Counter) -> dict[str, int]:
+    """Dynamo's reasons for frames it ran eagerly, each cut to its title and explanation (the
+    hints after them run to paragraphs)."""
+    reasons: collections.Counter = collections.Counter()
+    for reason, n in counts.items():
+        if n > 0:
+            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+            reasons[" ".join(lines[:2])] += n
+    return dict(reasons)

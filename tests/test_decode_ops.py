@@ -459,16 +459,25 @@ print(json.dumps({d: sorted(t._traced_decode_step(d)) for d in ("cuda", "cpu")})
 
 def test_functionalization_inlines_the_cuda_launches():
     """On CUDA each decode op becomes its kernel's wrap_triton launch, which inductor compiles
-    and launches itself; on CPU and under the interpreter the op stays (symbolic sizes: the
-    CUDA test below). Traced with fake CUDA tensors, so it runs without a GPU; in a subprocess
-    without TRITON_INTERPRET, which this process's kernels were imported under on CPU."""
+    and launches itself; on CPU and under the interpreter the op becomes its functional twin and
+    a copy back (symbolic sizes: the CUDA test below; why: tests/test_decode_views.py). Traced
+    with fake CUDA tensors, so it runs without a GPU; in a subprocess without TRITON_INTERPRET,
+    which this process's kernels were imported under on CPU."""
     traced = traced_without_interpreter(_TRACE_SCRIPT)
     ops = {"ssm.causal_conv1d_update.default", "ssm.selective_state_update.default"}
+    twins = {"ssm.causal_conv1d_update_functional.default", "ssm.selective_state_update_functional.default"}
     assert "triton_kernel_wrapper_functional" in traced["cuda"]
-    assert not ops & set(traced["cuda"]), traced["cuda"]
-    assert ops <= set(traced["cpu"]) and "triton_kernel_wrapper_functional" not in traced["cpu"]
+    assert not (ops | twins) & set(traced["cuda"]), traced["cuda"]
+    assert twins <= set(traced["cpu"]) and not ops & set(traced["cpu"]), traced["cpu"]
+    assert "triton_kernel_wrapper_functional" not in traced["cpu"]
     if inline._interpreted():
-        assert ops <= _traced_decode_step("cuda")
+        # Nothing is inlined under the interpreter, CUDA tensors or not. (Not traced here: the
+        # copy back into a fake CUDA tensor needs a CUDA build.)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            args = [torch.empty(2, 3, device="cuda")]
+        assert not inline.inlines([torch.Tensor], args, {})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the tracing test above)")
@@ -496,15 +505,15 @@ def test_inductor_launches_the_decode_kernels_itself():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the tracing test above)")
 def test_decode_ops_stay_whole_with_dynamic_sizes():
-    """With symbolic sizes the launch sizes cannot be chosen at trace time: the ops stay, and
-    their results are eager's."""
+    """With symbolic sizes the launch sizes cannot be chosen at trace time: the ops stay, as their
+    functional twins, and their results are eager's."""
     from torch._inductor.utils import run_and_get_code
 
     eager_args = _decode_step_inputs("cuda")
     compiled_args = [a.clone() for a in eager_args]
     y_e = _decode_step(*eager_args)
     y_c, codes = run_and_get_code(torch.compile(_decode_step, fullgraph=True, dynamic=True), *compiled_args)
-    assert "torch.ops.ssm.selective_state_update" in "\n".join(codes)
+    assert "torch.ops.ssm.selective_state_update_functional" in "\n".join(codes)
     assert torch.equal(y_c, y_e) and torch.equal(compiled_args[0], eager_args[0])
 
 

@@ -122,7 +122,8 @@ def test_view_state_gets_the_functional_op_and_a_copy_back(fn):
 
 def test_graph_input_state_is_still_written_in_place():
     """A state that is a graph input itself (a cache with one tensor per layer, as HF's) keeps the
-    mutating op: no extra copy per step."""
+    mutating op: where it is inlined (CUDA, static sizes) its kernel writes the state, with no
+    extra copy per step."""
 
     def step(state, x, dt, B, C):
         dt = F.softplus(dt)
@@ -238,3 +239,50 @@ def test_step_returning_its_state_of_a_layer_passed_in_matches_eager():
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
         assert torch.equal(got_cache, cache) and torch.equal(ref_cache, cache)
     assert counters["ssm"]["state_update"] == 2
+
+
+def _direct_state_update(layer):
+    def step(cache, x, dt, B, C):
+        return torch.ops.ssm.selective_state_update(layer(cache), x, dt, P["A"], B, C, P["D"], None, None, True)
+    return step
+
+
+def _direct_conv_update(layer):
+    def step(cache, x):
+        return torch.ops.ssm.causal_conv1d_update(x, layer(cache), P["w"][:, 0], P["b"], "silu")
+    return step
+
+
+LAYER_OF = {"cache[1]": lambda c: c[1], "cache[1].clone()": lambda c: c[1].clone()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("layer", LAYER_OF.values(), ids=LAYER_OF.keys())
+@pytest.mark.parametrize("make,conv", [(_direct_state_update, False), (_direct_conv_update, True)],
+                         ids=["state_update", "conv_update"])
+def test_mutating_op_called_on_a_cache_layer_under_inductor_matches_eager(make, conv, layer, dynamic, device):
+    """The ops called by the user's own code, compiled by plain inductor (probe BG, run 53). Kept
+    whole, a mutating op became ``auto_functionalized``, for which inductor (torch 2.13) read
+    ``cache[0]`` where the code named ``cache[1]`` (symbolic sizes), or the clone of it (static
+    too): y up to ~3 off eager, and the other layers written. The op is now traced as its
+    functional twin and a copy back wherever it is not inlined. Caches off: an artifact compiled
+    before the fix would hide it."""
+    fn = make(layer)
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(LAYERS, 2, DIM, W if conv else N, generator=g)
+    rest = [torch.randn(2, DIM, generator=g)] if conv else [
+        *(torch.randn(2, DIM, generator=g) for _ in "xd"), *(torch.randn(2, N, generator=g) for _ in "BC")]
+    cache, rest = cache.to(device), [r.to(device) for r in rest]
+    saved = dict(P)
+    P.update({k: v.to(device) for k, v in P.items()})
+    try:
+        ref_cache, got_cache = cache.clone(), cache.clone()
+        ref = fn(ref_cache, *rest)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True):
+            got = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=dynamic)(got_cache, *rest)
+    finally:
+        P.update(saved)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_cache, ref_cache)

@@ -61,6 +61,38 @@ def test_report_across_a_graph_break():
     assert "== graph 2" in str(report) and "graph break x1" in str(report)
 
 
+def scan_with_a_break_in_the_loop(u, delta, A, B, C):
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = torch.exp(delta[:, :, t, None] * A) * h + delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
+        if t == 2:
+            torch._dynamo.graph_break()  # as a print or retain_grad() in the loop would
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, dim=2)
+
+
+def test_report_of_a_frame_dynamo_ran_eagerly():
+    """A graph break inside a loop makes dynamo run the whole frame eagerly: no graph, no graph
+    break recorded. The report said "0 graph(s), 0 graph break(s)" and nothing else (probe BF,
+    run 53); it now gives dynamo's reason."""
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 4, 5, generator=g), torch.rand(2, 4, 5, generator=g), -torch.rand(4, 3, generator=g),
+            torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g))
+    counters["unimplemented"]["an older reason"] = 3
+    report = explain(scan_with_a_break_in_the_loop, *args)
+    assert not report.graphs and not report.graph_breaks
+    assert len(report.untraced) == 1 and "an older reason" not in report.untraced
+    (reason,) = report.untraced
+    assert "graph_break" in reason, reason
+    text = report.format(graphs=False)
+    assert "frames run eagerly (below)" in text.splitlines()[0]
+    assert f"frame run eagerly (dynamo could not trace it, so no backend saw it): {reason}" in text
+    torch.testing.assert_close(report.output, scan_with_a_break_in_the_loop(*args))
+    # The caller's counters are left as they were.
+    assert dict(counters["unimplemented"]) == {"an older reason": 3}
+
+
 def test_explain_leaves_no_state_behind(caplog):
     counters["ssm"]["conv1d"] = 7
     with caplog.at_level(logging.INFO, logger="ssm_compile"):

@@ -13,7 +13,9 @@ The passes use the twins where the state is not a graph input itself (a view of 
 cache, or a step that returns its new state): inductor (torch 2.13) mis-addresses a mutating
 custom op's write to a view with a storage offset under dynamic shapes, and to a clone of
 such a view even with static ones (``tests/test_decode_views.py``), while a functional op
-followed by ``copy_`` into the view is ordinary functionalization.
+followed by ``copy_`` into the view is ordinary functionalization. For the same reason a graph
+that calls the in-place op itself (user code compiled by plain inductor) is traced with the twin
+and a copy back wherever the op is not inlined (``_state_update_functional_traced``).
 
 One decode step runs these ops once per layer, so their host cost is per token. They are
 defined on a ``torch.library.Library`` fragment (schema, CPU/CUDA kernels, fake kernel, and an
@@ -303,6 +305,25 @@ def _conv_update_traced(x, conv_state, weight, bias=None, activation=None):
     return y.squeeze(-1) if x.dim() == 2 else y
 
 
+# Where a graph is compiled and the op is not inlined (CPU, symbolic sizes), the in-place op is
+# traced as its functional twin and a copy into the state. Whole, it becomes
+# ``auto_functionalized``, and inductor (torch 2.13) reads the wrong memory for it where the
+# state is a view of a stacked cache with symbolic sizes, or a clone of such a view with static
+# ones: it regenerates the view from the clone by ``as_strided`` and drops the select's offset,
+# so the op read ``cache[0]`` for ``cache[1]`` (probe BG, run 53). A copy into the state is plain
+# functionalization, which handles every view.
+def _state_update_functional_traced(state, *args):
+    y, new = torch.ops.ssm.selective_state_update_functional(state, *args)
+    state.copy_(new)
+    return y
+
+
+def _conv_update_functional_traced(x, conv_state, *args):
+    y, new = torch.ops.ssm.causal_conv1d_update_functional(x, conv_state, *args)
+    conv_state.copy_(new)
+    return y
+
+
 class _NoBackward(torch.autograd.Function):
     """Autograd node of a decode op: it runs the op, and its backward refuses by name."""
 
@@ -384,11 +405,13 @@ def register() -> torch.library.Library:
     Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
     """
     lib = torch.library.Library("ssm", "FRAGMENT")
-    for schema, impl, fake, traced in (
-        (_STATE_UPDATE_SCHEMA, _state_update_impl, _state_update_fake, _state_update_traced),
-        (_CONV_UPDATE_SCHEMA, _conv_update_impl, _conv_update_fake, _conv_update_traced),
-        (_STATE_UPDATE_FUNCTIONAL_SCHEMA, _state_update_functional_impl, _state_update_functional_fake, None),
-        (_CONV_UPDATE_FUNCTIONAL_SCHEMA, _conv_update_functional_impl, _conv_update_functional_fake, None),
+    for schema, impl, fake, traced, functional in (
+        (_STATE_UPDATE_SCHEMA, _state_update_impl, _state_update_fake, _state_update_traced,
+         _state_update_functional_traced),
+        (_CONV_UPDATE_SCHEMA, _conv_update_impl, _conv_update_fake, _conv_update_traced,
+         _conv_update_functional_traced),
+        (_STATE_UPDATE_FUNCTIONAL_SCHEMA, _state_update_functional_impl, _state_update_functional_fake, None, None),
+        (_CONV_UPDATE_FUNCTIONAL_SCHEMA, _conv_update_functional_impl, _conv_update_functional_fake, None, None),
     ):
         name = schema[: schema.index("(")]
         lib.define(schema)
@@ -401,7 +424,7 @@ def register() -> torch.library.Library:
             # Compiled on CUDA, the op is its kernel's launch in inductor's code (``kernels/inline.py``).
             # The functional twins stay calls of the op: they run where the state is a view, off
             # the per-layer path of a model whose cache holds one tensor per layer.
-            register_inline(lib, f"ssm::{name}", traced)
+            register_inline(lib, f"ssm::{name}", traced, functional)
     lib.define(_ROUND_THROUGH_SCHEMA)
     for device_key in ("CPU", "CUDA"):
         lib.impl("round_through", round_through, device_key)
