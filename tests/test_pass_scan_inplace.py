@@ -6,6 +6,8 @@ time axis split into pairs by ``view`` (as mamba.py does). The pass must prove t
 compute, rewrite them into ``ssm.selective_scan``, and leave alone, with a reason, in-place code
 that is not the inclusive scan: a suffix scan, a missing level, a reset, a wrong combine.
 """
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,6 +224,56 @@ def test_in_place_scan_is_rewritten(sweep, L):
     assert rel_err(out, reference(*args)) <= TOL[torch.float32]
     # No stale account of the in-place updates as a loop.
     assert not [m for m in records[0].misses if m.family == "scan_loop"]
+
+
+def _mamba_py_pscan(A, X):
+    """mamba.py's in-place Blelloch scan along axis 2 of (batch, dim, L, N), L a power of two
+    (its pscan.py, `pscan` without the autograd wrapper)."""
+    Bs, Dd, L, _ = A.size()
+    steps = int(math.log2(L))
+    Aa, Xa = A, X
+    for _ in range(steps - 2):
+        T = Xa.size(2)
+        Aa, Xa = Aa.view(Bs, Dd, T // 2, 2, -1), Xa.view(Bs, Dd, T // 2, 2, -1)
+        Xa[:, :, :, 1].add_(Aa[:, :, :, 1].mul(Xa[:, :, :, 0]))
+        Aa[:, :, :, 1].mul_(Aa[:, :, :, 0])
+        Aa, Xa = Aa[:, :, :, 1], Xa[:, :, :, 1]
+    Xa[:, :, 1].add_(Aa[:, :, 1].mul(Xa[:, :, 0]))
+    Aa[:, :, 1].mul_(Aa[:, :, 0])
+    Xa[:, :, 3].add_(Aa[:, :, 3].mul(Xa[:, :, 2] + Aa[:, :, 2].mul(Xa[:, :, 1])))
+    Aa, Xa = A[:, :, 2 ** (steps - 2) - 1:L:2 ** (steps - 2)], X[:, :, 2 ** (steps - 2) - 1:L:2 ** (steps - 2)]
+    Xa[:, :, 2].add_(Aa[:, :, 2].mul(Xa[:, :, 1]))
+    Aa[:, :, 2].mul_(Aa[:, :, 1])
+    for k in range(steps - 3, -1, -1):
+        Aa, Xa = A[:, :, 2 ** k - 1:L:2 ** k], X[:, :, 2 ** k - 1:L:2 ** k]
+        T = Xa.size(2)
+        Aa, Xa = Aa.view(Bs, Dd, T // 2, 2, -1), Xa.view(Bs, Dd, T // 2, 2, -1)
+        Xa[:, :, 1:, 0].add_(Aa[:, :, 1:, 0].mul(Xa[:, :, :-1, 1]))
+        Aa[:, :, 1:, 0].mul_(Aa[:, :, :-1, 1])
+
+
+def two_pscans(x, delta, A, B, C, D):
+    """Two mamba.py scans in one graph (L = 8; its PScan clones, then transposes), the second
+    with B and C swapped."""
+    def scan(B, C):
+        Ap = torch.exp(delta.unsqueeze(-1) * A).clone().transpose(2, 1)
+        Xp = (delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)).clone().transpose(2, 1)
+        _mamba_py_pscan(Ap, Xp)
+        return (Xp.transpose(2, 1) @ C.unsqueeze(-1)).squeeze(3) + D * x
+    return scan(B, C) + scan(C, B)
+
+
+def test_two_in_place_scans_leave_no_loop_account():
+    """scan_loop reads both sweeps' updates as loops and meets the same reason in each: one miss
+    at the nodes of both. The first rewrite left it standing for both, and explain (and the CPU
+    graph's cpp.simdlen=1, which a scan_loop miss turns on) kept it (probe BE, run 53)."""
+    args = make_inputs(8)
+    out, records = compile_and_run(two_pscans, *args)
+    assert counters["ssm"]["scan_assoc"] == 2, [m.reason for r in records for m in r.misses]
+    assert not [m for m in records[0].misses if m.family == "scan_loop"], records[0].misses
+    x, delta, A, B, C, D = args
+    ref = reference(*args) + reference(x, delta, A, C, B, D)
+    assert rel_err(out, ref) <= TOL[torch.float32]
 
 
 def test_scan_of_the_clone_itself():
