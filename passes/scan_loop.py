@@ -1672,7 +1672,7 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
     reported = {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
     for m, c, H in _unmatched_recurrences(muls, reported):
-        ctx.miss(FAMILY, _recurrence_reason(c, H), [m])
+        ctx.miss(FAMILY, _recurrence_reason(m, c, H), [m])
     lerp = _lerp_recurrence(gm.graph)
     if lerp is not None:
         ctx.miss(FAMILY, "a linear recurrence written with torch.lerp (h = lerp(x_t, h, w_t) = w_t*h + "
@@ -1941,8 +1941,19 @@ def _body_signature(body: torch.fx.GraphModule) -> tuple:
                  for n in body.graph.nodes)
 
 
-def _recurrence_reason(c: Any, H: Any) -> str:
-    """Why an unrolled linear recurrence that no anchor started from is left alone."""
+def _addend_indices(m: torch.fx.Node) -> set:
+    """The time indices the input term added to ``m = c * H`` reads its slices at."""
+    for a in m.users:
+        if _is_add(a):
+            x0 = a.args[1] if a.args[0] is m else a.args[0]
+            if isinstance(x0, torch.fx.Node):
+                return {s[3] for s in _key_slices(_leaf_key(x0, 0))}
+    return set()
+
+
+def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
+    """Why an unrolled linear recurrence (first step ``m = c * H``) that no anchor started from
+    is left alone."""
     hop = higher_order_op(c)
     if hop is not None:
         return (f"the decay passes through {hop_name(hop)} in every step (a custom "
@@ -1953,9 +1964,17 @@ def _recurrence_reason(c: Any, H: Any) -> str:
     if slices:
         first = {s[3] for s in slices}
         if _is_exp(c) and len(first) == 1 and first != {0}:
+            k = next(iter(first))
+            lagged = sorted(i for i in _addend_indices(m) if i != k)
+            if lagged:
+                # The steps repeat from t = k only because step k - 1 read the input term at a
+                # clamped index (B[max(t - 1, 0)]): a lag, not a late start (probe BF, run 53).
+                return (f"a linear recurrence whose input term reads time index {lagged[0]} in the step whose "
+                        f"decay reads time index {k}: the input term and the decay read different steps "
+                        "(one lags the other), which ssm.selective_scan cannot compute; left alone")
             # exp(Δ[t]·A) computed in the step, the earliest step the chain reaches reading time
             # index k > 0: a loop over range(k, L) from a state made before it.
-            return (f"a linear recurrence whose first step reads its inputs at time index {first.pop()}, not 0 "
+            return (f"a linear recurrence whose first step reads its inputs at time index {k}, not 0 "
                     "(a loop that starts late from a state computed before it, or a state reset): "
                     "left alone; a scan is rewritten when it runs every step from t = 0")
         return ("a linear recurrence h = a_t*h + x_t whose decay a_t is not a time slice of exp(Δ·A); "

@@ -293,6 +293,34 @@ def test_loop_from_step_one_is_left_alone_with_a_reason(update, words):
     assert not _check_left_alone_and_exact(fn, args)
 
 
+def _lagged_input(name):
+    """The input term reads one operand a step late, clamped at 0 (``B[:, max(t - 1, 0)]``), while
+    the decay reads step t: steps 1.. repeat each other, step 0 does not."""
+    def fn(u, delta, A, B, C):
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(u.shape[-1]):
+            at = {k: (max(t - 1, 0) if k == name else t) for k in ("delta", "B", "u")}
+            dBu = delta[:, :, at["delta"], None] * B[:, None, :, at["B"]] * u[:, :, at["u"], None]
+            h = torch.exp(delta[:, :, t, None] * A) * h + dBu
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+        return torch.stack(ys, -1)
+    return fn
+
+
+@pytest.mark.parametrize("name", ["delta", "B", "u"])
+def test_input_term_one_step_late_is_named_a_lag(name):
+    """Was "a loop that starts late ..., or a state reset": nothing starts late (probe BF, run 53)."""
+    fn = _lagged_input(name)
+    args = inputs()
+    report = explain(fn, *args)
+    reasons = [m.reason for m in report.misses if m.family == "scan_loop"]
+    assert any("input term reads time index 0 in the step whose decay reads time index 1" in r
+               and "one lags the other" in r for r in reasons), report.format(graphs=False)
+    assert not any("starts late" in r for r in reasons), reasons
+    assert not _check_left_alone_and_exact(fn, args)
+
+
 def test_a_near_miss_met_at_every_step_is_reported_once():
     """A stale ``dA[:, :, 0]`` read by every step was reported once per step (8 equal lines)."""
     def fn(u, delta, A, B, C):
