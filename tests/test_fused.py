@@ -227,6 +227,17 @@ def test_bad_inputs_raise_naming_the_argument(change, error, match):
         torch.ops.ssm.fused_mamba_scan(**inp)
 
 
+def test_nothing_to_fuse_is_refused_on_every_device():
+    """Neither conv_weight nor dt_weight: the CPU path and the fake ran a plain scan, and only the
+    CUDA launcher refused, at the first run of a compiled graph (probe BG, run 53)."""
+    inp = make_inputs("split")
+    with pytest.raises(ValueError, match="^fused_mamba_scan: neither conv_weight nor dt_weight .*ssm::selective_scan"):
+        torch.ops.ssm.fused_mamba_scan(**inp)
+    with torch._subclasses.FakeTensorMode() as mode, pytest.raises(ValueError, match="nothing to fuse"):
+        torch.ops.ssm.fused_mamba_scan(**{k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                                          for k, v in inp.items()})
+
+
 def test_conv_bias_without_conv_weight_is_refused():
     inp = make_inputs("dt")
     inp["conv_bias"] = torch.randn(16)
@@ -374,7 +385,7 @@ def test_snapshot_level2():
 %causal_conv1d_1 = torch.ops.ssm.causal_conv1d(%L_x_, %L_conv_w_, %L_conv_b_, 'silu')
 %transpose_1 = .transpose(%causal_conv1d_1, 1, 2)
 %linear_1 = torch._C._nn.linear(%transpose_1, %L_x_proj_w_)
-%split_1 = torch.functional.split(%linear_1, [2, 4, 4], dim=-1)
+%split_1 = torch.functional.split(%linear_1, [2, 4, 4], -1)
 %getitem_1 = operator.getitem(%split_1, 0)
 %getitem_2 = operator.getitem(%split_1, 1)
 %getitem_3 = operator.getitem(%split_1, 2)

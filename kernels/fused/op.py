@@ -52,6 +52,11 @@ def check_fused_inputs(x, delta, A, B, C, D, z, delta_bias, conv_weight, conv_bi
     if x.dim() != 3:
         raise ValueError(f"fused_mamba_scan: x must be 3-D (batch, dim, L), got shape {tuple(x.shape)}")
     batch, dim, seqlen = x.shape
+    if conv_weight is None and dt_weight is None:
+        # Nothing to fuse: the CUDA launcher has no kernel for it, and accepting it here (as the
+        # CPU path and the fake did) left the refusal to the first CUDA run of a compiled graph.
+        raise ValueError("fused_mamba_scan: neither conv_weight nor dt_weight is given, so there is nothing to "
+                         "fuse: call ssm::selective_scan for the scan alone")
     if dt_weight is not None:
         if dt_weight.dim() != 2 or dt_weight.shape[0] != dim:
             raise ValueError(f"fused_mamba_scan: dt_weight must have shape (dim={dim}, R), "
