@@ -349,6 +349,25 @@ def _is_copy(node: torch.fx.Node) -> bool:
             and not node.kwargs.get("non_blocking", False))
 
 
+_STEP_WRITES = {operator.imul: "mul", operator.iadd: "add", "mul_": "mul", "add_": "add", "addcmul_": "add"}
+
+
+def caller_state_recurrences(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Graph inputs updated in place by a multiply and an add at three or more steps
+    (``h = h0; h.mul_(dA[:, t]).add_(dBu[:, t])``): a recurrence on the caller's own tensor,
+    which the writes above leave in place (the caller sees the final state in it) and so no scan
+    pass reads. Returns each such input's first write, for the reason explain gives; one step
+    is a decode step, which passes/decode.py handles."""
+    found = []
+    for root, writes in _chains(graph).items():
+        if root.op != "placeholder":
+            continue
+        kinds = [_STEP_WRITES.get(w.target) for w in writes]
+        if min(kinds.count("mul"), kinds.count("add")) >= 3:
+            found.append(writes[0])
+    return found
+
+
 def rewrite_local_writes(gm: torch.fx.GraphModule) -> list[str]:
     """The rewrites of this module on ``gm`` (staging clones, writes, then the clones they leave
     unguarded); returns what changed."""

@@ -20,7 +20,7 @@ from .discretize import unscanned_discretizations
 from .einops_calls import expand_einops_calls
 from .fx_utils import INPLACE_OPERATORS, hop_name, mutates, val
 from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
-from .inplace import rewrite_local_writes
+from .inplace import caller_state_recurrences, rewrite_local_writes
 from .keywords import positional_operands
 from .layout import output_layouts, random_input_layouts, settle_layouts
 from .pieces import read_single_cats, read_unit_pieces, read_whole_pieces
@@ -334,6 +334,7 @@ class PassManager:
         _attribute_reads_first(gm)
         # Operands by position first: every pass after it reads them so.
         keyword_changes = positional_operands(gm)
+        callers_states = caller_state_recurrences(gm.graph)
         # einops calls next: the others and the matchers see only torch calls.
         einops_changes, einops_kept = expand_einops_calls(gm)
         for node, reason in einops_kept:
@@ -350,6 +351,14 @@ class PassManager:
                 # would take it for a user of the values it read (the next scan's Δ·u product of
                 # this scan's y looked like a gate on y).
                 _remove_dead_nodes(gm.graph)
+        left = set(gm.graph.nodes)
+        for write in callers_states:
+            if write in left:  # not a decode loop the decode pass rewrote step by step
+                state = write.args[0]
+                ctx.miss("scan_loop", f"the state is the caller's tensor {state.name}, multiplied and added to in place "
+                         "at every step: the caller reads the final state from it, and the scan passes rewrite only a "
+                         f"state the graph makes; start from a copy ({state.name}.clone()) or update out of place "
+                         "(h = dA*h + dBu, then copy the last state back) to have the loop rewritten", [write])
         if len(ctx.rewrites) > before:
             # Clean up what the rewrites orphaned; a graph no pass rewrote keeps every node dynamo
             # put in it.

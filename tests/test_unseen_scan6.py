@@ -264,6 +264,32 @@ def test_in_place_control_is_rewritten():
                                rtol=1e-12, atol=1e-12)
 
 
+def scan_on_callers_state(u, delta, A, B, C, h0):
+    dA, dBu = _disc(u, delta, A, B)
+    h = h0
+    ys = []
+    for t in range(u.shape[-1]):
+        h.mul_(dA[:, :, t]).add_(dBu[:, :, t])
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return torch.stack(ys, -1)
+
+
+def test_loop_on_the_callers_state_in_place_gets_a_reason():
+    """The caller's h0 updated in place at every step is left as written (the caller reads the
+    final state from it); the only reasons were the decode pass's, which pointed at the scan
+    passes, which said nothing (probe BF, run 53)."""
+    args = [a.detach() for a in inputs()]
+    h0 = torch.randn(B_, D_, N_, dtype=args[0].dtype)
+    ref_h0, got_h0 = h0.clone(), h0.clone()
+    ref = scan_on_callers_state(*args, ref_h0)
+    report = explain(scan_on_callers_state, *args, got_h0)
+    assert not report.counts["scan_loop"]
+    reasons = [m.reason for m in report.misses if m.family == "scan_loop"]
+    assert any("the state is the caller's tensor" in r and ".clone()" in r for r in reasons), report.format(graphs=False)
+    torch.testing.assert_close(report.output, ref, rtol=0, atol=0)
+    torch.testing.assert_close(got_h0, ref_h0, rtol=0, atol=0)
+
+
 def _late_start(update):
     """Step 0 written out before a ``range(1, L)`` loop that discretises in its step."""
     def fn(u, delta, A, B, C):
