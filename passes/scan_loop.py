@@ -288,6 +288,8 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
 
     for n in region:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
+        if n.target is getattr and len(n.args) == 2 and isinstance(n.args[1], str):
+            name = f".{n.args[1]}"  # h.mT as the code wrote it, not FX's getattr
         if mutates(n):
             raise _NotElementwise(f"in-place {name}")
         a = n.args

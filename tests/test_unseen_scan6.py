@@ -290,6 +290,23 @@ def test_loop_on_the_callers_state_in_place_gets_a_reason():
     torch.testing.assert_close(got_h0, ref_h0, rtol=0, atol=0)
 
 
+def test_transposed_state_is_named_as_written():
+    """h = dA * h.mT + dBu (dim == N) is refused; the reason named FX's ``getattr``, not ``.mT``."""
+    def fn(u, delta, A, B, C):
+        h = u.new_zeros(B_, D_, D_)
+        ys = []
+        for t in range(u.shape[-1]):
+            dt = delta[:, :, t, None]
+            h = torch.exp(dt * A[:, :1]) * h.mT + dt * B[:, None, :1, t] * u[:, :, t, None]
+            ys.append((h * C[:, None, :1, t]).sum(-1))
+        return torch.stack(ys, -1)
+
+    args = inputs()
+    reasons = [m.reason for m in explain(fn, *args).misses if m.family == "scan_loop"]
+    assert any("not an elementwise add/mul (.mT)" in r for r in reasons), reasons
+    assert not _check_left_alone_and_exact(fn, args)
+
+
 def _late_start(update):
     """Step 0 written out before a ``range(1, L)`` loop that discretises in its step."""
     def fn(u, delta, A, B, C):
