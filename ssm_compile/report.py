@@ -27,9 +27,9 @@ class Report:
         graphs: one ``GraphRecord`` per graph dynamo compiled, in compile order.
         graph_breaks: dynamo's graph-break reasons seen during the run, with counts.
         output: what the model returned on the explained run.
-        untraced: why dynamo gave up on a whole frame and ran it eagerly, with dynamo's counts of
-            its tries. A graph break inside a loop does that (``print`` or ``retain_grad()`` in the
-            time loop): no graph and no graph break is recorded, so without these the report
+        untraced: where dynamo ran a frame eagerly, what it could not trace, with dynamo's counts
+            of its tries. A graph break inside a loop does that (``print`` or ``retain_grad()`` in
+            the time loop): no graph and no graph break is recorded, so without these the report
             would be empty.
     """
 
@@ -68,7 +68,7 @@ class Report:
             lines.append(f"  graph break x{n}: {reason}")
         for reason in self.untraced:
             # Not counted: dynamo tries a frame again after some failures, and counts each try.
-            lines.append(f"  frame run eagerly (dynamo could not trace it, so no backend saw it): {reason}")
+            lines.append(f"  not traced, and a frame ran eagerly (no backend saw it): {reason}")
         for i, g in enumerate(self.graphs, 1):
             lines.append(f"\n== graph {i} (options: {g.options}) ==")
             lines.append("rewrites:" if g.rewrites else "rewrites: none")
@@ -131,6 +131,8 @@ def explain(model_or_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Repor
         breaks.subtract(saved.get("graph_break", {}))
         untraced = collections.Counter(counters["unimplemented"])
         untraced.subtract(saved.get("unimplemented", {}))
+        frames = collections.Counter(counters["frames"])
+        frames.subtract(saved.get("frames", {}))
     finally:
         torch._dynamo.reset()
         # Every counter as it was (ssm, graph_break, stats, ...): explaining is not compiling.
@@ -138,18 +140,29 @@ def explain(model_or_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Repor
         for name, counts in counters.items():
             counts.clear()
             counts.update(saved.get(name, {}))
-    report = Report(graphs=records, graph_breaks={k: v for k, v in breaks.items() if v > 0}, output=output,
-                    untraced=_untraced_reasons(untraced))
+    breaks = {k: v for k, v in breaks.items() if v > 0}
+    untraced = _untraced_reasons(untraced)
+    if frames["total"] <= frames["ok"]:
+        # Every frame gave a graph: what dynamo could not trace split a graph (a data-dependent
+        # ``if``, which dynamo counts only as "unimplemented"), it ran no frame eagerly.
+        told = {_first_lines(k) for k in breaks}
+        breaks.update({k: v for k, v in untraced.items() if k not in told})
+        untraced = {}
+    report = Report(graphs=records, graph_breaks=breaks, output=output, untraced=untraced)
     log.info("%s", report.summary())
     return report
 
 
+def _first_lines(reason: str) -> str:
+    """A reason of dynamo's cut to its title and explanation (the hints after them run to
+    paragraphs)."""
+    return " ".join([line.strip() for line in str(reason).splitlines() if line.strip()][:2])
+
+
 def _untraced_reasons(counts: collections.Counter) -> dict[str, int]:
-    """Dynamo's reasons for frames it ran eagerly, each cut to its title and explanation (the
-    hints after them run to paragraphs)."""
+    """Dynamo's reasons for what it could not trace, each cut by ``_first_lines``."""
     reasons: collections.Counter = collections.Counter()
     for reason, n in counts.items():
         if n > 0:
-            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
-            reasons[" ".join(lines[:2])] += n
+            reasons[_first_lines(reason)] += n
     return dict(reasons)

@@ -87,10 +87,34 @@ def test_report_of_a_frame_dynamo_ran_eagerly():
     assert "graph_break" in reason, reason
     text = report.format(graphs=False)
     assert "frames run eagerly (below)" in text.splitlines()[0]
-    assert f"frame run eagerly (dynamo could not trace it, so no backend saw it): {reason}" in text
+    assert f"not traced, and a frame ran eagerly (no backend saw it): {reason}" in text
     torch.testing.assert_close(report.output, scan_with_a_break_in_the_loop(*args))
     # The caller's counters are left as they were.
     assert dict(counters["unimplemented"]) == {"an older reason": 3}
+
+
+def scan_then_branch(u, delta, A, B, C):
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = torch.exp(delta[:, :, t, None] * A) * h + delta[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    y = torch.stack(ys, dim=2)
+    if y.sum() > 0:  # data-dependent: dynamo splits the graph here and counts it only as "unimplemented"
+        return y * 2
+    return y
+
+
+def test_a_data_dependent_branch_is_a_graph_break_not_an_eager_frame():
+    """Probe BH, run 53: the report said "0 graph break(s)" and "frame run eagerly" for a graph
+    dynamo did compile, scan rewritten, before the branch."""
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(2, 4, 5, generator=g), torch.rand(2, 4, 5, generator=g), -torch.rand(4, 3, generator=g),
+            torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g))
+    report = explain(scan_then_branch, *args)
+    assert report.counts["scan_loop"] == 1 and not report.untraced, report.format(graphs=False)
+    assert sum(report.graph_breaks.values()) == 1 and "Data-dependent" in next(iter(report.graph_breaks))
+    torch.testing.assert_close(report.output, scan_then_branch(*args))
 
 
 def test_explain_leaves_no_state_behind(caplog):

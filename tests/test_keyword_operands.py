@@ -191,3 +191,49 @@ def test_only_parameters_in_order_move():
     for o, r in zip(gm(x, y), ref):
         torch.testing.assert_close(o, r)
 
+
+
+def grouped_by_keyword(u, delta, A, Bg, Cg):
+    """Grouped B/C repeated to every channel by ``torch.repeat_interleave(input=...)``, time slices
+    taken by ``torch.unbind(input=...)``."""
+    Bm = torch.repeat_interleave(input=Bg, repeats=DIM // 2, dim=1)
+    Cm = torch.repeat_interleave(input=Cg, repeats=DIM // 2, dim=1)
+    h = u.new_zeros(BATCH, DIM, N)
+    ys = []
+    steps = zip(torch.unbind(input=delta, dim=2), torch.unbind(input=u, dim=2), Bm.unbind(dim=3), Cm.unbind(dim=3))
+    for dt, ut, bt, ct in steps:
+        h = torch.exp(dt[..., None] * A) * h + dt[..., None] * bt * ut[..., None]
+        ys.append((h * ct).sum(-1))
+    return torch.stack(ys, dim=2)
+
+
+def test_grouped_and_unbound_by_keyword():
+    """``repeat_interleave(input=...)`` made the scan pass raise IndexError (it read args[0]), and
+    the graph lost every rewrite; ``unbind(input=...)`` got no rewrite and no reason (probe BH)."""
+    u, delta, A, B, C, *_ = scan_inputs(5)
+    g = torch.Generator().manual_seed(6)
+    Bg, Cg = (torch.randn(BATCH, 2, N, L, generator=g, dtype=F64) for _ in "BC")
+    torch._dynamo.reset()
+    out = torch.compile(grouped_by_keyword, backend=backend(inductor=False))(u, delta.abs(), A, Bg, Cg)
+    torch.testing.assert_close(out, grouped_by_keyword(u, delta.abs(), A, Bg, Cg), rtol=1e-10, atol=1e-12)
+    report = explain(grouped_by_keyword, u, delta.abs(), A, Bg, Cg)
+    assert report.counts["scan_loop"] == 1 and report.counts["readout"] == 1, report.format(graphs=False)
+
+
+def conv_step_by_keyword(x, window, w, b):
+    window.copy_(torch.roll(input=window, shifts=-1, dims=-1))
+    window[:, :, -1] = x
+    return F.silu(input=torch.sum(input=window * w, dim=-1) + b)
+
+
+def test_decode_conv_step_rolled_by_keyword():
+    """``torch.roll(input=...)`` in a decode conv step got no rewrite and no reason (probe BH)."""
+    g = torch.Generator().manual_seed(7)
+    x, window, w, b = torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, DIM, 4, generator=g), \
+        torch.randn(DIM, 4, generator=g), torch.randn(DIM, generator=g)
+    ref_window, got_window = window.clone(), window.clone()
+    ref = conv_step_by_keyword(x, ref_window, w, b)
+    report = explain(conv_step_by_keyword, x, got_window, w, b)
+    assert report.counts["conv_update"] == 1, report.format(graphs=False)
+    torch.testing.assert_close(report.output, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_window, ref_window, rtol=0, atol=0)
