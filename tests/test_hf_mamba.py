@@ -156,7 +156,7 @@ def test_snapshot_of_rewritten_mixer_loop():
 %L_self_parameters_D_ = placeholder  # float32[32]
 %linear_1 = torch._C._nn.linear(%L_args_0_, %L_self_modules_in_proj_parameters_weight_, %L_self_modules_in_proj_parameters_bias_)  # float32[2, 8, 64]
 %transpose_1 = .transpose(%linear_1, 1, 2)  # float32[2, 64, 8]
-%chunk_1 = .chunk(%transpose_1, 2, dim=1)  # (float32[2, 32, 8], float32[2, 32, 8])
+%chunk_1 = .chunk(%transpose_1, 2, 1)  # (float32[2, 32, 8], float32[2, 32, 8])
 %getitem_1 = operator.getitem(%chunk_1, 0)  # float32[2, 32, 8]
 %getitem_2 = operator.getitem(%chunk_1, 1)  # float32[2, 32, 8]
 %squeeze_1 = .squeeze(%L_self_modules_conv1d_parameters_weight_, 1)  # float32[32, 4]
@@ -167,7 +167,7 @@ def test_snapshot_of_rewritten_mixer_loop():
 %x_dt_proj_1 = torch.ops.ssm.x_dt_proj.default(%transpose_2, %L_self_modules_x_proj_parameters_weight_, %L_self_modules_dt_proj_parameters_weight_)  # (float32[2, 8, 10], float32[2, 8, 32])
 %getitem_3 = operator.getitem(%x_dt_proj_1, 0)  # float32[2, 8, 10]
 %getitem_4 = operator.getitem(%x_dt_proj_1, 1)  # float32[2, 8, 32]
-%split_1 = torch.functional.split(%getitem_3, [2, 4, 4], dim=-1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
+%split_1 = torch.functional.split(%getitem_3, [2, 4, 4], -1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
 %getitem_5 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
 %getitem_6 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
 %float_1 = .float(%L_self_parameters_A_log_)  # float32[32, 4]
