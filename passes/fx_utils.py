@@ -807,56 +807,36 @@ def read_rounding_computed_past(nodes: Iterable[Any]) -> str | None:
 
 def rounded_read(node: Any, region: Collection[Any]) -> Any:
     """What an op standing for ``region`` should read for its input ``node``: the program's
-    rounded copy of it, when ``node``'s only reader is one narrowing cast that only ``region``
-    reads; else ``node``.
+    rounded copy of it, when everything ``region`` computes from ``node`` it computes from one
+    narrowing cast of it; else ``node``.
 
     The scan proofs look through casts, so they may find an input before a rounding the program
     makes: FalconMamba's ``rms_forward(B)`` and Jamba's B/C layer norm in a bf16 model compute
     ``(B.float() * rsqrt(...)).to(bf16)``, which the discretisation reads as ``B.float()``. An op
     reading the fp32 product would drop that rounding (``dropped_rounding`` refuses it: "it
-    quantizes the op's input"). When the cast is ``node``'s only reader in the whole graph, every
-    value computed from ``node`` is a function of the cast's value, so the op reading the cast
-    computes the program's function, rounding included: the op widens a 16-bit input exactly, as
-    the program's own ``.float()`` does. Not "only reader inside the region": a reader of
-    ``node`` outside it that feeds back into the scan (B feeding Δ, say, while C is B unrounded)
-    is not in the region, and the op then read the rounded B for the unrounded C (probe BI,
-    run 53). And every reader of the cast, and of the views and casts of it, inside ``region``:
-    the op then gives the cast its whole gradient, which it rounds once, as eager's widening
-    cast rounds the sum of its readers' gradients once (a reader outside would add its part to
-    the op's already rounded one; ``read_rounded_sources`` also keeps one cast from being read
-    in two of the op's arguments for the same reason). Only the direct cast (no view between: it
+    quantizes the op's input"). When the cast is the region's only use of ``node``, every value
+    the region computes from ``node`` is a function of the cast's value, so the op reading the
+    cast computes the program's function, rounding included: the op widens a 16-bit input
+    exactly, as the program's own ``.float()`` does. Only that direct cast (no view between: it
     keeps the input's axes and roles), and never of an fp64 ``node``: the op keeps fp64 states
-    only while an input is fp64, and an fp32 copy would lower them.
+    only while an input is fp64, and an fp32 copy would lower them. Followed through a chain of
+    such casts (fp32 -> fp16 -> bf16), each the only use of the one before.
 
     Only a cast the program widens again (``_widened_after``: the case ``dropped_rounding``
     refuses). One whose value the program computes with in its own 16 bits is a rounding no
     finer than its arithmetic, which ``dropped_rounding`` already lets the op read past, and the
     op keeps reading what it read before.
     """
-    if not (isinstance(node, torch.fx.Node) and dtype_of(node) in _FLOAT_DTYPES and dtype_of(node) != torch.float64
-            and len(node.users) == 1):
-        return node
-    (cast,) = node.users
-    if (cast not in region or not is_cast(cast) or cast.args[0] is not node or dtype_of(cast) not in _FLOAT_DTYPES
-            or is_lossless_cast(dtype_of(node), dtype_of(cast)) or not _widened_after(cast)
-            or not _read_only_within(cast, region)):
-        return node
-    return cast
-
-
-def _read_only_within(node: torch.fx.Node, region: Collection[Any]) -> bool:
-    """Every reader of ``node``, and of its element views and casts, lies in ``region``."""
-    stack, seen = list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if user not in region:
-            return False
-        if is_cast(user) or (user.op in ("call_method", "call_function") and bare_name(user) in _ELEMENT_VIEWS):
-            stack.extend(user.users)
-    return True
+    while isinstance(node, torch.fx.Node) and dtype_of(node) in _FLOAT_DTYPES and dtype_of(node) != torch.float64:
+        users = [u for u in node.users if u in region]
+        if len(users) != 1:
+            break
+        (cast,) = users
+        if (not is_cast(cast) or cast.args[0] is not node or dtype_of(cast) not in _FLOAT_DTYPES
+                or is_lossless_cast(dtype_of(node), dtype_of(cast)) or not _widened_after(cast)):
+            break
+        node = cast
+    return node
 
 
 VIEW_OPS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "narrow",

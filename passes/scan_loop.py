@@ -1595,14 +1595,7 @@ def read_rounded_sources(disc: Discretized, C: Source, region: set[torch.fx.Node
     only reads through one narrowing cast replaced by that cast (``fx_utils.rounded_read``): the
     op then reads the rounded value the program computes with, not the unrounded one before it
     (FalconMamba's ``rms_forward(B)`` in a bf16 model). A cast keeps the axes: same roles."""
-    slots = [disc.u.node, disc.delta.node, disc.A.node, disc.B.node, C.node]
-
     def read(src: Source) -> Source:
-        # One value in two of the op's arguments (B also C) stays as it is: the op would return
-        # each argument's gradient rounded to the cast's dtype, and their sum would be rounded
-        # twice where eager rounds the sum once (probe BI, run 53).
-        if slots.count(src.node) > 1:
-            return src
         node = rounded_read(src.node, region)
         return src if node is src.node else Source(node, src.roles)
     return dataclasses.replace(disc, **{k: read(getattr(disc, k)) for k in ("u", "delta", "A", "B")}), read(C)
