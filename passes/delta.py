@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .fx_utils import (behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of,
                        higher_order_op, hop_name, is_call, is_lossless_cast, is_method, layout_source, permute_view,
-                       propagate_val, read_rounding_computed_past, scan_args, named_args, scan_nodes, set_scan_args,
-                       shape_of, view_chain, written_in_place)
+                       propagate_val, scan_args, named_args, scan_nodes, set_scan_args, shape_of, view_chain,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -244,10 +244,8 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     if not isinstance(fold, DeltaFold):
         return
     # The op computes bias add and softplus unrounded: a rounding cast on the way is the
-    # program's unless it rounds no finer than the op's inputs already are, or the scan reads it
-    # (even where another input of the op is that same rounded value).
-    computed = [*fold.nodes, *fold.between]
-    rounding = read_rounding_computed_past(computed) or dropped_rounding(computed, behind_lossless_casts(
+    # program's unless it rounds no finer than the op's inputs already are.
+    rounding = dropped_rounding([*fold.nodes, *fold.between], behind_lossless_casts(
         [*(args[k] for k in ("u", "A", "B", "C", "D", "z")), fold.pre, fold.bias]))
     if rounding is not None:
         ctx.miss(FAMILY, rounding, [scan])

@@ -13,7 +13,7 @@ import inspect
 import logging
 import operator
 import types
-from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import sympy
 import torch
@@ -28,10 +28,6 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # ``node.meta`` key marking a cast a rewrite emitted as an op's own output rounding (to the dtype
 # the replaced code produced), as opposed to a cast the user wrote.
 OP_ROUNDING = "ssm_op_rounding"
-# ``node.meta`` key marking a narrowing cast the user wrote whose result a scan op reads in place
-# of its source (``rounded_read``): that rounding is now the op's input, and a later fold that
-# would compute past it (the Δ fold's softplus) must not drop it.
-READ_ROUNDED = "ssm_read_rounded"
 
 SCAN_QUALNAME = "ssm::selective_scan"
 SCAN_ARG_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
@@ -759,9 +755,6 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
     program then computes with in a wider dtype (``A.bfloat16().float()`` where the op reads A,
     rather than ``A.to(delta.dtype)`` in bf16 arithmetic): ``also_read`` are inputs that count
     for that alone (A and an initial state, whose fp32 is the op's choice, not the activations').
-
-    A cast among ``inputs`` and ``also_read`` is the op's input, not a rounding it drops: the
-    scan passes make the op read the program's rounded copy of an input (``rounded_read``).
     """
     inputs = [n for n in inputs if isinstance(n, torch.fx.Node)]
     floats = [d for d in (dtype_of(n) for n in inputs) if d in _FLOAT_DTYPES]
@@ -769,17 +762,9 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
     for n in nodes:
         if not is_cast(n):
             continue
-        if n in read:
-            # A cast the op reads is its input, computed by the program as written: the op reads
-            # its rounded values (``rounded_read``), the rounding is not dropped. (An op that
-            # computes past one of its own inputs, the Δ fold, checks ``read_rounding_computed_past``.)
-            continue
         src, dst = dtype_of(n.args[0]), dtype_of(n)
         if is_lossless_cast(src, dst):
             continue
-        past = read_rounding_computed_past([n])
-        if past is not None:
-            return past
         rounded = _rounded_input(n.args[0], read) if _widened_after(n) else None
         if rounded is not None:
             # ``A.bfloat16().float()``: the program quantizes what the op reads at full precision,
@@ -792,51 +777,6 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
                 f"({', '.join(sorted({str(f) for f in floats}))}): the op would not make this rounding, "
                 "it reads its inputs and keeps its states unrounded")
     return None
-
-
-def read_rounding_computed_past(nodes: Iterable[Any]) -> str | None:
-    """Why an op that computes what ``nodes`` compute would change the program: one of them is a
-    rounding a scan op was made to read (``rounded_read``, marked ``READ_ROUNDED``), which the op
-    would compute past (a Δ fold's softplus), reading the value unrounded. Else None."""
-    for n in nodes:
-        if isinstance(n, torch.fx.Node) and n.meta.get(READ_ROUNDED):
-            return (f"{n.name} rounds {dtype_of(n.args[0])} to {dtype_of(n)}, and the scan reads that rounded value "
-                    "as its input: the op would compute past the rounding and read the value unrounded")
-    return None
-
-
-def rounded_read(node: Any, region: Collection[Any]) -> Any:
-    """What an op standing for ``region`` should read for its input ``node``: the program's
-    rounded copy of it, when everything ``region`` computes from ``node`` it computes from one
-    narrowing cast of it; else ``node``.
-
-    The scan proofs look through casts, so they may find an input before a rounding the program
-    makes: FalconMamba's ``rms_forward(B)`` and Jamba's B/C layer norm in a bf16 model compute
-    ``(B.float() * rsqrt(...)).to(bf16)``, which the discretisation reads as ``B.float()``. An op
-    reading the fp32 product would drop that rounding (``dropped_rounding`` refuses it: "it
-    quantizes the op's input"). When the cast is the region's only use of ``node``, every value
-    the region computes from ``node`` is a function of the cast's value, so the op reading the
-    cast computes the program's function, rounding included: the op widens a 16-bit input
-    exactly, as the program's own ``.float()`` does. Only that direct cast (no view between: it
-    keeps the input's axes and roles), and never of an fp64 ``node``: the op keeps fp64 states
-    only while an input is fp64, and an fp32 copy would lower them. Followed through a chain of
-    such casts (fp32 -> fp16 -> bf16), each the only use of the one before.
-
-    Only a cast the program widens again (``_widened_after``: the case ``dropped_rounding``
-    refuses). One whose value the program computes with in its own 16 bits is a rounding no
-    finer than its arithmetic, which ``dropped_rounding`` already lets the op read past, and the
-    op keeps reading what it read before.
-    """
-    while isinstance(node, torch.fx.Node) and dtype_of(node) in _FLOAT_DTYPES and dtype_of(node) != torch.float64:
-        users = [u for u in node.users if u in region]
-        if len(users) != 1:
-            break
-        (cast,) = users
-        if (not is_cast(cast) or cast.args[0] is not node or dtype_of(cast) not in _FLOAT_DTYPES
-                or is_lossless_cast(dtype_of(node), dtype_of(cast)) or not _widened_after(cast)):
-            break
-        node = cast
-    return node
 
 
 VIEW_OPS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "narrow",

@@ -59,8 +59,8 @@ from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, Conte
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
-from .scan_loop import (emit_or_refusal, emit_selective_scan, first_steps, mark_read_rounded, mutated, read_through,
-                        read_rounded_sources, time_prefix_source, written_after)
+from .scan_loop import (emit_or_refusal, emit_selective_scan, first_steps, mutated, read_through, time_prefix_source,
+                        written_after)
 
 log = logging.getLogger("ssm_compile")
 
@@ -640,12 +640,6 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     reads = read_through(list(full), sources, order) | full | sources
     readout_nodes = [readout.end, *readout.chain, *readout.nodes]
     reads |= read_through(readout_nodes, {readout.C, all_states}, order) | set(readout_nodes)
-    # An input the scan reads only through one rounding cast (``rms_forward(B)`` in a bf16 model):
-    # the op reads the rounded value (``scan_loop.read_rounded_sources``).
-    proved = [disc.u.node, disc.delta.node, disc.A.node, disc.B.node, readout.C]
-    disc, C_read = read_rounded_sources(disc, Source(readout.C, readout.C_roles),
-                                        reads | set(scan_nodes) | set(disc.nodes))
-    readout = dataclasses.replace(readout, C=C_read.node)
     own_writes = frozenset(n for n in scan_nodes if mutates(n))
     if mutated(all_states, ignore=own_writes):
         # HF's ``ssm_state = all_states[:, :, -1]`` later copied over by a decode step, say.
@@ -690,7 +684,6 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     if isinstance(emitted, str):
         ctx.miss(FAMILY, emitted, [all_states])
         return
-    mark_read_rounded(disc, C_read, proved)
     y_user, last_user = emitted
     readout.end.replace_all_uses_with(y_user)
     for node in lasts:

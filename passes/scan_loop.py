@@ -66,7 +66,6 @@ from .fx_utils import (
     storage_of_value,
     is_call,
     OP_ROUNDING,
-    READ_ROUNDED,
     dropped_rounding,
     float64_readout,
     higher_order_op,
@@ -75,7 +74,6 @@ from .fx_utils import (
     proof_sum,
     readout_decision,
     op_region,
-    rounded_read,
     is_cast,
     is_method,
     mutates,
@@ -1590,33 +1588,6 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     )
 
 
-def read_rounded_sources(disc: Discretized, C: Source, region: set[torch.fx.Node]) -> tuple[Discretized, Source]:
-    """``disc`` and ``C`` with each of u, Δ, A, B and C that ``region`` (what the op stands for)
-    only reads through one narrowing cast replaced by that cast (``fx_utils.rounded_read``): the
-    op then reads the rounded value the program computes with, not the unrounded one before it
-    (FalconMamba's ``rms_forward(B)`` in a bf16 model). A cast keeps the axes: same roles."""
-    def read(src: Source) -> Source:
-        node = rounded_read(src.node, region)
-        return src if node is src.node else Source(node, src.roles)
-    return dataclasses.replace(disc, **{k: read(getattr(disc, k)) for k in ("u", "delta", "A", "B")}), read(C)
-
-
-def mark_read_rounded(disc: Discretized, C: Source, before: list[torch.fx.Node]) -> None:
-    """Mark the casts the emitted op reads in place of ``before`` (its sources as proved):
-    ``fx_utils.dropped_rounding`` keeps a later fold from computing past them."""
-    for node in (disc.u.node, disc.delta.node, disc.A.node, disc.B.node, C.node):
-        if node not in before:
-            node.meta[READ_ROUNDED] = True
-
-
-def _read_rounded(m: LoopMatch, pos) -> LoopMatch:
-    d = m.disc
-    sources = [d.u.node, d.delta.node, d.A.node, d.B.node, m.C.node]
-    region = {*m.loop_nodes, *d.nodes, *m.out.writes, *op_region(sources, m.loop_nodes, pos)}
-    disc, C = read_rounded_sources(d, m.C, region)
-    return dataclasses.replace(m, disc=disc, C=C)
-
-
 def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     """Replace the loop by the op; on failure leave the graph as it was and say why."""
     graph = gm.graph
@@ -2043,13 +2014,10 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
         if isinstance(m, str):
             ctx.miss(FAMILY, m, [user])
             continue
-        proved = [m.disc.u.node, m.disc.delta.node, m.disc.A.node, m.disc.B.node, m.C.node]
-        m = _read_rounded(m, pos)
         err = _emit(gm, m, pos)
         if err is not None:
             ctx.miss(FAMILY, err, [user])
             continue
-        mark_read_rounded(m.disc, m.C, proved)
         decision = {
             "L": m.L,
             "N": _size_repr(val(m.disc.A.node).shape[m.disc.A.roles.index("n")]),
