@@ -850,20 +850,22 @@ def behind_lossless_casts(nodes: Iterable[Any]) -> list[torch.fx.Node]:
 
 
 def op_region(sources: Iterable[Any], sinks: Iterable[torch.fx.Node],
-              pos: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
+              pos: dict[torch.fx.Node, int], keep_upstream: bool = False) -> list[torch.fx.Node]:
     """What an op that reads ``sources`` and stands for ``sinks`` computes: the nodes that depend
     on a source and that a sink depends on (sinks included), in graph order.
 
     What a source is itself computed from (``x_proj`` before B, when u is also a source) is the
-    op's input, not its work, and is left out: a rounding there is in what the op reads. The
-    search stops at the first source, so it costs the size of the region, not of the graph.
+    op's input, not its work, and is left out, unless ``keep_upstream``: a node that feeds one
+    source may also lie on another source's way to the sinks (``Cf = C.bfloat16().float()``
+    read by the readout and summed into Δ), and then the op computes past it too. The search
+    stops at the first source, so it costs the size of the region, not of the graph.
     """
     srcs = {s for s in sources if isinstance(s, torch.fx.Node)}
     if not srcs:
         return []
     lo = min(pos[s] for s in srcs)
     upstream: set[torch.fx.Node] = set()
-    stack = list(srcs)
+    stack = [] if keep_upstream else list(srcs)
     while stack:
         for i in stack.pop().all_input_nodes:
             if i not in upstream and pos[i] > lo:

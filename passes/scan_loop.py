@@ -1606,8 +1606,9 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     replaced = [*m.loop_nodes, *d.nodes, *m.out.writes]
     sources = [d.u.node, d.delta.node, d.B.node, m.C.node]
     # The op also stands in for what lies between its sources and the loop (casts on C the
-    # readout was proved through): a rounding there is the program's too.
-    rounding = dropped_rounding([*replaced, *op_region(sources, m.loop_nodes, pos)], sources,
+    # readout was proved through): a rounding there is the program's too, also where the rounded
+    # copy feeds another source as well (a rounded C summed into Δ: probe BJ, run 53, 1.7e-3 off).
+    rounding = dropped_rounding([*replaced, *op_region(sources, m.loop_nodes, pos, keep_upstream=True)], sources,
                                 also_read=[d.A.node] + ([m.init] if m.init is not None else []))
     if rounding is not None:
         return rounding

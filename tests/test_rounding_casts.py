@@ -170,6 +170,46 @@ def test_rounded_C_of_an_fp32_loop_is_kept():
     torch.testing.assert_close(report.output, f(*args))
 
 
+def _rounded_C_also_feeds(role):
+    """C rounded for the readout, the same rounded copy also feeding Δ, u or B."""
+    def f(u, delta, A, B, C):
+        Cq = C.bfloat16().float()
+        if role == "delta":
+            delta = delta + Cq.sum(1)[:, None, :].abs()
+        elif role == "u":
+            u = u + Cq.sum(1)[:, None, :]
+        else:
+            B = Cq * B
+        dA = torch.exp(delta.unsqueeze(-1) * A[:, None, :])
+        dBu = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)
+        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+        ys = []
+        for t in range(u.shape[2]):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append((h * Cq[:, None, :, t]).sum(-1))
+        return torch.stack(ys, -1)
+    return f
+
+
+@pytest.mark.parametrize("role", ["delta", "u", "B"])
+def test_rounded_C_that_also_feeds_another_input_is_kept(role):
+    """The cast lay upstream of another source of the op, which op_region left out of what the
+    op computes: the readout's rounding was never checked and the op read C unrounded, 1.7e-3
+    off eager with no near-miss (probe BJ, run 53; older than that run)."""
+    from ssm_compile.report import explain
+
+    b, d, n, L = 2, 6, 4, 7
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(b, d, L, generator=g), torch.rand(b, d, L, generator=g) + 0.1, -torch.rand(d, n, generator=g) - 0.1,
+            torch.randn(b, n, L, generator=g), torch.randn(b, n, L, generator=g))
+    f = _rounded_C_also_feeds(role)
+    report = explain(f, *args)
+    assert report.counts["scan_loop"] == 0, report.summary()
+    assert any("rounds torch.float32 to torch.bfloat16" in m.reason for m in report.misses), [m.reason for m in report.misses]
+    with torch.no_grad():
+        assert torch.equal(report.output, f(*args))
+
+
 # --- the tail, Δ and the decode steps: the same policy (run 39 probe, F2-F4) ---------------------
 
 def _fp32_scan(u, delta, A, B, C):
