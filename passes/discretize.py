@@ -226,7 +226,8 @@ class _Evaluator:
         # becomes a leaf, which keeps the evaluator sound: it never claims more than it proved.
         if top and self.allow_exp and (is_call(node, torch.exp) or is_method(node, "exp")):
             if len(node.args) != 1 or node.kwargs:
-                # ``torch.exp(input=x)``, ``torch.exp(x, out=y)``: not read as an exp here (a leaf).
+                # ``torch.exp(x, out=y)`` writes y: not read as an exp here (a leaf). (An exp by
+                # keyword, ``torch.exp(input=x)``, reaches here positional: passes/keywords.py.)
                 return None
             inner = self.term(node.args[0])
             if inner is None:

@@ -351,7 +351,7 @@ class PassManager:
                 # would take it for a user of the values it read (the next scan's Δ·u product of
                 # this scan's y looked like a gate on y).
                 _remove_dead_nodes(gm.graph)
-        left = set(gm.graph.nodes)
+        left = set(gm.graph.nodes) if callers_states else set()
         for write in callers_states:
             if write in left:  # not a decode loop the decode pass rewrote step by step
                 state = write.args[0]

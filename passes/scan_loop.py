@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import sympy
 import torch
@@ -1889,13 +1889,17 @@ def _coeff_key(c: Any, t: int) -> tuple:
     return bodies(_leaf_key(c, t))
 
 
+def _addends(m: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, Any]]:
+    """``(a, x)`` for each ``a = m + x`` (either operand order) that reads ``m``."""
+    for a in m.users:
+        if _is_add(a):
+            yield a, a.args[1] if a.args[0] is m else a.args[0]
+
+
 def _next_step(m: torch.fx.Node, c: Any) -> tuple[torch.fx.Node, Any] | None:
     """For ``m = c * H`` feeding ``h = m + x_t``: the next step's ``c' * h`` with ``c'`` being
     ``c`` shifted one step in time, and the addend's time shift checked likewise."""
-    for a in m.users:
-        if not _is_add(a):
-            continue
-        x0 = a.args[1] if a.args[0] is m else a.args[0]
+    for a, x0 in _addends(m):
         if not isinstance(x0, torch.fx.Node) or not _key_slices(_leaf_key(x0, 0)):
             continue
         for m2 in a.users:
@@ -1946,11 +1950,9 @@ def _body_signature(body: torch.fx.GraphModule) -> tuple:
 
 def _addend_indices(m: torch.fx.Node) -> set:
     """The time indices the input term added to ``m = c * H`` reads its slices at."""
-    for a in m.users:
-        if _is_add(a):
-            x0 = a.args[1] if a.args[0] is m else a.args[0]
-            if isinstance(x0, torch.fx.Node):
-                return {s[3] for s in _key_slices(_leaf_key(x0, 0))}
+    for _, x0 in _addends(m):
+        if isinstance(x0, torch.fx.Node):
+            return {s[3] for s in _key_slices(_leaf_key(x0, 0))}
     return set()
 
 
