@@ -1,6 +1,9 @@
-"""After the rewrites: drop casts that change no value the code computes.
+"""Drop casts that change no value the code computes.
 
-Two folds, both run by the pass manager once the rewrites are done:
+Before the rewrites, ``drop_identity_conversions``: a conversion that returns its own input
+(``h.float()`` on an fp32 h, ``x.contiguous()`` on a contiguous x).
+
+Two folds run by the pass manager once the rewrites are done:
 
 * ``fold_round_trip_casts``: a widening cast that a narrowing cast undoes (below).
 * ``fold_widening_casts_into_ops``: a parameter widened to fp32 only to be handed to an ssm op
@@ -28,7 +31,40 @@ import torch
 import torch.utils._pytree as pytree
 
 from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_lossless_cast, is_method, propagate_val,
-                       protects_saved_input, storage_of, written_in_place)
+                       protects_saved_input, storage_of, val, written_in_place)
+
+# Conversions that return their receiver itself when there is nothing to convert.
+_SELF_RETURNING = ("to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous", "cpu", "cuda")
+
+
+def drop_identity_conversions(gm: torch.fx.GraphModule) -> list[str]:
+    """Make the users of ``x.to(x.dtype)``, ``x.float()`` on an fp32 x, ``x.contiguous()`` on a
+    contiguous x (and the like) read x; a line per conversion.
+
+    Eager returns x itself from such a call, and so does dynamo's fake run, whose value for the
+    node is then x's very fake tensor: that identity, not a reading of the arguments, is the
+    test, so a conversion that copies (``copy=True``, a memory format, another device) or rounds
+    keeps its node. The users read the same tensor object as before, so gradients and in-place
+    writes reach exactly what they reached. Without this, a step that converts the state before
+    using it (``h = dA * h.float() + dBu`` in an fp32 loop) has its state update start at the
+    conversion, and the loop's last step, with no conversion after it, did not repeat the others.
+    The node goes too: the matchers count the users of x, and a dead one would be one of them.
+    """
+    dropped = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_method" or node.target not in _SELF_RETURNING or not node.args:
+            continue
+        src = node.args[0]
+        out = val(node)
+        # Memory written in place keeps its conversions: the matchers' refusals of such writes
+        # name the nodes the code wrote (``A.float().mul_(s)``), and nothing is gained there.
+        if (isinstance(src, torch.fx.Node) and isinstance(out, torch.Tensor) and out is val(src)
+                and written_in_place(gm.graph, [src]) is None):
+            node.replace_all_uses_with(src)
+            gm.graph.erase_node(node)
+            dropped.append(f"{node.name}: .{node.target}() returns {src.name} itself; its users read {src.name}")
+    return dropped
+
 
 # Views that only relabel axes: they apply to any tensor, and commute with a dtype cast.
 _AXIS_VIEWS = ("transpose", "permute", "t", "unsqueeze", "squeeze")

@@ -35,8 +35,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (context_refusal, depthwise_weight, is_call, is_method, is_zeros, named_args, propagate_val,
-                       val, view_perm, written_in_place)
+from .fx_utils import (OP_ROUNDING, context_refusal, depthwise_weight, is_call, is_method, is_zeros, named_args,
+                       propagate_val, val, view_perm, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -357,6 +357,9 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 # returns x's dtype; the user's code downstream must see the dtype it saw in eager.
                 result = graph.call_method("to", (op, out_dtype))
                 propagate_val(result)
+                # Autocast's rounding of the conv output, now the op's own: a scan that reads the
+                # op's output keeps the precision the op computed (see ``dropped_rounding``).
+                result.meta[OP_ROUNDING] = True
         if "stack_trace" in conv.meta:
             op.meta["stack_trace"] = conv.meta["stack_trace"]
         if view is not None:

@@ -765,7 +765,11 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
         src, dst = dtype_of(n.args[0]), dtype_of(n)
         if is_lossless_cast(src, dst):
             continue
-        rounded = _rounded_input(n.args[0], read) if _widened_after(n) else None
+        # A rewrite's own output rounding (``OP_ROUNDING``: autocast's dtype for the causal conv's
+        # output) is not the program quantizing an input: the op reading the unrounded output
+        # computes at least as precisely as eager under autocast did.
+        rounded = (_rounded_input(n.args[0], read) if _widened_after(n) and not n.meta.get(OP_ROUNDING)
+                   else None)
         if rounded is not None:
             # ``A.bfloat16().float()``: the program quantizes what the op reads at full precision,
             # then computes with it in the wider dtype.

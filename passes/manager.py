@@ -19,11 +19,11 @@ from torch._dynamo.utils import counters
 from .discretize import unscanned_discretizations
 from .einops_calls import expand_einops_calls
 from .fx_utils import INPLACE_OPERATORS, hop_name, mutates, val
-from .casts import fold_round_trip_casts, fold_widening_casts_into_ops
+from .casts import drop_identity_conversions, fold_round_trip_casts, fold_widening_casts_into_ops
 from .inplace import caller_state_recurrences, rewrite_local_writes
 from .keywords import positional_operands
 from .layout import output_layouts, random_input_layouts, settle_layouts
-from .pieces import read_single_cats, read_unit_pieces, read_whole_pieces
+from .pieces import read_reshape_round_trips, read_single_cats, read_unit_pieces, read_whole_pieces
 
 log = logging.getLogger("ssm_compile")
 
@@ -74,6 +74,17 @@ class PassContext:
             return
         self.misses.append(Miss(family, reason, [n.name for n in nodes]))
         log.debug("ssm near-miss %s: %s", family, reason)
+
+    def withdraw(self, family: str, names: set[str], reason: str | None = None) -> None:
+        """Take ``family``'s misses (those with ``reason``, if given) off the nodes ``names``, which a
+        later pass has accounted for; a miss left with no node goes. Only at those nodes: a reason
+        met at several places is one miss at the nodes of all (``miss``)."""
+        met = [m for m in self.misses if m.family == family and (reason is None or m.reason == reason)
+               and set(m.nodes) & names]
+        for m in met:
+            m.nodes = [n for n in m.nodes if n not in names]
+        emptied = {id(m) for m in met if not m.nodes}
+        self.misses = [m for m in self.misses if id(m) not in emptied]
 
 
 _INPLACE_OPERATORS = (operator.setitem, *INPLACE_OPERATORS)
@@ -333,13 +344,14 @@ class PassManager:
         # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
         _attribute_reads_first(gm)
         # Operands by position first: every pass after it reads them so.
-        keyword_changes = positional_operands(gm)
+        keyword_changes = positional_operands(gm) + drop_identity_conversions(gm)
         callers_states = caller_state_recurrences(gm.graph)
         # einops calls next: the others and the matchers see only torch calls.
         einops_changes, einops_kept = expand_einops_calls(gm)
         for node, reason in einops_kept:
             ctx.miss("einops", reason, [node])
         for change in (keyword_changes + einops_changes + rewrite_local_writes(gm) + read_whole_pieces(gm)
+                       + read_reshape_round_trips(gm)
                        + read_single_cats(gm) + read_unit_pieces(gm)):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:

@@ -34,6 +34,13 @@ strides (the size-1 axis' stride can differ, on a channels-last x say, and conv2
 choose their output's layout from it, which later code may read: probe BB, run 52). Only where
 one tensor is cut into two or more such pieces along one axis (a loop's steps), and only pieces
 nobody writes or reshapes in place, returns, or reads the strides of.
+
+A reshape of a reshape back to the tensor's own sizes (``h.view(b, d * n)`` stored as a flat
+state, ``.view(b, d, n)`` at the next step) is, where its fake value has x's sizes, strides,
+storage offset and storage, a view with x's exact metadata, as a whole piece is: its users can
+read x (``read_reshape_round_trips``). A reshape that copied (a non-contiguous x) has its own
+storage and is left alone. Without this, a loop whose state round-trips through a flat shape
+had its state update start at the reshape, and the last step did not repeat the others.
 """
 from __future__ import annotations
 
@@ -80,6 +87,54 @@ def _whole(piece: torch.fx.Node, returned: set, regions: ContextRegions) -> torc
     if piece in returned or metadata_mutated(piece) or metadata_mutated(source):
         return None
     return source if reads_alike_to_autograd(piece, source, regions) else None
+
+
+_RESHAPE_METHODS = ("view", "reshape", "flatten", "unflatten")
+_RESHAPE_FUNCTIONS = (torch.reshape, torch.flatten, torch.unflatten)
+
+
+def _is_reshape(node: torch.fx.Node) -> bool:
+    return is_method(node, *_RESHAPE_METHODS) or is_call(node, *_RESHAPE_FUNCTIONS)
+
+
+def _round_trip_source(node: torch.fx.Node, returned: set, regions: ContextRegions) -> torch.fx.Node | None:
+    """x when ``node`` reshapes a reshape of x back to x's exact view (module docstring)."""
+    if not _is_reshape(node) or not node.args or not _is_reshape(node.args[0]) or not node.args[0].args:
+        return None
+    source = node.args[0].args[0]
+    if not isinstance(source, torch.fx.Node):
+        return None
+    z, x = val(node), val(source)
+    if not isinstance(z, torch.Tensor) or not isinstance(x, torch.Tensor) or z.dtype != x.dtype:
+        return None
+    if storage_of(node) is None or storage_of(node) != storage_of(source):
+        return None
+    if not (same_sizes(z.shape, x.shape) and same_sizes(z.stride(), x.stride())
+            and statically_known_true(z.storage_offset() == x.storage_offset())):
+        return None
+    if node in returned or metadata_mutated(node) or metadata_mutated(node.args[0]) or metadata_mutated(source):
+        return None
+    return source if reads_alike_to_autograd(node, source, regions) else None
+
+
+def read_reshape_round_trips(gm: torch.fx.GraphModule) -> list[str]:
+    """Point the users of every reshape round trip at the tensor it started from; a line each.
+    The round trip's nodes go once nothing reads them (the matchers count users)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
+    regions = ContextRegions(gm.graph)
+    changes = []
+    for node in list(gm.graph.nodes):
+        source = _round_trip_source(node, returned, regions)
+        if source is None:
+            continue
+        inner = node.args[0]
+        node.replace_all_uses_with(source)
+        gm.graph.erase_node(node)
+        if not inner.users:
+            gm.graph.erase_node(inner)
+        changes.append(f"{node.name} reshapes {source.name} back to its own view: its users read {source.name}")
+    return changes
 
 
 def read_whole_pieces(gm: torch.fx.GraphModule) -> list[str]:

@@ -160,30 +160,23 @@ def test_snapshot_of_rewritten_mixer_loop():
 %getitem_1 = operator.getitem(%chunk_1, 0)  # float32[2, 32, 8]
 %getitem_2 = operator.getitem(%chunk_1, 1)  # float32[2, 32, 8]
 %squeeze_1 = .squeeze(%L_self_modules_conv1d_parameters_weight_, 1)  # float32[32, 4]
-%to_1 = .to(%getitem_1, torch.float32)  # float32[2, 32, 8]
-%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%to_1, %squeeze_1, %L_self_modules_conv1d_parameters_bias_, 'silu')  # float32[2, 32, 8]
-%to_2 = .to(%causal_conv1d_1, torch.float32)  # float32[2, 32, 8]
-%transpose_2 = .transpose(%to_2, 1, 2)  # float32[2, 8, 32]
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%getitem_1, %squeeze_1, %L_self_modules_conv1d_parameters_bias_, 'silu')  # float32[2, 32, 8]
+%transpose_2 = .transpose(%causal_conv1d_1, 1, 2)  # float32[2, 8, 32]
 %x_dt_proj_1 = torch.ops.ssm.x_dt_proj.default(%transpose_2, %L_self_modules_x_proj_parameters_weight_, %L_self_modules_dt_proj_parameters_weight_)  # (float32[2, 8, 10], float32[2, 8, 32])
 %getitem_3 = operator.getitem(%x_dt_proj_1, 0)  # float32[2, 8, 10]
 %getitem_4 = operator.getitem(%x_dt_proj_1, 1)  # float32[2, 8, 32]
 %split_1 = torch.functional.split(%getitem_3, [2, 4, 4], -1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
 %getitem_5 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
 %getitem_6 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
-%float_1 = .float(%L_self_parameters_A_log_)  # float32[32, 4]
-%exp_1 = torch.exp(%float_1)  # float32[32, 4]
+%exp_1 = torch.exp(%L_self_parameters_A_log_)  # float32[32, 4]
 %neg_1 = operator.neg(%exp_1)  # float32[32, 4]
-%float_2 = .float(%L_self_modules_dt_proj_parameters_bias_)  # float32[32]
-%float_3 = .float(%L_self_parameters_D_)  # float32[32]
-%to_3 = .to(%float_2, torch.float32)  # float32[32]
 %permute_1 = .permute(%getitem_6, (0, 2, 1))  # float32[2, 4, 8]
 %permute_2 = .permute(%getitem_5, (0, 2, 1))  # float32[2, 4, 8]
 %transpose_3 = .transpose(%getitem_4, -1, -2)  # float32[2, 32, 8]
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %transpose_3, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %transpose_3, %neg_1, %permute_2, %permute_1, %L_self_parameters_D_, %getitem_2, %L_self_modules_dt_proj_parameters_bias_, True, None, False)  # (float32[2, 32, 8], float32[0])
 %getitem_7 = operator.getitem(%selective_scan_1, 0)  # float32[2, 32, 8]
 %transpose_4 = .transpose(%getitem_7, 1, 2)  # float32[2, 8, 32]
-%to_4 = .to(%transpose_4, torch.float32)  # float32[2, 8, 32]
-%linear_2 = torch._C._nn.linear(%to_4, %L_self_modules_out_proj_parameters_weight_, %L_self_modules_out_proj_parameters_bias_)  # float32[2, 8, 16]
+%linear_2 = torch._C._nn.linear(%transpose_4, %L_self_modules_out_proj_parameters_weight_, %L_self_modules_out_proj_parameters_bias_)  # float32[2, 8, 16]
 return (%linear_2,)
 """)
     else:
@@ -202,34 +195,27 @@ return (%linear_2,)
 %L_self_parameters_D_ = placeholder  # float32[32]
 %linear_1 = torch._C._nn.linear(%L_args_0_, %L_self_modules_in_proj_parameters_weight_, %L_self_modules_in_proj_parameters_bias_)  # float32[2, 8, 64]
 %transpose_1 = .transpose(%linear_1, 1, 2)  # float32[2, 64, 8]
-%float_1 = .float(%L_self_parameters_A_log_)  # float32[32, 4]
-%exp_1 = torch.exp(%float_1)  # float32[32, 4]
+%exp_1 = torch.exp(%L_self_parameters_A_log_)  # float32[32, 4]
 %neg_1 = operator.neg(%exp_1)  # float32[32, 4]
-%chunk_1 = .chunk(%transpose_1, 2, dim=1)  # (float32[2, 32, 8], float32[2, 32, 8])
+%chunk_1 = .chunk(%transpose_1, 2, 1)  # (float32[2, 32, 8], float32[2, 32, 8])
 %getitem_1 = operator.getitem(%chunk_1, 0)  # float32[2, 32, 8]
 %getitem_2 = operator.getitem(%chunk_1, 1)  # float32[2, 32, 8]
 %squeeze_1 = .squeeze(%L_self_modules_conv1d_parameters_weight_, 1)  # float32[32, 4]
-%to_1 = .to(%getitem_1, torch.float32)  # float32[2, 32, 8]
-%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%to_1, %squeeze_1, %L_self_modules_conv1d_parameters_bias_, 'silu')  # float32[2, 32, 8]
-%to_2 = .to(%causal_conv1d_1, torch.float32)  # float32[2, 32, 8]
-%transpose_2 = .transpose(%to_2, 1, 2)  # float32[2, 8, 32]
+%causal_conv1d_1 = torch.ops.ssm.causal_conv1d.default(%getitem_1, %squeeze_1, %L_self_modules_conv1d_parameters_bias_, 'silu')  # float32[2, 32, 8]
+%transpose_2 = .transpose(%causal_conv1d_1, 1, 2)  # float32[2, 8, 32]
 %x_dt_proj_1 = torch.ops.ssm.x_dt_proj.default(%transpose_2, %L_self_modules_x_proj_parameters_weight_, %L_self_modules_dt_proj_parameters_weight_)  # (float32[2, 8, 10], float32[2, 8, 32])
 %getitem_3 = operator.getitem(%x_dt_proj_1, 0)  # float32[2, 8, 10]
 %getitem_4 = operator.getitem(%x_dt_proj_1, 1)  # float32[2, 8, 32]
-%split_1 = torch.functional.split(%getitem_3, [2, 4, 4], dim=-1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
+%split_1 = torch.functional.split(%getitem_3, [2, 4, 4], -1)  # (float32[2, 8, 2], float32[2, 8, 4], float32[2, 8, 4])
 %getitem_5 = operator.getitem(%split_1, 1)  # float32[2, 8, 4]
 %getitem_6 = operator.getitem(%split_1, 2)  # float32[2, 8, 4]
-%float_2 = .float(%L_self_modules_dt_proj_parameters_bias_)  # float32[32]
-%float_3 = .float(%L_self_parameters_D_)  # float32[32]
-%to_3 = .to(%float_2, torch.float32)  # float32[32]
 %permute_1 = .permute(%getitem_6, (0, 2, 1))  # float32[2, 4, 8]
 %permute_2 = .permute(%getitem_5, (0, 2, 1))  # float32[2, 4, 8]
 %transpose_3 = .transpose(%getitem_4, -1, -2)  # float32[2, 32, 8]
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %transpose_3, %neg_1, %permute_2, %permute_1, %float_3, %getitem_2, %to_3, True, None, False)  # (float32[2, 32, 8], float32[0])
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%causal_conv1d_1, %transpose_3, %neg_1, %permute_2, %permute_1, %L_self_parameters_D_, %getitem_2, %L_self_modules_dt_proj_parameters_bias_, True, None, False)  # (float32[2, 32, 8], float32[0])
 %getitem_7 = operator.getitem(%selective_scan_1, 0)  # float32[2, 32, 8]
 %transpose_4 = .transpose(%getitem_7, 1, 2)  # float32[2, 8, 32]
-%to_4 = .to(%transpose_4, torch.float32)  # float32[2, 8, 32]
-%linear_2 = torch._C._nn.linear(%to_4, %L_self_modules_out_proj_parameters_weight_, %L_self_modules_out_proj_parameters_bias_)  # float32[2, 8, 16]
+%linear_2 = torch._C._nn.linear(%transpose_4, %L_self_modules_out_proj_parameters_weight_, %L_self_modules_out_proj_parameters_bias_)  # float32[2, 8, 16]
 return (%linear_2,)
 """)
 

@@ -212,13 +212,10 @@ def test_fold_hf524_snapshot():
 %L_u_ = placeholder
 %L_z_ = placeholder
 %transpose_1 = .transpose(%L_ts_, 1, 2)
-%float_1 = .float(%L_bias_)
-%to_1 = .to(%float_1, torch.float32)
 %transpose_2 = .transpose(%transpose_1, -1, -2)
 %linear_1 = torch._C._nn.linear(%transpose_2, %L_W_)
 %transpose_3 = .transpose(%linear_1, -1, -2)
-%float_2 = .float(%L_D_)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %transpose_3, %L_A_, %L_B_, %L_C_, %float_2, %L_z_, %to_1, True, None, False)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_u_, %transpose_3, %L_A_, %L_B_, %L_C_, %L_D_, %L_z_, %L_bias_, True, None, False)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 return (%getitem_1,)
 """)

@@ -356,8 +356,7 @@ def test_hf_generic_snapshot():
 %L_dt_ = placeholder
 %L_hidden_states_ = placeholder
 %L_z_ = placeholder
-%to_1 = .to(%L_delta_bias_, torch.float32)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_hidden_states_, %L_dt_, %L_A_, %L_B_, %L_C_, %L_D_, %L_z_, %to_1, True, None, True)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_hidden_states_, %L_dt_, %L_A_, %L_B_, %L_C_, %L_D_, %L_z_, %L_delta_bias_, True, None, True)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %getitem_2 = operator.getitem(%selective_scan_1, 1)
 %permute_1 = .permute(%getitem_1, 0, 2, 1)
@@ -379,8 +378,7 @@ def test_pointwise_snapshot_scan_only():
 %L_args_5_ = placeholder
 %L_args_6_ = placeholder
 %L_args_7_ = placeholder
-%to_1 = .to(%L_args_7_, torch.float32)
-%getitem_1 = operator.getitem(%to_1, (..., None))
+%getitem_1 = operator.getitem(%L_args_7_, (..., None))
 %add_1 = operator.add(%L_args_1_, %getitem_1)
 %softplus_1 = torch._C._nn.softplus(%add_1)
 %selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_args_0_, %softplus_1, %L_args_2_, %L_args_3_, %L_args_4_, None, None, None, False, None, True)
