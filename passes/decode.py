@@ -79,6 +79,7 @@ from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_r
                        mutates, named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name,
                        time_slice, val, written_args)
 from .manager import PassContext, PassManager
+from .scan_loop import ONE_STEP
 
 STATE_FAMILY = "state_update"
 CONV_FAMILY = "conv_update"
@@ -1255,6 +1256,10 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         # Before the erase: the record reads each cast's input. dt's own casts are peeled
         # outside the region (the op reads dt_raw) and counted with it.
         dropped = _narrowing(list(dict.fromkeys(m["casts"] + m["region_casts"])))
+        # scan_loop, which runs first, may have read the step's decay product (an operand of the
+        # update's sum) as a one-step loop left alone; this rewrite accounts for it.
+        step = [node, u.reader, *([u.h, *u.h.all_input_nodes] if u.h is not None else [])]
+        ctx.withdraw("scan_loop", {n.name for n in step}, ONE_STEP)
         _erase_unused(graph, m["chain"] + [m["readout_first"], last] + u.writes)
         order = node_order(graph)
         ctx.rewrite(STATE_FAMILY, f"state*exp(dt*A)+dt*B*x ({u.form}); C-readout"

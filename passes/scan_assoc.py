@@ -816,12 +816,7 @@ def scan_assoc_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         # not one; the in-place scan's own account replaces it. Only at this scan's nodes: a
         # reason met in two sweeps is one miss at the nodes of both (PassContext.miss), and the
         # first sweep's rewrite left it standing for both (probe BE, run 53).
-        names = {n.name for n in found.nodes}
-        met = [m for m in ctx.misses if m.family == "scan_loop" and set(m.nodes) & names]
-        for m in met:
-            m.nodes = [n for n in m.nodes if n not in names]
-        emptied = {id(m) for m in met if not m.nodes}
-        ctx.misses = [m for m in ctx.misses if id(m) not in emptied]
+        ctx.withdraw("scan_loop", {n.name for n in found.nodes})
         if isinstance(found, InplaceMiss):
             ctx.miss(FAMILY, f"in-place parallel scan: {found.reason}", found.seeds)
             continue
