@@ -176,11 +176,18 @@ INLINED: set[str] = set()
 
 
 def register_inline(lib: torch.library.Library, qualname: str, traced_impl: Callable[..., Any],
-                    functional_impl: Optional[Callable[..., Any]] = None) -> None:
+                    functional_impl: Optional[Callable[..., Any]] = None, written: Optional[int] = None) -> None:
     """Give ``qualname`` (``"ssm::name"``) the rule above; ``traced_impl`` takes the op's
     positional arguments and launches through ``wrap_triton``. ``functional_impl``, if given,
-    replaces the whole op where it is not inlined (same arguments, traced under the mode)."""
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    replaces the whole op where it is not inlined (same arguments, traced under the mode).
+
+    ``written``: the position of the argument an in-place op writes. ``traced_impl`` then writes
+    nothing it was given: it returns ``(result, new)``, ``new`` a tensor its launch filled, and
+    the argument is given ``new``'s value the way functionalization applies any write (replace,
+    commit, sync), hidden from autograd as a recorded launch's own write is. A launch that wrote
+    the argument itself would be cloned first (``triton_kernel_wrapper_functional``), and that
+    clone is what inductor got wrong (``kernels/decode/op.py``)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode, PythonFunctionalizeAPI
 
     INLINED.add(qualname)
     memoize_access_analysis()
@@ -188,7 +195,17 @@ def register_inline(lib: torch.library.Library, qualname: str, traced_impl: Call
     def rule(mode, op, types, args, kwargs):
         if inlines(types, args, kwargs):
             with mode:
-                return traced_impl(*args)
+                out = traced_impl(*args)
+            if written is None:
+                return out
+            result, new = out
+            ctx = PythonFunctionalizeAPI(mode)
+            target = args[written]
+            ctx.replace(target, FunctionalTensor.from_functional(new))
+            ctx.mark_mutation_hidden_from_autograd(target)
+            ctx.commit_update(target)
+            ctx.sync(target)
+            return result
         if functional_impl is not None:
             with mode:
                 return functional_impl(*args, **kwargs)

@@ -291,18 +291,28 @@ def _conv_update_functional_fake(x, conv_state, weight, bias=None, activation=No
     return x.new_empty(x.shape), conv_state.new_empty(conv_state.shape)
 
 
+# Inlined, the kernel reads the state and writes the new one to a fresh buffer, which becomes
+# the state's value (``register_inline``'s ``written``): a recorded launch that wrote its state
+# argument in place became a ``triton_kernel_wrapper_functional`` that clones it, and inductor
+# (torch 2.11, CUDA, static sizes) generated that clone of a state computed from a view with an
+# offset (``cache[1].clone()``, ``zeros_like(cache[1]) + cache[1]``) as a copy from offset 0: the
+# kernel read ``cache[0]``, y up to ~2.7 off eager (run 54, ``benchmarks/repros/
+# decode_inline_states.py``). A fresh output has nothing to clone.
 def _state_update_traced(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     check_selective_state_update_args(state, x, dt, A, B, C, D, z, dt_bias)
-    return _triton_decode().selective_state_update(state, x, dt, A, _grouped(B), _grouped(C), D, z, dt_bias,
-                                                   dt_softplus, traced=True)
+    new = torch.empty_like(state)
+    y = _triton_decode().selective_state_update(state, x, dt, A, _grouped(B), _grouped(C), D, z, dt_bias,
+                                                dt_softplus, traced=True, new_state=new)
+    return y, new
 
 
 def _conv_update_traced(x, conv_state, weight, bias=None, activation=None):
     check_causal_conv1d_update_args(x, conv_state, weight, bias, activation)
     activation = _silu_named(activation)
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
-    y = _triton_decode().causal_conv1d_update(x3, conv_state, weight, bias, activation, traced=True)
-    return y.squeeze(-1) if x.dim() == 2 else y
+    new = torch.empty_like(conv_state)
+    y = _triton_decode().causal_conv1d_update(x3, conv_state, weight, bias, activation, traced=True, new_state=new)
+    return (y.squeeze(-1) if x.dim() == 2 else y), new
 
 
 # Where a graph is compiled and the op is not inlined (CPU, symbolic sizes), the in-place op is
@@ -405,13 +415,15 @@ def register() -> torch.library.Library:
     Returns the ``Library`` fragment; the cache keeps it alive, which keeps the ops defined.
     """
     lib = torch.library.Library("ssm", "FRAGMENT")
-    for schema, impl, fake, traced, functional in (
+    for schema, impl, fake, traced, functional, written in (
         (_STATE_UPDATE_SCHEMA, _state_update_impl, _state_update_fake, _state_update_traced,
-         _state_update_functional_traced),
+         _state_update_functional_traced, 0),
         (_CONV_UPDATE_SCHEMA, _conv_update_impl, _conv_update_fake, _conv_update_traced,
-         _conv_update_functional_traced),
-        (_STATE_UPDATE_FUNCTIONAL_SCHEMA, _state_update_functional_impl, _state_update_functional_fake, None, None),
-        (_CONV_UPDATE_FUNCTIONAL_SCHEMA, _conv_update_functional_impl, _conv_update_functional_fake, None, None),
+         _conv_update_functional_traced, 1),
+        (_STATE_UPDATE_FUNCTIONAL_SCHEMA, _state_update_functional_impl, _state_update_functional_fake, None, None,
+         None),
+        (_CONV_UPDATE_FUNCTIONAL_SCHEMA, _conv_update_functional_impl, _conv_update_functional_fake, None, None,
+         None),
     ):
         name = schema[: schema.index("(")]
         lib.define(schema)
@@ -424,7 +436,7 @@ def register() -> torch.library.Library:
             # Compiled on CUDA, the op is its kernel's launch in inductor's code (``kernels/inline.py``).
             # The functional twins stay calls of the op: they run where the state is a view, off
             # the per-layer path of a model whose cache holds one tensor per layer.
-            register_inline(lib, f"ssm::{name}", traced, functional)
+            register_inline(lib, f"ssm::{name}", traced, functional, written)
     lib.define(_ROUND_THROUGH_SCHEMA)
     for device_key in ("CPU", "CUDA"):
         lib.impl("round_through", round_through, device_key)

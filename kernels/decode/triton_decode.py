@@ -17,11 +17,12 @@ from ..triton_common import LOG2E, launcher, silu, softplus
 @triton.jit
 def _selective_state_update_kernel(
     # pointers
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr,
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, new_state_ptr,
     # sizes
     dim, N, dim_per_group,
     # strides
     stride_state_b, stride_state_d, stride_state_n,
+    stride_new_b, stride_new_d, stride_new_n,
     stride_x_b, stride_x_d,
     stride_dt_b, stride_dt_d,
     stride_A_d, stride_A_n,
@@ -67,7 +68,8 @@ def _selective_state_update_kernel(
     dA = tl.exp2(dt[:, None] * A * LOG2E)
     # Padded lanes load h = B = 0, so they stay 0 and add nothing to the readout.
     h = h * dA + (dt * x)[:, None] * B  # [BLOCK_D, BLOCK_N]
-    tl.store(state_ptrs, h, mask=mask_dn)
+    tl.store(new_state_ptr + pid_b * stride_new_b + offs_d[:, None] * stride_new_d + offs_n[None, :] * stride_new_n,
+             h, mask=mask_dn)
 
     y = tl.sum(h * C, axis=1)
     if HAS_D:
@@ -78,11 +80,14 @@ def _selective_state_update_kernel(
     tl.store(y_ptr + pid_b * stride_y_b + offs_d * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
-def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, traced=False) -> torch.Tensor:
-    """Launch one recurrence step; ``state`` (batch, dim, N) fp32 is updated in place.
+def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, traced=False,
+                           new_state=None) -> torch.Tensor:
+    """Launch one recurrence step; ``state`` (batch, dim, N) fp32 is updated in place, or read
+    and the new state written to ``new_state`` (same shape) where one is given.
 
     x, dt, z: (batch, dim); A: (dim, N); B, C: (batch, G, N); D, dt_bias: (dim,). Returns y.
     """
+    new_state = state if new_state is None else new_state
     batch, dim = x.shape
     G, N = B.shape[1], B.shape[2]
     y = torch.empty((batch, dim), dtype=x.dtype, device=x.device)
@@ -92,9 +97,10 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, tr
     grid = (batch, triton.cdiv(dim, BLOCK_D))
     kernel, options = launcher(_selective_state_update_kernel, traced)
     kernel[grid](
-        state, x, dt, A, B, C, D, z, dt_bias, y,
+        state, x, dt, A, B, C, D, z, dt_bias, y, new_state,
         dim, N, dim // G,
         state.stride(0), state.stride(1), state.stride(2),
+        new_state.stride(0), new_state.stride(1), new_state.stride(2),
         x.stride(0), x.stride(1),
         dt.stride(0), dt.stride(1),
         A.stride(0), A.stride(1),
@@ -121,12 +127,13 @@ def selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, tr
 @triton.jit
 def _causal_conv1d_update_kernel(
     # pointers
-    x_ptr, conv_state_ptr, w_ptr, bias_ptr, y_ptr,
+    x_ptr, conv_state_ptr, w_ptr, bias_ptr, y_ptr, new_state_ptr,
     # sizes
     dim, T, S, W,
     # strides
     stride_x_b, stride_x_d, stride_x_t,
     stride_state_b, stride_state_d, stride_state_s,
+    stride_new_b, stride_new_d, stride_new_s,
     stride_w_d, stride_w_k,
     stride_bias_d,
     stride_y_b, stride_y_d, stride_y_t,
@@ -145,6 +152,7 @@ def _causal_conv1d_update_kernel(
     mask_dk = mask_d[:, None] & (offs_k[None, :] < W)
     x_base = x_ptr + pid_b * stride_x_b + offs_d[:, None] * stride_x_d
     state_base = conv_state_ptr + pid_b * stride_state_b + offs_d[:, None] * stride_state_d
+    new_base = new_state_ptr + pid_b * stride_new_b + offs_d[:, None] * stride_new_d
 
     w = tl.load(w_ptr + offs_d[:, None] * stride_w_d + offs_k[None, :] * stride_w_k,
                 mask=mask_dk, other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_W]
@@ -167,9 +175,10 @@ def _causal_conv1d_update_kernel(
         tl.store(y_ptr + pid_b * stride_y_b + offs_d * stride_y_d + t * stride_y_t,
                  acc.to(y_ptr.dtype.element_ty), mask=mask_d)
 
-    # Roll the state left by T in place: new[s] = cat(state, x)[s + T]. Chunks go in rising s,
-    # so a chunk only reads positions no earlier chunk wrote; inside a chunk the barrier makes
-    # every thread finish reading before any thread overwrites a position another still needs.
+    # Roll the state left by T: new[s] = cat(state, x)[s + T], in place where new_state_ptr is the
+    # state. Chunks go in rising s, so a chunk only reads positions no earlier chunk wrote; inside
+    # a chunk the barrier makes every thread finish reading before any thread overwrites a
+    # position another still needs.
     tl.debug_barrier()
     for s0 in range(0, S, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)[None, :]
@@ -180,14 +189,16 @@ def _causal_conv1d_update_kernel(
         new = tl.load(x_base + (src - S) * stride_x_t, mask=mask_ds & (src >= S), other=0.0)
         rolled = tl.where(from_state, old, new.to(conv_state_ptr.dtype.element_ty))  # [BLOCK_D, BLOCK_S]
         tl.debug_barrier()
-        tl.store(state_base + offs_s * stride_state_s, rolled, mask=mask_ds)
+        tl.store(new_base + offs_s * stride_new_s, rolled, mask=mask_ds)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias, activation, traced=False) -> torch.Tensor:
-    """Launch T conv steps; ``conv_state`` (batch, dim, S) is rolled left by T in place.
+def causal_conv1d_update(x, conv_state, weight, bias, activation, traced=False, new_state=None) -> torch.Tensor:
+    """Launch T conv steps; ``conv_state`` (batch, dim, S) is rolled left by T in place, or read and
+    the rolled state written to ``new_state`` (same shape) where one is given.
 
     x: (batch, dim, T); weight: (dim, W); bias: (dim,). Returns y (batch, dim, T).
     """
+    new_state = conv_state if new_state is None else new_state
     batch, dim, T = x.shape
     S, W = conv_state.shape[-1], weight.shape[-1]
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -195,10 +206,11 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation, traced=False) 
     grid = (batch, triton.cdiv(dim, BLOCK_D))
     kernel, options = launcher(_causal_conv1d_update_kernel, traced)
     kernel[grid](
-        x, conv_state, weight, bias, y,
+        x, conv_state, weight, bias, y, new_state,
         dim, T, S, W,
         x.stride(0), x.stride(1), x.stride(2),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        new_state.stride(0), new_state.stride(1), new_state.stride(2),
         weight.stride(0), weight.stride(1),
         0 if bias is None else bias.stride(0),
         y.stride(0), y.stride(1), y.stride(2),
