@@ -253,7 +253,8 @@ def _direct_conv_update(layer):
     return step
 
 
-LAYER_OF = {"cache[1]": lambda c: c[1], "cache[1].clone()": lambda c: c[1].clone()}
+LAYER_OF = {"cache[1]": lambda c: c[1], "cache[1].clone()": lambda c: c[1].clone(),
+            "zeros_like(cache[1]) + cache[1]": lambda c: torch.zeros_like(c[1]) + c[1]}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -266,8 +267,11 @@ def test_mutating_op_called_on_a_cache_layer_under_inductor_matches_eager(make, 
     whole, a mutating op became ``auto_functionalized``, for which inductor (torch 2.13) read
     ``cache[0]`` where the code named ``cache[1]`` (symbolic sizes), or the clone of it (static
     too): y up to ~3 off eager, and the other layers written. The op is now traced as its
-    functional twin and a copy back wherever it is not inlined. Caches off: an artifact compiled
-    before the fix would hide it."""
+    functional twin and a copy back wherever it is not inlined. Inlined (CUDA, static sizes), its
+    launch wrote the state in place, and inductor (torch 2.11) generated the clone that
+    functionalization made of a state computed from the offset view as a copy from offset 0
+    (run 54): the launch now writes a fresh buffer that becomes the state. Caches off: an
+    artifact compiled before the fix would hide it."""
     fn = make(layer)
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(LAYERS, 2, DIM, W if conv else N, generator=g)
