@@ -1989,7 +1989,8 @@ def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
         # op takes Δ per (batch, dim, time), and no proof here reads one from a Δ without time.
         return ("a linear recurrence h = exp(Δ·A)*h + x_t whose Δ has no time axis (the same step at every t, "
                 "as in S4D): left alone, since ssm.selective_scan reads Δ per (batch, dim, time); a Δ "
-                "broadcast to (batch, dim, L) before the loop is rewritten")
+                "materialised per (batch, dim, time) before the loop (dt[None, :, None].repeat(b, 1, L), "
+                "dt[:, None] * torch.ones(b, d, L)) is rewritten, an expand of it is not")
     if ts is None:
         return ("a linear recurrence h = c*h + x_t with a time-invariant decay c (an EMA), not exp(Δ_t·A): "
                 "left alone, since ssm.selective_scan would compute c as exp(log c), which is not exactly c")

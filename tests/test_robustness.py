@@ -608,6 +608,32 @@ def test_depthwise_causal_conv_in_a_cnn_is_rewritten():
     assert rel_err(out, model(x)) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("spelling", ["repeat", "ones"])
+def test_s4d_step_materialised_per_time_step_is_rewritten(spelling):
+    # The S4D miss ("whose Δ has no time axis") names these two spellings as rewritten.
+    g = torch.Generator().manual_seed(0)
+    b, d, L, N = 2, 4, 5, 3
+    u = torch.randn(b, d, L, generator=g, dtype=torch.float64)
+    A = -torch.rand(d, N, generator=g, dtype=torch.float64) - 0.5
+    dt = torch.rand(d, generator=g, dtype=torch.float64) + 0.1
+    Bt, Ct = (torch.randn(d, N, generator=g, dtype=torch.float64) for _ in "BC")
+
+    def fn(u, A, dt, Bt, Ct):
+        steps = dt[None, :, None].repeat(b, 1, L) if spelling == "repeat" else dt[:, None] * torch.ones_like(u)
+        dA = torch.exp(torch.einsum("bdl,dn->bdln", steps, A))
+        dBu = torch.einsum("bdl,dn,bdl->bdln", steps, Bt, u)
+        h = u.new_zeros(b, d, N)
+        ys = []
+        for t in range(L):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append(torch.einsum("bdn,dn->bd", h, Ct))
+        return torch.stack(ys, 2)
+
+    out = torch.compile(fn, backend=backend(inductor=False))(u, A, dt, Bt, Ct)
+    assert counters["ssm"]["scan_loop"] == 1, dict(counters["ssm"])
+    torch.testing.assert_close(out, fn(u, A, dt, Bt, Ct), rtol=1e-10, atol=1e-12)
+
+
 def test_non_mamba_model_through_inductor():
     torch.manual_seed(0)
     model = TransformerBlock().eval()
