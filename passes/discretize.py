@@ -893,6 +893,10 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
             return (f"A_full is exp(Δ·A) cast by {a_exp.name} from {dtype_of(a_exp.args[0])} to {dtype_of(a_exp)}: "
                     "the op computes the decay in fp32 and never rounds it, so it would drop the rounding "
                     "the program computes with")
+        if (is_call(a_exp, torch.flip) or is_method(a_exp, "flip")) and exp_node_behind(a_exp.args[0]) is not None:
+            # associative_scan over (dA.flip(t), dBu.flip(t)), flipped back after: a reverse scan.
+            return (f"A_full is exp(Δ·A) flipped by {a_exp.name} (a scan from the last step back?): "
+                    "ssm.selective_scan scans forward from t = 0 only")
         return "A_full is not exp(Δ·A)" + _hop_note(a_exp)
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]

@@ -473,3 +473,28 @@ def test_prove_combine_directly():
     # A term that both sides of a sum hold cancels to the algebra, gives inf - inf in floats.
     assert "share the term" in scan_assoc.prove_combine(
         trace(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1] + l[1] - l[1])))
+
+
+def test_reverse_scan_of_flipped_operands_says_so():
+    """associative_scan over (dA.flip(t), dBu.flip(t)), flipped back: a scan from the last step
+    back, which the op does not run. It stays as written (eager's values) and explain says it is
+    flipped, where it said "A_full is not exp(Δ·A)" (probe BK, run 54)."""
+    from ssm_compile import explain
+
+    g = torch.Generator().manual_seed(0)
+    b, d, L, N = 2, 4, 5, 3
+    u, delta = torch.randn(b, d, L, generator=g), torch.rand(b, d, L, generator=g) + 0.1
+    A = -torch.rand(d, N, generator=g) - 0.5
+    B, C = torch.randn(b, N, L, generator=g), torch.randn(b, N, L, generator=g)
+
+    def fn(u, delta, A, B, C):
+        dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+        dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+        _, hs = associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), (dA.flip(2), dBu.flip(2)), dim=2,
+                                 combine_mode="generic")
+        return torch.einsum("bdln,bnl->bdl", hs.flip(2), C)
+
+    report = explain(fn, u, delta, A, B, C)
+    assert not report.rewrites
+    assert any("flipped" in m.reason for m in report.misses), report.format(graphs=False)
+    torch.testing.assert_close(report.output, fn(u, delta, A, B, C), rtol=1e-6, atol=1e-6)
