@@ -60,8 +60,40 @@ def _triton_conv_update(x, conv_state, weight, bias, activation):
     return y.squeeze(-1) if x.dim() == 2 else y
 
 
-STATE_IMPLS = {"cpu": _op_state_update, "triton": _triton_state_update}
-CONV_IMPLS = {"cpu": _op_conv_update, "triton": _triton_conv_update}
+def _fresh_out(st):
+    """An output state for the launchers' out-of-place mode (the ops' inlined path), with a
+    layout of its own (axes 1 and 2 swapped in memory), so the kernel must use its strides."""
+    return torch.empty(st.shape[0], st.shape[2], st.shape[1], dtype=st.dtype, device=st.device).transpose(1, 2)
+
+
+def _triton_state_update_out_of_place(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    # Inlined on CUDA, the op hands the launcher a fresh buffer for the new state: the old one
+    # must be read and left as it was.
+    B, C = (t.unsqueeze(1) if t.dim() == 2 else t for t in (B, C))
+    st = state.to(TRITON_DEVICE)
+    before, new = st.clone(), _fresh_out(st)
+    y = triton_decode.selective_state_update(st, *map(_dev, (x, dt, A, B, C, D, z, dt_bias)), dt_softplus,
+                                             new_state=new)
+    assert torch.equal(st, before)
+    state.copy_(new)
+    return y.to(state.device)
+
+
+def _triton_conv_update_out_of_place(x, conv_state, weight, bias, activation):
+    x3 = x.unsqueeze(-1) if x.dim() == 2 else x
+    st = conv_state.to(TRITON_DEVICE)
+    before, new = st.clone(), _fresh_out(st)
+    y = triton_decode.causal_conv1d_update(_dev(x3), st, _dev(weight), _dev(bias), activation, new_state=new)
+    assert torch.equal(st, before)
+    conv_state.copy_(new)
+    y = y.to(x.device)
+    return y.squeeze(-1) if x.dim() == 2 else y
+
+
+STATE_IMPLS = {"cpu": _op_state_update, "triton": _triton_state_update,
+               "triton_out_of_place": _triton_state_update_out_of_place}
+CONV_IMPLS = {"cpu": _op_conv_update, "triton": _triton_conv_update,
+              "triton_out_of_place": _triton_conv_update_out_of_place}
 
 
 def make_state_update_inputs(batch, dim, N, G, dtype, full, seed=0):
@@ -121,7 +153,7 @@ def test_selective_state_update_strided_inputs(impl):
     inp = make_state_update_inputs(batch, dim, N, 0, torch.float32, True)
     y_ref, h_ref = selective_state_update_ref(inp["state"], *_args(inp))
     # Built on the device that runs the kernel, so the views reach it with their strides.
-    dev = TRITON_DEVICE if impl == "triton" else "cpu"
+    dev = TRITON_DEVICE if impl.startswith("triton") else "cpu"
     inp = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
     xs = torch.stack([inp["x"], inp["dt"], inp["z"]], dim=-1)  # x, dt, z interleaved: stride 3
     BC = torch.stack([inp["B"], inp["C"]], dim=1).transpose(1, 2)  # (batch, N, 2)
@@ -129,7 +161,7 @@ def test_selective_state_update_strided_inputs(impl):
     state = inp["state"].transpose(1, 2).contiguous().transpose(1, 2)
     assert not xs[..., 0].is_contiguous() and not state.is_contiguous() and not A_t.is_contiguous()
     # On a GPU the op itself dispatches to Triton; on CPU the launcher runs under the interpreter.
-    impl_fn = _op_state_update if impl == "cpu" or dev == "cuda" else _triton_state_update
+    impl_fn = _op_state_update if impl == "cpu" or dev == "cuda" else STATE_IMPLS[impl]
     y = impl_fn(state, xs[..., 0], xs[..., 1], A_t, BC[..., 0], BC[..., 1], inp["D"], xs[..., 2],
                 inp["dt_bias"], True)
     assert rel_err(y.cpu(), y_ref) < TOL[torch.float32]
