@@ -1629,10 +1629,29 @@ def reads_alike_to_autograd(node: torch.fx.Node, source: torch.fx.Node,
     return grad_enabled_at(node) or not (isinstance(value, torch.Tensor) and value.requires_grad)
 
 
-def metadata_mutated(node: torch.fx.Node) -> bool:
-    """Whether some node changes ``node``'s sizes, strides or offset in place (``y.t_()``)."""
-    return any(u.op == "call_method" and u.target in METADATA_MUTATIONS and u.args and u.args[0] is node
-               for u in node.users)
+def metadata_writes(graph: torch.fx.Graph) -> tuple[set, bool]:
+    """The storages of the tensors whose sizes, strides or offset some node of ``graph`` changes in
+    place (``y.t_()``), and whether one such node's receiver has no known storage: the set
+    ``metadata_mutated`` reads, made once per graph."""
+    storages, unknown = set(), False
+    for u in graph.nodes:
+        if u.op == "call_method" and u.target in METADATA_MUTATIONS and u.args and isinstance(u.args[0], torch.fx.Node):
+            s = storage_of(u.args[0])
+            unknown = unknown or s is None
+            storages.add(s)
+    return storages, unknown
+
+
+def metadata_mutated(node: torch.fx.Node, writes: tuple[set, bool]) -> bool:
+    """Whether ``node``'s sizes, strides or offset may change in place (``writes``:
+    ``metadata_writes`` of its graph). By storage, not by the receiver node: ``x.add_(0)`` returns
+    x itself as another node, and ``xa.t_()`` then transposes x (probe BM, run 54); a view of x
+    being restrided counts too, which is only cautious."""
+    storages, unknown = writes
+    if not storages:
+        return False
+    s = storage_of(node)
+    return unknown or s is None or s in storages
 
 
 def grad_enabled_at(node: torch.fx.Node) -> bool:

@@ -52,8 +52,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (ContextRegions, is_call, is_method, metadata_mutated, mutates, propagate_val, reads_alike_to_autograd,
-                       same_sizes, storage_of, unit_piece, val, written_args)
+from .fx_utils import (ContextRegions, is_call, is_method, metadata_mutated, metadata_writes, mutates, propagate_val,
+                       reads_alike_to_autograd, same_sizes, storage_of, unit_piece, val, written_args)
 
 _SPLIT_FUNCTIONS = (torch.tensor_split, torch.split, torch.functional.split, torch.split_with_sizes, torch.chunk,
                     torch.hsplit, torch.vsplit, torch.dsplit)
@@ -61,7 +61,7 @@ _SPLIT_METHODS = ("tensor_split", "split", "split_with_sizes", "chunk", "hsplit"
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 
 
-def _whole(piece: torch.fx.Node, returned: set, regions: ContextRegions) -> torch.fx.Node | None:
+def _whole(piece: torch.fx.Node, returned: set, regions: ContextRegions, writes: tuple) -> torch.fx.Node | None:
     """The split's input when ``piece`` (``split(x, ...)[i]``) is all of it and reading x
     instead changes nothing a program can see, else None.
 
@@ -84,7 +84,7 @@ def _whole(piece: torch.fx.Node, returned: set, regions: ContextRegions) -> torc
     if not (same_sizes(p.shape, x.shape) and same_sizes(p.stride(), x.stride())
             and statically_known_true(p.storage_offset() == x.storage_offset())):
         return None
-    if piece in returned or metadata_mutated(piece) or metadata_mutated(source):
+    if piece in returned or metadata_mutated(piece, writes) or metadata_mutated(source, writes):
         return None
     return source if reads_alike_to_autograd(piece, source, regions) else None
 
@@ -97,7 +97,8 @@ def _is_reshape(node: torch.fx.Node) -> bool:
     return is_method(node, *_RESHAPE_METHODS) or is_call(node, *_RESHAPE_FUNCTIONS)
 
 
-def _round_trip_source(node: torch.fx.Node, returned: set, regions: ContextRegions) -> torch.fx.Node | None:
+def _round_trip_source(node: torch.fx.Node, returned: set, regions: ContextRegions,
+                       writes: tuple) -> torch.fx.Node | None:
     """x when ``node`` reshapes a reshape of x back to x's exact view (module docstring)."""
     if not _is_reshape(node) or not node.args or not _is_reshape(node.args[0]) or not node.args[0].args:
         return None
@@ -112,7 +113,7 @@ def _round_trip_source(node: torch.fx.Node, returned: set, regions: ContextRegio
     if not (same_sizes(z.shape, x.shape) and same_sizes(z.stride(), x.stride())
             and statically_known_true(z.storage_offset() == x.storage_offset())):
         return None
-    if node in returned or metadata_mutated(node) or metadata_mutated(node.args[0]) or metadata_mutated(source):
+    if node in returned or metadata_mutated(node, writes) or metadata_mutated(source, writes):
         return None
     return source if reads_alike_to_autograd(node, source, regions) else None
 
@@ -122,10 +123,10 @@ def read_reshape_round_trips(gm: torch.fx.GraphModule) -> list[str]:
     The round trip's nodes go once nothing reads them (the matchers count users)."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
-    regions = ContextRegions(gm.graph)
+    regions, writes = ContextRegions(gm.graph), metadata_writes(gm.graph)
     changes = []
     for node in list(gm.graph.nodes):
-        source = _round_trip_source(node, returned, regions)
+        source = _round_trip_source(node, returned, regions, writes)
         if source is None:
             continue
         inner = node.args[0]
@@ -146,10 +147,10 @@ def read_whole_pieces(gm: torch.fx.GraphModule) -> list[str]:
     """
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
-    regions = ContextRegions(gm.graph)
+    regions, writes = ContextRegions(gm.graph), metadata_writes(gm.graph)
     changes = []
     for node in list(gm.graph.nodes):
-        source = _whole(node, returned, regions)
+        source = _whole(node, returned, regions, writes)
         if source is None:
             continue
         split = node.args[0]
@@ -178,7 +179,7 @@ def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> lis
     # How many nodes hold each storage: x owns its memory when it alone does. (A fold erases the
     # cat, whose storage is its own, so the counts stay right for the cats after it.)
     holders = collections.Counter(storage_of(n) for n in graph.nodes)
-    regions = ContextRegions(graph)
+    regions, writes = ContextRegions(graph), metadata_writes(graph)
     changes = []
     for cat in list(graph.nodes):
         if not is_call(cat, *_CATS) or not cat.args or not isinstance(cat.args[0], (list, tuple)):
@@ -202,7 +203,7 @@ def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> lis
         # neighbours would show through ``as_strided`` or a later view of the result.
         if not statically_known_true(v.storage_offset() == 0) or holders[s_x] != 1:
             continue
-        if metadata_mutated(cat) or not reads_alike_to_autograd(cat, x, regions):
+        if metadata_mutated(cat, writes) or metadata_mutated(x, writes) or not reads_alike_to_autograd(cat, x, regions):
             continue
         cat.replace_all_uses_with(x)
         graph.erase_node(cat)
@@ -215,9 +216,9 @@ def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> lis
 _STRIDE_READERS_METHODS = ("as_strided", "as_strided_", "stride", "set_", "data_ptr", "untyped_storage")
 
 
-def _plain_unit_piece(node: torch.fx.Node, returned: set) -> tuple[torch.fx.Node, int, int] | None:
+def _plain_unit_piece(node: torch.fx.Node, returned: set, writes: tuple) -> tuple[torch.fx.Node, int, int] | None:
     found = unit_piece(node)
-    if found is None or node in returned or metadata_mutated(node):
+    if found is None or node in returned or metadata_mutated(node, writes):
         return None
     if is_method(node, "unsqueeze") or is_call(node, torch.unsqueeze):
         return None  # already a select put back
@@ -235,8 +236,9 @@ def read_unit_pieces(gm: torch.fx.GraphModule) -> list[str]:
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
     groups: dict[tuple[torch.fx.Node, int], list[tuple[torch.fx.Node, int]]] = collections.defaultdict(list)
+    writes = metadata_writes(graph)
     for node in graph.nodes:
-        found = _plain_unit_piece(node, returned)
+        found = _plain_unit_piece(node, returned, writes)
         if found is not None:
             base, axis, index = found
             groups[(base, axis)].append((node, index))

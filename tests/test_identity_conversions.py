@@ -219,3 +219,33 @@ def test_round_trip_is_an_exact_view_and_is_read_through_only_where_unobservable
         return x.reshape(-1).view(2, 3)
 
     assert read_reshape_round_trips(_graph_of(returned, x)) == []
+
+
+PIECES = {
+    "reshape round trip": lambda x: x.view(-1).view(3, 3),
+    "whole split piece": lambda x: torch.split(x, [3])[0],
+    "whole tensor_split piece": lambda x: torch.tensor_split(x, [3], 1)[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIECES))
+def test_view_read_as_its_source_sees_a_transpose_through_an_alias(name):
+    """x.add_(0) returns x itself as another node; a t_() through it transposes x and not the
+    view taken before. The view was read as x, whose end-of-trace metadata (restored by a second
+    t_()) matched: the product read a transposed x, up to 25 off eager (probe BM, run 54)."""
+    piece = PIECES[name]
+    m = torch.arange(9.0, dtype=torch.float64).view(3, 3)
+
+    def fn(x):
+        x = x * 1
+        z = piece(x)
+        xa = x.add_(0)
+        xa.t_()
+        r = z @ m
+        xa.t_()
+        return r
+
+    x = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend(inductor=False))(x.clone())
+    torch.testing.assert_close(out, fn(x.clone()), rtol=0, atol=0)
