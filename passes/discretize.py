@@ -895,8 +895,9 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
                     "the program computes with")
         if (is_call(a_exp, torch.flip) or is_method(a_exp, "flip")) and exp_node_behind(a_exp.args[0]) is not None:
             # associative_scan over (dA.flip(t), dBu.flip(t)), flipped back after: a reverse scan.
-            return (f"A_full is exp(Δ·A) flipped by {a_exp.name} (a scan from the last step back?): "
-                    "ssm.selective_scan scans forward from t = 0 only")
+            dims = a_exp.args[1] if len(a_exp.args) > 1 else a_exp.kwargs.get("dims")
+            return (f"A_full is not exp(Δ·A) but exp(Δ·A) flipped along {dims} by {a_exp.name} (along time: a "
+                    "scan from the last step back, and ssm.selective_scan scans forward from t = 0 only)")
         return "A_full is not exp(Δ·A)" + _hop_note(a_exp)
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]

@@ -75,7 +75,9 @@ from .fx_utils import (
     readout_decision,
     op_region,
     is_cast,
+    is_lossless_cast,
     is_method,
+    dtype_of,
     mutates,
     parse_index,
     parse_slice,
@@ -1258,6 +1260,15 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
             tail = (f"; a loop over the first {t} steps only is rewritten when nothing reads its stepped inputs "
                     f"at step {t} or later, and {later.name} is read there or as a whole"
                     if later is not None else "")
+            rounding = next((n for n in region if is_cast(n) and not is_lossless_cast(dtype_of(n.args[0]), dtype_of(n))),
+                            None)
+            if rounding is not None:
+                # A rounding of the state between its uses (h.bfloat16().float() before the
+                # product) puts the step's boundary at the cast, and the last step has none after
+                # it: the walk's failure, but not the reason the loop stays (probe BM, run 54).
+                return (f"the state is rounded at every step ({rounding.name}: {dtype_of(rounding.args[0])} to "
+                        f"{dtype_of(rounding)}): ssm.selective_scan keeps its state unrounded, so it would not "
+                        "make this rounding")
             return f"step {t} does not repeat step 0's state update (no copy of {missing}){tail}"
         steps.append([bind[n] for n in region])
         h.append(bind[h0])
