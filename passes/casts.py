@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_lossless_cast, is_method, propagate_val,
-                       protects_saved_input, storage_of, val, written_in_place)
+from .fx_utils import (cast_dtype, context_refusal, dtype_of, is_lossless_cast, is_method, mutates, propagate_val,
+                       protects_saved_input, storage_of, val, written_args, written_in_place)
 
 # Conversions that return their receiver itself when there is nothing to convert.
 _SELF_RETURNING = ("to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous", "cpu", "cuda")
@@ -50,19 +50,26 @@ def drop_identity_conversions(gm: torch.fx.GraphModule) -> list[str]:
     conversion, and the loop's last step, with no conversion after it, did not repeat the others.
     The node goes too: the matchers count the users of x, and a dead one would be one of them.
     """
+    # Memory written in place keeps its conversions: the matchers' refusals of such writes name
+    # the nodes the code wrote (``A.float().mul_(s)``), and nothing is gained there. The written
+    # storages are collected once (``written_in_place`` per node would walk the graph per node,
+    # and an unrolled loop has thousands); a write to memory of unknown origin counts for all.
+    writers = [n for n in gm.graph.nodes if mutates(n)]
+    written = {storage_of(a) for n in writers for a in written_args(n) if isinstance(val(a), torch.Tensor)}
     dropped = []
     for node in list(gm.graph.nodes):
         if node.op != "call_method" or node.target not in _SELF_RETURNING or not node.args:
             continue
         src = node.args[0]
         out = val(node)
-        # Memory written in place keeps its conversions: the matchers' refusals of such writes
-        # name the nodes the code wrote (``A.float().mul_(s)``), and nothing is gained there.
-        if (isinstance(src, torch.fx.Node) and isinstance(out, torch.Tensor) and out is val(src)
-                and written_in_place(gm.graph, [src]) is None):
-            node.replace_all_uses_with(src)
-            gm.graph.erase_node(node)
-            dropped.append(f"{node.name}: .{node.target}() returns {src.name} itself; its users read {src.name}")
+        if not (isinstance(src, torch.fx.Node) and isinstance(out, torch.Tensor) and out is val(src)):
+            continue
+        storage = storage_of(src)
+        if writers and (storage is None or None in written or storage in written):
+            continue
+        node.replace_all_uses_with(src)
+        gm.graph.erase_node(node)
+        dropped.append(f"{node.name}: .{node.target}() returns {src.name} itself; its users read {src.name}")
     return dropped
 
 
