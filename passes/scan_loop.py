@@ -638,38 +638,56 @@ def mutated(*nodes: torch.fx.Node, ignore: frozenset[torch.fx.Node] = frozenset(
 
 
 def written_after(node: torch.fx.Node, pos: dict[torch.fx.Node, int],
-                  ignore: frozenset[torch.fx.Node] = frozenset()) -> bool:
+                  ignore: frozenset[torch.fx.Node] = frozenset(), walks: dict | None = None) -> bool:
     """Some node not in ``ignore`` writes ``node``'s memory in place at or after ``node``'s own
     place. A write before it (a buffer filled in place, then viewed: VMamba's cross-scan written
     as ``xs = x.new_empty(...); xs[:, k] = ...; u = xs.view(...)``) is done before anything can
     read ``node``'s value, so an op that reads ``node`` anywhere after it reads what the user's
-    code read."""
-    return any(pos[w] >= pos[node] for w in _writes((node,), ignore))
+    code read. ``walks``: a dict to share between calls on one unchanged graph (``_writes``)."""
+    return any(pos[w] >= pos[node] for w in _writes((node,), ignore, walks))
 
 
-def _writes(nodes, ignore):
+def _writes(nodes, ignore, walks: dict | None = None):
     # Up through every operand a node may alias, not only its first positional one: a view taken
     # by keyword (``torch.narrow(input=xs, ...)``), or one of several results that alias their
     # inputs (``torch.broadcast_tensors(w, xs)[1]``) (probe BC, run 52).
     roots: set[torch.fx.Node] = set()
+    tops: set[torch.fx.Node] = set()
     up = list(nodes)
     while up:
         node = up.pop()
         if node in roots:
             continue
         roots.add(node)
-        up.extend(a for a in node.all_input_nodes if a not in roots and _aliases(node, a))
-    roots |= _aliased_inputs(roots)
-    seen = set(roots)
-    stack = list(roots)
+        above = [a for a in node.all_input_nodes if _aliases(node, a)]
+        if not above:
+            tops.add(node)
+        up.extend(a for a in above if a not in roots)
+    inputs = _aliased_inputs(roots)
+    # Every root is reached from a top down through aliases, so the walk down from the tops and
+    # the aliased inputs finds what the walk from all the roots finds. Each time slice of one
+    # (batch, dim, L, N) tensor has the same tops: asked about L slices one by one, the walk over
+    # the tensor's L views is done once, where ``walks`` is given (it was done L times, and the
+    # HF loop's pass took 53 s at L=1024, run 54).
+    key = (frozenset(tops | inputs), ignore)
+    if walks is not None and key in walks:
+        yield from walks[key]
+        return
+    found = []
+    start = tops | inputs
+    seen = set(start)
+    stack = list(start)
     while stack:
         n = stack.pop()
         for user in n.users:
             if _is_inplace(user, n) and user not in ignore:
-                yield user
+                found.append(user)
             if user not in seen and _aliases(user, n):
                 seen.add(user)
                 stack.append(user)
+    if walks is not None:
+        walks[key] = found
+    yield from found
 
 
 def _aliased_inputs(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -1383,12 +1401,13 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
                     "is made)")
     # (A view of a source made after the source's fills, ``u.unsqueeze(-1)``, shares the memory
     # written before it: only writes at or after a node's own place count, as for the sources.)
-    if any(written_after(n, pos) for n in disc.nodes):
+    walks: dict = {}
+    if any(written_after(n, pos, walks=walks) for n in disc.nodes):
         return "a value between the sources and A_full/B_full is mutated in place"
     # The loop may read a source through a copy the passes look through (``A = A.clone()``) that
     # is written in place between steps, while the op reads the source itself once.
-    if any(written_after(n, pos) for n in read_through(sorted(loop_nodes, key=pos.__getitem__),
-                                                        set(sources.values()), pos)):
+    if any(written_after(n, pos, walks=walks) for n in read_through(sorted(loop_nodes, key=pos.__getitem__),
+                                                                     set(sources.values()), pos)):
         return "a value the loop reads its inputs through is written in place"
     if val(h[-1]).dtype == torch.float64 and val(disc.u.node).dtype != torch.float64:
         # The op accumulates in float32 unless u is float64: a state the user keeps in float64
