@@ -145,15 +145,16 @@ def fake_dispatch(mode: Any) -> Iterator[None]:
         yield
 
 
-def propagate_val(node: torch.fx.Node) -> Any:
+def propagate_val(node: torch.fx.Node, mode_of: Any = None) -> Any:
     """Compute and record ``node``'s fake value by running its target on its inputs' fake values.
 
     Passes call this on the nodes they emit, so later passes (and ``explain``) can read shapes and
-    dtypes from the rewritten graph exactly as from dynamo's.
+    dtypes from the rewritten graph exactly as from dynamo's. A factory (``torch.full``) has no
+    fake inputs: it runs in the mode of ``mode_of``, a node of the same graph.
     """
     args = torch.fx.node.map_arg(node.args, val)
     kwargs = torch.fx.node.map_arg(node.kwargs, val)
-    flat = torch.utils._pytree.tree_leaves((args, kwargs))
+    flat = torch.utils._pytree.tree_leaves((args, kwargs, val(mode_of)))
     mode = _fake_mode(flat)
     if mode is None:
         raise RuntimeError(f"propagate_val: no fake inputs found for node {node.name!r}")

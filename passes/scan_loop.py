@@ -31,6 +31,7 @@ linear recurrence no anchor reached (an EMA ``h = c*h + x_t``, a gated RNN with 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -1871,7 +1872,7 @@ def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):
     late, earliest = [], {}
     for m, p, q in products:
         for a0, H in ((p, q), (q, p)):
-            if not isinstance(a0, torch.fx.Node) or not isinstance(val(H), torch.Tensor):
+            if not isinstance(a0, torch.fx.Node) or not (isinstance(val(H), torch.Tensor) or _number(H)):
                 continue
             ts = time_slice(a0)
             if ts is not None:
@@ -1894,6 +1895,41 @@ def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):
     for k, shifted, m, a0, H in late:
         if earliest[shifted] == k:
             yield m, a0, H
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _exact_number(x: Any, dtype: torch.dtype) -> bool:
+    """A tensor of ``dtype`` holding ``x`` multiplies as eager's ``t * x`` does. A float32 or
+    float64 product converts the number to its own dtype, as a tensor of it holds it (unless that
+    overflows); a float16 or bfloat16 one to float32, so there the number must be exact."""
+    if not dtype.is_floating_point:
+        return False
+    held = float(torch.tensor(x, dtype=dtype))
+    if dtype in (torch.float32, torch.float64):
+        return math.isfinite(held) or not math.isfinite(x)
+    return held == x
+
+
+def _state_tensor(graph: torch.fx.Graph, anchor: torch.fx.Node, a0: torch.fx.Node, H: Any) -> torch.fx.Node | None:
+    """``h = 0.0`` (or another number) before the loop: step 0 is ``α_0 * 0.0 + β_0``. The number
+    becomes a 0-d tensor of α_0's dtype and device holding it, which ``anchor`` multiplies
+    instead: the same products elementwise (NaN for an infinite α_0, -0.0 for a negative one),
+    so the chain is proved as from ``torch.zeros(())``, which becomes no initial state, or from
+    a filled tensor, which broadcasts to the state as ``initial_state``. (0-d, not ``full_like``
+    of α_0: that would keep the (batch, dim, L, N) tensor α_0 is a slice of alive for its
+    shape.) None where the tensor would not hold what eager multiplies by (``_exact_number``)."""
+    dtype = val(a0).dtype
+    if not _exact_number(H, dtype):
+        return None
+    with graph.inserting_before(anchor):
+        filled = graph.call_function(torch.full, ((), H), {"dtype": dtype, "device": val(a0).device})
+    propagate_val(filled, mode_of=a0)
+    at = 1 if anchor.args[0] is a0 else 0
+    anchor.args = tuple(filled if i == at else a for i, a in enumerate(anchor.args))
+    return filled
 
 
 def _is_add(node: Any) -> bool:
@@ -2027,6 +2063,11 @@ def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
     if val(ts[0]).dim() != 4:
         return (f"a linear recurrence h = a_t*h + x_t whose decay is a time slice of a {val(ts[0]).dim()}-D "
                 "tensor, not of a (batch, dim, time, state) exp(Δ·A): left alone")
+    if _number(H) and val(c).dtype.is_floating_point:
+        return (f"a linear recurrence from the number {H!r} as its initial state, which {val(c).dtype} does not "
+                "hold exactly: eager multiplies the first decay by the number in float32, and the op would "
+                "start from its rounding to the state's dtype; left alone (torch.full(shape, value) of that "
+                "dtype is rewritten)")
     if not isinstance(H, torch.fx.Node):
         return (f"a linear recurrence from an initial state {H!r} that is not a tensor of the state's shape: "
                 "left alone")
@@ -2042,15 +2083,23 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
         if (user, a0) in tried:
             continue
         tried.add((user, a0))
+        number = None
+        if not isinstance(H, torch.fx.Node):
+            filled = _state_tensor(graph, user, a0, H)
+            if filled is None:
+                continue
+            number, H = H, filled
+            pos, products = {n: i for i, n in enumerate(graph.nodes)}, _products(graph)
         m = match_loop(user, a0, H, products, pos)
-        if m is None:
-            continue
-        if isinstance(m, str):
-            ctx.miss(FAMILY, m, [user])
-            continue
-        err = _emit(gm, m, pos)
-        if err is not None:
-            ctx.miss(FAMILY, err, [user])
+        err = m if m is None or isinstance(m, str) else _emit(gm, m, pos)
+        if m is None or err is not None:
+            if number is not None:
+                # Not rewritten: the user's own product by the number comes back.
+                user.args = tuple(number if a is H else a for a in user.args)
+                graph.erase_node(H)
+                pos, products = {n: i for i, n in enumerate(graph.nodes)}, _products(graph)
+            if err is not None:
+                ctx.miss(FAMILY, err, [user])
             continue
         decision = {
             "L": m.L,

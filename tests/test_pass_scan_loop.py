@@ -4,6 +4,8 @@ Each positive form is written after real code (HF transformers' ``mamba_selectiv
 branch, mamba-minimal, mamba_ssm's ``selective_scan_ref``); each negative form is a near miss
 that computes something else and must be left alone with a reason.
 """
+import operator
+
 import pytest
 import torch
 from expecttest import assert_expected_inline
@@ -307,6 +309,55 @@ def test_initial_state_argument():
     decision = cap.ctx.rewrites[0].decision
     assert decision["initial_state"] and decision["return_last_state"]
 
+
+
+def number_start(u, delta, A, B, C, h=0.0, update=lambda s: s):
+    """``x = 0.0`` before the loop (a number, not a tensor): step 0 multiplies the decay by it."""
+    deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    deltaB_u = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    x = h
+    ys = []
+    for i in range(u.shape[2]):
+        x = update(deltaA[:, :, i] * x + deltaB_u[:, :, i])
+        ys.append(torch.einsum("bdn,bn->bd", x, C[:, :, i]))
+    return torch.stack(ys, dim=-1), x
+
+
+def _numbers_multiplied(gm):
+    return sorted(a for n in gm.graph.nodes if n.target in (operator.mul, torch.mul, "mul")
+                  for a in n.args if isinstance(a, (int, float)))
+
+
+@pytest.mark.parametrize("h", [0.0, 0, 1.0, -0.5, 0.1], ids=["0.0", "int0", "1.0", "-0.5", "0.1"])
+def test_number_initial_state(h):
+    # 0.1 is not a float32 number, but eager's float32 product rounds it to one, as the state does.
+    args = make_inputs()
+    cap, out = compile_and_run(lambda *a: number_start(*a, h=h), *args)
+    assert_rewritten(cap)
+    assert cap.ctx.rewrites[0].decision["initial_state"] is (h != 0)
+    assert _numbers_multiplied(cap.gm) == []
+    ref = number_start(*(a.double() for a in args), h=torch.tensor(h, dtype=torch.float32).double())
+    assert all(rel_err(o, r) <= TOL[torch.float32] for o, r in zip(out, ref))
+
+
+def test_number_initial_state_left_alone_as_written():
+    # bf16 multiplies by 0.1 in float32, a bf16 state would hold its rounding; and a tanh between
+    # steps is no scan: either way the user's own product by the number stays in the graph.
+    args = tuple(a.to(torch.bfloat16) for a in make_inputs())
+    cap, out = compile_and_run(lambda *a: number_start(*a, h=0.1), *args)
+    assert counters["ssm"]["scan_loop"] == 0
+    reasons = [m.reason for m in cap.ctx.misses if m.family == "scan_loop"]
+    assert any("number 0.1 as its initial state, which torch.bfloat16 does not hold exactly" in r
+               for r in reasons), reasons
+    assert _numbers_multiplied(cap.gm) == [0.1]
+    assert all(torch.equal(o, r) for o, r in zip(out, number_start(*args, h=0.1)))
+    counters.clear()
+    args = make_inputs()
+    cap, out = compile_and_run(lambda *a: number_start(*a, h=0.0, update=torch.tanh), *args)
+    assert counters["ssm"]["scan_loop"] == 0
+    assert any("not linear in the previous state" in m.reason for m in cap.ctx.misses), cap.ctx.misses
+    assert _numbers_multiplied(cap.gm) == [0.0]
+    assert all(torch.equal(o, r) for o, r in zip(out, number_start(*args, h=0.0, update=torch.tanh)))
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_hf_loop_low_precision(dtype):
