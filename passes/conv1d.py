@@ -115,7 +115,8 @@ def _kept_steps(sliced: torch.fx.Node, shape: Any) -> slice | str:
 
 
 def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: dict[str, Any],
-                      sliced: torch.fx.Node | None, left_padded: bool = False) -> str | None:
+                      sliced: torch.fx.Node | None, left_padded: bool = False,
+                      activated: bool = False) -> str | None:
     """Prove ``sliced`` is a causal depthwise conv of ``x`` the op computes; else the reason it isn't.
 
     Conditions: x (batch, dim, L) in a supported dtype; weight (dim, 1, W) with groups == dim
@@ -123,7 +124,8 @@ def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: 
     2 <= W <= 8; the unsliced output used only by one slice [..., :L] taking the first L steps.
     With ``left_padded`` the conv reads ``x`` zero-padded by W-1 on the left only (proved by
     ``left_pad_source``) and has no padding of its own: its whole output is the causal conv, so
-    there is no slice to check.
+    there is no slice to check. With ``activated`` the slice takes the steps of the conv's silu,
+    the silu's only use and the conv's only users (``_activated_slice``).
     """
     xv, wv = val(x), val(weight)
     if not isinstance(xv, torch.Tensor) or xv.dim() != 3:
@@ -159,7 +161,7 @@ def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: 
         return "bias is not a (dim,) tensor"
     if left_padded:
         return None
-    if sliced is None or len(conv.users) != 1:
+    if sliced is None or (len(conv.users) != 1 and not activated):
         return "the unsliced conv output has other users (or no [..., :L] slice): not a causal conv"
     time = _kept_steps(sliced, val(conv).shape)
     if isinstance(time, str):
@@ -265,6 +267,20 @@ def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
     return None
 
 
+def _activated_slice(conv: torch.fx.Node) -> tuple[torch.fx.Node, tuple[list[torch.fx.Node], str]] | None:
+    """``silu(conv(x))[..., :L]``: the silu runs on the padded output before the slice drops its
+    tail. silu is elementwise, so this is the silu of the slice: (the slice, ``_match_silu``'s
+    match) when the silu is the conv's only use and the slice the silu's."""
+    act = _match_silu(conv)
+    if act is None:
+        return None
+    users = list(act[0][0].users)
+    if len(users) == 1 and users[0].args[0] is act[0][0] and (
+            is_call(users[0], operator.getitem) or _is_narrow(users[0])):
+        return users[0], act
+    return None
+
+
 def _single_permutation_user(y: torch.fx.Node) -> torch.fx.Node | None:
     """``y``'s only user if it is an axis permutation of ``y`` (``transpose``, ``permute``,
     ``rearrange``'s permute), else None."""
@@ -283,6 +299,9 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         x, weight = args["input"], args["weight"]
         users = list(conv.users)
         sliced = users[0] if len(users) == 1 and (is_call(users[0], operator.getitem) or _is_narrow(users[0])) else None
+        activated_first = _activated_slice(conv) if sliced is None else None
+        if activated_first is not None:
+            sliced = activated_first[0]
         pad = None
         if is_unpadded(args, weight):
             source = left_pad_source(x, weight)
@@ -318,7 +337,10 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 ctx.miss(FAMILY, f"{writer.name} writes in place to the padded tensor (an initial window "
                          "copied into the pad?): the op would read x after a zero window", [conv])
                 continue
-        reason = check_causal_conv(conv, x, weight, args, sliced, left_padded=pad is not None)
+        if pad is not None:
+            activated_first = None
+        reason = check_causal_conv(conv, x, weight, args, sliced, left_padded=pad is not None,
+                                   activated=activated_first is not None)
         if reason is not None and pad is None and left_pad_source(x, weight) is not None:
             # A causal conv of the padded input is still rewritten; anything else checked on it
             # would name the padded length, which the user's x does not have.
@@ -328,7 +350,7 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             ctx.miss(FAMILY, reason, [conv])
             continue
         out = conv if pad is not None else sliced
-        act, view = _match_silu(out), None
+        act, view = (activated_first[1] if activated_first is not None else _match_silu(out)), None
         if act is None:
             # mamba-minimal transposes back to (batch, L, dim) before its silu; silu is
             # elementwise, so it commutes with the transpose and still folds into the op.
@@ -337,7 +359,7 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             if act is None:
                 view = None
         act_nodes, act_pattern = act if act is not None else ([], None)
-        last = act_nodes[0] if act_nodes else out
+        last = act_nodes[0] if act_nodes and activated_first is None else out
         # The op runs where the conv did: the pad, the slice and the activation it absorbs must
         # have run under the same grad mode / autocast / functorch state.
         absorbed = [conv, pad, sliced, view, *act_nodes]
@@ -368,8 +390,14 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             last.replace_all_uses_with(view)
         else:
             last.replace_all_uses_with(result)
-        replaced = [conv, *([sliced] if pad is None else []), *reversed(act_nodes)]
-        if pad is None:
+        if activated_first is not None:
+            replaced = [conv, *reversed(act_nodes), sliced]
+        else:
+            replaced = [conv, *([sliced] if pad is None else []), *reversed(act_nodes)]
+        if activated_first is not None:
+            pattern = f"conv1d+{act_pattern}[..., :L]"
+            act_pattern = None
+        elif pad is None:
             pattern = "conv1d[..., :L]"
         else:
             pattern = "cat(zeros(W-1), x)+conv1d" if is_call(pad, torch.cat, torch.concat) else "pad(W-1, 0)+conv1d"

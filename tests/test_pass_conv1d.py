@@ -94,7 +94,19 @@ def f_pad_all_axes(x, w, b):
     return F.silu(F.conv1d(F.pad(x, (w.shape[-1] - 1, 0, 0, 0, 0, 0)), w, b, groups=x.shape[1]))
 
 
+def f_silu_then_slice(x, w, b):
+    # silu on the padded output, then the slice: elementwise, so the silu of the causal conv.
+    return F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]))[..., :x.shape[-1]]
+
+
+def f_sigmoid_product_then_narrow(x, w, b):
+    y = F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])
+    return (y * torch.sigmoid(y)).narrow(2, 0, x.shape[-1])
+
+
 FORMS = {
+    "silu-then-slice": (f_silu_then_slice, "conv1d+silu[..., :L]", "silu"),
+    "x*sigmoid(x)-then-narrow": (f_sigmoid_product_then_narrow, "conv1d+x*sigmoid(x)[..., :L]", "silu"),
     "narrow": (f_narrow, "conv1d[..., :L]+silu", "silu"),
     "full-batch-slice": (f_full_batch_slice, "conv1d[..., :L]+silu", "silu"),
     "pad-with-zero-pairs-for-other-axes": (f_pad_all_axes, "pad(W-1, 0)+conv1d+silu", "silu"),
@@ -284,7 +296,18 @@ def neg_pad_batch_too(x, w, b):
     return F.conv1d(F.pad(x, (3, 0, 0, 0, 1, 0)), w, b, groups=x.shape[1])
 
 
+def neg_silu_then_slice_from_1(x, w, b):
+    return F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]))[..., 1:x.shape[-1] + 1]
+
+
+def neg_silu_then_two_slices(x, w, b):
+    y = F.silu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]))
+    return y[..., :x.shape[-1]] + y[..., w.shape[-1] - 1:]
+
+
 NEGATIVES = {
+    "silu-then-slice-from-1": (neg_silu_then_slice_from_1, {}, "the slice [..., 1:12] does not start at step 0"),
+    "silu-then-two-slices": (neg_silu_then_two_slices, {}, "other users (or no [..., :L] slice)"),
     "narrow-from-1": (neg_narrow_from_1, {}, "does not start at step 0"),
     "batch-row-slice": (neg_batch_row_slice, {}, "not a slice of the time axis alone"),
     "pad-batch-too": (neg_pad_batch_too, {}, "not zeros (W-1, 0) on the left only"),
