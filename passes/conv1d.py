@@ -11,7 +11,10 @@ What Mamba code writes, and what dynamo turns it into:
   ``F.silu``), or ``y * torch.sigmoid(y)``, also after a transpose back to (batch, L, dim)
   (mamba-minimal: ``rearrange(x, 'b d l -> b l d')`` then ``F.silu``);
 - ``F.conv1d(F.pad(x, (W-1, 0)), w, b, groups=dim)``: the input padded on the left only, an
-  unpadded conv, no slice (the usual hand-written causal conv); the op reads the unpadded x.
+  unpadded conv, no slice (the usual hand-written causal conv); the op reads the unpadded x;
+- the activation before the slice, ``F.silu(conv(x))[..., :L]``: an elementwise function
+  commutes with the slice, so silu folds into the op as above, and another one of
+  ``_ELEMENTWISE`` (gelu, relu, tanh, ...) stays and reads the op's output.
 
 A (batch, L, dim) caller transposes around the conv; the op takes any strides, so the transposed
 view goes in as is and the user's transpose after it stays.
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .fx_utils import (OP_ROUNDING, context_refusal, depthwise_weight, is_call, is_method, is_zeros, named_args,
-                       propagate_val, val, view_perm, written_in_place)
+                       propagate_val, target_name, val, view_perm, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -162,7 +165,7 @@ def check_causal_conv(conv: torch.fx.Node, x: torch.fx.Node, weight: Any, args: 
     if left_padded:
         return None
     if sliced is None or (len(conv.users) != 1 and not activated):
-        return "the unsliced conv output has other users (or no [..., :L] slice): not a causal conv"
+        return _unsliced_reason(conv)
     time = _kept_steps(sliced, val(conv).shape)
     if isinstance(time, str):
         return time
@@ -253,6 +256,23 @@ def _cat_zeros_source(cat: torch.fx.Node, weight: Any) -> torch.fx.Node | None:
     return x if isinstance(x, torch.fx.Node) else None
 
 
+def _unsliced_reason(conv: torch.fx.Node) -> str:
+    """Why the padded conv output is not read as a causal conv: who reads it."""
+    def named(user: torch.fx.Node) -> str:
+        if user.op == "output":
+            return "the graph's output"
+        written = target_name(user).endswith("_") or any(a is True for a in (*user.args[1:], *user.kwargs.values()))
+        return f"{user.name} ({target_name(user)}{', in place' if written else ''})"
+    readers = ", ".join(named(u) for u in conv.users) or "nothing"
+    act = _match_silu(conv)
+    act = act[0][0] if act is not None else next((u for u in conv.users if _elementwise_of(u, conv)), None)
+    if act is not None and len(conv.users) <= 2:
+        readers += f", whose result is read by {', '.join(named(u) for u in act.users) or 'nothing'}"
+    return (f"the padded conv output (L + W - 1 steps) is read by {readers}, not only by one slice [..., :L] "
+            "(directly, or after one out-of-place elementwise function): its last W - 1 steps see the "
+            "right-hand padding, so it is not a causal conv")
+
+
 def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
     """The silu applied to ``y`` (nodes to replace, last node first; pattern name), if it is y's only use."""
     users = list(y.users)
@@ -267,17 +287,41 @@ def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
     return None
 
 
-def _activated_slice(conv: torch.fx.Node) -> tuple[torch.fx.Node, tuple[list[torch.fx.Node], str]] | None:
-    """``silu(conv(x))[..., :L]``: the silu runs on the padded output before the slice drops its
-    tail. silu is elementwise, so this is the silu of the slice: (the slice, ``_match_silu``'s
-    match) when the silu is the conv's only use and the slice the silu's."""
+# Functions of one tensor, elementwise: on the padded output before the slice, the same function
+# of the causal conv after it. (silu folds into the op; these stay as the user wrote them.)
+_ELEMENTWISE = (F.gelu, F.relu, torch.relu, F.relu6, F.elu, F.selu, F.celu, F.leaky_relu, F.hardtanh, F.hardswish,
+                F.hardsigmoid, F.mish, F.softplus, F.softsign, F.logsigmoid, torch.tanh, F.tanh, torch.sigmoid,
+                F.sigmoid, torch.exp, torch.abs, torch.neg, torch.square, torch.erf)
+_ELEMENTWISE_METHODS = ("relu", "tanh", "sigmoid", "exp", "abs", "neg", "square", "erf")
+
+
+def _elementwise_of(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """``node`` is one of ``_ELEMENTWISE`` applied to ``source`` alone, out of place: its other
+    arguments are numbers or strings, and none is True (an ``inplace`` flag, by keyword or by
+    position as in ``F.relu(y, True)``)."""
+    if not (is_call(node, *_ELEMENTWISE) or is_method(node, *_ELEMENTWISE_METHODS)) or not node.args:
+        return False
+    operands = [*node.args[1:], *node.kwargs.values()]
+    return node.args[0] is source and not any(isinstance(a, torch.fx.Node) or a is True for a in operands)
+
+
+def _activated_slice(conv: torch.fx.Node) -> tuple[torch.fx.Node, Any, torch.fx.Node | None] | None:
+    """``act(conv(x))[..., :L]``: an elementwise function of the padded output before the slice
+    drops its tail, which is that function of the causal conv. (the slice, ``_match_silu``'s match,
+    None) for silu, which the op absorbs; (the slice, None, the node) for another function in
+    ``_ELEMENTWISE``, which stays and reads the op's output. The function must be the conv's only
+    use and the slice the function's."""
     act = _match_silu(conv)
-    if act is None:
+    users = list(conv.users)
+    if act is not None:
+        last, kept = act[0][0], None
+    elif len(users) == 1 and _elementwise_of(users[0], conv):
+        last, kept = users[0], users[0]
+    else:
         return None
-    users = list(act[0][0].users)
-    if len(users) == 1 and users[0].args[0] is act[0][0] and (
-            is_call(users[0], operator.getitem) or _is_narrow(users[0])):
-        return users[0], act
+    after = list(last.users)
+    if len(after) == 1 and after[0].args[0] is last and (is_call(after[0], operator.getitem) or _is_narrow(after[0])):
+        return after[0], act, kept
     return None
 
 
@@ -350,8 +394,9 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             ctx.miss(FAMILY, reason, [conv])
             continue
         out = conv if pad is not None else sliced
+        kept = activated_first[2] if activated_first is not None else None
         act, view = (activated_first[1] if activated_first is not None else _match_silu(out)), None
-        if act is None:
+        if act is None and kept is None:
             # mamba-minimal transposes back to (batch, L, dim) before its silu; silu is
             # elementwise, so it commutes with the transpose and still folds into the op.
             view = _single_permutation_user(out)
@@ -373,7 +418,7 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                                      (x, kernel_weight, args["bias"], "silu" if act_nodes else None))
             propagate_val(op)
             result = op
-            out_dtype = val(last).dtype
+            out_dtype = val(conv if kept is not None else last).dtype
             if val(op).dtype != out_dtype:
                 # Under autocast eager's conv runs (and returns) in the autocast dtype while the op
                 # returns x's dtype; the user's code downstream must see the dtype it saw in eager.
@@ -388,13 +433,20 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             # The user's view now permutes the op's (already activated) output.
             view.replace_input_with(out, result)
             last.replace_all_uses_with(view)
+        elif kept is not None:
+            # The user's function now reads the causal conv, and stands for its slice.
+            kept.replace_input_with(conv, result)
+            propagate_val(kept)
+            sliced.replace_all_uses_with(kept)
         else:
             last.replace_all_uses_with(result)
         if activated_first is not None:
             replaced = [conv, *reversed(act_nodes), sliced]
         else:
             replaced = [conv, *([sliced] if pad is None else []), *reversed(act_nodes)]
-        if activated_first is not None:
+        if kept is not None:
+            pattern = f"conv1d+{kept.target if isinstance(kept.target, str) else kept.target.__name__}[..., :L]"
+        elif activated_first is not None:
             pattern = f"conv1d+{act_pattern}[..., :L]"
             act_pattern = None
         elif pad is None:

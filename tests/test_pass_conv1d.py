@@ -104,7 +104,17 @@ def f_sigmoid_product_then_narrow(x, w, b):
     return (y * torch.sigmoid(y)).narrow(2, 0, x.shape[-1])
 
 
+def f_gelu_then_slice(x, w, b):
+    return F.gelu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]), approximate="tanh")[..., :x.shape[-1]]
+
+
+def f_tanh_method_then_narrow(x, w, b):
+    return F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]).tanh().narrow(-1, 0, x.shape[-1])
+
+
 FORMS = {
+    "gelu-then-slice": (f_gelu_then_slice, "conv1d+gelu[..., :L]", None),
+    "tanh-then-narrow": (f_tanh_method_then_narrow, "conv1d+tanh[..., :L]", None),
     "silu-then-slice": (f_silu_then_slice, "conv1d+silu[..., :L]", "silu"),
     "x*sigmoid(x)-then-narrow": (f_sigmoid_product_then_narrow, "conv1d+x*sigmoid(x)[..., :L]", "silu"),
     "narrow": (f_narrow, "conv1d[..., :L]+silu", "silu"),
@@ -305,9 +315,14 @@ def neg_silu_then_two_slices(x, w, b):
     return y[..., :x.shape[-1]] + y[..., w.shape[-1] - 1:]
 
 
+def neg_relu_in_place_then_slice(x, w, b):
+    return F.relu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]), inplace=True)[..., :x.shape[-1]]
+
+
 NEGATIVES = {
     "silu-then-slice-from-1": (neg_silu_then_slice_from_1, {}, "the slice [..., 1:12] does not start at step 0"),
-    "silu-then-two-slices": (neg_silu_then_two_slices, {}, "other users (or no [..., :L] slice)"),
+    "silu-then-two-slices": (neg_silu_then_two_slices, {}, "(torch.nn.functional.silu), whose result is read by getitem (operator.getitem), getitem_1"),
+    "relu-in-place-then-slice": (neg_relu_in_place_then_slice, {}, "(torch.nn.functional.relu, in place), not only"),
     "narrow-from-1": (neg_narrow_from_1, {}, "does not start at step 0"),
     "batch-row-slice": (neg_batch_row_slice, {}, "not a slice of the time axis alone"),
     "pad-batch-too": (neg_pad_batch_too, {}, "not zeros (W-1, 0) on the left only"),
@@ -323,9 +338,9 @@ NEGATIVES = {
     "slice-L+1": (neg_slice_too_long, {}, "first L=11 steps"),
     "stride-2": (neg_stride, {}, "stride 2 is not 1"),
     "dilation-2": (neg_dilation, {}, "dilation 2 is not 1"),
-    "other-user": (neg_other_user, {}, "other users"),
+    "other-user": (neg_other_user, {}, "is read by getitem (operator.getitem), sum_1 (.sum), not only"),
     "channel-slice": (neg_slice_channel_too, {}, "not a slice of the time axis alone"),
-    "unsliced": (neg_unsliced, {}, "other users (or no [..., :L] slice)"),
+    "unsliced": (neg_unsliced, {}, "is read by the graph's output, not only by one slice [..., :L]"),
     "W9": (f_functional_silu, {"width": 9}, "kernel width 9 unsupported"),
     "W1": (f_functional_silu, {"width": 1}, "kernel width 1 unsupported"),
     "fp64": (f_functional_silu, {"dtype": torch.float64}, "dtype torch.float64 is not supported"),
