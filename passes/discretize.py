@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (dtype_of, exp_node_behind, higher_order_op, hop_name, is_call, is_cast, is_method, layout_source,
+from .fx_utils import (detach_note, dtype_of, exp_node_behind, higher_order_op, hop_name, is_call, is_cast, is_method, layout_source,
                        named_args, parse_slice, protects_saved_input, squeezed_unit_piece, unit_piece, val, view_chain)
 
 __all__ = [
@@ -898,7 +898,7 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
             dims = a_exp.args[1] if len(a_exp.args) > 1 else a_exp.kwargs.get("dims")
             return (f"A_full is not exp(Δ·A) but exp(Δ·A) flipped along {dims} by {a_exp.name} (along time: a "
                     "scan from the last step back, and ssm.selective_scan scans forward from t = 0 only)")
-        return "A_full is not exp(Δ·A)" + _hop_note(a_exp)
+        return "A_full is not exp(Δ·A)" + _hop_note(a_exp) + detach_note(a_exp)
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]
     if inner.summed:
@@ -997,7 +997,8 @@ def _full_input(b_full: torch.fx.Node, tb: int, decay: _Decay) -> Discretized | 
     bt = index_term(b_full, decay.stops)
     if bt is None or bt.summed or len(bt.factors) < 3:
         n = 0 if bt is None else len(bt.factors)
-        return f"B_full is not a product Δ·B·u (found {n} factors)" + _hop_note(layout_source(b_full).base)
+        base = layout_source(b_full).base
+        return f"B_full is not a product Δ·B·u (found {n} factors)" + _hop_note(base) + detach_note(base)
     deltas = []
     for f in bt.factors:
         if decay.sliced is not None and f.node is decay.sliced[0]:
@@ -1134,7 +1135,7 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     """Prove ``alpha == exp(Δ[t0] ⊗ A)``, then ``prove_input(decay)``; ``(Discretized, t0)``."""
     at = index_term(alpha, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
-        return "the state's multiplier is not exp(Δ·A)" + _kept_time_axis_note(alpha)
+        return "the state's multiplier is not exp(Δ·A)" + _kept_time_axis_note(alpha) + detach_note(alpha)
     inner = at.exp_of
     if inner.summed or len(inner.factors) != 2:
         return "the state's multiplier is not exp of a product Δ·A"
@@ -1175,7 +1176,7 @@ def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | st
     two of them stands for its factors (``_partial_product``)."""
     bt = index_term(beta, decay.stops)
     if bt is None or bt.summed or len(bt.factors) not in (2, 3):
-        return "the state's addend is not a product Δ·B·u"
+        return "the state's addend is not a product Δ·B·u" + detach_note(beta)
     b_out = bt.out_labels()
     if len(set(b_out)) != 3:
         return "the state's addend is not 3-D"

@@ -82,6 +82,7 @@ __all__ = [
     "ContextRegions",
     "context_refusal",
     "grad_enabled_at",
+    "detach_note",
 ]
 
 
@@ -400,6 +401,17 @@ def pinned_int(size: Any) -> int | None:
     if isinstance(size, torch.SymInt):
         return size.node.maybe_as_int()
     return None
+
+
+def detach_note(node: Any) -> str:
+    """Why a scan operand built by the program reads as none of the op's: it is ``x.detach()``
+    (probe BO). The op differentiates through every input it reads, so a cut inside the scan
+    (``exp(Δ·A).detach()``, ``C[:, :, t].detach()``) has no place in it. Empty otherwise."""
+    if not (isinstance(node, torch.fx.Node) and (is_method(node, "detach") or is_call(node, torch.detach))):
+        return ""
+    src = node.args[0] if node.args else node.kwargs.get("input")
+    return (f" (it is {getattr(src, 'name', src)}.detach(), {node.name}: the program cuts the gradient there, "
+            "inside the scan, and the op's own gradient would flow through it)")
 
 
 def higher_order_op(node: Any) -> torch.fx.Node | None:

@@ -78,6 +78,7 @@ from .fx_utils import (
     is_cast,
     is_lossless_cast,
     is_method,
+    detach_note,
     dtype_of,
     mutates,
     parse_index,
@@ -1386,7 +1387,8 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         if varies is not None:
             return ("the readout's C" if name == "C" else f"{name}") + (
                 f" ({node.name}) has no time axis but {varies}: it is not one value for every step, "
-                f"which is how ssm.selective_scan reads a{'n' if name == 'A' else ''} {name} without one")
+                f"which is how ssm.selective_scan reads a{'n' if name == 'A' else ''} {name} without one"
+                + detach_note(node))
 
     # The op reads its inputs once, where it is placed; a value mutated in place anywhere would
     # make that read differ from what the loop saw.

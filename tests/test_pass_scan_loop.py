@@ -740,6 +740,31 @@ NEGATIVE = [
 ]
 
 
+def _detached_at(where):
+    def fn(u, delta, A, B, C):
+        deltaA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+        deltaB_u = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+        deltaA = deltaA.detach() if where == "A_full" else deltaA
+        x = torch.zeros_like(deltaA[:, :, 0])
+        ys = []
+        for i in range(u.shape[2]):
+            a = deltaA[:, :, i].detach() if where == "step" else deltaA[:, :, i]
+            x = a * x + deltaB_u[:, :, i]
+            c = C[:, :, i].detach() if where == "C" else C[:, :, i]
+            ys.append(torch.einsum("bdn,bn->bd", x, c))
+        return torch.stack(ys, dim=-1)
+    return fn
+
+
+# A gradient cut inside the scan is named (probe BO: the reasons said only "not exp(Δ·A)").
+NEGATIVE += [
+    pytest.param(_detached_at("A_full"), "A_full is not exp(Δ·A) (it is deltaA.detach()", id="detached-A_full"),
+    pytest.param(_detached_at("step"), "the state's multiplier is not exp(Δ·A) (it is getitem_1.detach(), a:",
+                 id="detached-step-decay"),
+    pytest.param(_detached_at("C"), ".detach(), c: the program cuts the gradient there", id="detached-C"),
+]
+
+
 @pytest.mark.parametrize("fn, reason", NEGATIVE)
 def test_near_miss_is_left_alone(fn, reason):
     args = make_inputs()
