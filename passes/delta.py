@@ -28,9 +28,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .fx_utils import (behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of,
-                       higher_order_op, hop_name, is_call, is_lossless_cast, is_method, layout_source, permute_view,
-                       propagate_val, scan_args, named_args, scan_nodes, set_scan_args, shape_of, view_chain,
+from .fx_utils import (HALF_DTYPES, behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of,
+                       higher_order_op, hop_name, is_call, is_lossless_cast, is_method, layout_source,
+                       narrowed_by_program, permute_view, propagate_val, scan_args, named_args, scan_nodes, set_scan_args, shape_of, view_chain,
                        written_in_place)
 from .manager import PassContext, PassManager
 
@@ -234,6 +234,21 @@ def _as_linear(graph: torch.fx.Graph, W: torch.fx.Node, T: torch.fx.Node) -> tor
     return back
 
 
+def _program_precision(fold: DeltaFold) -> str | None:
+    """Why the op's fp32 bias add and softplus would drop a rounding the program chose: they run
+    in 16 bits on a value the program rounded to 16 bits itself (probe BN: ``softplus(dt.half() +
+    b.half()).float()`` in an fp32 program, 1.5e-3 off eager). A 16-bit model's or autocast's
+    Δ comes 16-bit from its linear, and the op computing its softplus in fp32 is its own precision
+    (the delta rounding of mamba_ssm's kernels)."""
+    narrowed = next((c for c in map(narrowed_by_program, (fold.pre, fold.bias)) if c is not None), None)
+    computed = next((n for n in fold.nodes if dtype_of(n) in HALF_DTYPES), None)
+    if narrowed is None or computed is None:
+        return None
+    return (f"{computed.name} computes in {dtype_of(computed)} because {narrowed.name} rounds "
+            f"{dtype_of(narrowed.args[0])} to {dtype_of(narrowed)}: eager rounds the bias add and softplus there, "
+            "and the op would compute them in fp32")
+
+
 def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> None:
     args = scan_args(scan)
     if args["delta_softplus"] or args["delta_bias"] is not None:
@@ -247,6 +262,8 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
     # program's unless it rounds no finer than the op's inputs already are.
     rounding = dropped_rounding([*fold.nodes, *fold.between], behind_lossless_casts(
         [*(args[k] for k in ("u", "A", "B", "C", "D", "z")), fold.pre, fold.bias]))
+    if rounding is None:
+        rounding = _program_precision(fold)
     if rounding is not None:
         ctx.miss(FAMILY, rounding, [scan])
         return

@@ -83,6 +83,7 @@ __all__ = [
     "context_refusal",
     "grad_enabled_at",
     "detach_note",
+    "narrowed_by_program",
 ]
 
 
@@ -851,6 +852,24 @@ def _rounded_input(node: Any, inputs: list[torch.fx.Node]) -> torch.fx.Node | No
             return node
         if is_cast(node):
             if not is_lossless_cast(dtype_of(node.args[0]), dtype_of(node)):
+                return None
+        elif node.op not in ("call_method", "call_function") or bare_name(node) not in _ELEMENT_VIEWS:
+            return None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def narrowed_by_program(node: Any) -> torch.fx.Node | None:
+    """The cast that makes ``node`` (through element views) by rounding a wider floating value,
+    or None. 16-bit arithmetic on such a value is a precision the program chose for it
+    (``softplus(dt.half() + b.half())`` in an fp32 program, ``silu(z.bfloat16())``), unlike
+    the arithmetic of a 16-bit model or of autocast, whose values come 16-bit from a linear."""
+    while isinstance(node, torch.fx.Node):
+        if is_cast(node):
+            src, dst = dtype_of(node.args[0]), dtype_of(node)
+            if src in _FLOAT_DTYPES and dst in _FLOAT_DTYPES and not is_lossless_cast(src, dst):
+                return node
+            if not is_lossless_cast(src, dst):
                 return None
         elif node.op not in ("call_method", "call_function") or bare_name(node) not in _ELEMENT_VIEWS:
             return None

@@ -36,7 +36,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, match_bias
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
                        context_refusal, dropped_rounding, dtype_of, follow_views, higher_order_op, hoist_before,
-                       hop_name, inverse, is_call, is_method, layout_source, output_getitem, permute_view,
+                       hop_name, inverse, is_call, is_method, layout_source, narrowed_by_program, output_getitem,
+                       permute_view,
                        propagate_val, scan_args, scan_nodes, set_scan_args, shape_of, val, view_chain,
                        written_in_place)
 from .manager import PassContext, PassManager
@@ -480,8 +481,12 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if args["z"] is not None:
         ctx.miss("gate", "the scan already has a z", [user])
         return False
+    narrowed = narrowed_by_program(gate.z) if dtype_of(gate.z) in HALF_DTYPES else None
     refusal = (_widening_refusal(scan, chain, dtype_of(gate.out), gate.z)
-               or _fold_refusal(scan, chain, gate.nodes, gate.z, "z"))
+               or _fold_refusal(scan, chain, gate.nodes, gate.z, "z")
+               or (None if narrowed is None else
+                   f"silu(z) runs in {dtype_of(gate.z)} because {narrowed.name} rounds z from "
+                   f"{dtype_of(narrowed.args[0])}: eager rounds silu(z) there, and the op would compute it in fp32"))
     if refusal is not None:
         ctx.miss("gate", refusal, [user])
         return False
