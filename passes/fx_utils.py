@@ -859,6 +859,18 @@ def _rounded_input(node: Any, inputs: list[torch.fx.Node]) -> torch.fx.Node | No
     return None
 
 
+def _widened_from(node: Any) -> Any:
+    """What ``node`` is a lossless widening of, through element views and lossless casts."""
+    while isinstance(node, torch.fx.Node) and node.args:
+        if is_cast(node) and is_lossless_cast(dtype_of(node.args[0]), dtype_of(node)):
+            node = node.args[0]
+        elif not is_cast(node) and node.op in ("call_method", "call_function") and bare_name(node) in _ELEMENT_VIEWS:
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
 def narrowed_by_program(node: Any) -> torch.fx.Node | None:
     """The cast that makes ``node`` (through element views) by rounding a wider floating value,
     or None. 16-bit arithmetic on such a value is a precision the program chose for it
@@ -868,7 +880,12 @@ def narrowed_by_program(node: Any) -> torch.fx.Node | None:
         if is_cast(node):
             src, dst = dtype_of(node.args[0]), dtype_of(node)
             if src in _FLOAT_DTYPES and dst in _FLOAT_DTYPES and not is_lossless_cast(src, dst):
-                return node
+                origin = _widened_from(node.args[0])
+                if dtype_of(origin) not in _FLOAT_DTYPES or not is_lossless_cast(dtype_of(origin), dst):
+                    return node
+                # ``bias.float().to(dt.dtype)`` of a bf16 bias (HF 5.24): the values were bf16.
+                node = origin
+                continue
             if not is_lossless_cast(src, dst):
                 return None
         elif node.op not in ("call_method", "call_function") or bare_name(node) not in _ELEMENT_VIEWS:

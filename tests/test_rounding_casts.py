@@ -247,6 +247,13 @@ def delta_computed_in_fp16(u, dt, A, B, C, D, z, bias):
     return _fp32_scan(u, F.softplus(dt.half() + bias.half()[:, None]).float(), A, B, C)
 
 
+def delta_of_fp16_values_computed_in_fp16(u, dt, A, B, C, D, z, bias):
+    # dt and bias come in fp16 (HF 5.24's bias.float().to(dt.dtype) of a 16-bit bias): the casts
+    # round nothing, and the fold is the op's own precision, as in a 16-bit model.
+    dt, bias = dt.float(), bias.float()
+    return _fp32_scan(u, F.softplus(dt.half() + bias.half()[:, None]).float(), A, B, C)
+
+
 def silu_computed_in_bf16(u, dt, A, B, C, D, z, bias):
     return _fp32_scan(u, F.softplus(dt + bias[:, None]), A, B, C) * F.silu(z.bfloat16())
 
@@ -287,6 +294,22 @@ def test_rounding_around_a_fold_is_kept(fn, family):
               "silu(z) runs in torch.bfloat16 because"}.get(fn, "rounds torch.float32 to torch.bfloat16")
     assert any(rounds in r for r in reasons), reasons
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_casts_that_round_nothing_still_fold():
+    args = list(tail_inputs())
+    args[1], args[7] = args[1].half(), args[7].half()
+    records = []
+    compiled = torch.compile(delta_of_fp16_values_computed_in_fp16,
+                             backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    with torch.no_grad():
+        out = compiled(*args)
+        u, dt, A, B, C, _, _, bias = (a.double() for a in args)
+        exact = _fp32_scan(u, F.softplus(dt + bias[:, None]), A, B, C)
+        eager = delta_of_fp16_values_computed_in_fp16(*args)
+    assert {"scan_loop", "delta"} <= {r.family for rec in records for r in rec.rewrites}
+    # The op computes the add and softplus of the fp16 values in fp32, eager rounds them to fp16.
+    assert (out.double() - exact).abs().max() <= (eager.double() - exact).abs().max()
 
 
 def test_bf16_readout_promoted_by_an_fp32_tail_still_folds():
