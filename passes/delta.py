@@ -236,11 +236,12 @@ def _as_linear(graph: torch.fx.Graph, W: torch.fx.Node, T: torch.fx.Node) -> tor
 
 def _program_precision(fold: DeltaFold) -> str | None:
     """Why the op's fp32 bias add and softplus would drop a rounding the program chose: they run
-    in 16 bits on a value the program rounded to 16 bits itself (probe BN: ``softplus(dt.half() +
+    in 16 bits on a Δ the program rounded to 16 bits itself (probe BN: ``softplus(dt.half() +
     b.half()).float()`` in an fp32 program, 1.5e-3 off eager). A 16-bit model's or autocast's
     Δ comes 16-bit from its linear, and the op computing its softplus in fp32 is its own precision
-    (the delta rounding of mamba_ssm's kernels)."""
-    narrowed = next((c for c in map(narrowed_by_program, (fold.pre, fold.bias)) if c is not None), None)
+    (the delta rounding of mamba_ssm's kernels); a bias cast to that Δ's dtype (HF 5.24's
+    ``bias.float().to(dt.dtype)`` under autocast) only follows it."""
+    narrowed = narrowed_by_program(fold.pre)
     computed = next((n for n in fold.nodes if dtype_of(n) in HALF_DTYPES), None)
     if narrowed is None or computed is None:
         return None

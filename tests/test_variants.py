@@ -826,16 +826,6 @@ def lagged_c_first(u, delta, A, B, C):
     return torch.stack(ys, dim=-1)
 
 
-def scalar_initial_state(u, delta, A, B, C):
-    dA, dBu = _disc(u, delta, A, B)
-    h = 0.5
-    ys = []
-    for t in range(u.shape[2]):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, dim=-1)
-
-
 def reversed_loop(u, delta, A, B, C):
     dA, dBu = _disc(u, delta, A, B)
     h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
@@ -995,7 +985,6 @@ NEAR_MISSES = [
     pytest.param(lerp_update, "written with torch.lerp", id="lerp"),
     pytest.param(lagged_c_first, "lagged readout", id="C[t-1]@h"),
     pytest.param(first_state_is_a_slice, "first state is itself a time slice", id="h-is-None-start"),
-    pytest.param(scalar_initial_state, "initial state 0.5 that is not a tensor", id="scalar-initial-state"),
     pytest.param(reversed_loop, "walks time backwards", id="reversed-loop"),
     pytest.param(reversed_per_step_loop, "walks time backwards", id="reversed-per-step-loop"),
     pytest.param(two_state_factors, "not two graph values u and B", id="B-times-C"),
