@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import operator
+from typing import Callable
 
 import torch
 import torch.fx
@@ -76,17 +77,22 @@ def _whole(piece: torch.fx.Node, returned: set, regions: ContextRegions, writes:
     if not (is_call(split, *_SPLIT_FUNCTIONS) or is_method(split, *_SPLIT_METHODS)):
         return None
     source = split.args[0] if split.args else split.kwargs.get("input", split.kwargs.get("tensor"))
-    if not isinstance(source, torch.fx.Node):
-        return None
-    p, x = val(piece), val(source)
+    return _read_as(piece, source, returned, regions, writes) if isinstance(source, torch.fx.Node) else None
+
+
+def _read_as(node: torch.fx.Node, source: torch.fx.Node, returned: set, regions: ContextRegions,
+             writes: tuple) -> torch.fx.Node | None:
+    """``source`` when ``node``'s fake value has its dtype, sizes, strides and storage offset and
+    reading ``source`` instead changes nothing a program can see (``_whole``), else None."""
+    p, x = val(node), val(source)
     if not isinstance(p, torch.Tensor) or not isinstance(x, torch.Tensor) or p.dtype != x.dtype:
         return None
     if not (same_sizes(p.shape, x.shape) and same_sizes(p.stride(), x.stride())
             and statically_known_true(p.storage_offset() == x.storage_offset())):
         return None
-    if piece in returned or metadata_mutated(piece, writes) or metadata_mutated(source, writes):
+    if node in returned or metadata_mutated(node, writes) or metadata_mutated(source, writes):
         return None
-    return source if reads_alike_to_autograd(piece, source, regions) else None
+    return source if reads_alike_to_autograd(node, source, regions) else None
 
 
 _RESHAPE_METHODS = ("view", "reshape", "flatten", "unflatten")
@@ -103,30 +109,24 @@ def _round_trip_source(node: torch.fx.Node, returned: set, regions: ContextRegio
     if not _is_reshape(node) or not node.args or not _is_reshape(node.args[0]) or not node.args[0].args:
         return None
     source = node.args[0].args[0]
-    if not isinstance(source, torch.fx.Node):
+    # A reshape that copied has its own storage, whatever its metadata.
+    if not isinstance(source, torch.fx.Node) or storage_of(node) is None or storage_of(node) != storage_of(source):
         return None
-    z, x = val(node), val(source)
-    if not isinstance(z, torch.Tensor) or not isinstance(x, torch.Tensor) or z.dtype != x.dtype:
-        return None
-    if storage_of(node) is None or storage_of(node) != storage_of(source):
-        return None
-    if not (same_sizes(z.shape, x.shape) and same_sizes(z.stride(), x.stride())
-            and statically_known_true(z.storage_offset() == x.storage_offset())):
-        return None
-    if node in returned or metadata_mutated(node, writes) or metadata_mutated(source, writes):
-        return None
-    return source if reads_alike_to_autograd(node, source, regions) else None
+    return _read_as(node, source, returned, regions, writes)
 
 
-def read_reshape_round_trips(gm: torch.fx.GraphModule) -> list[str]:
-    """Point the users of every reshape round trip at the tensor it started from; a line each.
-    The round trip's nodes go once nothing reads them (the matchers count users)."""
+def _read_through(gm: torch.fx.GraphModule, source_of: Callable[..., torch.fx.Node | None],
+                  say: Callable[[torch.fx.Node, torch.fx.Node], str]) -> list[str]:
+    """Point the users of every node that ``source_of`` reads as another tensor at that tensor;
+    a line each (``say``). The node, and its input once nothing reads it, are erased here rather
+    than left to dead-code elimination: the matchers count a value's users (the delta pass folds
+    dt_proj's product into the scan only when nothing else reads it), and a dead node still counts."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
     regions, writes = ContextRegions(gm.graph), metadata_writes(gm.graph)
     changes = []
     for node in list(gm.graph.nodes):
-        source = _round_trip_source(node, returned, regions, writes)
+        source = source_of(node, returned, regions, writes)
         if source is None:
             continue
         inner = node.args[0]
@@ -134,32 +134,20 @@ def read_reshape_round_trips(gm: torch.fx.GraphModule) -> list[str]:
         gm.graph.erase_node(node)
         if not inner.users:
             gm.graph.erase_node(inner)
-        changes.append(f"{node.name} reshapes {source.name} back to its own view: its users read {source.name}")
+        changes.append(say(node, source))
     return changes
+
+
+def read_reshape_round_trips(gm: torch.fx.GraphModule) -> list[str]:
+    """Point the users of every reshape round trip at the tensor it started from; a line each."""
+    return _read_through(gm, _round_trip_source,
+                         lambda node, x: f"{node.name} reshapes {x.name} back to its own view: its users read {x.name}")
 
 
 def read_whole_pieces(gm: torch.fx.GraphModule) -> list[str]:
-    """Point the users of every whole piece at the split's input; a line per piece.
-
-    The piece, and its split once no piece is read, are erased here rather than left to
-    dead-code elimination: the matchers count a value's users (the delta pass folds dt_proj's
-    product into the scan only when nothing else reads it), and a dead split still counts.
-    """
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    returned = {n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)}
-    regions, writes = ContextRegions(gm.graph), metadata_writes(gm.graph)
-    changes = []
-    for node in list(gm.graph.nodes):
-        source = _whole(node, returned, regions, writes)
-        if source is None:
-            continue
-        split = node.args[0]
-        node.replace_all_uses_with(source)
-        gm.graph.erase_node(node)
-        if not split.users:
-            gm.graph.erase_node(split)
-        changes.append(f"{node.name} is all of {source.name}: its users read {source.name}")
-    return changes
+    """Point the users of every whole piece at the split's input (and drop the split once no
+    piece is read); a line per piece."""
+    return _read_through(gm, _whole, lambda node, x: f"{node.name} is all of {x.name}: its users read {x.name}")
 
 
 def read_single_cats(gm: torch.fx.GraphModule, same_strides: bool = True) -> list[str]:
