@@ -38,8 +38,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (OP_ROUNDING, context_refusal, depthwise_weight, is_call, is_method, is_zeros, named_args,
-                       propagate_val, target_name, val, view_perm, written_in_place)
+from .fx_utils import (OP_ROUNDING, bare_name, context_refusal, depthwise_weight, is_call, is_method, is_zeros,
+                       named_args, propagate_val, target_name, val, view_perm, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -445,7 +445,7 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         else:
             replaced = [conv, *([sliced] if pad is None else []), *reversed(act_nodes)]
         if kept is not None:
-            pattern = f"conv1d+{kept.target if isinstance(kept.target, str) else kept.target.__name__}[..., :L]"
+            pattern = f"conv1d+{bare_name(kept)}[..., :L]"
         elif activated_first is not None:
             pattern = f"conv1d+{act_pattern}[..., :L]"
             act_pattern = None

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .fx_utils import (HALF_DTYPES, behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of,
                        higher_order_op, hop_name, is_call, is_lossless_cast, is_method, layout_source,
-                       narrowed_by_program, permute_view, propagate_val, scan_args, named_args, scan_nodes, set_scan_args, shape_of, view_chain,
-                       written_in_place)
+                       narrowed_by_program, permute_view, propagate_val, scan_args, named_args, scan_nodes,
+                       set_scan_args, shape_of, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"

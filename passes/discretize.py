@@ -29,8 +29,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (detach_note, dtype_of, exp_node_behind, higher_order_op, hop_name, is_call, is_cast, is_method, layout_source,
-                       named_args, parse_slice, protects_saved_input, squeezed_unit_piece, unit_piece, val, view_chain)
+from .fx_utils import (detach_note, dtype_of, exp_node_behind, higher_order_op, hop_name, is_call, is_cast, is_method,
+                       layout_source, named_args, parse_slice, protects_saved_input, squeezed_unit_piece, unit_piece,
+                       val, view_chain)
 
 __all__ = [
     "Source",

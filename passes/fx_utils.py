@@ -876,21 +876,16 @@ def narrowed_by_program(node: Any) -> torch.fx.Node | None:
     or None. 16-bit arithmetic on such a value is a precision the program chose for it
     (``softplus(dt.half() + b.half())`` in an fp32 program, ``silu(z.bfloat16())``), unlike
     the arithmetic of a 16-bit model or of autocast, whose values come 16-bit from a linear."""
-    while isinstance(node, torch.fx.Node):
-        if is_cast(node):
-            src, dst = dtype_of(node.args[0]), dtype_of(node)
-            if src in _FLOAT_DTYPES and dst in _FLOAT_DTYPES and not is_lossless_cast(src, dst):
-                origin = _widened_from(node.args[0])
-                if dtype_of(origin) not in _FLOAT_DTYPES or not is_lossless_cast(dtype_of(origin), dst):
-                    return node
-                # ``bias.float().to(dt.dtype)`` of a bf16 bias (HF 5.24): the values were bf16.
-                node = origin
-                continue
-            if not is_lossless_cast(src, dst):
-                return None
-        elif node.op not in ("call_method", "call_function") or bare_name(node) not in _ELEMENT_VIEWS:
+    node = _widened_from(node)
+    while isinstance(node, torch.fx.Node) and is_cast(node):
+        src, dst = dtype_of(node.args[0]), dtype_of(node)
+        if src not in _FLOAT_DTYPES or dst not in _FLOAT_DTYPES:
             return None
-        node = node.args[0] if node.args else None
+        origin = _widened_from(node.args[0])
+        if dtype_of(origin) not in _FLOAT_DTYPES or not is_lossless_cast(dtype_of(origin), dst):
+            return node
+        # ``z.float().to(torch.bfloat16)`` of a bf16 z rounds nothing: the values were bf16.
+        node = origin
     return None
 
 

@@ -1909,7 +1909,10 @@ def _exact_number(x: Any, dtype: torch.dtype) -> bool:
     overflows); a float16 or bfloat16 one to float32, so there the number must be exact."""
     if not dtype.is_floating_point:
         return False
-    held = float(torch.tensor(x, dtype=dtype))
+    try:
+        held = float(torch.tensor(x, dtype=dtype))
+    except (OverflowError, RuntimeError):  # an int beyond any float (10**400)
+        return False
     if dtype in (torch.float32, torch.float64):
         return math.isfinite(held) or not math.isfinite(x)
     return held == x
@@ -2065,11 +2068,11 @@ def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
     if val(ts[0]).dim() != 4:
         return (f"a linear recurrence h = a_t*h + x_t whose decay is a time slice of a {val(ts[0]).dim()}-D "
                 "tensor, not of a (batch, dim, time, state) exp(Δ·A): left alone")
-    if _number(H) and val(c).dtype.is_floating_point:
+    if _number(H) and val(c).dtype.is_floating_point and not _exact_number(H, val(c).dtype):
         return (f"a linear recurrence from the number {H!r} as its initial state, which {val(c).dtype} does not "
-                "hold exactly: eager multiplies the first decay by the number in float32, and the op would "
-                "start from its rounding to the state's dtype; left alone (torch.full(shape, value) of that "
-                "dtype is rewritten)")
+                "hold exactly: eager multiplies the first decay by the number itself (in float32 for a 16-bit "
+                "state), and the op would start from its rounding to the state's dtype; left alone "
+                "(torch.full(shape, value) of that dtype is rewritten)")
     if not isinstance(H, torch.fx.Node):
         return (f"a linear recurrence from an initial state {H!r} that is not a tensor of the state's shape: "
                 "left alone")
