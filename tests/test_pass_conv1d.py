@@ -321,7 +321,8 @@ def neg_relu_in_place_then_slice(x, w, b):
 
 NEGATIVES = {
     "silu-then-slice-from-1": (neg_silu_then_slice_from_1, {}, "the slice [..., 1:12] does not start at step 0"),
-    "silu-then-two-slices": (neg_silu_then_two_slices, {}, "(torch.nn.functional.silu), whose result is read by getitem (operator.getitem), getitem_1"),
+    "silu-then-two-slices": (neg_silu_then_two_slices, {},
+                             "(torch.nn.functional.silu), whose result is read by getitem (operator.getitem), getitem_1"),
     "relu-in-place-then-slice": (neg_relu_in_place_then_slice, {}, "(torch.nn.functional.relu, in place), not only"),
     "narrow-from-1": (neg_narrow_from_1, {}, "does not start at step 0"),
     "batch-row-slice": (neg_batch_row_slice, {}, "not a slice of the time axis alone"),
