@@ -41,6 +41,7 @@ SOFTPLUS_TARGETS = (F.softplus, torch._C._nn.softplus, torch.ops.aten.softplus)
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear)
 ADD_TARGETS = (operator.add, torch.add, torch.ops.aten.add)
 MUL_TARGETS = (operator.mul, torch.mul, torch.ops.aten.mul)
+SUB_TARGETS = (operator.sub, torch.sub, torch.ops.aten.sub)
 MATMUL_TARGETS = (operator.matmul, torch.matmul)
 
 
@@ -140,11 +141,28 @@ def as_vector(graph: torch.fx.Graph, node: torch.fx.Node, dim: int, before: torc
 
 def binary_operands(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
     """``(a, b)`` if ``node`` is a plain two-operand call of ``targets`` (ADD_TARGETS or
-    MUL_TARGETS) or the matching tensor method (``a.add(b)``, ``a.mul(b)``)."""
+    MUL_TARGETS) or the matching tensor method (``a.add(b)``, ``a.mul(b)``).
+
+    A sum may carry ``alpha`` where it changes no bit: ``torch.add(a, b, alpha=1)`` and
+    ``torch.sub(a, b, alpha=-1)`` compute ``a + b`` exactly (the scale by ±1 rounds nothing)."""
     method = "add" if targets is ADD_TARGETS else "mul"
-    if (is_call(node, *targets) or is_method(node, method)) and len(node.args) == 2 and not node.kwargs:
+    if not ((is_call(node, *targets) or is_method(node, method)) and len(node.args) == 2):
+        if targets is ADD_TARGETS and _alpha_of(node, SUB_TARGETS, "sub") == -1:
+            return node.args[0], node.args[1]
+        return None
+    if not node.kwargs or (targets is ADD_TARGETS and _alpha_of(node, targets, method) == 1):
         return node.args[0], node.args[1]
     return None
+
+
+def _alpha_of(node: Any, targets: tuple, method: str) -> Any:
+    """The ``alpha`` of ``targets(a, b, alpha=...)`` / ``a.<method>(b, alpha=...)`` (a number,
+    exactly ±1 compared as given: ``True`` is not taken for 1), or None for any other call."""
+    if not ((is_call(node, *targets) or is_method(node, method)) and len(node.args) == 2
+            and set(node.kwargs) == {"alpha"}):
+        return None
+    alpha = node.kwargs["alpha"]
+    return alpha if type(alpha) in (int, float) else None
 
 
 def match_delta(delta: Any) -> DeltaFold | str | None:

@@ -280,10 +280,15 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
 
 
 def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | None:
-    """Why not, when ``sub`` is ``y - u·X`` or ``u·X - y`` with the scan's u: a skip of the other
-    sign, which the op (``y + D·u``) does not compute. None for anything else."""
-    if not ((is_call(sub, operator.sub, torch.sub) or is_method(sub, "sub")) and len(sub.args) == 2
-            and not sub.kwargs and y in sub.args):
+    """Why not, when ``sub`` is ``y - u·X`` or ``u·X - y`` with the scan's u (a skip of the other
+    sign), or a sum that scales one side by its ``alpha`` (``torch.add(y, u·X, alpha=2)``), which
+    the op (``y + D·u``) does not compute. None for anything else."""
+    is_sub = is_call(sub, operator.sub, torch.sub) or is_method(sub, "sub")
+    if not ((is_sub or is_call(sub, operator.add, torch.add) or is_method(sub, "add")) and len(sub.args) == 2
+            and set(sub.kwargs) <= {"alpha"} and y in sub.args):
+        return None
+    alpha = sub.kwargs.get("alpha", 1)
+    if not is_sub and alpha == 1:
         return None
     term = sub.args[1] if sub.args[0] is y else sub.args[0]
     u = layout_source(u_op).base
@@ -298,8 +303,13 @@ def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | N
     # (Only the reason depends on this: sizes not provably 1 count as wide.)
     wide = [s for s in (shape or ()) if not statically_known_true(s == 1)]
     if dim is not None and (len(wide) > 1 or len(wide) == 1 and not statically_known_true(wide[0] == dim)):
-        return (f"{sub.name} subtracts the product of the scan's u and {coeff.name} (shape {list(shape)}), "
+        return (f"{sub.name} {'subtracts' if is_sub else 'adds'} the product of the scan's u and {coeff.name} "
+                f"(shape {list(shape)}), "
                 "which is not a (dim,) vector D: not the op's skip y + D·u")
+    if alpha != 1:
+        a, b = ("y" if x is y else x.name for x in sub.args)
+        spelled = f"{a} {'-' if is_sub else '+'} {alpha}·{b}"
+        return f"{sub.name} computes {spelled} (its alpha={alpha}), not y + D·u: the op adds D·u to y"
     return f"{sub.name} subtracts {'D·u from y' if sub.args[0] is y else 'y from D·u'}: the op adds D·u to y"
 
 
@@ -454,10 +464,12 @@ def _gate_after_a_sum(add: torch.fx.Node, y: torch.fx.Node) -> str | None:
     """Why not, when ``add`` = y + X (or y - X, X - y) and a user of it is a silu gate (a second
     D·u term, a residual added or subtracted before the gate): the op gates y, with its own D·u,
     alone. None otherwise."""
-    operands = binary_operands(add, ADD_TARGETS)
-    sub = (is_call(add, operator.sub, torch.sub) or is_method(add, "sub")) and len(add.args) == 2 and not add.kwargs
-    if sub:
-        operands = add.args
+    operands, sub, alpha = binary_operands(add, ADD_TARGETS), False, 1
+    if operands is None and len(add.args) == 2 and set(add.kwargs) <= {"alpha"} and (
+            is_call(add, operator.sub, torch.sub, torch.add) or is_method(add, "sub", "add")):
+        # y - X, or a sum that scales X by its alpha: another sum all the same.
+        operands, sub = add.args, is_call(add, operator.sub, torch.sub) or is_method(add, "sub")
+        alpha = add.kwargs.get("alpha", 1)
     if operands is None or y not in operands:
         return None
     for user in add.users:
@@ -466,7 +478,8 @@ def _gate_after_a_sum(add: torch.fx.Node, y: torch.fx.Node) -> str | None:
             continue
         if _silu_input(factors[1] if factors[0] is add else factors[0]) is not None:
             other = getattr(operands[1] if operands[0] is y else operands[0], "name", "X")
-            spelled = (f"y + {other}" if not sub else f"y - {other}" if operands[0] is y else f"{other} - y")
+            a, b = ("y" if x is y else other for x in operands)
+            spelled = f"{a} {'-' if sub else '+'} {'' if alpha == 1 else f'{alpha}·'}{b}"
             return (f"the gate {user.name} multiplies {add.name} = {spelled}, not y: "
                     "the op gates y (with its own D·u) alone")
     return None

@@ -163,7 +163,20 @@ def f_skip_explicit_broadcast(u, x, A, B, C, D, z, bias, W, ts):
     return (y + u * D[None, :, None].expand(*u.shape)) * F.silu(z)
 
 
+def f_sums_spelled_with_alpha(u, x, A, B, C, D, z, bias, W, ts):
+    """``torch.add(.., alpha=1)`` and ``torch.sub(.., alpha=-1)`` add exactly: the bias and the skip."""
+    y = scan(u, F.softplus(torch.add(x, bias[:, None], alpha=1)), A, B, C)
+    return torch.sub(y, u * D[:, None], alpha=-1) * F.silu(z)
+
+
+def f_sums_spelled_with_alpha_methods(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, F.softplus(x.sub(bias[:, None], alpha=-1.0)), A, B, C)
+    return (u * D[:, None]).add(y, alpha=1) * F.silu(z)
+
+
 POSITIVE = {
+    "sums_spelled_with_alpha": (f_sums_spelled_with_alpha, "bdl", dict(delta=1, skip=1, gate=1)),
+    "sums_spelled_with_alpha_methods": (f_sums_spelled_with_alpha_methods, "bdl", dict(delta=1, skip=1, gate=1)),
     "skip_explicit_broadcast": (f_skip_explicit_broadcast, "bdl", dict(delta=1, skip=1, gate=1)),
     "skip_in_another_layout": (f_skip_in_another_layout, "bld", dict(delta=0, skip=1, gate=1)),
     "skip_permuted_twice": (f_skip_permuted_twice, "bdl", dict(delta=0, skip=1, gate=1)),
@@ -382,7 +395,23 @@ def f_gate_after_two_skips(u, x, A, B, C, D, z, bias, W, ts):
     return (y + u * D[:, None] + u * D[:, None]) * F.silu(z)
 
 
+def f_skip_scaled_by_alpha(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    return torch.add(y, u * D[:, None], alpha=2) * F.silu(z)
+
+
+def f_skip_subtracted_with_alpha(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    return y.sub(u * D[:, None], alpha=0.5) * F.silu(z)
+
+
 NEGATIVE = {
+    "skip_scaled_by_alpha": (f_skip_scaled_by_alpha, {}, dict(delta=0, skip=0, gate=0),
+                             ("skip", "computes y + 2·mul (its alpha=2), not y + D·u")),
+    "skip_subtracted_with_alpha": (f_skip_subtracted_with_alpha, {}, dict(delta=0, skip=0, gate=0),
+                                   ("skip", "computes y - 0.5·mul (its alpha=0.5), not y + D·u")),
+    "gate_after_a_scaled_skip": (f_skip_scaled_by_alpha, {}, dict(delta=0, skip=0, gate=0),
+                                 ("gate", "= y + 2·mul, not y: the op gates y")),
     # name: (fn, layout/length, expected counters, (family, reason fragment) or None)
     "softplus_beta": (f_softplus_beta, {}, dict(delta=0, skip=0, gate=0), ("delta", "beta=2.0")),
     "softplus_threshold": (f_softplus_threshold, {}, dict(delta=0, skip=0, gate=0),
