@@ -176,7 +176,7 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     top = layout_source(delta)
     softplus = top.base
     if not is_call(softplus, *SOFTPLUS_TARGETS):
-        return _softplus_behind_hop(softplus)
+        return _softplus_behind_hop(softplus) or _softplus_written_out(softplus)
     why = _softplus_default(softplus)
     if why is not None:
         return why
@@ -214,6 +214,30 @@ def _softplus_behind_hop(node: torch.fx.Node) -> str | None:
             return (f"Δ is {hop_name(hop)} of the softplus {arg.name} (a custom autograd.Function, or a hook on "
                     "the tensor): folding the softplus into the op would drop what that does in the backward")
     return None
+
+
+def _is_exp(node: Any) -> bool:
+    return is_call(node, torch.exp) or is_method(node, "exp")
+
+
+def _softplus_written_out(node: torch.fx.Node) -> str | None:
+    """Why not, when Δ is softplus written out, ``log1p(exp(x))`` or ``log(1 + exp(x))``: it
+    overflows to inf where exp(x) does, where ``F.softplus`` (the op's) returns x, so the two
+    are different functions. None when Δ is anything else."""
+    if not (is_call(node, torch.log1p, torch.log) or is_method(node, "log1p", "log")) or len(node.args) != 1:
+        return None
+    inner = node.args[0]
+    if is_call(node, torch.log1p) or is_method(node, "log1p"):
+        written = _is_exp(inner)
+    else:
+        operands = binary_operands(inner, ADD_TARGETS)
+        written = operands is not None and any(
+            o == 1 and type(o) in (int, float) and _is_exp(p) for o, p in (operands, operands[::-1]))
+    if not written:
+        return None
+    return (f"Δ is {node.name} = {'log1p(exp(x))' if 'log1p' in str(node.target) else 'log(1 + exp(x))'}, softplus "
+            "written out: it is inf wherever exp(x) overflows (x > 88 in fp32), where F.softplus, which the op "
+            "computes, returns x; not folded")
 
 
 def weight_product(node: Any, t_dims: Callable[[int], bool], *targets: Any) -> Optional[tuple[Any, Any]]:

@@ -263,6 +263,14 @@ def f_softplus_beta(u, x, A, B, C, D, z, bias, W, ts):
     return scan(u, F.softplus(x + bias[:, None], beta=2.0), A, B, C)
 
 
+def f_softplus_log1p_exp(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, torch.log1p(torch.exp(x + bias[:, None])), A, B, C)
+
+
+def f_softplus_log_one_plus_exp(u, x, A, B, C, D, z, bias, W, ts):
+    return scan(u, ((x + bias[:, None]).exp() + 1.0).log(), A, B, C)
+
+
 def f_softplus_threshold(u, x, A, B, C, D, z, bias, W, ts):
     return scan(u, F.softplus(x + bias[:, None], 1.0, 5.0), A, B, C)
 
@@ -414,6 +422,10 @@ NEGATIVE = {
                                  ("gate", "= y + 2·mul, not y: the op gates y")),
     # name: (fn, layout/length, expected counters, (family, reason fragment) or None)
     "softplus_beta": (f_softplus_beta, {}, dict(delta=0, skip=0, gate=0), ("delta", "beta=2.0")),
+    "softplus_log1p_exp": (f_softplus_log1p_exp, {}, dict(delta=0, skip=0, gate=0),
+                           ("delta", "= log1p(exp(x)), softplus written out: it is inf wherever exp(x) overflows")),
+    "softplus_log_one_plus_exp": (f_softplus_log_one_plus_exp, {}, dict(delta=0, skip=0, gate=0),
+                                  ("delta", "= log(1 + exp(x)), softplus written out")),
     "softplus_threshold": (f_softplus_threshold, {}, dict(delta=0, skip=0, gate=0),
                            ("delta", "threshold=5.0")),
     "gate_before_skip": (f_gate_before_skip, {}, dict(delta=0, skip=0, gate=1),
