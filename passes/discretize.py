@@ -899,7 +899,7 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
             dims = a_exp.args[1] if len(a_exp.args) > 1 else a_exp.kwargs.get("dims")
             return (f"A_full is not exp(Δ·A) but exp(Δ·A) flipped along {dims} by {a_exp.name} (along time: a "
                     "scan from the last step back, and ssm.selective_scan scans forward from t = 0 only)")
-        return "A_full is not exp(Δ·A)" + _hop_note(a_exp) + detach_note(a_exp)
+        return "A_full is not exp(Δ·A)" + _hop_note(a_exp) + detach_note(a_exp) + _input_note(a_full)
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]
     if inner.summed:
@@ -1120,6 +1120,27 @@ def _size_one_note(node: Any) -> str:
     return ""
 
 
+def _input_note(node: Any) -> str:
+    """Why a decay reads as no exp(Δ·A) when it is an input of the graph being proved (a time
+    slice or permuted view of one): a function argument, or the operand of a checkpoint body
+    whose exp(Δ·A) its caller computed. Empty otherwise."""
+    base = node
+    while isinstance(base, torch.fx.Node) and base.op != "placeholder":
+        sliced = parse_slice(base)
+        if sliced is not None:
+            base = sliced[0]
+            continue
+        source = layout_source(base, allow_casts=False).base
+        if source is base:
+            return ""
+        base = source
+    if not isinstance(base, torch.fx.Node):
+        return ""
+    return (f" ({'it' if base is node else f'{node.name} is read from {base.name}, which'} is an input of the "
+            "graph being proved, a function argument or a checkpoint body's operand; if it is exp(Δ·A), that is "
+            "computed outside, where the scan pass cannot see Δ and A)")
+
+
 def _kept_time_axis_note(alpha: torch.fx.Node) -> str:
     """Why a multiplier read as ``x[:, t:t + 1]`` fails: that step keeps x's time axis at size 1,
     so the state carries an extra axis, and no state of that shape is proved here."""
@@ -1136,7 +1157,8 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     """Prove ``alpha == exp(Δ[t0] ⊗ A)``, then ``prove_input(decay)``; ``(Discretized, t0)``."""
     at = index_term(alpha, allow_exp=True, allow_neg=allow_neg)
     if at is None or at.exp_of is None:
-        return "the state's multiplier is not exp(Δ·A)" + _kept_time_axis_note(alpha) + detach_note(alpha)
+        return ("the state's multiplier is not exp(Δ·A)" + _kept_time_axis_note(alpha) + detach_note(alpha)
+                + _input_note(alpha))
     inner = at.exp_of
     if inner.summed or len(inner.factors) != 2:
         return "the state's multiplier is not exp of a product Δ·A"
