@@ -210,6 +210,17 @@ def left_pad_source(node: Any, weight: Any) -> torch.fx.Node | None:
     """
     if is_call(node, torch.cat, torch.concat):
         return _cat_zeros_source(node, weight)
+    pads = _time_zero_pads(node, weight)
+    if pads is None or not (_same_size(pads[0], val(weight).shape[-1] - 1) and _same_size(pads[1], 0)):
+        return None
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    return x if isinstance(x, torch.fx.Node) else None
+
+
+def _time_zero_pads(node: Any, weight: Any) -> tuple[Any, Any] | None:
+    """``(left, right)`` when ``node`` is ``F.pad(x, (left, right))`` with zeros, padding the time
+    axis alone (F.pad's further pairs pad the axes before it, and must be zeros), under a 3-D
+    conv weight; else None."""
     if not is_call(node, *_PAD_TARGETS):
         return None
     names = ("input", "pad", "mode", "value")
@@ -218,17 +229,20 @@ def left_pad_source(node: Any, weight: Any) -> torch.fx.Node | None:
         return None
     pads = torch.fx.node.map_arg(a.get("pad"), val)
     wv = val(weight)
-    # (W-1, 0) pads the time axis; F.pad's further pairs pad the axes before it, and must be zeros.
     if not (isinstance(pads, (tuple, list)) and len(pads) in (2, 4, 6) and isinstance(wv, torch.Tensor)
             and wv.dim() == 3 and all(_same_size(p, 0) for p in pads[2:])):
         return None
     # F.pad's value None means 0 for the constant mode.
     if a.get("mode", "constant") != "constant" or a.get("value") not in (None, 0, 0.0):
         return None
-    if not (_same_size(pads[0], wv.shape[-1] - 1) and _same_size(pads[1], 0)):
-        return None
-    x = a["input"]
-    return x if isinstance(x, torch.fx.Node) else None
+    return pads[0], pads[1]
+
+
+def _padded_on_both_sides(node: torch.fx.Node, weight: Any) -> bool:
+    """``node`` is ``F.pad(x, (W-1, k))`` with zeros, k > 0 (for the reason)."""
+    pads = _time_zero_pads(node, weight)
+    return (pads is not None and _same_size(pads[0], val(weight).shape[-1] - 1)
+            and statically_known_true(pads[1] > 0))
 
 
 def _first_part(cat: torch.fx.Node) -> Any:
@@ -355,6 +369,13 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                     # F.pad(x, (d·(W-1), 0)) then a dilated conv is a causal dilated conv: the
                     # dilation, not the pad, is what the op does not take.
                     ctx.miss(FAMILY, f"dilation {dilation} is not 1 (a dilated conv over a padded input)", [conv])
+                elif is_call(x, *_PAD_TARGETS) and _padded_on_both_sides(x, weight):
+                    # Not wrong: the first L outputs of that conv are the causal conv. But the left
+                    # pad alone is the form proved, so say that, not "not a causal conv".
+                    ctx.miss(FAMILY, f"the input is zero-padded by {tuple(_time_zero_pads(x, weight))} on the "
+                             "time axis, W-1 on the left and more on the right: the first L outputs are a causal "
+                             "conv, but the pass rewrites only a pad of (W-1, 0) whose whole conv output is read",
+                             [conv])
                 elif is_call(x, *_PAD_TARGETS):
                     ctx.miss(FAMILY, f"the input is padded by {x.args[1:]!r} {dict(x.kwargs)!r}, not zeros "
                              "(W-1, 0) on the left only: not a causal conv", [conv])

@@ -319,7 +319,15 @@ def neg_relu_in_place_then_slice(x, w, b):
     return F.relu(F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]), inplace=True)[..., :x.shape[-1]]
 
 
+def neg_pad_both_sides_then_slice(x, w, b):
+    # nn.Conv1d(padding=W-1)'s pad by hand: causal once sliced, but only (W-1, 0) is the form proved.
+    return F.conv1d(F.pad(x, (w.shape[-1] - 1, w.shape[-1] - 1)), w, b, groups=x.shape[1])[..., :x.shape[-1]]
+
+
 NEGATIVES = {
+    "pad-both-sides-then-slice": (neg_pad_both_sides_then_slice, {},
+                                  "zero-padded by (3, 3) on the time axis, W-1 on the left and more on the right: the first "
+                                  "L outputs are a causal conv, but the pass rewrites only a pad of (W-1, 0)"),
     "silu-then-slice-from-1": (neg_silu_then_slice_from_1, {}, "the slice [..., 1:12] does not start at step 0"),
     "silu-then-two-slices": (neg_silu_then_two_slices, {},
                              "(torch.nn.functional.silu), whose result is read by getitem (operator.getitem), getitem_1"),
