@@ -373,6 +373,7 @@ class LoopMatch:
     last_users: list[torch.fx.Node]         # users of h_{L-1} outside the loop
     last_views: list[torch.fx.Node]         # ``states[:, -1]`` of stacked states: the last state too
     loop_nodes: list[torch.fx.Node]         # step + readout nodes of every step, in graph order
+    late_writes: list[torch.fx.Node]        # in-place writes to a source after the loop's last read
 
 
 def _same_size(a, b) -> bool:
@@ -1396,21 +1397,35 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
     sources.update({name: node for name, node in (("A_full", a_base), ("B_full", b_base)) if node is not None})
     if init is not None:
         sources["initial state"] = init
+    # A write after the whole loop (``x.mul_(2)`` once the scan is done) comes after every read
+    # the loop and its discretisation make, and after the op's own read (placed after its last
+    # input, checked where the op is emitted): it changes nothing the op reads.
+    walks: dict = {}
+    # (A stack or cat of the per-step outputs reads no input; Python evaluates ``return
+    # torch.stack(ys), ...`` after statements that follow the loop.)
+    last_read = max(pos[n] for n in (*loop_nodes, *disc.nodes, *out.writes) if not is_call(n, *_COLLECTORS))
+    late_writes: list[torch.fx.Node] = []
+
+    def early_write(node):
+        # (A view of a source made after the source's fills, ``u.unsqueeze(-1)``, shares the memory
+        # written before it: only writes at or after a node's own place count.)
+        writes = sorted((w for w in _writes((node,), frozenset(), walks) if pos[w] >= pos[node]), key=pos.__getitem__)
+        late_writes.extend(w for w in writes if pos[w] > last_read)
+        return next((w for w in writes if pos[w] <= last_read), None)
+
     for name, node in sources.items():
-        if written_after(node, pos):
+        early = early_write(node)
+        if early is not None:
             # The walk follows shared memory: B and C split from one x_proj output are both
             # "mutated" when either is written, so the message says it may be through another view.
-            return (f"{name} is mutated in place (it, or a view sharing its memory, is written after {node.name} "
-                    "is made)")
-    # (A view of a source made after the source's fills, ``u.unsqueeze(-1)``, shares the memory
-    # written before it: only writes at or after a node's own place count, as for the sources.)
-    walks: dict = {}
-    if any(written_after(n, pos, walks=walks) for n in disc.nodes):
+            return (f"{name} is mutated in place (it, or a view sharing its memory, is written by {early.name} "
+                    f"after {node.name} is made, before the loop's last read)")
+    if any(early_write(n) is not None for n in disc.nodes):
         return "a value between the sources and A_full/B_full is mutated in place"
     # The loop may read a source through a copy the passes look through (``A = A.clone()``) that
     # is written in place between steps, while the op reads the source itself once.
-    if any(written_after(n, pos, walks=walks) for n in read_through(sorted(loop_nodes, key=pos.__getitem__),
-                                                                     set(sources.values()), pos)):
+    if any(early_write(n) is not None for n in read_through(sorted(loop_nodes, key=pos.__getitem__),
+                                                             set(sources.values()), pos)):
         return "a value the loop reads its inputs through is written in place"
     if val(h[-1]).dtype == torch.float64 and val(disc.u.node).dtype != torch.float64:
         # The op accumulates in float32 unless u is float64: a state the user keeps in float64
@@ -1434,6 +1449,7 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         last_users=last_users,
         last_views=last_views,
         loop_nodes=sorted(loop_nodes, key=pos.__getitem__),
+        late_writes=list(dict.fromkeys(late_writes)),
     )
 
 
@@ -1649,6 +1665,10 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     refusal = regions.refusal(replaced, anchor)
     if refusal is not None:
         return refusal
+    early = next((w for w in m.late_writes if pos[w] < pos[anchor]), None)
+    if early is not None:
+        return (f"{early.name} writes an input of the scan in place after the loop, but before the place the "
+                f"op would read it ({anchor.name})")
 
     def emit():
         y, last = _emit_scan(graph, m)
