@@ -76,8 +76,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method,
-                       mutates, named_args, node_order, op_region, pinned_int, propagate_val, storage_of, target_name,
-                       time_slice, val, written_args)
+                       mutates, named_args, node_order, op_region, pinned_int, propagate_val, silu_input, storage_of,
+                       target_name, time_slice, val, written_args)
 from .manager import PassContext, PassManager
 from .scan_loop import ONE_STEP
 
@@ -91,17 +91,6 @@ _CAST_METHODS = ("float", "to", "half", "bfloat16", "type")
 _MUL = (operator.mul, torch.mul)
 _ADD = (operator.add, torch.add)
 _SOFTPLUS = (F.softplus, torch.nn.functional.softplus, torch._C._nn.softplus)
-_SILU = (F.silu, torch.nn.functional.silu)
-
-
-def _is_silu(node: Any) -> bool:
-    """``F.silu(x)`` that returns a new tensor: no ``inplace`` flag, or ``inplace=False`` as
-    ``nn.SiLU()`` records it (mamba_simple's ``self.act``)."""
-    if not is_call(node, *_SILU) or not 1 <= len(node.args) <= 2 or set(node.kwargs) - {"inplace"}:
-        return False
-    return node.args[1:] in ((), (False,)) and node.kwargs.get("inplace", False) is False
-
-
 class Miss(Exception):
     """A near-miss: the anchor looked like a decode step but a proof step failed."""
 
@@ -1010,7 +999,7 @@ def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict
         mul = _operands(nxt, _MUL, "mul")
         if mul is not None and z is None and node in mul:
             other = mul[1] if mul[0] is node else mul[0]
-            if _is_silu(other):
+            if silu_input(other) is not None:
                 z = _peel(other.args[0])[0]
                 node = nxt
                 nodes.append(nxt)
@@ -1348,7 +1337,7 @@ def match_conv_update(cat: torch.fx.Node) -> dict[str, Any] | None:
     node, activation = out_slice, None
     node, _ = _follow_casts(node)
     nxt = _single_user(node)
-    if nxt is not None and _is_silu(nxt):
+    if nxt is not None and silu_input(nxt) is not None:
         node, activation = nxt, "silu"
     node, _ = _follow_casts(node)
     return dict(cat=cat, conv_state=conv_state, x=x, copy=copy, conv=conv, weight=args["weight"],
@@ -1560,7 +1549,7 @@ def _match_window_readout(user: torch.fx.Node, src: torch.fx.Node) -> dict[str, 
     end, casts = _follow_casts(end)
     nodes += casts
     nxt = _single_user(end)
-    if nxt is not None and _is_silu(nxt):
+    if nxt is not None and silu_input(nxt) is not None:
         activation, end = "silu", nxt
         nodes.append(nxt)
         end, casts = _follow_casts(end)
@@ -1613,7 +1602,7 @@ def _match_full_window_conv(full: torch.fx.Node, cs: torch.fx.Node, x3: torch.fx
     nodes = [full, *casts, conv, sel, *tail]
     activation = None
     nxt = _single_user(end)
-    if nxt is not None and _is_silu(nxt):
+    if nxt is not None and silu_input(nxt) is not None:
         activation = "silu"
         end, tail = _follow_casts(nxt)
         nodes += [nxt, *tail]

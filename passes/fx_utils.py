@@ -197,6 +197,25 @@ def is_method(node: Any, *names: str) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in names
 
 
+SILU_TARGETS = (torch.nn.functional.silu, torch._C._nn.silu, torch.ops.aten.silu)
+
+
+def silu_input(node: Any) -> torch.fx.Node | None:
+    """``x`` when ``node`` is ``silu(x)`` returning a new tensor: ``F.silu(x)``, with ``inplace``
+    False by position or keyword (``nn.SiLU()`` and HF's ``ACT2FN["silu"]`` record
+    ``F.silu(x, False)``), ``aten.silu(x)``, or ``x.silu()``. None otherwise, an in-place silu
+    included."""
+    if is_call(node, *SILU_TARGETS):
+        if not 1 <= len(node.args) <= 2 or set(node.kwargs) - {"inplace"}:
+            return None
+        if node.args[1:] not in ((), (False,)) or node.kwargs.get("inplace", False) is not False:
+            return None
+    elif not (is_method(node, "silu") and len(node.args) == 1 and not node.kwargs):
+        return None
+    x = node.args[0]
+    return x if isinstance(x, torch.fx.Node) else None
+
+
 def addcmul_operands(node: Any) -> tuple[Any, Any, Any] | None:
     """``(c, a, b)`` if ``node`` is ``torch.addcmul(c, a, b)`` or ``c.addcmul(a, b)`` with value 1:
     ``c + a * b``, a sum of a product spelled as one call."""

@@ -34,15 +34,13 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, match_bias
-from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, addcmul_operands, behind_lossless_casts, cast_dtype,
-                       context_refusal, dropped_rounding, dtype_of, follow_views, higher_order_op, hoist_before,
-                       hop_name, inverse, is_call, is_method, layout_source, narrowed_by_program, output_getitem,
-                       permute_view,
-                       propagate_val, scan_args, scan_nodes, set_scan_args, shape_of, val, view_chain,
-                       written_in_place)
+from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, addcmul_operands,
+                       behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, follow_views,
+                       higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
+                       narrowed_by_program, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
+                       set_scan_args, shape_of, silu_input, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
-SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu)
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
 # Activations that look like a gate but aren't the op's silu: reported as near-misses.
 _OTHER_GATES = (F.gelu, torch._C._nn.gelu, torch.relu, F.relu, torch.tanh, F.softplus,
@@ -384,10 +382,9 @@ class Gate(NamedTuple):
 
 def _silu_input(g: Any) -> Optional[torch.fx.Node]:
     """``z`` if ``g`` is ``silu(z)``, ``z * sigmoid(z)`` or ``sigmoid(z) * z``."""
-    if is_call(g, *SILU_TARGETS) and len(g.args) == 1 and not g.kwargs.get("inplace", False):
-        return g.args[0]
-    if is_method(g, "silu") and len(g.args) == 1:
-        return g.args[0]
+    z = silu_input(g)
+    if z is not None:
+        return z
     factors = binary_operands(g, MUL_TARGETS)
     if factors is not None:
         for z, s in (factors, factors[::-1]):

@@ -174,7 +174,32 @@ def f_sums_spelled_with_alpha_methods(u, x, A, B, C, D, z, bias, W, ts):
     return (u * D[:, None]).add(y, alpha=1) * F.silu(z)
 
 
+def f_gate_silu_inplace_false(u, x, A, B, C, D, z, bias, W, ts):
+    """``F.silu(z, False)``, as ``nn.SiLU()`` and HF 4.x's ``ACT2FN["silu"]`` record it (probe BQ:
+    the gate was left unfolded, with no reason)."""
+    y = scan(u, F.softplus(x + bias[:, None]), A, B, C)
+    return (y + u * D[:, None]) * F.silu(z, False)
+
+
+def f_gate_silu_inplace_false_keyword(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, F.softplus(x + bias[:, None]), A, B, C)
+    return F.silu(z, inplace=False) * (y + u * D[:, None])
+
+
+class SiLUModuleGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.SiLU()
+
+    def forward(self, u, x, A, B, C, D, z, bias, W, ts):
+        y = scan(u, F.softplus(x + bias[:, None]), A, B, C)
+        return (y + u * D[:, None]) * self.act(z)
+
+
 POSITIVE = {
+    "gate_silu_module": (SiLUModuleGate(), "bdl", dict(delta=1, skip=1, gate=1)),
+    "gate_silu_inplace_false": (f_gate_silu_inplace_false, "bdl", dict(delta=1, skip=1, gate=1)),
+    "gate_silu_inplace_false_keyword": (f_gate_silu_inplace_false_keyword, "bdl", dict(delta=1, skip=1, gate=1)),
     "sums_spelled_with_alpha": (f_sums_spelled_with_alpha, "bdl", dict(delta=1, skip=1, gate=1)),
     "sums_spelled_with_alpha_methods": (f_sums_spelled_with_alpha_methods, "bdl", dict(delta=1, skip=1, gate=1)),
     "skip_explicit_broadcast": (f_skip_explicit_broadcast, "bdl", dict(delta=1, skip=1, gate=1)),
