@@ -863,7 +863,7 @@ def _state_writes(state: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _step_window(state: torch.fx.Node, own_writes: list[torch.fx.Node], start: int, end: int,
-                 order: dict) -> tuple[float, float]:
+                 order: dict) -> tuple[float, float, str | None]:
     """The node-order window (lo, hi) between the write to ``state`` before a step (whose reads
     start at ``start`` and whose writes ``own_writes`` end at ``end``) and the write after it,
     when other steps write the same state in this graph (a decode loop compiled as a whole, each
@@ -873,24 +873,28 @@ def _step_window(state: torch.fx.Node, own_writes: list[torch.fx.Node], start: i
     it sees another step's value whatever this step's rewrite does. That holds only when each
     use of the state is one the order can see: the state must have no aliases (views, casts to
     its own dtype) besides its writes, and no other step's write may have a user but its own
-    ``add_`` (``state.mul_(dA).add_(dBx)``). Else the window is the whole graph, as for one step.
+    ``add_`` (``state.mul_(dA).add_(dBx)``). Else the window is the whole graph, as for one step,
+    and the third item says why the steps could not be told apart (None where there are none).
     """
     whole = (float("-inf"), float("inf"))
     writes = _state_writes(state)
     others = [w for w in writes if w not in own_writes]
     if not others:
-        return whole
+        return (*whole, None)
+    steps = f"{state.name} is written in place by {len(others) + 1} steps in this graph (a decode loop compiled whole)"
     for n in state.users:
         if n not in writes and n.op != "output" and _shares_storage(n, state):
-            return whole
+            return (*whole, f"{steps}, and {n.name} is an alias of it (a view, or a cast to its own dtype), whose "
+                            "reads the node order cannot place between the steps")
     for w in others:
         if _decode_op_state(w) is state:
             continue  # the decode ops return a fresh output, not the state
         for user in w.users:
             if not (_in_place(user, "add_", operator.iadd) and user.args[0] is w and not user.users):
-                return whole
-    if any(start <= order[w] <= end for w in others):
-        return whole
+                return (*whole, f"{steps}, and {user.name} reads another step's write {w.name}")
+    inside = next((w for w in others if start <= order[w] <= end), None)
+    if inside is not None:
+        return (*whole, f"{steps}, and {inside.name} writes it between this step's reads and its update")
     before = [w for w in others if order[w] < start]
     lo = max((order[w] for w in before), default=float("-inf"))
     if before:
@@ -900,8 +904,8 @@ def _step_window(state: torch.fx.Node, own_writes: list[torch.fx.Node], start: i
         # the window does not split it. A step ends where its result is read (or in the op).
         if _decode_op_state(prev) is not state and not any(
                 lo < order[n] < start for n in state.users if n not in writes):
-            return whole
-    return lo, min((order[w] for w in others if order[w] > end), default=float("inf"))
+            return (*whole, None)
+    return lo, min((order[w] for w in others if order[w] > end), default=float("inf")), None
 
 
 def _new_state_reads(u: Update, order: dict, hi: float) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
@@ -924,11 +928,14 @@ def match_state_update(u: Update, order: dict[torch.fx.Node, int]) -> dict[str, 
     ``order`` is the graph's node order (``fx_utils.node_order``)."""
     m = _prove_discretization(u)
     dt_raw, dt_bias, dt_softplus, dt_casts = _peel_dt(m["dt"])
-    lo, hi = ((float("-inf"), float("inf")) if u.form == "returned"
-              else _step_window(u.state, u.writes, order[u.reader], order[u.writes[-1]], order))
+    lo, hi, steps = ((float("-inf"), float("inf"), None) if u.form == "returned"
+                     else _step_window(u.state, u.writes, order[u.reader], order[u.writes[-1]], order))
     if u.writes:
         before = [n for n in u.state.users if n is not u.reader and n not in u.writes
                   and lo < order[n] < order[u.writes[-1]]]
+        if before and steps is not None:
+            raise Miss(f"{steps}: the state's uses {[n.name for n in before]} cannot be assigned to one step, "
+                       "and moving this step's update into one op could change what they see")
         if before:
             raise Miss(f"the state is also used by {[n.name for n in before]} before its update (a readout of "
                        "the old state?): moving the update into one op could change what they see")
@@ -940,6 +947,8 @@ def match_state_update(u: Update, order: dict[torch.fx.Node, int]) -> dict[str, 
         if not readouts:
             raise Miss(f"the new state's uses {users} are not (h * C[:, None, :]).sum(-1) or another C-readout "
                        "Σ_n h[b, d, n] · C[b, n]")
+        if steps is not None:
+            raise Miss(f"{steps}: the new state has {len(readouts)} C-readouts, which cannot be assigned to one step")
         raise Miss(f"the new state has {len(readouts)} C-readouts (expected exactly one)")
     src, first, (y, C, chain) = readouts[0]
     last, tail = _match_tail(y, m["x"])
@@ -1641,8 +1650,11 @@ def match_window_update(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) ->
     if m is None:
         return None
     cs, written = m["cs"], m["writes"][-1]
-    lo, hi = _step_window(cs, m["writes"], min(order[n] for n in m["reads"]), order[written], order)
+    lo, hi, steps = _step_window(cs, m["writes"], min(order[n] for n in m["reads"]), order[written], order)
     before = [n for n in cs.users if n not in m["reads"] + m["writes"] and lo < order[n] < order[written]]
+    if before and steps is not None:
+        raise Miss(f"{steps}: the conv state's uses {[n.name for n in before]} cannot be assigned to one step, "
+                   "and moving this step's update into one op could change what they see")
     if before:
         raise Miss(f"the conv state is also used by {[n.name for n in before]} before its update: moving the "
                    "update into one op could change what they see")

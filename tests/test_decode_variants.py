@@ -571,7 +571,21 @@ def masked_state(state, x, dt, A, B, C, D, z, dt_bias):
     return (state * C[:, None]).sum(-1)
 
 
+def two_steps_read_through_an_alias(state, x, dt, A, B, C, D, z, dt_bias):
+    """Two steps on one state in one graph (mamba_simple's ``step`` in a loop), each read out
+    through ``state.to(dtype)``, an alias of the state when the dtype is its own (probe BQ: the
+    reason said "a readout of the old state?")."""
+    ys = []
+    for k in range(2):
+        dA, dBu = _disc(x * (k + 1), dt, A, B)
+        state.copy_(state * dA + dBu)
+        ys.append(torch.einsum("bdn,bn->bd", state.to(x.dtype), C))
+    return torch.stack(ys)
+
+
 STATE_LOOK_ALIKES = [
+    pytest.param(two_steps_read_through_an_alias, "is written in place by 2 steps in this graph (a decode loop "
+                 "compiled whole), and to", id="two-steps-read-through-an-alias"),
     pytest.param(tanh_update, "not the update state * dA + dBx itself", id="tanh"),
     pytest.param(add_then_mul, "multiplied in place by a decay", id="add-then-mul"),
     pytest.param(readout_between_the_writes, "multiplied in place by a decay", id="readout-between-the-writes"),
