@@ -87,7 +87,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_N = 256
 MIN_W, MAX_W = 2, 8
 
-_CAST_METHODS = ("float", "to", "half", "bfloat16", "type")
+_CAST_METHODS = ("float", "double", "to", "half", "bfloat16", "type", "type_as")
 _MUL = (operator.mul, torch.mul)
 _ADD = (operator.add, torch.add)
 _SOFTPLUS = (F.softplus, torch.nn.functional.softplus, torch._C._nn.softplus)

@@ -22,7 +22,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-_CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type")
+_CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type", "type_as")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # ``node.meta`` key marking a cast a rewrite emitted as an op's own output rounding (to the dtype
@@ -260,6 +260,8 @@ def proof_sum(left: sympy.Expr, right: sympy.Expr, refuse: Callable[[str], Excep
 def is_cast(node: Any) -> bool:
     """A dtype cast (or a no-op ``.to(device=...)``): same values up to rounding, same axes."""
     if not is_method(node, *_CAST_METHODS):
+        return False
+    if node.target == "type_as" and (len(node.args) != 2 or node.kwargs):
         return False
     if node.target in ("to", "type"):
         extra = list(node.args[1:]) + [v for k, v in node.kwargs.items() if k in ("dtype", "device")]

@@ -915,6 +915,21 @@ def _c_too_short(c_src: Source, L: int) -> str | None:
     return _too_short("C_full", _time_len(c_src), L) if "t" in c_src.roles else None
 
 
+def _detached_state_note(y0: torch.fx.Node, h0: torch.fx.Node) -> str:
+    """Why a readout reads as no contraction with h_t when it contracts ``h_t.detach()`` (probe BP):
+    the note ``detach_note`` gives, or empty. (A readout is a few nodes deep: the walk down from
+    the detach stops after 6.)"""
+    for d in h0.users:
+        if not detach_note(d):
+            continue
+        level = {d}
+        for _ in range(6):
+            if y0 in level:
+                return detach_note(d)
+            level = {u for n in level for u in n.users}
+    return ""
+
+
 def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[str, ...], L: int,
                        disc: Discretized) -> tuple[Source, torch.fx.Node, list[str | None]] | str:
     """Prove ``y0 = Σ_n h_0 · C_full[t=0]``. Returns (C source, C_full, roles of y0's axes)."""
@@ -1344,6 +1359,8 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         found = _match_step_readout(y0, h0, rregion, h, state_roles, L, disc, pos)
         if found == NOT_A_CONTRACTION:
             found = _match_readout_with_tail(y0, h0, rregion, h, state_roles, L, disc, pos) or found
+        if found == NOT_A_CONTRACTION:
+            found += _detached_state_note(y0, h0)
         if isinstance(found, str):
             return found
         c_src, c_base, out, readouts = found

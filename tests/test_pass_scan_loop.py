@@ -751,7 +751,7 @@ def _detached_at(where):
             a = deltaA[:, :, i].detach() if where == "step" else deltaA[:, :, i]
             x = a * x + deltaB_u[:, :, i]
             c = C[:, :, i].detach() if where == "C" else C[:, :, i]
-            ys.append(torch.einsum("bdn,bn->bd", x, c))
+            ys.append(torch.einsum("bdn,bn->bd", x.detach() if where == "h" else x, c))
         return torch.stack(ys, dim=-1)
     return fn
 
@@ -762,6 +762,8 @@ NEGATIVE += [
     pytest.param(_detached_at("step"), "the state's multiplier is not exp(Δ·A) (it is getitem_1.detach(), a:",
                  id="detached-step-decay"),
     pytest.param(_detached_at("C"), ".detach(), c: the program cuts the gradient there", id="detached-C"),
+    pytest.param(_detached_at("h"), "the readout is not a contraction of h_t with C_t (it is x_1.detach(), detach:",
+                 id="detached-state-in-readout"),
 ]
 
 
