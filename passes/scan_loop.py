@@ -61,6 +61,7 @@ from .fx_utils import (
     addcmul_operands,
     bare_name,
     exp_behind,
+    grad_enabled_at,
     is_zeros,
     named_args,
     storage_of,
@@ -1444,6 +1445,13 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
     if any(early_write(n) is not None for n in read_through(sorted(loop_nodes, key=pos.__getitem__),
                                                              set(sources.values()), pos)):
         return "a value the loop reads its inputs through is written in place"
+    # Where the op records a backward, it saves its inputs (the initial state too, which
+    # recomputes the states), and a later write would reach them: a version-counter error, or,
+    # through ``.data``, wrong gradients (probe BR). Eager's loop saves only what each product needs.
+    if late_writes and grad_enabled_at(h[0]) and any(
+            isinstance(val(n), torch.Tensor) and val(n).requires_grad for n in sources.values()):
+        return (f"{late_writes[0].name} writes an input of the scan in place after the loop while gradients are "
+                "recorded: the op saves its inputs for its backward, and the write would reach what it saved")
     if val(h[-1]).dtype == torch.float64 and val(disc.u.node).dtype != torch.float64:
         # The op accumulates in float32 unless u is float64: a state the user keeps in float64
         # (for accuracy) would silently lose precision.
