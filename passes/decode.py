@@ -259,7 +259,8 @@ def _rounding_refusal(sources: list[Any], sinks: list[Any], last: torch.fx.Node,
     while is_cast(node) and is_lossless_cast(out_dtype, _tensor(node).dtype):
         trailing.add(node)
         node = node.args[0]
-    region = [n for n in op_region(sources, [s for s in sinks if s is not None], order) if n not in trailing]
+    region = [n for n in op_region(sources, [s for s in sinks if s is not None], order, values_only=True)
+              if n not in trailing]
     if dropped is not None:
         # What the op computes without the program's roundings, for its record.
         dropped.extend(n for n in region if is_cast(n))
@@ -881,11 +882,12 @@ def _step_window(state: torch.fx.Node, own_writes: list[torch.fx.Node], start: i
     others = [w for w in writes if w not in own_writes]
     if not others:
         return (*whole, None)
-    steps = f"{state.name} is written in place by {len(others) + 1} steps in this graph (a decode loop compiled whole)"
+    steps = (f"{state.name} is written in place {len(writes)} times in this graph (decode steps compiled as a "
+             "whole)")
     for n in state.users:
         if n not in writes and n.op != "output" and _shares_storage(n, state):
             return (*whole, f"{steps}, and {n.name} is an alias of it (a view, or a cast to its own dtype), whose "
-                            "reads the node order cannot place between the steps")
+                            "reads and writes the node order cannot place between the steps")
     for w in others:
         if _decode_op_state(w) is state:
             continue  # the decode ops return a fresh output, not the state

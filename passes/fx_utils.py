@@ -265,7 +265,10 @@ def is_cast(node: Any) -> bool:
         return False
     if node.target in ("to", "type"):
         extra = list(node.args[1:]) + [v for k, v in node.kwargs.items() if k in ("dtype", "device")]
-        if any(isinstance(a, torch.fx.Node) for a in extra):
+        # ``x.to(other)`` takes other's dtype (and device, checked equal below): a cast too, with
+        # other as its template only (probe BR: ``x.to(z.bfloat16())`` rounds x to bf16).
+        template = node.target == "to" and len(node.args) == 2 and isinstance(val(node.args[1]), torch.Tensor)
+        if not template and any(isinstance(a, torch.fx.Node) for a in extra):
             return False
         if any(k not in ("dtype", "device", "copy", "non_blocking") for k in node.kwargs):
             return False
@@ -918,8 +921,29 @@ def behind_lossless_casts(nodes: Iterable[Any]) -> list[torch.fx.Node]:
     return out + [src.base for src in map(layout_source, out) if src.lossless]
 
 
+_METADATA_OF_OTHERS = frozenset({"to", "type_as", "view_as", "reshape_as", "expand_as"})
+
+
+def data_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The inputs whose values ``node``'s value is computed from (not those it reads a dtype or a
+    shape off, nor sizes, which the walk has already proved equal at every step)."""
+    if node.op == "call_method" and node.target in _METADATA_OF_OTHERS:
+        first = node.args[0] if node.args else None
+        return [first] if isinstance(first, torch.fx.Node) else []
+    return [a for a in node.all_input_nodes if not _is_metadata(a)]
+
+
+def _is_metadata(node: torch.fx.Node) -> bool:
+    """A size, dim, dtype or device (not a number read off a tensor's values by ``item``)."""
+    if node.op in ("call_method", "call_function") and bare_name(node) in ("item", "tolist", "_local_scalar_dense"):
+        return False
+    return isinstance(val(node), (int, torch.SymInt, torch.Size, torch.dtype, torch.device)) and not isinstance(
+        val(node), bool)
+
+
 def op_region(sources: Iterable[Any], sinks: Iterable[torch.fx.Node],
-              pos: dict[torch.fx.Node, int], keep_upstream: bool = False) -> list[torch.fx.Node]:
+              pos: dict[torch.fx.Node, int], keep_upstream: bool = False,
+              values_only: bool = False) -> list[torch.fx.Node]:
     """What an op that reads ``sources`` and stands for ``sinks`` computes: the nodes that depend
     on a source and that a sink depends on (sinks included), in graph order.
 
@@ -927,8 +951,12 @@ def op_region(sources: Iterable[Any], sinks: Iterable[torch.fx.Node],
     op's input, not its work, and is left out, unless ``keep_upstream``: a node that feeds one
     source may also lie on another source's way to the sinks (``Cf = C.bfloat16().float()``
     read by the readout and summed into Δ), and then the op computes past it too. The search
-    stops at the first source, so it costs the size of the region, not of the graph.
+    stops at the first source, so it costs the size of the region, not of the graph. With
+    ``values_only`` the region follows only the values nodes compute from (``data_inputs``):
+    ``x.type_as(zb)`` reads zb's dtype alone, so a rounding zb = z.bfloat16() is no part of the
+    values the op computes (probe BR).
     """
+    inputs = data_inputs if values_only else (lambda n: n.all_input_nodes)
     srcs = {s for s in sources if isinstance(s, torch.fx.Node)}
     if not srcs:
         return []
@@ -947,12 +975,12 @@ def op_region(sources: Iterable[Any], sinks: Iterable[torch.fx.Node],
         if n in reach:
             stack.pop()
             continue
-        pending = [i for i in n.all_input_nodes if i not in reach and pos[i] > lo]
+        pending = [i for i in inputs(n) if i not in reach and pos[i] > lo]
         if pending:
             stack.extend(pending)
             continue
         stack.pop()
-        reach[n] = any(reach.get(i, False) for i in n.all_input_nodes)
+        reach[n] = any(reach.get(i, False) for i in inputs(n))
     return sorted((n for n, r in reach.items() if r and n not in srcs and n not in upstream), key=pos.__getitem__)
 
 
@@ -1267,12 +1295,15 @@ def _inplace_name(name: str) -> bool:
 
 def _writing_packet(target: Any) -> bool:
     """An op overload packet (``torch.ops.ns.op``, as dynamo records a custom op called without an
-    overload) with an overload that writes an argument (``mutates_args``, whatever its name)."""
+    overload) with an overload that writes an argument (``mutates_args``, whatever its name). An
+    ``out=`` overload's keyword-only ``out`` does not count (``torch.ops.aten.silu(z)`` writes
+    nothing): ``_out_nodes`` sees a call that passes one."""
     if not isinstance(target, torch._ops.OpOverloadPacket):
         return False
     for name in target.overloads():
         schema = getattr(getattr(target, name, None), "_schema", None)
-        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
+                                      for a in schema.arguments):
             return True
     return False
 

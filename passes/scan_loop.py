@@ -60,6 +60,7 @@ from .fx_utils import (
     ContextRegions,
     addcmul_operands,
     bare_name,
+    data_inputs,
     exp_behind,
     grad_enabled_at,
     is_zeros,
@@ -717,13 +718,13 @@ def _varies_per_step(node: torch.fx.Node, loop: set[torch.fx.Node], L: int) -> s
     Only the values it is computed from count: ``C.type_as(x_t)`` or ``C.view_as(h)`` takes a
     dtype or a shape from a step, the same at every step (which puts it in the readout's region:
     the walk from the state reaches it through that edge, so only its data inputs are followed)."""
-    stack = _data_inputs(node)
+    stack = data_inputs(node)
     seen = set(stack)
     while stack:
         n = stack.pop()
         if n in loop:
             return f"is computed from the loop's own values ({n.name}: the state or a step's values)"
-        for a in _data_inputs(n):
+        for a in data_inputs(n):
             if a not in seen:
                 seen.add(a)
                 stack.append(a)
@@ -733,26 +734,6 @@ def _varies_per_step(node: torch.fx.Node, loop: set[torch.fx.Node], L: int) -> s
 
 
 # Methods that read only the dtype, device or shape of their other tensor arguments.
-_METADATA_OF_OTHERS = frozenset({"to", "type_as", "view_as", "reshape_as", "expand_as"})
-
-
-def _data_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The inputs whose values ``node``'s value is computed from (not those it reads a dtype or a
-    shape off, nor sizes, which the walk has already proved equal at every step)."""
-    if node.op == "call_method" and node.target in _METADATA_OF_OTHERS:
-        first = node.args[0] if node.args else None
-        return [first] if isinstance(first, torch.fx.Node) else []
-    return [a for a in node.all_input_nodes if not _is_metadata(a)]
-
-
-def _is_metadata(node: torch.fx.Node) -> bool:
-    """A size, dim, dtype or device (not a number read off a tensor's values by ``item``)."""
-    if node.op in ("call_method", "call_function") and bare_name(node) in ("item", "tolist", "_local_scalar_dense"):
-        return False
-    return isinstance(val(node), (int, torch.SymInt, torch.Size, torch.dtype, torch.device)) and not isinstance(
-        val(node), bool)
-
-
 def _step_kind(node: torch.fx.Node, L: int, depth: int = 0) -> str:
     """"same" unless ``node``'s value comes, through its data inputs, from a time slice; as far
     down as ``_leaf_key`` looks (below that, the walk matched every step to this very node).
@@ -764,7 +745,7 @@ def _step_kind(node: torch.fx.Node, L: int, depth: int = 0) -> str:
         if not (is_concrete_int(size) and int(size) < L):
             return "slice"
     if depth < 6 and node.op in ("call_function", "call_method"):
-        if any(_step_kind(a, L, depth + 1) != "same" for a in _data_inputs(node)):
+        if any(_step_kind(a, L, depth + 1) != "same" for a in data_inputs(node)):
             return "op"
     return "same"
 
@@ -1012,7 +993,7 @@ def _computed_from(node: torch.fx.Node, h0: torch.fx.Node, limit: int = 64) -> b
             return True
         if n not in seen:
             seen.add(n)
-            stack.extend(_data_inputs(n))
+            stack.extend(data_inputs(n))
     return False
 
 
@@ -1682,7 +1663,8 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     # The op also stands in for what lies between its sources and the loop (casts on C the
     # readout was proved through): a rounding there is the program's too, also where the rounded
     # copy feeds another source as well (a rounded C summed into Δ: probe BJ, run 53, 1.7e-3 off).
-    rounding = dropped_rounding([*replaced, *op_region(sources, m.loop_nodes, pos, keep_upstream=True)], sources,
+    rounding = dropped_rounding([*replaced, *op_region(sources, m.loop_nodes, pos, keep_upstream=True,
+                                                        values_only=True)], sources,
                                 also_read=[d.A.node] + ([m.init] if m.init is not None else []))
     if rounding is not None:
         return rounding
