@@ -278,11 +278,13 @@ def _unsliced_reason(conv: torch.fx.Node) -> str:
         written = target_name(user).endswith("_") or any(a is True for a in (*user.args[1:], *user.kwargs.values()))
         return f"{user.name} ({target_name(user)}{', in place' if written else ''})"
     readers = ", ".join(named(u) for u in conv.users) or "nothing"
-    if len(conv.users) == 1 and "in place" in named(next(iter(conv.users))):
-        # ``conv(x).relu_()[..., :L]``: causal once sliced; only the activation's form is refused.
-        return (f"the padded conv output is read by {readers}, which writes it before any slice: the pass "
-                "folds an activation of the padded output only where it returns a new tensor (F.silu(c), "
-                "c.relu()), so this one is left as written")
+    writers = [named(u) for u in conv.users if "in place" in named(u)]
+    if writers:
+        # ``conv(x).relu_()[..., :L]``, ``c.tanh_(); c[..., :L]``: causal once sliced; what is
+        # refused is the write (probe BR), not the padding.
+        return (f"the padded conv output is read by {readers}, and {', '.join(writers)} writes it in place: the "
+                "pass folds an activation of the padded output only where it returns a new tensor (F.silu(c), "
+                "c.relu()) and the slice [..., :L] is its only reader, so this one is left as written")
     act = _match_silu(conv)
     act = act[0][0] if act is not None else next((u for u in conv.users if _elementwise_of(u, conv)), None)
     if act is not None and len(conv.users) <= 2:

@@ -323,6 +323,12 @@ def neg_relu_method_in_place_then_slice(x, w, b):
     return F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1]).relu_()[..., :x.shape[-1]]
 
 
+def neg_tanh_in_place_then_slice(x, w, b):
+    c = F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])
+    c.tanh_()
+    return c[..., :x.shape[-1]]
+
+
 def neg_pad_both_sides_then_slice(x, w, b):
     # nn.Conv1d(padding=W-1)'s pad by hand: causal once sliced, but only (W-1, 0) is the form proved.
     return F.conv1d(F.pad(x, (w.shape[-1] - 1, w.shape[-1] - 1)), w, b, groups=x.shape[1])[..., :x.shape[-1]]
@@ -336,10 +342,12 @@ NEGATIVES = {
     "silu-then-two-slices": (neg_silu_then_two_slices, {},
                              "(torch.nn.functional.silu), whose result is read by getitem (operator.getitem), getitem_1"),
     "relu-in-place-then-slice": (neg_relu_in_place_then_slice, {},
-                                 "(torch.nn.functional.relu, in place), which writes it before any slice"),
+                                 "(torch.nn.functional.relu, in place) writes it in place: the pass folds"),
     # (probe BP: "its last W - 1 steps see the right-hand padding, so it is not a causal conv".)
     "relu-method-in-place-then-slice": (neg_relu_method_in_place_then_slice, {},
-                                        "relu_ (.relu_, in place), which writes it before any slice: the pass folds"),
+                                        "relu_ (.relu_, in place) writes it in place: the pass folds"),
+    "tanh-in-place-then-slice": (neg_tanh_in_place_then_slice, {},
+                                 "getitem (operator.getitem), and tanh_ (.tanh_, in place) writes it in place"),
     "narrow-from-1": (neg_narrow_from_1, {}, "does not start at step 0"),
     "batch-row-slice": (neg_batch_row_slice, {}, "not a slice of the time axis alone"),
     "pad-batch-too": (neg_pad_batch_too, {}, "not zeros (W-1, 0) on the left only"),
