@@ -289,9 +289,12 @@ def _unsliced_reason(conv: torch.fx.Node) -> str:
     act = act[0][0] if act is not None else next((u for u in conv.users if _elementwise_of(u, conv)), None)
     if act is not None and len(conv.users) <= 2:
         readers += f", whose result is read by {', '.join(named(u) for u in act.users) or 'nothing'}"
+    returned = any(u.op == "output" for u in conv.users)
     return (f"the padded conv output (L + W - 1 steps) is read by {readers}, not only by one slice [..., :L] "
             "(directly, or after one out-of-place elementwise function): its last W - 1 steps see the "
-            "right-hand padding, so it is not a causal conv")
+            "right-hand padding, so it is not a causal conv"
+            + (" in this graph (a slice after a graph break, in the next graph, is not seen here)" if returned
+               else ""))
 
 
 def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:

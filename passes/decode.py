@@ -75,9 +75,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
-                       dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_method,
-                       mutates, named_args, node_order, op_region, pinned_int, propagate_val, silu_input, storage_of,
-                       target_name, time_slice, val, written_args)
+                       dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_metadata,
+                       is_method, mutates, named_args, node_order, op_region, pinned_int, propagate_val, silu_input,
+                       storage_of, target_name, time_slice, val, written_args)
 from .manager import PassContext, PassManager
 from .scan_loop import ONE_STEP
 
@@ -1081,7 +1081,7 @@ def check_state_update(m: dict[str, Any]) -> str | None:
     lo, hi = m["window"]
     # With other steps' writes around this one (``_step_window``), uses outside the window see
     # their values, and uses after this step's output (the next step's reads) see the op's.
-    others = [n for n in m["state"].users if n not in allowed and lo < order[n] < hi
+    others = [n for n in m["state"].users if n not in allowed and lo < order[n] < hi and not is_metadata(n)
               and not (hi < float("inf") and order[n] > order[last])]
     # A cast to the state's own dtype returns the state itself, so a cast with other users is an
     # alias of the state that would see the update at a different point.
@@ -1369,7 +1369,9 @@ def check_conv_update(m: dict[str, Any]) -> str | None:
             return f"{name} has dtype {None if t is None else t.dtype}, not one of fp32/bf16/fp16"
     if m["bias"] is not None and _tensor(m["bias"]).dim() != 1:
         return "bias is not a (dim,) tensor"
-    others = [u for u in m["conv_state"].users if u is not m["cat"] and u is not m["copy"]]
+    # A read of the state's shape (``conv_states.size()`` under dynamic shapes, HF's ``[..., -W:]``
+    # bound) sees the same shape after the update (probe BS).
+    others = [u for u in m["conv_state"].users if u is not m["cat"] and u is not m["copy"] and not is_metadata(u)]
     if others:
         return (f"the conv state is also used by {[u.name for u in others]}: moving its update into one op "
                 "could change what they see")

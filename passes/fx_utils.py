@@ -930,10 +930,10 @@ def data_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     if node.op == "call_method" and node.target in _METADATA_OF_OTHERS:
         first = node.args[0] if node.args else None
         return [first] if isinstance(first, torch.fx.Node) else []
-    return [a for a in node.all_input_nodes if not _is_metadata(a)]
+    return [a for a in node.all_input_nodes if not is_metadata(a)]
 
 
-def _is_metadata(node: torch.fx.Node) -> bool:
+def is_metadata(node: torch.fx.Node) -> bool:
     """A size, dim, dtype or device (not a number read off a tensor's values by ``item``)."""
     if node.op in ("call_method", "call_function") and bare_name(node) in ("item", "tolist", "_local_scalar_dense"):
         return False

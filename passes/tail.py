@@ -38,7 +38,7 @@ from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, ad
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, follow_views,
                        higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
                        narrowed_by_program, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
-                       set_scan_args, shape_of, silu_input, val, view_chain, written_in_place)
+                       set_scan_args, shape_of, silu_input, target_name, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
@@ -124,11 +124,33 @@ def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
             ctx.miss(family, f"y ({chain.top.name}) has other users besides the {family}", [user])
             return None
         return chain, user, found
+    if family == "gate":
+        through = _gated_after_a_function(chain.top)
+        if through is not None:
+            ctx.miss(family, through[1], [through[0]])
+            return None
     hooked = _hooked_y(chain.top)
     if hooked is not None:
         ctx.miss(family, f"y ({chain.top.name}) passes through {hop_name(hooked)} (a hook on the tensor, or a custom "
                  f"autograd.Function) before the sum or product after it: no {family} is folded across it, "
                  "since the op's output would bypass what it does in the backward", [hooked])
+    return None
+
+
+def _gated_after_a_function(y: torch.fx.Node) -> Optional[tuple[torch.fx.Node, str]]:
+    """``(gate, why)`` when a silu gate multiplies a function of y rather than y (an
+    ``nn.Dropout`` between the scan and the gate, probe BS): the op gates y itself. None otherwise,
+    and where that function is a sum (``_gate_after_a_sum`` says why)."""
+    for f in y.users:
+        if f.op not in ("call_function", "call_method") or binary_operands(f, ADD_TARGETS) is not None:
+            continue
+        for g in f.users:
+            factors = binary_operands(g, MUL_TARGETS)
+            if factors is None or f not in factors or factors[0] is factors[1]:
+                continue
+            if _silu_input(factors[1] if factors[0] is f else factors[0]) is not None:
+                return g, (f"the gate {g.name} multiplies {f.name} ({target_name(f)} of y), not y: the op gates y "
+                           "itself, so nothing between the scan and the gate may change it")
     return None
 
 

@@ -317,6 +317,32 @@ def test_generate_decode_rewrites_fired(generated):
     assert ssm["state_update"] == LAYERS and ssm["conv_update"] == LAYERS, ssm
 
 
+def test_generate_dynamic_rewrites_every_layers_decode_step():
+    """Under ``dynamic=True`` the decode graph reads ``conv_states.size()`` for HF's ``[..., -W:]``
+    bound; a read of the shape sees the same shape after the update (probe BS: layer 0's conv
+    update was left alone, "also used by ['size_2']")."""
+    from ssm_compile.compiler import SSMBackend
+    from ssm_compile.config import SSMOptions
+
+    torch._dynamo.reset()
+    records = []
+    model = _tiny_model()
+    prompt = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False)
+    eager = model.generate(prompt, **kw)
+    model.forward = torch.compile(model.forward, backend=SSMBackend(SSMOptions(), on_graph=records.append),
+                                  dynamic=True)
+    try:
+        assert torch.equal(model.generate(prompt, **kw), eager)
+    finally:
+        torch._dynamo.reset()
+    decode_graphs = [g for g in records if any(r.family == "state_update" for r in g.rewrites)]
+    assert decode_graphs, [sorted(r.family for r in g.rewrites) for g in records]
+    for g in decode_graphs:
+        families = [r.family for r in g.rewrites]
+        assert families.count("conv_update") == LAYERS and families.count("state_update") == LAYERS, g.misses
+
+
 def test_prefill_scan_returns_last_state_into_cache():
     """The prefill's scan (the scan passes' pattern) emits return_last_state=True, and that state
     is what the cache's copy_ stores; the decode graph writes its caches only through the ops."""

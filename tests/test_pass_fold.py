@@ -446,7 +446,15 @@ def f_skip_subtracted_with_alpha(u, x, A, B, C, D, z, bias, W, ts):
     return y.sub(u * D[:, None], alpha=0.5) * F.silu(z)
 
 
+def f_gate_after_dropout(u, x, A, B, C, D, z, bias, W, ts):
+    y = scan(u, x, A, B, C)
+    return F.dropout(y, 0.0, training=False) * F.silu(z)
+
+
 NEGATIVE = {
+    # (probe BS: an nn.Dropout between the scan and the gate was left with no reason.)
+    "gate_after_dropout": (f_gate_after_dropout, {}, dict(delta=0, skip=0, gate=0),
+                           ("gate", "(torch.nn.functional.dropout of y), not y: the op gates y itself")),
     "skip_scaled_by_alpha": (f_skip_scaled_by_alpha, {}, dict(delta=0, skip=0, gate=0),
                              ("skip", "computes y + 2·mul (its alpha=2), not y + D·u")),
     "skip_subtracted_with_alpha": (f_skip_subtracted_with_alpha, {}, dict(delta=0, skip=0, gate=0),
