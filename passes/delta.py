@@ -139,30 +139,45 @@ def as_vector(graph: torch.fx.Graph, node: torch.fx.Node, dim: int, before: torc
     return vector
 
 
+class SignedSum(NamedTuple):
+    """``left + alpha·right`` (``sub`` False) or ``left - alpha·right`` (``sub`` True)."""
+
+    left: Any
+    right: Any
+    sub: bool
+    alpha: Any  # as written; 1 where the call gives none
+
+
+def signed_sum(node: Any) -> Optional[SignedSum]:
+    """An add or sub of two operands (function, operator or method) with at most an ``alpha``
+    keyword, else None: the one reading of ``torch.add(y, X, alpha=...)`` / ``y.sub(X, ...)``
+    that ``binary_operands`` and the tail's reasons share."""
+    sub = is_call(node, *SUB_TARGETS) or is_method(node, "sub")
+    if not (sub or is_call(node, *ADD_TARGETS) or is_method(node, "add")):
+        return None
+    if len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
+        return None
+    return SignedSum(node.args[0], node.args[1], sub, node.kwargs.get("alpha", 1))
+
+
+def exact_sum(s: Optional[SignedSum]) -> bool:
+    """``s`` computes ``left + right`` exactly: an add with alpha 1, or a sub with alpha -1 (the
+    scale by ±1 rounds nothing). A number only: ``True`` is not taken for 1."""
+    return s is not None and type(s.alpha) in (int, float) and s.alpha == (-1 if s.sub else 1)
+
+
 def binary_operands(node: Any, targets: tuple) -> Optional[tuple[Any, Any]]:
     """``(a, b)`` if ``node`` is a plain two-operand call of ``targets`` (ADD_TARGETS or
     MUL_TARGETS) or the matching tensor method (``a.add(b)``, ``a.mul(b)``).
 
     A sum may carry ``alpha`` where it changes no bit: ``torch.add(a, b, alpha=1)`` and
-    ``torch.sub(a, b, alpha=-1)`` compute ``a + b`` exactly (the scale by ±1 rounds nothing)."""
-    method = "add" if targets is ADD_TARGETS else "mul"
-    if not ((is_call(node, *targets) or is_method(node, method)) and len(node.args) == 2):
-        if targets is ADD_TARGETS and _alpha_of(node, SUB_TARGETS, "sub") == -1:
-            return node.args[0], node.args[1]
-        return None
-    if not node.kwargs or (targets is ADD_TARGETS and _alpha_of(node, targets, method) == 1):
+    ``torch.sub(a, b, alpha=-1)`` compute ``a + b`` exactly (``exact_sum``)."""
+    if targets is ADD_TARGETS:
+        s = signed_sum(node)
+        return (s.left, s.right) if exact_sum(s) else None
+    if (is_call(node, *targets) or is_method(node, "mul")) and len(node.args) == 2 and not node.kwargs:
         return node.args[0], node.args[1]
     return None
-
-
-def _alpha_of(node: Any, targets: tuple, method: str) -> Any:
-    """The ``alpha`` of ``targets(a, b, alpha=...)`` / ``a.<method>(b, alpha=...)`` (a number,
-    exactly ±1 compared as given: ``True`` is not taken for 1), or None for any other call."""
-    if not ((is_call(node, *targets) or is_method(node, method)) and len(node.args) == 2
-            and set(node.kwargs) == {"alpha"}):
-        return None
-    alpha = node.kwargs["alpha"]
-    return alpha if type(alpha) in (int, float) else None
 
 
 def match_delta(delta: Any) -> DeltaFold | str | None:
@@ -227,7 +242,8 @@ def _softplus_written_out(node: torch.fx.Node) -> str | None:
     if not (is_call(node, torch.log1p, torch.log) or is_method(node, "log1p", "log")) or len(node.args) != 1:
         return None
     inner = node.args[0]
-    if is_call(node, torch.log1p) or is_method(node, "log1p"):
+    log1p = is_call(node, torch.log1p) or is_method(node, "log1p")
+    if log1p:
         written = _is_exp(inner)
     else:
         operands = binary_operands(inner, ADD_TARGETS)
@@ -235,7 +251,7 @@ def _softplus_written_out(node: torch.fx.Node) -> str | None:
             o == 1 and type(o) in (int, float) and _is_exp(p) for o, p in (operands, operands[::-1]))
     if not written:
         return None
-    return (f"Δ is {node.name} = {'log1p(exp(x))' if 'log1p' in str(node.target) else 'log(1 + exp(x))'}, softplus "
+    return (f"Δ is {node.name} = {'log1p(exp(x))' if log1p else 'log(1 + exp(x))'}, softplus "
             "written out: it is inf wherever exp(x) overflows (x > 88 in fp32), where F.softplus, which the op "
             "computes, returns x; not folded")
 

@@ -921,12 +921,13 @@ def behind_lossless_casts(nodes: Iterable[Any]) -> list[torch.fx.Node]:
     return out + [src.base for src in map(layout_source, out) if src.lossless]
 
 
+# Methods that read only the dtype, device or shape of their other tensor arguments.
 _METADATA_OF_OTHERS = frozenset({"to", "type_as", "view_as", "reshape_as", "expand_as"})
 
 
 def data_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The inputs whose values ``node``'s value is computed from (not those it reads a dtype or a
-    shape off, nor sizes, which the walk has already proved equal at every step)."""
+    """The inputs whose values ``node``'s value is computed from: not those it reads a dtype or a
+    shape off (``x.type_as(other)``), nor sizes (``is_metadata``)."""
     if node.op == "call_method" and node.target in _METADATA_OF_OTHERS:
         first = node.args[0] if node.args else None
         return [first] if isinstance(first, torch.fx.Node) else []

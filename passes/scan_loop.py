@@ -733,7 +733,6 @@ def _varies_per_step(node: torch.fx.Node, loop: set[torch.fx.Node], L: int) -> s
     return None
 
 
-# Methods that read only the dtype, device or shape of their other tensor arguments.
 def _step_kind(node: torch.fx.Node, L: int, depth: int = 0) -> str:
     """"same" unless ``node``'s value comes, through its data inputs, from a time slice; as far
     down as ``_leaf_key`` looks (below that, the walk matched every step to this very node).

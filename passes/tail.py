@@ -33,7 +33,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, match_bias
+from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, exact_sum, match_bias, signed_sum
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, addcmul_operands,
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, follow_views,
                        higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
@@ -303,13 +303,10 @@ def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | N
     """Why not, when ``sub`` is ``y - u·X`` or ``u·X - y`` with the scan's u (a skip of the other
     sign), or a sum that scales one side by its ``alpha`` (``torch.add(y, u·X, alpha=2)``), which
     the op (``y + D·u``) does not compute. None for anything else."""
-    is_sub = is_call(sub, operator.sub, torch.sub) or is_method(sub, "sub")
-    if not ((is_sub or is_call(sub, operator.add, torch.add) or is_method(sub, "add")) and len(sub.args) == 2
-            and set(sub.kwargs) <= {"alpha"} and y in sub.args):
+    found = signed_sum(sub)
+    if found is None or y not in sub.args or (not found.sub and found.alpha == 1):
         return None
-    alpha = sub.kwargs.get("alpha", 1)
-    if not is_sub and alpha == 1:
-        return None
+    is_sub, alpha = found.sub, found.alpha
     term = sub.args[1] if sub.args[0] is y else sub.args[0]
     u = layout_source(u_op).base
     if not _product_of(term, u):
@@ -483,14 +480,12 @@ def _gate_after_a_sum(add: torch.fx.Node, y: torch.fx.Node) -> str | None:
     """Why not, when ``add`` = y + X (or y - X, X - y) and a user of it is a silu gate (a second
     D·u term, a residual added or subtracted before the gate): the op gates y, with its own D·u,
     alone. None otherwise."""
-    operands, sub, alpha = binary_operands(add, ADD_TARGETS), False, 1
-    if operands is None and len(add.args) == 2 and set(add.kwargs) <= {"alpha"} and (
-            is_call(add, operator.sub, torch.sub, torch.add) or is_method(add, "sub", "add")):
-        # y - X, or a sum that scales X by its alpha: another sum all the same.
-        operands, sub = add.args, is_call(add, operator.sub, torch.sub) or is_method(add, "sub")
-        alpha = add.kwargs.get("alpha", 1)
-    if operands is None or y not in operands:
+    found = signed_sum(add)
+    if found is None or y not in add.args:
         return None
+    # y - X, or a sum that scales X by its alpha, is another sum all the same; an exact sum is y + X.
+    operands = (found.left, found.right)
+    sub, alpha = (False, 1) if exact_sum(found) else (found.sub, found.alpha)
     for user in add.users:
         factors = binary_operands(user, MUL_TARGETS)
         if factors is None or add not in factors:
