@@ -73,6 +73,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .delta import ADD_TARGETS, SUB_TARGETS, binary_operands, exact_sum, signed_sum
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_metadata,
@@ -89,7 +90,6 @@ MIN_W, MAX_W = 2, 8
 
 _CAST_METHODS = ("float", "double", "to", "half", "bfloat16", "type", "type_as")
 _MUL = (operator.mul, torch.mul)
-_ADD = (operator.add, torch.add)
 _SOFTPLUS = (F.softplus, torch.nn.functional.softplus, torch._C._nn.softplus)
 class Miss(Exception):
     """A near-miss: the anchor looked like a decode step but a proof step failed."""
@@ -176,6 +176,15 @@ def _peel(node: Any) -> tuple[Any, list[torch.fx.Node]]:
         casts.append(node)
         node = node.args[0]
     return node, casts
+
+
+def _sum_operands(node: Any, inplace: bool = False) -> tuple[Any, Any] | None:
+    """The two summands of an exact sum (``+``, ``torch.add``, ``.add``, and ``alpha`` where it
+    rounds nothing: ``torch.add(.., alpha=1)``, ``torch.sub(.., alpha=-1)``), else None. With
+    ``inplace``, ``a += b`` too."""
+    if inplace and is_call(node, operator.iadd) and len(node.args) == 2 and not node.kwargs:
+        return node.args[0], node.args[1]
+    return binary_operands(node, ADD_TARGETS)
 
 
 def _operands(node: Any, targets: tuple, method: str) -> tuple[Any, Any] | None:
@@ -454,7 +463,7 @@ def _split_update(h: Any, is_state) -> tuple[torch.fx.Node, torch.fx.Node, list,
     fused = addcmul_operands(h)
     if fused is not None:
         candidates.append((h, fused[1:], fused[0]))
-    terms = _operands(h, _ADD, "add")
+    terms = _sum_operands(h)
     if terms is not None:
         for a, b in (terms, terms[::-1]):
             product = _peel(a)[0]
@@ -467,6 +476,24 @@ def _split_update(h: Any, is_state) -> tuple[torch.fx.Node, torch.fx.Node, list,
             if is_state(src):
                 return src, (casts[-1] if casts else product), casts, decay, addend
     return None
+
+
+def _inexact_update(h: Any, state: torch.fx.Node) -> str | None:
+    """Why not, when ``h`` is a sum or difference of a product that reads ``state`` and another
+    term that is not the plain sum state * dA + dBx (``torch.sub(state * dA, dBx, alpha=2)``,
+    ``state * dA - dBx``). None otherwise."""
+    s = signed_sum(h)
+    if s is None or exact_sum(s):
+        return None
+    reads_state = [x for x in (s.left, s.right)
+                   if (pair := _operands(_peel(x)[0], _MUL, "mul")) is not None
+                   and any(_peel(f)[0] is state for f in pair)]
+    if not reads_state:
+        return None
+    a, b = (x.name if isinstance(x, torch.fx.Node) else repr(x) for x in (s.left, s.right))
+    scaled = f"{s.alpha}·{b} (its alpha={s.alpha})" if s.alpha != 1 else b
+    return (f"the new state {h.name} computes {a} {'-' if s.sub else '+'} {scaled}, not the update "
+            "state * dA + dBx: the op adds dBx to the decayed state")
 
 
 def _is_state(node: Any) -> bool:
@@ -545,6 +572,9 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
             if _linear_inside(h, state) is not None:
                 raise Miss(f"the new state is {target_name(h)}(state * dA + ...), not the update state * dA + dBx "
                            "itself (a nonlinear function, or a rescaling the decay exp(dt * A) does not hold)")
+            inexact = _inexact_update(h, state)
+            if inexact is not None:
+                raise Miss(inexact)
             near = _nearest_ancestors(h, limit=16)
             if state in near and any(is_call(n, torch.exp) or is_method(n, "exp") for n in near):
                 raise Miss(f"the new state {target_name(h)} reads the state and a decay exp(...), but is not "
@@ -563,7 +593,7 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
         if _is_state(mul.args[0]):
             return Update("in-place", mul.args[0], None, mul, [], mul.args[1], node.args[1], [mul, node])
         return None
-    if is_call(node, *_ADD, torch.addcmul) or is_method(node, "add", "addcmul"):
+    if is_call(node, *ADD_TARGETS, *SUB_TARGETS, torch.addcmul) or is_method(node, "add", "sub", "addcmul"):
         split = _split_update(node, _is_graph_input)
         if split is None:
             return None
@@ -779,7 +809,7 @@ def _peel_dt(dt: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, bo
         dt_softplus = True
         dt_raw, casts = _peel(dt_raw.args[0])
         dt_casts += casts
-    pair = _operands(dt_raw, _ADD, "add")
+    pair = _sum_operands(dt_raw)
     if pair is not None:
         for p, q in (pair, pair[::-1]):
             pv, qv = _tensor(_peel(p)[0]), _tensor(_peel(q)[0])
@@ -989,7 +1019,7 @@ def _match_tail(y: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, dict
             node = nxt
             nodes.append(nxt)
             continue
-        add = _operands(nxt, (*_ADD, operator.iadd), "add")
+        add = _sum_operands(nxt, inplace=True)
         if add is not None and is_call(nxt, operator.iadd) and add[0] is not node:
             add = None  # ``other += y`` writes other, not the readout's own fresh result
         if add is not None and D is None and z is None and node in add:
@@ -1553,7 +1583,7 @@ def _match_window_readout(user: torch.fx.Node, src: torch.fx.Node) -> dict[str, 
         return None
     end, bias, activation = node, None, None
     nxt = _single_user(end)
-    add = _operands(nxt, _ADD, "add") if nxt is not None else None
+    add = _sum_operands(nxt) if nxt is not None else None
     if add is not None and end in add:
         other = _peel(add[1] if add[0] is end else add[0])[0]
         if _tensor(other) is not None and _tensor(other).dim() == 1:

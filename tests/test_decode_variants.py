@@ -255,9 +255,19 @@ def addcmul_returned(state, x, dt, A, B, C, D, z, dt_bias):
     return torch.einsum("bdn,bn->bd", h, C), h
 
 
+def sub_alpha_copy(state, x, dt, A, B, C, D, z, dt_bias):
+    """Exact sums spelled with ``alpha`` (probe BR): ``torch.sub(.., alpha=-1)`` adds, and so does
+    ``torch.add(.., alpha=1)``, in the update, Δ's bias and the skip."""
+    dt = F.softplus(torch.add(dt, dt_bias, alpha=1))
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(torch.sub(state * dA, dBu, alpha=-1))
+    return torch.add((state * C[:, None]).sum(-1), D * x, alpha=1) * F.silu(z)
+
+
 @pytest.mark.parametrize("fn", [returned_state, inplace_mul_add, inplace_statements, inplace_operators, addcmul_copy,
-                                addcmul_returned],
-                         ids=["returned", "mul_-add_", "mul_;add_", "*=;+=", "addcmul-copy_", "addcmul-returned"])
+                                addcmul_returned, sub_alpha_copy],
+                         ids=["returned", "mul_-add_", "mul_;add_", "*=;+=", "addcmul-copy_", "addcmul-returned",
+                              "sub-alpha"])
 def test_hand_written_state_step(fn):
     y_e, y_c, e_in, c_in, cap = run_step(fn, state_inputs())
     assert dict(counters["ssm"]) == {"state_update": 1}, cap.ctx.misses
@@ -597,7 +607,22 @@ def D_rounded_through_a_template(state, x, dt, A, B, C, D, z, dt_bias):
     return (state * C[:, None]).sum(-1) + D.type_as(z.bfloat16()).float() * x
 
 
+def update_scaled_by_alpha(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(torch.sub(state * dA, dBu, alpha=2))
+    return (state * C[:, None]).sum(-1)
+
+
+def update_subtracts(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(state * dA - dBu)
+    return (state * C[:, None]).sum(-1)
+
+
 STATE_LOOK_ALIKES = [
+    pytest.param(update_scaled_by_alpha, "computes mul_3 - 2·dBu (its alpha=2), not the update state * dA + dBx",
+                 id="update-sub-alpha-2"),
+    pytest.param(update_subtracts, "computes mul_3 - dBu, not the update state * dA + dBx", id="update-subtracts"),
     pytest.param(x_rounded_through_a_template, "to rounds torch.float32 to torch.bfloat16: it quantizes the op's "
                  "input", id="x-rounded-through-a-template"),
     pytest.param(D_rounded_through_a_template, "type_as rounds torch.float32 to torch.bfloat16: it quantizes the "
