@@ -270,6 +270,45 @@ def _cat_zeros_source(cat: torch.fx.Node, weight: Any) -> torch.fx.Node | None:
     return x if isinstance(x, torch.fx.Node) else None
 
 
+def carried_window(cat: Any, weight: Any) -> tuple[torch.fx.Node, torch.fx.Node] | str | None:
+    """``(state, x)`` when ``cat`` is ``torch.cat([state, x], -1)`` with a state of exactly W-1
+    steps of x's batch, channels and dtype that nothing writes in place, and x longer than one
+    step; the reason when such a state is written in place other than by a decode step's write
+    back; else None.
+
+    An unpadded conv over that is the causal conv of x started from the window ``state``: a
+    chunked prefill that carries the last W-1 inputs from the previous chunk. A state the graph
+    writes back in place (HF's ``conv_state.copy_(window[-S:])``), and any one-step window, is a
+    decode step: the decode pass rewrites those into the update op.
+    """
+    if not is_call(cat, torch.cat, torch.concat):
+        return None
+    a = named_args(cat, ("tensors", "dim"))
+    parts, dim = a.get("tensors"), a.get("dim", 0)
+    wv = val(weight)
+    if set(a) - {"tensors", "dim"} or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return None
+    state, x = parts
+    sv, xv = val(state), val(x)
+    if not (isinstance(sv, torch.Tensor) and isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)
+            and isinstance(state, torch.fx.Node) and isinstance(x, torch.fx.Node)
+            and xv.dim() == 3 and sv.dim() == 3 and wv.dim() == 3 and isinstance(dim, int) and dim % 3 == 2):
+        return None
+    # Same dtype: a cat of mixed dtypes promotes one side, and the op would read the other.
+    if (sv.dtype != xv.dtype or not _same_size(sv.shape[0], xv.shape[0]) or not _same_size(sv.shape[1], xv.shape[1])
+            or not _same_size(sv.shape[2], wv.shape[-1] - 1) or statically_known_true(xv.shape[2] == 1)
+            or is_zeros(state)):
+        return None
+    writer = written_in_place(cat.graph, [state])
+    if writer is None:
+        return state, x
+    if is_method(writer, "copy_") and is_call(writer.args[1], operator.getitem) and writer.args[1].args[0] is cat:
+        return None  # the window written back: the decode pass's conv update
+    return (f"{writer.name} writes the carried state {state.name} in place: the op would read it where the "
+            "conv runs, not where the cat did (a state written back from the window, "
+            "state.copy_(window[..., -(W-1):]), is a decode step's conv update)")
+
+
 def _unsliced_reason(conv: torch.fx.Node) -> str:
     """Why the padded conv output is not read as a causal conv: who reads it."""
     def named(user: torch.fx.Node) -> str:
@@ -370,9 +409,15 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         activated_first = _activated_slice(conv) if sliced is None else None
         if activated_first is not None:
             sliced = activated_first[0]
-        pad = None
+        pad, initial = None, None
         if is_unpadded(args, weight):
             source = left_pad_source(x, weight)
+            carried = carried_window(x, weight) if source is None else None
+            if isinstance(carried, str):
+                ctx.miss(FAMILY, carried, [conv])
+                continue
+            if carried is not None:
+                initial, source = carried
             if source is None:
                 dilation = _single(args["dilation"])
                 if is_call(x, *_PAD_TARGETS) and dilation != 1:
@@ -403,14 +448,16 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             writer = written_in_place(graph, [x])
             if writer is not None:
                 ctx.miss(FAMILY, f"{writer.name} writes in place to the padded input's memory: the op would "
-                         "read it where the conv runs, not where the user's F.pad did", [conv])
+                         "read it where the conv runs, not where the user's "
+                         + ("cat" if initial is not None else "pad") + " did", [conv])
                 continue
             # ``xp[..., :W-1] = conv_state`` fills the pad with an initial window; the op reads x
             # from a zero one.
             writer = written_in_place(graph, [pad])
             if writer is not None:
                 ctx.miss(FAMILY, f"{writer.name} writes in place to the padded tensor (an initial window "
-                         "copied into the pad?): the op would read x after a zero window", [conv])
+                         "copied into the pad?): the op would read x after "
+                         + ("the state as the cat read it" if initial is not None else "a zero window"), [conv])
                 continue
         if pad is not None:
             activated_first = None
@@ -446,7 +493,8 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         with graph.inserting_before(conv):
             kernel_weight = depthwise_weight(graph, weight)
             op = graph.call_function(torch.ops.ssm.causal_conv1d.default,
-                                     (x, kernel_weight, args["bias"], "silu" if act_nodes else None))
+                                     (x, kernel_weight, args["bias"], "silu" if act_nodes else None)
+                                     + ((initial,) if initial is not None else ()))
             propagate_val(op)
             result = op
             out_dtype = val(conv if kept is not None else last).dtype
@@ -482,6 +530,8 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             act_pattern = None
         elif pad is None:
             pattern = "conv1d[..., :L]"
+        elif initial is not None:
+            pattern = "cat(state(W-1), x)+conv1d"
         else:
             pattern = "cat(zeros(W-1), x)+conv1d" if is_call(pad, torch.cat, torch.concat) else "pad(W-1, 0)+conv1d"
         if view is not None:
@@ -489,7 +539,8 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         ctx.rewrite(FAMILY, pattern + (f"+{act_pattern}" if act_pattern else ""), replaced,
                     "ssm.causal_conv1d", {"W": int(val(weight).shape[2]),
                                           "activation": "silu" if act_nodes else None,
-                                          "bias": args["bias"] is not None})
+                                          "bias": args["bias"] is not None,
+                                          **({"initial_state": True} if initial is not None else {})})
         for node in replaced[::-1]:
             graph.erase_node(node)
         if pad is not None and not pad.users:

@@ -502,9 +502,28 @@ def _is_state(node: Any) -> bool:
 
 
 def _is_graph_input(node: Any) -> bool:
-    # A state that comes from outside the graph: a decode step's cache. Inside an unrolled loop
-    # the state is an intermediate, and a step of it is the scan passes' business.
-    return _is_state(node) and node.op in ("placeholder", "get_attr")
+    # A state that comes from outside the graph: a decode step's cache, or its rows gathered by
+    # index. Inside an unrolled loop the state is an intermediate, and a step of it is the scan
+    # passes' business.
+    return _is_state(node) and (node.op in ("placeholder", "get_attr") or _gathered(node))
+
+
+def _gathered(node: Any) -> bool:
+    """``pool[idx]`` or ``pool.index_select(dim, idx)`` of a graph input by an index tensor: a new
+    tensor (advanced indexing copies) holding a cache pool's rows, as a continuous-batching server
+    gathers each request's state (probe BW). The write back (``pool[idx] = new``,
+    ``index_copy_``) is the user's, after the step."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if is_call(node, operator.getitem):
+        base, index = node.args[0], _as_tuple(node.args[1])
+        by_tensor = any(isinstance(i, torch.fx.Node) and isinstance(_tensor(i), torch.Tensor) for i in index)
+    elif is_call(node, torch.index_select) or is_method(node, "index_select"):
+        base, by_tensor = node.args[0], len(node.args) == 3 and isinstance(node.args[2], torch.fx.Node)
+    else:
+        return False
+    return (by_tensor and isinstance(base, torch.fx.Node) and base.op in ("placeholder", "get_attr")
+            and not any(_writes(user) for user in node.users))
 
 
 def _equal_view(node: Any, other: torch.fx.Node) -> bool:
@@ -540,6 +559,14 @@ def _linear_inside(value: Any, state: torch.fx.Node, limit: int = 16) -> torch.f
     return None
 
 
+def _from_ssm_op(node: Any) -> bool:
+    """``node`` is an output of one of this package's ops (``getitem`` of ``ssm.selective_scan``)."""
+    if is_call(node, operator.getitem):
+        node = node.args[0]
+    return (isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.namespace == "ssm")
+
+
 def _writes(node: torch.fx.Node) -> bool:
     """``node`` writes its first argument (``copy_``, ``mul_``, ``+=``, ``t[i] = v``)."""
     return ((node.op == "call_method" and node.target.endswith("_"))
@@ -563,6 +590,10 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
             return None
         h = _peel(node.args[1])[0]
         split = _split_update(h, lambda n: n is state)
+        if split is None and _from_ssm_op(h):
+            # The last state of a scan the scan passes rewrote (a chunk's loop, then
+            # ``self.h.copy_(h)``): a whole sequence's update, no decode step (probe BU).
+            return None
         if split is None:
             twin = _split_update(h, lambda n: _equal_view(n, state))
             if twin is not None:
@@ -1326,6 +1357,16 @@ def _is_suffix(index: Any, total: Any, keep: Any) -> bool:
     return isinstance(start, (int, torch.SymInt)) and (_same(start, -keep) or _same(start, total - keep))
 
 
+def _keeps_all(index: Any, total: Any) -> bool:
+    """``index`` takes all ``total`` positions of the last axis (``[..., :T]`` of a length-T axis)."""
+    s = _last_axis_slice(index)
+    if s is None or s.step not in (None, 1):
+        return False
+    start, stop = val(s.start), val(s.stop)
+    return ((start is None or _same(start, 0) or _same(start, -total))
+            and (stop is None or isinstance(stop, (int, torch.SymInt)) and statically_known_true(stop >= total)))
+
+
 _CONV1D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
 
@@ -1372,10 +1413,17 @@ def match_conv_update(cat: torch.fx.Node) -> dict[str, Any] | None:
             raise Miss(f"conv1d {name}={args[name]!r}, expected {ok} for a rolling-window conv")
     W = w3.shape[2]
     out_slice = _single_user(conv)
-    if (out_slice is None or not is_call(out_slice, operator.getitem)
-            or not _is_suffix(out_slice.args[1], S + T - W + 1, T)):
+    sliced = out_slice is not None and is_call(out_slice, operator.getitem)
+    if sliced and (_is_suffix(out_slice.args[1], S + T - W + 1, T)
+                   or statically_known_true(S == W - 1) and _keeps_all(out_slice.args[1], T)):
+        node = out_slice
+    elif statically_known_true(S == W - 1):
+        # A window of W-1 states: the conv's T outputs are the step's outputs already (a chunk
+        # carried between calls), and whoever reads them reads the op's instead.
+        node = conv
+    else:
         raise Miss(f"the conv output is not sliced to its last T={T} steps")
-    node, activation = out_slice, None
+    activation = None
     node, _ = _follow_casts(node)
     nxt = _single_user(node)
     if nxt is not None and silu_input(nxt) is not None:
@@ -1603,8 +1651,9 @@ def _match_window_readout(user: torch.fx.Node, src: torch.fx.Node) -> dict[str, 
 def _is_window_input(node: Any) -> bool:
     """A 3-D conv state from outside the graph that the graph never writes (a step that returns
     its new window instead, as mamba.py's ``MambaBlock.step`` does)."""
-    return (isinstance(node, torch.fx.Node) and node.op in ("placeholder", "get_attr") and _tensor(node) is not None
-            and _tensor(node).dim() == 3 and not any(_writes(user) for user in node.users))
+    return (isinstance(node, torch.fx.Node) and (node.op in ("placeholder", "get_attr") or _gathered(node))
+            and _tensor(node) is not None and _tensor(node).dim() == 3
+            and not any(_writes(user) for user in node.users))
 
 
 def _match_full_window_conv(full: torch.fx.Node, cs: torch.fx.Node, x3: torch.fx.Node) -> dict[str, Any] | None:

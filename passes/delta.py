@@ -41,7 +41,7 @@ SOFTPLUS_TARGETS = (F.softplus, torch._C._nn.softplus, torch.ops.aten.softplus)
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear)
 ADD_TARGETS = (operator.add, torch.add, torch.ops.aten.add)
 MUL_TARGETS = (operator.mul, torch.mul, torch.ops.aten.mul)
-SUB_TARGETS = (operator.sub, torch.sub, torch.ops.aten.sub)
+SUB_TARGETS = (operator.sub, torch.sub, torch.subtract, torch.ops.aten.sub)
 MATMUL_TARGETS = (operator.matmul, torch.matmul)
 
 

@@ -717,7 +717,11 @@ def product_source(term: IndexTerm, group: list[Factor], role: dict[int, str]) -
     """
     if len(group) == 1:
         roles = _roles_of(term, group[0], role)
-        return None if roles is None else Source(group[0].node, roles)
+        if roles is not None:
+            return Source(group[0].node, roles)
+        # An axis the product does not have, looked through by the evaluator (a one-group B read
+        # as ``B[:, :, 0]``): the user's view that drops it, if the graph holds one, is the value
+        # the op reads (probe BT).
     for node, t in product_parts(term, group):
         labels = t.out_labels()
         if len(set(labels)) != len(labels) or any(lab not in role for lab in labels):
@@ -779,7 +783,7 @@ def _split_input_factors(term: IndexTerm, factors: list[Factor], role: dict[int,
     for f in factors:
         roles = _broadcast_roles(term, f, role)
         if roles is None:
-            return "a factor has an axis that is not one of (batch, dim, time, state)"
+            return _foreign_axis(term, f, role)
         if "n" in roles:
             to_B.append(f)
         elif "d" in roles:
@@ -795,7 +799,23 @@ def _split_input_factors(term: IndexTerm, factors: list[Factor], role: dict[int,
     if len(to_B) > 1 or len(to_u) > 1 or free:
         return ("the factors besides Δ are not two graph values u and B; "
                 f"found {len(to_B)} with the state axis, {len(to_u)} with the dim axis, {len(free)} with neither")
-    return "a factor has an axis that is not one of (batch, dim, time, state)"
+    bad = next((f for f in factors if _roles_of(term, f, role) is None), factors[0])
+    return _foreign_axis(term, bad, role)
+
+
+def _foreign_axis(term: IndexTerm, f: Factor, role: dict[int, str]) -> str:
+    """Why factor ``f`` fits no role: its axes, named where they have one (an axis the product's
+    output does not have, such as the two axes (heads, headdim) of a flattened Mamba-2's x seen
+    through its reshape, has none)."""
+    names = {"b": "batch", "d": "dim", "t": "time", "n": "state"}
+    axes = [names.get(role.get(lab), "?") if not _is_one(size) or lab in role else "1"
+            for lab, size in zip(term.factor_labels(f), val(f.node).shape)]
+    spelled = f"a factor, {f.node.name} of shape {tuple(val(f.node).shape)}, has axes ({', '.join(axes)})"
+    if "?" in axes:
+        return spelled + ": '?' is an axis that is not one of (batch, dim, time, state)"
+    return (spelled + ": its size-1 axis is one the product does not have (dropped by an index such as "
+            "B[:, None, :, 0]), and no value in the graph holds it without that axis (index it in a step "
+            "of its own, B[:, :, 0], to have it read)")
 
 
 def _time_axes(axes) -> tuple[int, int]:
@@ -1117,6 +1137,11 @@ def _size_one_note(node: Any) -> str:
     if ones:
         return (f" (A has shape {tuple(value.shape)}: its size-1 axis {ones[0]} indexes nothing, so it reads as "
                 "a broadcast axis and A's (dim, state) roles are not proved here)")
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        # A flattened Mamba-2: ``A.repeat_interleave(P)[:, None].expand(dim, N)`` (probe BT).
+        return (f" (A is {node.name}, of shape {tuple(value.shape)}, broadcast over the state axis: one decay per "
+                "channel, as a flattened Mamba-2's scalar decay per head; the pass proves A's roles on a "
+                "tensor that has the state axis itself, such as a reshape of the expanded A)")
     return ""
 
 

@@ -478,6 +478,9 @@ def first_steps(graph: torch.fx.Graph, src: Source, L: int) -> Source:
 
 
 _NOT_THE_ANCHOR = "the state's multiplier at step 0 is not A_full[t=0]"
+# A product of a time slice and a value that no later step multiplies: said of a candidate alone,
+# and dropped next to a loop whose real anchor gave its own reason (``_beside_a_reason``).
+_NO_CHAIN = "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
 
 
 def _is_exp(node: Any) -> bool:
@@ -1097,6 +1100,18 @@ def _match_buffered_readout(buffered, state_roles: tuple[str, ...], L: int
     return _readout_of_states(buf, roles, L, writes)
 
 
+def _of_one_step(node: Any, index: int, depth: int = 0) -> bool:
+    """``node`` is computed, through at most a few ops, from time slices at ``index`` only (a view
+    or product of the same step's inputs, such as ``delta[:, :, t].unsqueeze(-1)``): no state."""
+    ts = time_slice(node)
+    if ts is not None:
+        return ts[2] == index
+    if depth >= 3 or not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    inputs = node.all_input_nodes
+    return bool(inputs) and all(_of_one_step(a, index, depth + 1) for a in inputs)
+
+
 def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
                products: list[tuple[torch.fx.Node, Any, Any]], pos) -> LoopMatch | str | None:
     """Try to prove that the recurrence anchored at ``anchor`` = ``a0 * H`` is a selective scan.
@@ -1170,10 +1185,11 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
                     "h = A_full[t]*h + B_full[t] from t = 1?): that equals a scan from h = 0 only "
                     "where exp(Δ·A) at t = 0 is finite, which the graph does not show; start from "
                     "h = zeros and run every step from t = 0 to have it rewritten")
-        if sh is not None:
-            # A product of two time slices (B̄[t] * x[t] inside a step): no state to chain.
+        if sh is not None or (sa is not None and _of_one_step(H, sa[2])):
+            # A product of two time slices (B̄[t] * x[t] inside a step, or Δ[t].unsqueeze(-1) *
+            # B[t]): no state to chain. The loop's real anchor, if any, gives its own reason.
             return None
-        return strided_steps() or "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
+        return strided_steps() or _NO_CHAIN
     region = _between(H, h0, pos)
     if L is None:
         L = _count_steps(region, H, h0)
@@ -1708,6 +1724,30 @@ def _layout(roles: tuple[str, ...]) -> str:
     return "".join("l" if r == "t" else r for r in roles)
 
 
+def _downstream(node: torch.fx.Node, hops: int = 4) -> set[torch.fx.Node]:
+    seen, frontier = {node}, [node]
+    for _ in range(hops):
+        frontier = [u for n in frontier for u in n.users if u not in seen]
+        seen.update(frontier)
+    return seen
+
+
+def _beside_a_reason(gm: torch.fx.GraphModule, misses: list) -> list:
+    """``misses`` less each ``_NO_CHAIN`` whose product feeds, within a few ops, what the anchor of
+    another scan_loop miss feeds: a skip ``D * x[t]`` or a step's ``Δ[t] * x[t]`` next to a loop
+    that was refused for its own reason (probe BT) is no loop of its own."""
+    generic = [x for x in misses if x.family == FAMILY and x.reason == _NO_CHAIN]
+    if not generic:
+        return misses
+    named = {n.name: n for n in gm.graph.nodes}
+    reasoned = [_downstream(named[name]) for x in misses if x.family == FAMILY and x.reason != _NO_CHAIN
+                for name in x.nodes if name in named]
+    def beside(x) -> bool:
+        near = [_downstream(named[name]) for name in x.nodes if name in named]
+        return any(a & b for a in near for b in reasoned)
+    return [x for x in misses if not (x in generic and beside(x))]
+
+
 def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite every provable unrolled scan loop in ``gm`` into ``ssm.selective_scan``."""
     from ..kernels.selective_scan import op as scan_op
@@ -1729,6 +1769,7 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     # anchor was refused for its own reason) says nothing more about that loop.
     if any(x.family == FAMILY and x.reason != _NOT_THE_ANCHOR for x in ctx.misses[first_miss:]):
         ctx.misses[first_miss:] = [x for x in ctx.misses[first_miss:] if x.reason != _NOT_THE_ANCHOR]
+    ctx.misses[first_miss:] = _beside_a_reason(gm, ctx.misses[first_miss:])
     # Recurrences the anchors never reached (an EMA, a gated RNN) still get a reason in explain.
     muls = [n for n in gm.graph.nodes
             if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
@@ -2122,6 +2163,8 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
             number, H = H, filled
             pos, products = {n: i for i, n in enumerate(graph.nodes)}, _products(graph)
         m = match_loop(user, a0, H, products, pos)
+        if number is not None and m == _NO_CHAIN:
+            m = None  # a slice times a number that starts no loop (``C[:, :, 0] * 2.0``): no recurrence
         err = m if m is None or isinstance(m, str) else _emit(gm, m, pos)
         if m is None or err is not None:
             if number is not None:

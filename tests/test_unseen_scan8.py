@@ -323,3 +323,27 @@ def test_an_exponent_that_is_not_delta_times_A_is_named(decay):
     """The reason read "exp of a product of 1 factors with 0 summed axes" (probe AT, run 51)."""
     fn = _loop(lambda a, h, b, u: a * h + b, decay)
     _left_alone(fn, inputs(), "scan_loop", "is not a product of a time-varying Δ and A")
+
+
+def test_per_channel_B_gets_one_reason_not_a_spurious_chain():
+    """B per channel (G = dim, (batch, dim, N, L)) with Δ·B computed inside the step, as pure
+    PyTorch ports of ``selective_scan_fn`` write it: refused for B's shape alone. The step's
+    ``Δ[t].unsqueeze(-1) * B[t]`` is a product of one step's slices, not a state; it used to add
+    "no state chain: A_full[t=1] does not multiply ...". Values stay eager's."""
+    def fn(u, delta, A, B, C):
+        h = u.new_zeros(B_, D_, N_)
+        ys = []
+        for t in range(L_):
+            dt = delta[:, :, t]
+            dA = torch.exp(dt.unsqueeze(-1) * A.unsqueeze(0))
+            dB = dt.unsqueeze(-1) * B[:, :, :, t]
+            h = dA * h + dB * u[:, :, t].unsqueeze(-1)
+            ys.append((C[:, :, :, t] * h).sum(-1))
+        return torch.stack(ys, -1)
+
+    u, delta, A, B, C = inputs()
+    B4 = torch.randn(B_, D_, N_, L_, dtype=u.dtype, requires_grad=True)
+    C4 = torch.randn(B_, D_, N_, L_, dtype=u.dtype, requires_grad=True)
+    assert not compare_with_eager(fn, (u, delta, A, B4, C4))
+    reasons = _reasons(explain(fn, u, delta, A, B4, C4), "scan_loop")
+    assert reasons and all("per-channel B" in r for r in reasons), reasons
