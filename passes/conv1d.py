@@ -250,24 +250,32 @@ def _first_part(cat: torch.fx.Node) -> Any:
     return parts[0] if isinstance(parts, (list, tuple)) and parts else None
 
 
-def _cat_zeros_source(cat: torch.fx.Node, weight: Any) -> torch.fx.Node | None:
+def _window_parts(cat: torch.fx.Node, weight: Any) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(front, x)`` when ``cat`` is ``torch.cat([front, x], -1)`` of two 3-D tensors of the same
+    dtype, batch and channels, ``front`` W-1 steps long; else None. Same dtype: a cat of mixed
+    dtypes promotes one side, and the op would read the other unpromoted."""
     a = named_args(cat, ("tensors", "dim"))
     parts, dim = a.get("tensors"), a.get("dim", 0)
     wv = val(weight)
     if set(a) - {"tensors", "dim"} or not isinstance(parts, (list, tuple)) or len(parts) != 2:
         return None
-    zeros, x = parts
-    zv, xv = val(zeros), val(x)
-    if not (isinstance(zv, torch.Tensor) and isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)
-            and xv.dim() == 3 and zv.dim() == 3 and wv.dim() == 3 and isinstance(dim, int) and dim % 3 == 2):
+    front, x = parts
+    fv, xv = val(front), val(x)
+    if not (isinstance(front, torch.fx.Node) and isinstance(x, torch.fx.Node) and isinstance(fv, torch.Tensor)
+            and isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and xv.dim() == 3 and fv.dim() == 3
+            and wv.dim() == 3 and isinstance(dim, int) and dim % 3 == 2):
         return None
-    # Same dtype: a cat of mixed dtypes promotes x, and the op would see a different input.
-    if (not is_zeros(zeros) or zv.dtype != xv.dtype or not _same_size(zv.shape[0], xv.shape[0])
-            or not _same_size(zv.shape[1], xv.shape[1]) or not _same_size(zv.shape[2], wv.shape[-1] - 1)):
+    if (fv.dtype != xv.dtype or not _same_size(fv.shape[0], xv.shape[0]) or not _same_size(fv.shape[1], xv.shape[1])
+            or not _same_size(fv.shape[2], wv.shape[-1] - 1)):
         return None
-    if written_in_place(cat.graph, [zeros]) is not None:
+    return front, x
+
+
+def _cat_zeros_source(cat: torch.fx.Node, weight: Any) -> torch.fx.Node | None:
+    parts = _window_parts(cat, weight)
+    if parts is None or not is_zeros(parts[0]) or written_in_place(cat.graph, [parts[0]]) is not None:
         return None
-    return x if isinstance(x, torch.fx.Node) else None
+    return parts[1]
 
 
 def carried_window(cat: Any, weight: Any) -> tuple[torch.fx.Node, torch.fx.Node] | str | None:
@@ -281,24 +289,10 @@ def carried_window(cat: Any, weight: Any) -> tuple[torch.fx.Node, torch.fx.Node]
     writes back in place (HF's ``conv_state.copy_(window[-S:])``), and any one-step window, is a
     decode step: the decode pass rewrites those into the update op.
     """
-    if not is_call(cat, torch.cat, torch.concat):
-        return None
-    a = named_args(cat, ("tensors", "dim"))
-    parts, dim = a.get("tensors"), a.get("dim", 0)
-    wv = val(weight)
-    if set(a) - {"tensors", "dim"} or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+    parts = _window_parts(cat, weight) if is_call(cat, torch.cat, torch.concat) else None
+    if parts is None or is_zeros(parts[0]) or statically_known_true(val(parts[1]).shape[2] == 1):
         return None
     state, x = parts
-    sv, xv = val(state), val(x)
-    if not (isinstance(sv, torch.Tensor) and isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)
-            and isinstance(state, torch.fx.Node) and isinstance(x, torch.fx.Node)
-            and xv.dim() == 3 and sv.dim() == 3 and wv.dim() == 3 and isinstance(dim, int) and dim % 3 == 2):
-        return None
-    # Same dtype: a cat of mixed dtypes promotes one side, and the op would read the other.
-    if (sv.dtype != xv.dtype or not _same_size(sv.shape[0], xv.shape[0]) or not _same_size(sv.shape[1], xv.shape[1])
-            or not _same_size(sv.shape[2], wv.shape[-1] - 1) or statically_known_true(xv.shape[2] == 1)
-            or is_zeros(state)):
-        return None
     writer = written_in_place(cat.graph, [state])
     if writer is None:
         return state, x
