@@ -515,11 +515,16 @@ def _gathered(node: Any) -> bool:
     ``index_copy_``) is the user's, after the step."""
     if not isinstance(node, torch.fx.Node):
         return False
+    def copies(i: Any) -> bool:
+        # A 0-d integer index selects like an int: ``pool[torch.tensor(2)]`` is a view of the pool.
+        t = _tensor(i) if isinstance(i, torch.fx.Node) else None
+        return t is not None and t.dim() >= 1 and (t.dtype == torch.bool or not t.is_floating_point())
+
     if is_call(node, operator.getitem):
         base, index = node.args[0], _as_tuple(node.args[1])
-        by_tensor = any(isinstance(i, torch.fx.Node) and isinstance(_tensor(i), torch.Tensor) for i in index)
+        by_tensor = any(copies(i) for i in index)
     elif is_call(node, torch.index_select) or is_method(node, "index_select"):
-        base, by_tensor = node.args[0], len(node.args) == 3 and isinstance(node.args[2], torch.fx.Node)
+        base, by_tensor = node.args[0], len(node.args) == 3 and copies(node.args[2])
     else:
         return False
     return (by_tensor and isinstance(base, torch.fx.Node) and base.op in ("placeholder", "get_attr")

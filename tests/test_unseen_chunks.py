@@ -339,3 +339,24 @@ def test_a_number_times_a_slice_is_no_loop():
     assert {r.family for r in report.rewrites} >= {"scan_assoc", "readout"}, report.format(graphs=False)
     assert not [m for m in report.misses if m.family == "scan_loop"], report.format(graphs=False)
     torch.testing.assert_close(_compiled(m2_assoc_scaled_C, *args), m2_assoc_scaled_C(*args), rtol=1e-10, atol=1e-12)
+
+
+def step_on_a_row_selected_by_a_0d_index(pool, i, x, dt, A, B, C):
+    st = pool[i]  # a 0-d index selects like an int: a view of the pool, not a gathered copy
+    new = st * torch.exp(dt[..., None] * A) + dt[..., None] * B[:, None] * x[..., None]
+    pool.mul_(0.5)
+    return (new * C[:, None]).sum(-1), new
+
+
+def test_a_row_selected_by_a_0d_index_is_no_gathered_copy():
+    g = torch.Generator().manual_seed(2)
+    args = [torch.randn(4, BATCH, DIM, NP, generator=g), torch.tensor(1), torch.randn(BATCH, DIM, generator=g),
+            torch.rand(BATCH, DIM, generator=g), -torch.rand(DIM, NP, generator=g), torch.randn(BATCH, NP, generator=g),
+            torch.randn(BATCH, NP, generator=g)]
+    eager, comp = [a.clone() for a in args], [a.clone() for a in args]
+    want = step_on_a_row_selected_by_a_0d_index(*eager)
+    got = _compiled(step_on_a_row_selected_by_a_0d_index, *comp)
+    assert "state_update" not in counters["ssm"], dict(counters["ssm"])
+    for o, r in zip(got, want):
+        assert torch.equal(o, r)
+    assert torch.equal(comp[0], eager[0])
