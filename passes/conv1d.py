@@ -298,9 +298,12 @@ def carried_window(cat: Any, weight: Any) -> tuple[torch.fx.Node, torch.fx.Node]
         return state, x
     if is_method(writer, "copy_") and is_call(writer.args[1], operator.getitem) and writer.args[1].args[0] is cat:
         return None  # the window written back: the decode pass's conv update
-    return (f"{writer.name} writes the carried state {state.name} in place: the op would read it where the "
-            "conv runs, not where the cat did (a state written back from the window, "
-            "state.copy_(window[..., -(W-1):]), is a decode step's conv update)")
+    # Even a write after the conv would reach the op: it keeps the state for its backward, where
+    # the user's conv keeps the cat's copy.
+    return (f"{writer.name} writes the carried state {state.name} in place: the op reads the state itself, "
+            "where the conv runs and again in its backward, while the user's conv reads the cat's copy "
+            "(a state written back as state.copy_(window[..., -(W-1):]), with nothing in between, is a "
+            "decode step's conv update)")
 
 
 def _unsliced_reason(conv: torch.fx.Node) -> str:

@@ -73,7 +73,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .delta import ADD_TARGETS, SUB_TARGETS, binary_operands, exact_sum, signed_sum
+from .delta import ADD_TARGETS, SUB_TARGETS, SignedSum, binary_operands, exact_sum, signed_sum
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_metadata,
@@ -184,7 +184,17 @@ def _sum_operands(node: Any, inplace: bool = False) -> tuple[Any, Any] | None:
     ``inplace``, ``a += b`` too."""
     if inplace and is_call(node, operator.iadd) and len(node.args) == 2 and not node.kwargs:
         return node.args[0], node.args[1]
+    rsub = _rsub(node)
+    if rsub is not None:
+        return (rsub.left, rsub.right) if exact_sum(rsub) else None
     return binary_operands(node, ADD_TARGETS)
+
+
+def _rsub(node: Any) -> SignedSum | None:
+    """``torch.rsub(a, b, alpha=k)`` = b - k·a, read as the difference it is, else None."""
+    if is_call(node, torch.rsub) and len(node.args) == 2 and not set(node.kwargs) - {"alpha"}:
+        return SignedSum(node.args[1], node.args[0], True, node.kwargs.get("alpha", 1))
+    return None
 
 
 def _operands(node: Any, targets: tuple, method: str) -> tuple[Any, Any] | None:
@@ -482,7 +492,7 @@ def _inexact_update(h: Any, state: torch.fx.Node) -> str | None:
     """Why not, when ``h`` is a sum or difference of a product that reads ``state`` and another
     term that is not the plain sum state * dA + dBx (``torch.sub(state * dA, dBx, alpha=2)``,
     ``state * dA - dBx``). None otherwise."""
-    s = signed_sum(h)
+    s = signed_sum(h) or _rsub(h)
     if s is None or exact_sum(s):
         return None
     reads_state = [x for x in (s.left, s.right)
@@ -629,7 +639,7 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
         if _is_state(mul.args[0]):
             return Update("in-place", mul.args[0], None, mul, [], mul.args[1], node.args[1], [mul, node])
         return None
-    if is_call(node, *ADD_TARGETS, *SUB_TARGETS, torch.addcmul) or is_method(node, "add", "sub", "addcmul"):
+    if is_call(node, *ADD_TARGETS, *SUB_TARGETS, torch.rsub, torch.addcmul) or is_method(node, "add", "sub", "addcmul"):
         split = _split_update(node, _is_graph_input)
         if split is None:
             return None

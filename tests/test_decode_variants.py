@@ -264,10 +264,17 @@ def sub_alpha_copy(state, x, dt, A, B, C, D, z, dt_bias):
     return torch.add((state * C[:, None]).sum(-1), D * x, alpha=1) * F.silu(z)
 
 
+def rsub_alpha_copy(state, x, dt, A, B, C, D, z, dt_bias):
+    """``torch.rsub(a, b, alpha=-1)`` = b + a (probe BV)."""
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(torch.rsub(dBu, state * dA, alpha=-1))
+    return (state * C[:, None]).sum(-1)
+
+
 @pytest.mark.parametrize("fn", [returned_state, inplace_mul_add, inplace_statements, inplace_operators, addcmul_copy,
-                                addcmul_returned, sub_alpha_copy],
+                                addcmul_returned, sub_alpha_copy, rsub_alpha_copy],
                          ids=["returned", "mul_-add_", "mul_;add_", "*=;+=", "addcmul-copy_", "addcmul-returned",
-                              "sub-alpha"])
+                              "sub-alpha", "rsub-alpha"])
 def test_hand_written_state_step(fn):
     y_e, y_c, e_in, c_in, cap = run_step(fn, state_inputs())
     assert dict(counters["ssm"]) == {"state_update": 1}, cap.ctx.misses
@@ -619,7 +626,14 @@ def update_subtracts(state, x, dt, A, B, C, D, z, dt_bias):
     return (state * C[:, None]).sum(-1)
 
 
+def update_by_rsub(state, x, dt, A, B, C, D, z, dt_bias):
+    dA, dBu = _disc(x, dt, A, B)
+    state.copy_(torch.rsub(dBu, state * dA))
+    return (state * C[:, None]).sum(-1)
+
+
 STATE_LOOK_ALIKES = [
+    pytest.param(update_by_rsub, "computes mul_3 - dBu, not the update state * dA + dBx", id="update-rsub"),
     pytest.param(update_scaled_by_alpha, "computes mul_3 - 2·dBu (its alpha=2), not the update state * dA + dBx",
                  id="update-sub-alpha-2"),
     pytest.param(update_subtracts, "computes mul_3 - dBu, not the update state * dA + dBx", id="update-subtracts"),
