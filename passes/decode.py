@@ -77,8 +77,8 @@ from .delta import ADD_TARGETS, SUB_TARGETS, SignedSum, binary_operands, exact_s
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_metadata,
-                       is_method, mutates, named_args, node_order, op_region, pinned_int, propagate_val, silu_input,
-                       storage_of, target_name, time_slice, val, written_args)
+                       is_method, is_ssm_op, mutates, named_args, node_order, op_region, pinned_int, propagate_val,
+                       silu_input, storage_of, target_name, time_slice, val, written_args)
 from .manager import PassContext, PassManager
 from .scan_loop import ONE_STEP
 
@@ -528,7 +528,7 @@ def _gathered(node: Any) -> bool:
     def copies(i: Any) -> bool:
         # A 0-d integer index selects like an int: ``pool[torch.tensor(2)]`` is a view of the pool.
         t = _tensor(i) if isinstance(i, torch.fx.Node) else None
-        return t is not None and t.dim() >= 1 and (t.dtype == torch.bool or not t.is_floating_point())
+        return t is not None and t.dim() >= 1 and not t.is_floating_point()
 
     if is_call(node, operator.getitem):
         base, index = node.args[0], _as_tuple(node.args[1])
@@ -576,10 +576,7 @@ def _linear_inside(value: Any, state: torch.fx.Node, limit: int = 16) -> torch.f
 
 def _from_ssm_op(node: Any) -> bool:
     """``node`` is an output of one of this package's ops (``getitem`` of ``ssm.selective_scan``)."""
-    if is_call(node, operator.getitem):
-        node = node.args[0]
-    return (isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == "ssm")
+    return is_ssm_op(node.args[0] if is_call(node, operator.getitem) else node)
 
 
 def _writes(node: torch.fx.Node) -> bool:

@@ -1768,3 +1768,13 @@ def grad_enabled_at(node: torch.fx.Node) -> bool:
         elif "autocast" not in _target_module_and_name(n)[1]:
             enabled = True
     return enabled
+
+
+def is_ssm_op(node: Any) -> bool:
+    """``node`` calls one of this package's ops (``torch.ops.ssm.*``, overload or packet)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace == "ssm"
+    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("ssm::")

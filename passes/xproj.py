@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from .fx_utils import context_refusal, is_call, is_method, mutates, protects_saved_input, written_in_place
+from .fx_utils import (context_refusal, is_call, is_method, is_ssm_op, mutates, protects_saved_input,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "x_proj_split"
@@ -105,18 +106,9 @@ def _path_to_split(arg: Any) -> tuple[list[torch.fx.Node], torch.fx.Node] | None
     return None
 
 
-def _is_ssm_op(node: torch.fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function":
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace == "ssm"
-    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("ssm::")
-
-
 def xproj_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
-    for op in [n for n in graph.nodes if _is_ssm_op(n)]:
+    for op in [n for n in graph.nodes if is_ssm_op(n)]:
         schema_args = _schema(op).arguments
         named = [(a.name, a, op.args[i] if i < len(op.args) else op.kwargs.get(a.name))
                  for i, a in enumerate(schema_args)]
