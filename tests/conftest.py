@@ -21,6 +21,40 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402  (after the TRITON_INTERPRET switch above, on purpose)
 from torch._dynamo.utils import counters  # noqa: E402
 
+
+def _interpret_helpers_without_repatching() -> None:
+    """Triton's interpreter patches ``triton.language`` before a launch and restores it after,
+    and it patches again on every call of a ``@triton.jit`` helper inside the launch: an
+    ``inspect.getmembers`` walk over the language modules per call. The scan backward's kernels
+    call helpers thousands of times per launch, and the walks took about a third of their
+    interpreted time (cProfile, Triton 3.9). Inside a launch the modules a helper sees are
+    already patched, and the re-patch finds no builtin left to replace (a patched member is no
+    longer a builtin), so skipping it changes nothing the helper computes. A helper whose module
+    sees a language module the launch did not patch (``triton.language.core`` from
+    ``standard.zeros``) is still patched as before. Where the interpreter's internals differ
+    from these, nothing is changed."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if patch is None or scope_type is None or not hasattr(tl.core, "is_builtin"):
+        return
+
+    def patch_unless_patched(fn):
+        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+        if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):
+            return scope_type()
+        return patch(fn)
+
+    interpreter._patch_lang = patch_unless_patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpret_helpers_without_repatching()
+
 # Under pytest-xdist (`-n 2`, what CI runs on its 2 cores) each worker process gets its share of
 # the cores for torch's intra-op threads, instead of every worker starting one thread per core
 # and the processes oversubscribing the machine.
