@@ -365,18 +365,46 @@ def _elementwise_of(node: torch.fx.Node, source: torch.fx.Node) -> bool:
     return node.args[0] is source and not any(isinstance(a, torch.fx.Node) or a is True for a in operands)
 
 
-def _activated_slice(conv: torch.fx.Node) -> tuple[torch.fx.Node, Any, torch.fx.Node | None] | None:
-    """``act(conv(x))[..., :L]``: an elementwise function of the padded output before the slice
-    drops its tail, which is that function of the causal conv. (the slice, ``_match_silu``'s match,
-    None) for silu, which the op absorbs; (the slice, None, the node) for another function in
-    ``_ELEMENTWISE``, which stays and reads the op's output. The function must be the conv's only
-    use and the slice the function's."""
+_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.truediv, torch.mul, torch.add, torch.sub, torch.div)
+_ARITHMETIC_METHODS = ("mul", "add", "sub", "div")
+
+
+def _with_a_number(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """``node`` is ``source`` times, plus, minus or over a Python number (either side), out of
+    place: an elementwise function of ``source`` alone (a conv hook's ``out * 0.7 - 0.2``)."""
+    if not (is_call(node, *_ARITHMETIC) or is_method(node, *_ARITHMETIC_METHODS)) or len(node.args) != 2:
+        return False
+    if set(node.kwargs) - {"alpha"} or not all(_is_number(v) for v in node.kwargs.values()):
+        return False
+    a, b = node.args
+    other = b if a is source else a if b is source else None
+    return other is not None and _is_number(other)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _activated_slice(conv: torch.fx.Node) -> tuple[torch.fx.Node, Any, list[torch.fx.Node] | None] | None:
+    """``act(conv(x))[..., :L]``: elementwise functions of the padded output before the slice
+    drops its tail, which are those functions of the causal conv. (the slice, ``_match_silu``'s
+    match, None) for silu, which the op absorbs; (the slice, None, the chain) for others (one in
+    ``_ELEMENTWISE`` or arithmetic with a number first, then any of those or silu, each the only
+    reader of the one before: ``conv(x) * 0.7 - 0.2`` from a forward hook, probe BX), which stay
+    and read the op's output. The slice must be the last function's only use."""
     act = _match_silu(conv)
     users = list(conv.users)
     if act is not None:
         last, kept = act[0][0], None
-    elif len(users) == 1 and _elementwise_of(users[0], conv):
-        last, kept = users[0], users[0]
+    elif len(users) == 1 and (_elementwise_of(users[0], conv) or _with_a_number(users[0], conv)):
+        kept = [users[0]]
+        while True:
+            nxt = list(kept[-1].users)
+            if len(nxt) != 1 or not (_elementwise_of(nxt[0], kept[-1]) or _with_a_number(nxt[0], kept[-1])
+                                     or _match_silu(kept[-1]) is not None):
+                break
+            kept.append(nxt[0])
+        last = kept[-1]
     else:
         return None
     after = list(last.users)
@@ -510,10 +538,11 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             view.replace_input_with(out, result)
             last.replace_all_uses_with(view)
         elif kept is not None:
-            # The user's function now reads the causal conv, and stands for its slice.
-            kept.replace_input_with(conv, result)
-            propagate_val(kept)
-            sliced.replace_all_uses_with(kept)
+            # The user's functions now read the causal conv, and the last stands for its slice.
+            kept[0].replace_input_with(conv, result)
+            for node in kept:
+                propagate_val(node)
+            sliced.replace_all_uses_with(kept[-1])
         else:
             last.replace_all_uses_with(result)
         if activated_first is not None:
@@ -521,7 +550,7 @@ def conv1d_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         else:
             replaced = [conv, *([sliced] if pad is None else []), *reversed(act_nodes)]
         if kept is not None:
-            pattern = f"conv1d+{bare_name(kept)}[..., :L]"
+            pattern = f"conv1d+{'+'.join(bare_name(n) for n in kept)}[..., :L]"
         elif activated_first is not None:
             pattern = f"conv1d+{act_pattern}[..., :L]"
             act_pattern = None

@@ -722,6 +722,13 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
         behind = exp_node_behind(exp_node)
         stepped = time_slice(exp_node)
         if behind is not None and stepped is not None and exp_node_behind(stepped[0]) is behind:
+            steps = _tensor(stepped[0]).shape[stepped[1]]
+            if steps == 1:
+                # A prefill of one token written as the whole-sequence loop (probe BU): the
+                # sequence's exp has one step, and the op would need it per step, not sliced.
+                raise Miss(f"the state decay is time step 0 of exp(...) of shape {tuple(_tensor(behind).shape)}, "
+                           "a sequence of one step computed whole and then sliced: the decode op takes the step's "
+                           "own exp(dt * A), without the time axis (the scan passes leave one-step loops alone)")
             raise Miss(f"the state decay is one time step of exp(...) of shape "
                        f"{tuple(_tensor(behind).shape)}, made for a whole sequence: each in-place update of the "
                        "state is a step of a scan over time, not a decode step (the scan passes say why the loop "

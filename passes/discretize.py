@@ -1260,7 +1260,8 @@ def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | st
             continue
         base, idx, roles = item[1]
         if idx != t0:
-            return f"the state's addend reads time {idx} where its multiplier reads time {t0}"
+            return (f"the state's addend reads time {idx} where its multiplier reads time {t0} (a lag, or the "
+                    "input term added before the decay multiplies it: h = exp(Δ[t]·A) * (h + Δ[t]·B[t]·u[t]))")
         if not found_delta and decay.is_delta(base, roles):
             found_delta = True
         elif sorted(roles) == ["b", "d", "t"] and u_src is None:

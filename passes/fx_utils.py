@@ -793,6 +793,8 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
     program then computes with in a wider dtype (``A.bfloat16().float()`` where the op reads A,
     rather than ``A.to(delta.dtype)`` in bf16 arithmetic): ``also_read`` are inputs that count
     for that alone (A and an initial state, whose fp32 is the op's choice, not the activations').
+    An activation of ``inputs`` rounded is the program's whatever it computes in afterwards
+    (fp32 inputs cast to bf16 at the top of a bf16 block).
     """
     inputs = [n for n in inputs if isinstance(n, torch.fx.Node)]
     floats = [d for d in (dtype_of(n) for n in inputs) if d in _FLOAT_DTYPES]
@@ -806,13 +808,18 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
         # A rewrite's own output rounding (``OP_ROUNDING``: autocast's dtype for the causal conv's
         # output) is not the program quantizing an input: the op reading the unrounded output
         # computes at least as precisely as eager under autocast did.
-        rounded = (_rounded_input(n.args[0], read) if _widened_after(n) and not n.meta.get(OP_ROUNDING)
-                   else None)
-        if rounded is not None:
-            # ``A.bfloat16().float()``: the program quantizes what the op reads at full precision,
-            # then computes with it in the wider dtype.
+        widened = _widened_after(n)
+        # ``A.bfloat16().float()``: the program quantizes what the op reads at full precision,
+        # then computes with it in the wider dtype. An activation the op reads (u, Δ, B, C) is
+        # the program's also where it then computes in the narrow dtype (fp32 inputs cast to bf16
+        # at the top of a bf16 block, probe BY): the other inputs' 16 bits do not make this
+        # input's rounding any less the program's.
+        rounded = (None if n.meta.get(OP_ROUNDING) else
+                   _rounded_input(n.args[0], read if widened else inputs))
+        if rounded is not None and not is_lossless_cast(dtype_of(rounded), dst):
+            then = "then computes with it in a wider dtype" if widened else "then computes with the rounded value"
             return (f"{n.name} rounds {src} to {dst}: it quantizes the op's input {rounded.name}, which the "
-                    "program then computes with in a wider dtype; the op would read it unrounded")
+                    f"program {then}; the op would read it unrounded")
         if any(is_lossless_cast(f, dst) for f in floats):
             continue
         return (f"{n.name} rounds {src} to {dst}, which cannot hold every value of the op's inputs "
@@ -1778,3 +1785,62 @@ def is_ssm_op(node: Any) -> bool:
     if isinstance(target, torch._ops.OpOverload):
         return target.namespace == "ssm"
     return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("ssm::")
+
+
+def time_prefix_source(node: torch.fx.Node, axis: int) -> torch.fx.Node:
+    """``x`` when ``node`` is a prefix of ``x`` along ``axis`` alone (``x[:, :, :k]``,
+    ``x[..., :k, :]``, ``x.narrow(axis, 0, k)``, a prefix of a prefix), else ``node``. Step t of
+    the prefix is step t of ``x``, so a loop over the prefix's steps is one over ``x``'s first
+    steps."""
+    while True:
+        src = prefix_of(node, axis)
+        if src is None:
+            return node
+        node = src
+
+
+def prefix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
+    """``x`` when ``node`` is one slice of ``x`` that keeps the first steps of ``axis`` and all of
+    every other axis; else None."""
+    vx = val(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(vx, torch.Tensor):
+        return None
+    if is_call(node, torch.narrow) or is_method(node, "narrow"):
+        a = named_args(node, ("input", "dim", "start", "length"))
+        dim, start = a.get("dim"), a.get("start")
+        if not (isinstance(dim, int) and dim % vx.dim() == axis and isinstance(start, int)):
+            return None
+        # A negative start counts from the end: -size is the first step.
+        first = start == 0 or (start < 0 and isinstance(vx.shape[axis], int) and start + vx.shape[axis] == 0)
+        return node.args[0] if first else None
+    if not is_call(node, operator.getitem):
+        return None
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if items.count(Ellipsis) == 1:
+        # ``x[..., :k, :]``: the ellipsis stands for the axes the other items leave out.
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (vx.dim() - len(items) + 1) + items[at + 1:]
+    if len(items) > vx.dim():
+        return None
+    for i, item in enumerate(items):
+        if not isinstance(item, slice) or item.start not in (None, 0) or item.step not in (None, 1):
+            return None
+        if i != axis and item.stop is not None:
+            return None
+    return node.args[0]
+
+
+def same_prefix(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same first steps of one tensor along one axis, with the same shape:
+    two spellings of one value (the skip's ``u[..., :k]`` beside the narrowed u that the scan pass
+    hands the op for a loop over k steps)."""
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return False
+    va, vb = val(a), val(b)
+    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)) or not same_sizes(va.shape, vb.shape):
+        return False
+    for axis in range(va.dim()):
+        base = time_prefix_source(a, axis)
+        if base is time_prefix_source(b, axis) and (base is not a or base is not b):
+            return True
+    return False

@@ -55,12 +55,12 @@ import torch.nn.functional as F
 from .discretize import Source, match_discretization
 from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, ContextRegions, addcmul_operands,
                        dropped_rounding, dtype_of, float64_readout, hoist_before, is_call, is_method,
-                       mutates, node_order, pinned_int, proof_number, proof_sum, readout_decision, shape_of, val)
+                       mutates, node_order, pinned_int, proof_number, proof_sum, readout_decision, shape_of,
+                       time_prefix_source, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
-from .scan_loop import (emit_or_refusal, emit_selective_scan, first_steps, mutated, read_through, time_prefix_source,
-                        written_after)
+from .scan_loop import emit_or_refusal, emit_selective_scan, first_steps, mutated, read_through, written_after
 
 log = logging.getLogger("ssm_compile")
 

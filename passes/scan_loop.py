@@ -86,8 +86,10 @@ from .fx_utils import (
     parse_index,
     parse_slice,
     permute_view,
+    prefix_of,
     propagate_val,
     shape_of,
+    time_prefix_source,
     time_slice,
     unbind_source,
     val,
@@ -407,49 +409,6 @@ def _negative_index(node: torch.fx.Node) -> bool:
     else:
         return False
     return any(isinstance(x, int) and not isinstance(x, bool) and x < 0 for x in index)
-
-
-def time_prefix_source(node: torch.fx.Node, axis: int) -> torch.fx.Node:
-    """``x`` when ``node`` is a prefix of ``x`` along ``axis`` alone (``x[:, :, :k]``,
-    ``x[..., :k, :]``, ``x.narrow(axis, 0, k)``, a prefix of a prefix), else ``node``. Step t of
-    the prefix is step t of ``x``, so a loop over the prefix's steps is one over ``x``'s first
-    steps."""
-    while True:
-        src = _prefix_of(node, axis)
-        if src is None:
-            return node
-        node = src
-
-
-def _prefix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
-    """``x`` when ``node`` is one slice of ``x`` that keeps the first steps of ``axis`` and all of
-    every other axis; else None."""
-    vx = val(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
-    if not isinstance(vx, torch.Tensor):
-        return None
-    if is_call(node, torch.narrow) or is_method(node, "narrow"):
-        a = named_args(node, ("input", "dim", "start", "length"))
-        dim, start = a.get("dim"), a.get("start")
-        if not (isinstance(dim, int) and dim % vx.dim() == axis and isinstance(start, int)):
-            return None
-        # A negative start counts from the end: -size is the first step.
-        first = start == 0 or (start < 0 and isinstance(vx.shape[axis], int) and start + vx.shape[axis] == 0)
-        return node.args[0] if first else None
-    if not is_call(node, operator.getitem):
-        return None
-    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    if items.count(Ellipsis) == 1:
-        # ``x[..., :k, :]``: the ellipsis stands for the axes the other items leave out.
-        at = items.index(Ellipsis)
-        items = items[:at] + (slice(None),) * (vx.dim() - len(items) + 1) + items[at + 1:]
-    if len(items) > vx.dim():
-        return None
-    for i, item in enumerate(items):
-        if not isinstance(item, slice) or item.start not in (None, 0) or item.step not in (None, 1):
-            return None
-        if i != axis and item.stop is not None:
-            return None
-    return node.args[0]
 
 
 def _too_short(name: str, size, L: int) -> str | None:
@@ -960,7 +919,9 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
         # Only step 0 is seen here: C[..., t+k], C[..., t-1] (index L-1 at step 0) and a C read
         # at one fixed time look alike.
         return (f"the readout of h_t uses C at time t{c_idx:+d} (lagged readout); step 0 reads C at time index "
-                f"{c_idx}, as C[..., t+k], C[..., t-k] wrapping around and a C read at one fixed time all do")
+                f"{c_idx}, as C[..., t+k], C[..., t-k] wrapping around, a C read at one fixed time, a packed "
+                f"sequence's C[..., start+t] and a readout of the state before its update (C[t] with h_(t-1)) all "
+                f"do. A C sliced to the loop's steps first (C[..., start:end], read at t) is read at time t")
     leaf_roles = [role.get(lab) for lab in rt.factor_labels(fc)]
     c_roles = ["t" if o is None else leaf_roles[o] for o in parse_slice(fc.node)[3]]
     if None in c_roles:
@@ -1100,6 +1061,19 @@ def _match_buffered_readout(buffered, state_roles: tuple[str, ...], L: int
     return _readout_of_states(buf, roles, L, writes)
 
 
+def _lagged_step(products: list[tuple[torch.fx.Node, Any, Any]], key0: tuple, state: torch.fx.Node,
+                 t: int) -> str | None:
+    """The lag reason when step ``t``'s product of the decay (step 0's shifted by ``t``) and the
+    state before it has an input term that reads another time index than ``t``; else None."""
+    for m, p, q in products:
+        for a, x in ((p, q), (q, p)):
+            if x is state and isinstance(a, torch.fx.Node) and _leaf_key(a, t) == key0:
+                lagged = sorted(i for i in _addend_indices(m) if i != t)
+                if lagged:
+                    return _lag_reason(lagged[0], t)
+    return None
+
+
 def _of_one_step(node: Any, index: int, depth: int = 0) -> bool:
     """``node`` is computed, through at most a few ops, from time slices at ``index`` only (a view
     or product of the same step's inputs, such as ``delta[:, :, t].unsqueeze(-1)``): no state."""
@@ -1152,7 +1126,8 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         stride = next((k for k in (2, 3, 4) if step_one_state(anchor, k) is not None), None)
         if stride is None:
             return None
-        return (f"the loop steps through time {stride} indices at a time (range(start, L, {stride})?): the next "
+        return (f"the loop steps through time {stride} indices at a time (range(start, L, {stride})?, or each step "
+                f"reads the state from {stride} steps back: hp, h = h, A_full[t] * hp + B_full[t]): the next "
                 f"step's multiplier reads every time index + {stride}, so the recurrence skips time steps, and "
                 "ssm.selective_scan scans every step")
 
@@ -1209,7 +1184,10 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
     if Hs in alpha.free_symbols or sympy.expand(f - alpha * Hs - beta) != 0:
         return "the state update is not linear in the previous state"
     if alpha not in leaves or beta not in leaves:
-        return f"the state update is h*({alpha}) + ({beta}); expected A_full[t]*h + B_full[t] with two time slices"
+        # In the graph's names, not the proof's leaf symbols (probe BY: "h*(leaf0) + (-leaf1)").
+        named = {sym: sympy.Symbol(_leaf_name(node)) for sym, node in leaves.items()}
+        return (f"the state update is h*({alpha.xreplace(named)}) + ({beta.xreplace(named)}); expected "
+                "A_full[t]*h + B_full[t] with two time slices")
     a_leaf, b_leaf = leaves[alpha], leaves[beta]
     shape = val(a_leaf).shape
     if not _same_shape(val(b_leaf).shape, shape) or not _same_shape(val(h0).shape, shape):
@@ -1225,7 +1203,8 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         b_base, b_axis, b_idx = b_slice
         if b_idx != 0:
             return (f"the step that multiplies h by A_full at time index 0 adds B_full at time index {b_idx}, not 0: "
-                    "the decay and the input term read different steps (one of them lags the other)")
+                    "the decay and the input term read different steps (one of them lags the other, or the input "
+                    "term is added before the decay multiplies it: h = A_full[t] * (h + B_full[t]))")
         if val(b_base).dim() != 4:
             return "B_full is not a 4-D tensor"
     if per_step:
@@ -1239,6 +1218,9 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         if isinstance(disc, str):
             return f"discretization: {disc}"
         disc, t0 = disc
+        if t0 != 0 and b_base is not None:
+            # exp(Δ[min(t + 1, L - 1)]·A) * h + dBu[t]: the input term reads step 0 (probe BY).
+            return _lag_reason(0, t0)
         if t0 != 0:
             return (f"the state update at step 0 reads its inputs at time index {t0}, not 0 (a loop that starts "
                     "late from a state computed before it, e.g. range(1, L) after a first step written out, or a "
@@ -1293,6 +1275,11 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
             tail = (f"; a loop over the first {t} steps only is rewritten when nothing reads its stepped inputs "
                     f"at step {t} or later, and {later.name} is read there or as a whole"
                     if later is not None else "")
+            lag = _lagged_step(products, key0, h[-1], t)
+            if lag is not None:
+                # u[max(t - 1, 0)] or dBu[max(t - 1, 0)]: step 0 reads both at 0, step 1 no longer
+                # pairs them (probe BY: "no copy of h_1" said nothing of the lag).
+                return lag
             rounding = next((n for n in region if is_cast(n) and not is_lossless_cast(dtype_of(n.args[0]), dtype_of(n))),
                             None)
             if rounding is not None:
@@ -1774,8 +1761,13 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     muls = [n for n in gm.graph.nodes
             if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
     reported = {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
+    given = {x.reason for x in ctx.misses[first_miss:] if x.family == FAMILY}
     for m, c, H in _unmatched_recurrences(muls, reported):
-        ctx.miss(FAMILY, _recurrence_reason(m, c, H), [m])
+        reason = _recurrence_reason(m, c, H)
+        if reason not in given:
+            # (A loop refused for a lag at step 1 leaves steps 1.. as a chain of their own with
+            # the same lag.)
+            ctx.miss(FAMILY, reason, [m])
     lerp = _lerp_recurrence(gm.graph)
     if lerp is not None:
         ctx.miss(FAMILY, "a linear recurrence written with torch.lerp (h = lerp(x_t, h, w_t) = w_t*h + "
@@ -1825,7 +1817,7 @@ def _closed_form_scans(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 4:
             continue
         source = node.args[0] if node.args else None
-        if (name == "cumprod" and _feeds_from_exp(source)) or (name == "cumsum" and _reaches_exp(node, depth=3)):
+        if (name == "cumprod" and _feeds_from_exp(source)) or (name == "cumsum" and _reaches_exp(node, depth=4)):
             found.append(node)
     return found
 
@@ -1837,7 +1829,8 @@ def _feeds_from_exp(node: Any) -> bool:
 
 
 def _reaches_exp(node: torch.fx.Node, depth: int) -> bool:
-    # exp(S), exp(-S), exp(S[:, :, None] - S[:, None, :]): a few elementwise or indexing steps.
+    # exp(S), exp(-S), exp(S[:, :, None] - S[:, None, :]), and that masked (``masked_fill`` with -inf
+    # above the diagonal, probe BY): a few elementwise or indexing steps.
     if depth == 0:
         return False
     return any(is_call(u, torch.exp) or is_method(u, "exp") or _reaches_exp(u, depth - 1) for u in node.users)
@@ -2094,6 +2087,18 @@ def _addend_indices(m: torch.fx.Node) -> set:
     return set()
 
 
+def _leaf_name(node: torch.fx.Node) -> str:
+    """A proof leaf as a user reads it: ``dA[t=0]`` for a time slice of ``dA``, else its name."""
+    ts = time_slice(node)
+    return node.name if ts is None else f"{ts[0].name}[t={ts[2]}]"
+
+
+def _lag_reason(addend_index: int, decay_index: int) -> str:
+    return (f"a linear recurrence whose input term reads time index {addend_index} in the step whose decay "
+            f"reads time index {decay_index}: the input term and the decay read different steps (one lags the "
+            "other), which ssm.selective_scan cannot compute; left alone")
+
+
 def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
     """Why an unrolled linear recurrence (first step ``m = c * H``) that no anchor started from
     is left alone."""
@@ -2112,9 +2117,7 @@ def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
             if lagged:
                 # The steps repeat from t = k only because step k - 1 read the input term at a
                 # clamped index (B[max(t - 1, 0)]): a lag, not a late start (probe BF, run 53).
-                return (f"a linear recurrence whose input term reads time index {lagged[0]} in the step whose "
-                        f"decay reads time index {k}: the input term and the decay read different steps "
-                        "(one lags the other), which ssm.selective_scan cannot compute; left alone")
+                return _lag_reason(lagged[0], k)
             # exp(Δ[t]·A) computed in the step, the earliest step the chain reaches reading time
             # index k > 0: a loop over range(k, L) from a state made before it.
             return (f"a linear recurrence whose first step reads its inputs at time index {k}, not 0 "
@@ -2143,6 +2146,12 @@ def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
     if not isinstance(H, torch.fx.Node):
         return (f"a linear recurrence from an initial state {H!r} that is not a tensor of the state's shape: "
                 "left alone")
+    lagged = sorted(i for i in _addend_indices(m) if i != ts[2])
+    if lagged:
+        # deltaA[:, :, t + 1] * h + dBu[:, :, t], or dBu[:, :, max(t - 1, 0)] from step 1 on: the
+        # chain's steps pair a decay with another step's input term, whatever step it starts at
+        # (probe BY: this read as a reset or a late start).
+        return _lag_reason(lagged[0], ts[2])
     return (f"a linear recurrence that starts at time index {ts[2]}, not 0 (a state reset or a late start "
             "splits the loop): left alone")
 

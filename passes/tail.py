@@ -37,8 +37,8 @@ from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, exact_s
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, addcmul_operands,
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, follow_views,
                        higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
-                       narrowed_by_program, output_getitem, permute_view, propagate_val, scan_args, scan_nodes,
-                       set_scan_args, shape_of, silu_input, target_name, val, view_chain, written_in_place)
+                       narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix, scan_args,
+                       scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
@@ -286,7 +286,9 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
                            f"(dim,) vector broadcast along {where}")
             continue
         skip_u = layout_source(u_like)
-        if skip_u.base is not op_u.base:
+        if skip_u.base is not op_u.base and not same_prefix(skip_u.base, op_u.base):
+            # (A loop over the first k steps: the op reads u narrowed to k steps, the user's skip
+            # its own u[..., :k], the same value; probe BY.)
             reasons.append(f"the skip multiplies {u_like.name}, not the scan's u")
             continue
         if not (skip_u.lossless and op_u.lossless):

@@ -177,6 +177,29 @@ def _launches_kept_in_ops(options: SSMOptions):
     return functorch_config.patch(decompose_custom_triton_ops=False)
 
 
+def _grad_modes() -> tuple[bool, bool]:
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+def _release_failed_trace(error: BaseException, modes: tuple[bool, bool]) -> None:
+    """Give back the grad modes a failed compile left on. Tracing a graph that enters
+    ``torch.inference_mode()`` holds the mode's guard in the traced frames; a compile that raises
+    inside it leaves those frames, and so the mode, alive in the exception's traceback, and the
+    caller's later eager code ran in inference mode (probe BX: "Inference tensors cannot be
+    saved for backward" in the next training step). Clearing the frames drops the guard."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    if _grad_modes() != modes:
+        gc.collect()
+    if _grad_modes() != modes:
+        log.warning("ssm backend: a failed compile left grad mode %s and inference mode %s on, where they were "
+                    "%s and %s", *_grad_modes(), *modes)
+        torch.set_grad_enabled(modes[0])
+
+
 def _holds_inlined_ops(gm: torch.fx.GraphModule) -> bool:
     """The graph calls an op whose launches AOTAutograd may hand to inductor (kernels/inline.py)."""
     from ssm_compile.kernels.inline import INLINED
@@ -319,6 +342,7 @@ class SSMBackend:
         if options.cpp_wrapper is None and _auto_cpp_wrapper(options, example_inputs):
             # Where auto says no, nothing is patched: inductor's own setting (the user's) stands.
             options = dataclasses.replace(options, cpp_wrapper=True)
+        modes = _grad_modes()
         while True:
             try:
                 with _backward_compiled_now(), _launches_kept_in_ops(options):
@@ -326,6 +350,7 @@ class SSMBackend:
             except torch._dynamo.exc.RestartAnalysis:
                 raise  # dynamo's own control flow, not a failure
             except Exception as e:  # noqa: BLE001  (see _run_passes: never fail what runs eagerly)
+                _release_failed_trace(e, modes)
                 if options.cpp_wrapper and self.options.cpp_wrapper is None:
                     log.warning("ssm backend: compiling with the C++ wrapper raised %s: %s; retrying "
                                 "without it (cpp_wrapper=False)", type(e).__name__, e)
