@@ -165,15 +165,20 @@ def test_a_masked_log_space_scan_is_named_as_a_closed_form():
     assert any(r.startswith("a closed-form scan") for r in reasons), reasons
 
 
+def _first_steps(u, delta, A, B, C):
+    """y of the scan over the first L-1 steps."""
+    dA, dBu = _disc(u, delta, A, B)
+    h = u.new_zeros(B_, D_, N_)
+    ys = []
+    for t in range(L_ - 1):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, -1)
+
+
 def test_a_loop_over_the_first_steps_folds_its_sliced_skip_and_gate():
     def fn(u, delta, A, B, C, D, z):
-        dA, dBu = _disc(u, delta, A, B)
-        h = u.new_zeros(B_, D_, N_)
-        ys = []
-        for t in range(L_ - 1):
-            h = dA[:, :, t] * h + dBu[:, :, t]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-        y = torch.stack(ys, -1) + u[..., :L_ - 1] * D[:, None]
+        y = _first_steps(u, delta, A, B, C) + u[..., :L_ - 1] * D[:, None]
         return y * F.silu(z[..., :L_ - 1])
 
     g = torch.Generator().manual_seed(3)
@@ -189,13 +194,7 @@ def test_a_loop_over_the_first_steps_folds_its_sliced_skip_and_gate():
 def test_a_skip_on_another_prefix_is_not_folded():
     # u[..., 1:L] is not the scan's u[..., :L-1]: the same shape, other values.
     def fn(u, delta, A, B, C, D):
-        dA, dBu = _disc(u, delta, A, B)
-        h = u.new_zeros(B_, D_, N_)
-        ys = []
-        for t in range(L_ - 1):
-            h = dA[:, :, t] * h + dBu[:, :, t]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-        return torch.stack(ys, -1) + u[..., 1:] * D[:, None]
+        return _first_steps(u, delta, A, B, C) + u[..., 1:] * D[:, None]
 
     args = [*inputs(), torch.randn(D_, generator=torch.Generator().manual_seed(3), dtype=torch.float64).requires_grad_()]
     assert "not the scan's u" in " ".join(_reasons(explain(fn, *args), "skip"))
