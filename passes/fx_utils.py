@@ -780,7 +780,8 @@ def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or rank.get(dst, 0) > rank.get(src, 0)
 
 
-def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Iterable[Any] = ()) -> str | None:
+def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Iterable[Any] = (),
+                     inputs_as_read: bool = False) -> str | None:
     """Why an op that reads ``inputs`` cannot replace ``nodes``: one of them rounds, or None.
 
     The ops keep fp32 states (fp64 ones for fp64 inputs) and round once, at their outputs. A
@@ -793,8 +794,10 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
     program then computes with in a wider dtype (``A.bfloat16().float()`` where the op reads A,
     rather than ``A.to(delta.dtype)`` in bf16 arithmetic): ``also_read`` are inputs that count
     for that alone (A and an initial state, whose fp32 is the op's choice, not the activations').
-    An activation of ``inputs`` rounded is the program's whatever it computes in afterwards
-    (fp32 inputs cast to bf16 at the top of a bf16 block).
+    With ``inputs_as_read`` (the scan passes, whose op reads each source as the graph holds it), an
+    activation of ``inputs`` rounded is the program's whatever it computes in afterwards (fp32
+    inputs cast to bf16 at the top of a bf16 block). The decode passes read a step's rounded x
+    through ``ssm::round_through`` themselves.
     """
     inputs = [n for n in inputs if isinstance(n, torch.fx.Node)]
     floats = [d for d in (dtype_of(n) for n in inputs) if d in _FLOAT_DTYPES]
@@ -814,7 +817,7 @@ def dropped_rounding(nodes: Iterable[Any], inputs: Iterable[Any], also_read: Ite
         # the program's also where it then computes in the narrow dtype (fp32 inputs cast to bf16
         # at the top of a bf16 block, probe BY): the other inputs' 16 bits do not make this
         # input's rounding any less the program's.
-        rounded = (None if n.meta.get(OP_ROUNDING) else
+        rounded = (None if n.meta.get(OP_ROUNDING) or not (widened or inputs_as_read) else
                    _rounded_input(n.args[0], read if widened else inputs))
         if rounded is not None and not is_lossless_cast(dtype_of(rounded), dst):
             then = "then computes with it in a wider dtype" if widened else "then computes with the rounded value"

@@ -661,7 +661,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     graph = gm.graph
     replaced = [*scan_nodes, *disc.nodes, *readout_nodes, *lasts, all_states]
     refusal = (dropped_rounding([*replaced, *reads], [disc.u.node, disc.delta.node, disc.B.node, readout.C],
-                                also_read=[disc.A.node])
+                                also_read=[disc.A.node], inputs_as_read=True)
                or ContextRegions(graph).refusal(replaced, anchor))
     if refusal is not None:
         # The scan was recognised: this miss, not explain's orphaned-exp(Δ·A) one, is the reason.

@@ -1667,7 +1667,8 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     # copy feeds another source as well (a rounded C summed into Δ: probe BJ, run 53, 1.7e-3 off).
     rounding = dropped_rounding([*replaced, *op_region(sources, m.loop_nodes, pos, keep_upstream=True,
                                                         values_only=True)], sources,
-                                also_read=[d.A.node] + ([m.init] if m.init is not None else []))
+                                also_read=[d.A.node] + ([m.init] if m.init is not None else []),
+                                inputs_as_read=True)
     if rounding is not None:
         return rounding
     anchor = regions.settle(anchor, replaced)
