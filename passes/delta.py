@@ -124,8 +124,10 @@ def match_bias(bias_b: Any, pre_shape: tuple, dim_axis: int, dim: int) -> Option
         return None
     src = _unit_dim_source(bias_b)
     # A (dim, 1) parameter (``D = nn.Parameter(torch.ones(dim, 1))``) holds the same dim values in
-    # the same order as a (dim,) one: ``as_vector`` hands the op its reshape.
-    return src if [s for s in (shape_of(src) or ()) if s != 1] == [dim] else None
+    # the same order as a (dim,) one: ``as_vector`` hands the op its reshape. At dim = 1 every axis
+    # is size 1, and any one-element tensor is the (1,) vector (probe BX: a d_model = 1 model).
+    sizes = [s for s in (shape_of(src) or ()) if s != 1]
+    return src if sizes == [dim] or (dim == 1 and not sizes and shape_of(src) is not None) else None
 
 
 def as_vector(graph: torch.fx.Graph, node: torch.fx.Node, dim: int, before: torch.fx.Node) -> torch.fx.Node:

@@ -94,3 +94,26 @@ def test_other_functions_of_the_padded_conv_are_left_alone(after):
     assert "conv1d" not in report.counts, str(report)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(fn, backend="ssm")(x), fn(x))
+
+
+def test_a_one_channel_block_folds_its_skip():
+    # d_model = 1: D of shape (1,) broadcast along a dim axis of size 1 was "not a (dim,) vector".
+    from test_unseen_scan6 import _disc
+
+    def fn(u, delta, A, B, C, D):
+        dA, dBu = _disc(u, delta, A, B)
+        h = u.new_zeros(2, 1, 4)
+        ys = []
+        for t in range(u.shape[2]):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+        return torch.stack(ys, -1) + u * D[:, None]
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 1, 6, generator=g), torch.rand(2, 1, 6, generator=g) + 0.1,
+            -torch.rand(1, 4, generator=g) - 0.5, torch.randn(2, 4, 6, generator=g), torch.randn(2, 4, 6, generator=g),
+            torch.randn(1, generator=g)]
+    report = explain(fn, *args)
+    assert report.counts.get("skip") == 1, str(report)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend="ssm")(*args), fn(*args))
