@@ -311,7 +311,11 @@ def _unsliced_reason(conv: torch.fx.Node) -> str:
     def named(user: torch.fx.Node) -> str:
         if user.op == "output":
             return "the graph's output"
-        written = target_name(user).endswith("_") or any(a is True for a in (*user.args[1:], *user.kwargs.values()))
+        # A True among the arguments is an ``inplace`` flag, except as an operand (``c * True``,
+        # probe BZ).
+        flags = () if is_call(user, *_ARITHMETIC) or is_method(user, *_ARITHMETIC_METHODS) else (
+            *user.args[1:], *user.kwargs.values())
+        written = target_name(user).endswith("_") or any(a is True for a in flags)
         return f"{user.name} ({target_name(user)}{', in place' if written else ''})"
     readers = ", ".join(named(u) for u in conv.users) or "nothing"
     writers = [named(u) for u in conv.users if "in place" in named(u)]
@@ -327,8 +331,9 @@ def _unsliced_reason(conv: torch.fx.Node) -> str:
         readers += f", whose result is read by {', '.join(named(u) for u in act.users) or 'nothing'}"
     returned = any(u.op == "output" for u in conv.users)
     return (f"the padded conv output (L + W - 1 steps) is read by {readers}, not only by one slice [..., :L] "
-            "(directly, or after one out-of-place elementwise function): its last W - 1 steps see the "
-            "right-hand padding, so it is not a causal conv"
+            "(directly, or through out-of-place elementwise functions of it alone, each read once: activations, "
+            "and arithmetic with a Python number, not with a tensor, pow or floor division): its last W - 1 steps "
+            "see the right-hand padding, so it is not a causal conv"
             + (" in this graph (a slice after a graph break, in the next graph, is not seen here)" if returned
                else ""))
 
@@ -351,7 +356,7 @@ def _match_silu(y: torch.fx.Node) -> tuple[list[torch.fx.Node], str] | None:
 # of the causal conv after it. (silu folds into the op; these stay as the user wrote them.)
 _ELEMENTWISE = (F.gelu, F.relu, torch.relu, F.relu6, F.elu, F.selu, F.celu, F.leaky_relu, F.hardtanh, F.hardswish,
                 F.hardsigmoid, F.mish, F.softplus, F.softsign, F.logsigmoid, torch.tanh, F.tanh, torch.sigmoid,
-                F.sigmoid, torch.exp, torch.abs, torch.neg, torch.square, torch.erf)
+                F.sigmoid, torch.exp, torch.abs, torch.neg, operator.neg, torch.square, torch.erf)
 _ELEMENTWISE_METHODS = ("relu", "tanh", "sigmoid", "exp", "abs", "neg", "square", "erf")
 
 

@@ -367,9 +367,10 @@ NEGATIVES = {
     "channel-slice": (neg_slice_channel_too, {}, "not a slice of the time axis alone"),
     # The slice may be in the next graph, after a graph break (probe BS).
     "unsliced": (neg_unsliced, {}, "is read by the graph's output, not only by one slice [..., :L] (directly, or "
-                 "after one out-of-place elementwise function): its last W - 1 steps see the right-hand padding, so "
-                 "it is not a causal conv in this graph (a slice after a graph break, in the next graph, is not "
-                 "seen here)"),
+                 "through out-of-place elementwise functions of it alone, each read once: activations, and "
+                 "arithmetic with a Python number, not with a tensor, pow or floor division): its last W - 1 steps "
+                 "see the right-hand padding, so it is not a causal conv in this graph (a slice after a graph "
+                 "break, in the next graph, is not seen here)"),
     "W9": (f_functional_silu, {"width": 9}, "kernel width 9 unsupported"),
     "W1": (f_functional_silu, {"width": 1}, "kernel width 1 unsupported"),
     "fp64": (f_functional_silu, {"dtype": torch.float64}, "dtype torch.float64 is not supported"),

@@ -59,6 +59,8 @@ def test_inference_mode_inside_the_compiled_function_is_off_again_after_it(caplo
     pytest.param(lambda c: (0.7 * c - 0.2), id="times-then-minus"),
     pytest.param(lambda c: torch.add(c, 0.5, alpha=2.0).tanh(), id="add-alpha-then-tanh"),
     pytest.param(lambda c: F.silu(c / 3.0), id="over-a-number-then-silu"),
+    # operator.neg, as ``-c`` traces (probe BZ), then silu and a number.
+    pytest.param(lambda c: F.silu(-c) * 3, id="minus-then-silu-then-times"),
 ])
 def test_arithmetic_on_the_padded_conv_before_its_slice_is_a_causal_conv(after):
     block = Conv()
@@ -117,3 +119,16 @@ def test_a_one_channel_block_folds_its_skip():
     assert report.counts.get("skip") == 1, str(report)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(fn, backend="ssm")(*args), fn(*args))
+
+
+def test_a_bool_operand_is_not_called_an_inplace_flag():
+    # ``c * True`` is arithmetic with a bool (not taken), not ``inplace=True`` (probe BZ: the
+    # reason said the product wrote the conv output in place).
+    block = Conv()
+
+    def fn(x):
+        return (block.conv(x) * True)[..., :L]
+
+    reasons = [m.reason for m in explain(fn, torch.randn(2, D, L)).misses if m.family == "conv1d"]
+    assert reasons and not any("in place" in r for r in reasons), reasons
+    assert "not with a tensor, pow or floor division" in reasons[0], reasons
