@@ -38,8 +38,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (OP_ROUNDING, bare_name, context_refusal, depthwise_weight, is_call, is_method, is_zeros,
-                       named_args, propagate_val, target_name, val, view_perm, written_in_place)
+from .fx_utils import (OP_ROUNDING, bare_name, context_refusal, depthwise_weight, is_call, is_method, is_number,
+                       is_zeros, named_args, propagate_val, target_name, val, view_perm, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -379,15 +379,11 @@ def _with_a_number(node: torch.fx.Node, source: torch.fx.Node) -> bool:
     place: an elementwise function of ``source`` alone (a conv hook's ``out * 0.7 - 0.2``)."""
     if not (is_call(node, *_ARITHMETIC) or is_method(node, *_ARITHMETIC_METHODS)) or len(node.args) != 2:
         return False
-    if set(node.kwargs) - {"alpha"} or not all(_is_number(v) for v in node.kwargs.values()):
+    if set(node.kwargs) - {"alpha"} or not all(is_number(v) for v in node.kwargs.values()):
         return False
     a, b = node.args
     other = b if a is source else a if b is source else None
-    return other is not None and _is_number(other)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return other is not None and is_number(other)
 
 
 def _activated_slice(conv: torch.fx.Node) -> tuple[torch.fx.Node, Any, list[torch.fx.Node] | None] | None:

@@ -1354,11 +1354,16 @@ def _inplace_position(target: Any) -> int | None:
     return params.index("inplace") if "inplace" in params else None
 
 
+def is_number(value: Any) -> bool:
+    """A Python int or float, not a bool (which is an int to Python, a flag to the ops)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def is_zeros(node: Any) -> bool:
     """``node`` is the number 0 or a fresh tensor of zeros (``torch.zeros``, ``zeros_like``,
     ``new_zeros``, a ``full``/``new_full`` of 0). Whether it is written in place later is the
     caller's question (``written_in_place``)."""
-    if isinstance(node, (int, float)) and not isinstance(node, bool):
+    if is_number(node):
         return node == 0
     if not isinstance(node, torch.fx.Node):
         return False
@@ -1796,13 +1801,13 @@ def time_prefix_source(node: torch.fx.Node, axis: int) -> torch.fx.Node:
     the prefix is step t of ``x``, so a loop over the prefix's steps is one over ``x``'s first
     steps."""
     while True:
-        src = prefix_of(node, axis)
+        src = _prefix_of(node, axis)
         if src is None:
             return node
         node = src
 
 
-def prefix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
+def _prefix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
     """``x`` when ``node`` is one slice of ``x`` that keeps the first steps of ``axis`` and all of
     every other axis; else None."""
     vx = val(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None

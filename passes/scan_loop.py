@@ -80,13 +80,13 @@ from .fx_utils import (
     is_cast,
     is_lossless_cast,
     is_method,
+    is_number,
     detach_note,
     dtype_of,
     mutates,
     parse_index,
     parse_slice,
     permute_view,
-    prefix_of,
     propagate_val,
     shape_of,
     time_prefix_source,
@@ -1935,7 +1935,7 @@ def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):
     late, earliest = [], {}
     for m, p, q in products:
         for a0, H in ((p, q), (q, p)):
-            if not isinstance(a0, torch.fx.Node) or not (isinstance(val(H), torch.Tensor) or _number(H)):
+            if not isinstance(a0, torch.fx.Node) or not (isinstance(val(H), torch.Tensor) or is_number(H)):
                 continue
             ts = time_slice(a0)
             if ts is not None:
@@ -1958,10 +1958,6 @@ def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):
     for k, shifted, m, a0, H in late:
         if earliest[shifted] == k:
             yield m, a0, H
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _exact_number(x: Any, dtype: torch.dtype) -> bool:
@@ -2139,7 +2135,7 @@ def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
     if val(ts[0]).dim() != 4:
         return (f"a linear recurrence h = a_t*h + x_t whose decay is a time slice of a {val(ts[0]).dim()}-D "
                 "tensor, not of a (batch, dim, time, state) exp(Δ·A): left alone")
-    if _number(H) and val(c).dtype.is_floating_point and not _exact_number(H, val(c).dtype):
+    if is_number(H) and val(c).dtype.is_floating_point and not _exact_number(H, val(c).dtype):
         return (f"a linear recurrence from the number {H!r} as its initial state, which {val(c).dtype} does not "
                 "hold exactly: eager multiplies the first decay by the number itself (in float32 for a 16-bit "
                 "state), and the op would start from its rounding to the state's dtype; left alone "
