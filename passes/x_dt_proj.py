@@ -44,7 +44,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .delta import LINEAR_TARGETS, MATMUL_TARGETS, weight_product
 from .fx_utils import (context_refusal, is_call, is_method, layout_source, named_args, node_order,
-                       propagate_val, scan_args, scan_nodes, shape_of, val, view_chain, written_in_place)
+                       propagate_val, scan_args, scan_nodes, shape_of, target_name, val, view_chain,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "x_dt_proj"
@@ -223,7 +224,7 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     x_dbl, rank = columns
     x_args = _linear(x_dbl)
     if x_args is None:
-        return None
+        return _not_x_proj(x_dbl, rank)
     x, x_weight = x_args
     tensors = [x, x_weight, x_dbl, low, dt_weight, dt_proj]
     values = [val(t) if isinstance(t, torch.fx.Node) else None for t in tensors]
@@ -258,6 +259,19 @@ def match(scan: torch.fx.Node) -> Site | str | None:
                 "products read: dt, computed where x_proj runs, would read them at another point than the "
                 "user's code did")
     return Site(x_dbl, dt_proj, x, x_weight, dt_weight, nodes, rows_product)
+
+
+def _not_x_proj(x_dbl: torch.fx.Node, rank: int) -> str:
+    """Why dt_proj's low-rank input, the first ``rank`` columns of ``x_dbl``, is not read from a
+    product the op computes (a forward hook that rescales x_proj's output lands here)."""
+    if is_call(x_dbl, *LINEAR_TARGETS) and named_args(x_dbl, ("input", "weight", "bias")).get("bias") is not None:
+        what = "adds a bias"
+    elif is_call(x_dbl, operator.getitem) and isinstance(x_dbl.args[0], torch.fx.Node):
+        what = f"is a piece of {target_name(x_dbl.args[0])}, not a bias-free linear of x"
+    else:
+        what = f"is {target_name(x_dbl)}, not a bias-free linear of x"
+    return (f"dt_proj reads the first {rank} columns of {x_dbl.name}, which {what}: ssm.x_dt_proj computes "
+            "only the two bias-free products, so x_proj and dt_proj stay as they are")
 
 
 def _value_source(node: torch.fx.Node) -> torch.fx.Node:

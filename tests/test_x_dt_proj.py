@@ -404,14 +404,16 @@ def test_forms_are_rewritten(variant):
 NEAR_MISSES = {
     # variant: the miss reason's start (None: not an x_dt_proj site at all, nothing to report)
     "middle_columns": None,
-    "x_proj_bias": None,
+    "x_proj_bias": "dt_proj reads the first 3 columns of x_dbl, which adds a bias",
     "written": "mul_",
     "cast": None,
     "rows_middle_columns": None,
-    "einsum_permuted": None,
-    "einsum_broadcast": None,
+    # dt_proj does read x_dbl's first columns, but not from a product the op computes (a
+    # forward hook that rescales x_proj's output is the same case: test_rescaled_x_proj_says_so).
+    "einsum_permuted": "dt_proj reads the first 3 columns of x_dbl, which is .transpose, not a bias-free",
+    "einsum_broadcast": "dt_proj reads the first 3 columns of x_dbl, which is torch.functional.einsum, not",
     "einsum_dt_transposed": None,
-    "tensor_split_late": None,
+    "tensor_split_late": "dt_proj reads the first 3 columns of dt, which is a piece of torch.tensor_split, not",
 }
 
 
@@ -434,6 +436,26 @@ def test_near_misses_are_left_alone(variant):
     assert torch.equal(x_dbl, ref_x_dbl)
     # "cast" runs dt_proj in bf16: the scan's other folds may round differently from eager there.
     assert rel_err(y, ref_y.double()) < TOL[torch.bfloat16 if variant == "cast" else torch.float32]
+
+
+def test_rescaled_x_proj_says_so():
+    # A forward hook that rescales x_proj's output (probe BX, run 58): dt_proj reads columns of
+    # the product times 1.5, which the op does not compute; it used to be refused silently.
+    torch.manual_seed(0)
+    model = XDt("split")
+    model.x_proj.register_forward_hook(lambda mod, args, out: out * 1.5)
+    x = torch.randn(2, 7, 8)
+    cap, (y, x_dbl) = _compiled(model, x)
+    assert not _x_dt_ops(cap.gm)
+    misses = [m.reason for m in cap.ctx.misses if m.family == "x_dt_proj"]
+    # The product's node name is Dynamo's (hook_result on torch 2.13).
+    assert len(misses) == 1 and misses[0].startswith("dt_proj reads the first 3 columns of ") and (
+        "which is operator.mul, not a bias-free linear of x: ssm.x_dt_proj computes only the two bias-free "
+        "products, so x_proj and dt_proj stay as they are") in misses[0], misses
+    torch._dynamo.reset()
+    ref_y, ref_x_dbl = model(x)
+    assert torch.equal(x_dbl, ref_x_dbl)
+    assert rel_err(y, ref_y.double()) < TOL[torch.float32]
 
 
 def test_fp64_is_left_alone_with_a_reason():
