@@ -992,7 +992,8 @@ def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tup
     n_lab, d_lab = sa - sd, sa & sd
     b_lab = sd - sa - {t_lab}
     if len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1:
-        return "A_full: A must be indexed by (dim, state) and Δ by (batch, dim, time)" + _size_one_note(fa.node)
+        return ("A_full: A must be indexed by (dim, state) and Δ by (batch, dim, time)"
+                + _size_one_note(fa.node, per_channel=bool(sa & sd)))
     role = {b_lab.pop(): "b", d_lab.pop(): "d", t_lab: "t", n_lab.pop(): "n"}
     if set(a_out) != set(role):
         return "A_full's axes are not (batch, dim, time, state)"
@@ -1128,20 +1129,26 @@ def _hop_note(node: Any) -> str:
             "it does in the backward is the program's, and the op's own gradient would replace it)")
 
 
-def _size_one_note(node: Any) -> str:
+def _size_one_note(node: Any, per_channel: bool) -> str:
     """Why A (``node``) can fail the role proof: an axis of size 1 (N = 1, a single channel)
-    indexes nothing, so it reads as a broadcast axis, not as the state's or the channels'."""
+    indexes nothing, so it reads as a broadcast axis, not as the state's or the channels'.
+    ``per_channel``: A shares an index with Δ (the channels'), else its indices are Δ-free."""
     value = val(node) if isinstance(node, torch.fx.Node) else None
     ones = [i for i, s in enumerate(value.shape) if statically_known_true(s == 1)] if isinstance(
         value, torch.Tensor) else []
     if ones:
         return (f" (A has shape {tuple(value.shape)}: its size-1 axis {ones[0]} indexes nothing, so it reads as "
                 "a broadcast axis and A's (dim, state) roles are not proved here)")
-    if isinstance(value, torch.Tensor) and value.dim() == 1:
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and per_channel:
         # A flattened Mamba-2: ``A.repeat_interleave(P)[:, None].expand(dim, N)`` (probe BT).
         return (f" (A is {node.name}, of shape {tuple(value.shape)}, broadcast over the state axis: one decay per "
                 "channel, as a flattened Mamba-2's scalar decay per head; the pass proves A's roles on a "
                 "tensor that has the state axis itself, such as a reshape of the expanded A)")
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        # One decay per state shared by every channel (probe CB: ``einsum('bdl,n->bdln', Δ, A)``).
+        return (f" (A is {node.name}, of shape {tuple(value.shape)}, broadcast over the channels: one decay per "
+                "state, shared by every channel; the pass proves A's roles on a tensor that has the channel axis "
+                "itself, such as A.expand(dim, N))")
     return ""
 
 
@@ -1199,7 +1206,8 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     sa = set(at.factor_labels(fa))
     n_lab, d_lab, b_lab = sa - sd, sa & sd, sd - sa
     if len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1 or set(out) != n_lab | d_lab | b_lab:
-        return "the state's multiplier: A must be indexed by (dim, state) and Δ by (batch, dim)" + _size_one_note(fa.node)
+        return ("the state's multiplier: A must be indexed by (dim, state) and Δ by (batch, dim)"
+                + _size_one_note(fa.node, per_channel=bool(sa & sd)))
     role = {b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}
     state_roles = tuple(role[x] for x in out)
     A_roles = _roles_of(at, fa, role)

@@ -1852,3 +1852,66 @@ def same_prefix(a: Any, b: Any) -> bool:
         if base is time_prefix_source(b, axis) and (base is not a or base is not b):
             return True
     return False
+
+
+# sign_of's vocabulary, by the function's or method's name (call_function targets only from
+# torch and operator, so that a user's function of the same name is not read as one of these).
+_NONNEGATIVE = frozenset(("exp", "exp2", "softplus", "sigmoid", "special_expit", "relu", "relu6", "abs", "square",
+                          "sqrt", "cosh"))
+# Ops whose every element is an element of their first argument (views, copies, casts: rounding
+# keeps a sign), or of their tensor argument for split-like ops read through getitem.
+_SIGN_KEEPING = frozenset(VIEW_OPS + ("expand_as", "contiguous", "clone", "detach", "repeat", "repeat_interleave",
+                                      "broadcast_to", "tensor_split", "split_with_sizes", "float", "double",
+                                      "half", "bfloat16", "to", "type", "type_as"))
+
+
+def _sign_vocabulary_name(node: torch.fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        module = getattr(node.target, "__module__", None) or ""
+        if module == "_operator" or module.startswith("torch"):
+            return getattr(node.target, "__name__", None)
+    return None
+
+
+def sign_of(value: Any, depth: int = 16) -> int:
+    """1 if every element of ``value`` is provably >= 0 (or NaN), -1 if provably <= 0 (or NaN),
+    0 if the graph does not show either. From the ops that make it (``softplus``, ``exp``,
+    ``-exp(A_log)``, products and sums of known signs, views and casts), never from values: a
+    placeholder's sign is unknown."""
+    if is_number(value):
+        return 1 if value >= 0 else -1
+    if not isinstance(value, torch.fx.Node) or depth == 0:
+        return 0
+    name = _sign_vocabulary_name(value)
+    if name is None:
+        return 0
+    args = value.args
+    first = args[0] if args else None
+    if name in _NONNEGATIVE:
+        return 1
+    if name in _SIGN_KEEPING or name in ("getitem", "__getitem__"):
+        return sign_of(first, depth - 1)
+    if name in ("neg", "negative"):
+        return -sign_of(first, depth - 1)
+    if name in ("clamp", "clamp_min", "clip"):
+        low = value.kwargs.get("min", args[1] if len(args) > 1 else None)
+        return 1 if is_number(low) and low >= 0 else 0
+    if len(args) != 2 or value.kwargs:
+        return 0
+    second = args[1]
+    if name in ("mul", "multiply", "truediv", "div", "divide"):
+        if name.startswith("mul") and first is second:
+            return 1  # x * x
+        return sign_of(first, depth - 1) * sign_of(second, depth - 1)
+    if name in ("add", "sub", "subtract"):
+        left, right = sign_of(first, depth - 1), sign_of(second, depth - 1)
+        if name != "add":
+            right = -right
+        return left if left == right else 0
+    if name in ("pow", "float_power"):
+        if is_number(second) and float(second).is_integer() and int(second) % 2 == 0:
+            return 1
+        return 1 if sign_of(first, depth - 1) == 1 else 0
+    return 0

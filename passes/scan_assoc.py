@@ -52,11 +52,11 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .discretize import Source, match_discretization
+from .discretize import Discretized, Source, match_discretization
 from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, ContextRegions, addcmul_operands,
                        dropped_rounding, dtype_of, float64_readout, hoist_before, is_call, is_method,
                        mutates, node_order, pinned_int, proof_number, proof_sum, readout_decision, shape_of,
-                       time_prefix_source, val)
+                       sign_of, time_prefix_source, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
@@ -617,6 +617,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         ctx.miss(FAMILY, f"the states are computed in float64 but u is {dtype_of(disc.u.node)}: the op "
                  "would accumulate in float32", [all_states])
         return
+    bounded = _first_decay_bounded(disc)
     roles = disc.b_roles
     # An in-place scan's own updates and views of its buffer use the states node too; those
     # whose every user is in the scan are replaced with it (a view read outside, ``hs[:, -1]``,
@@ -680,9 +681,10 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         graph, narrowed(), Source(readout.C, readout.C_roles),
         y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),
         last_state_roles=tuple(r for r in roles if r != "t") if lasts else None,
-        last_state_dtype=dtype_of(lasts[0]) if lasts else None))
+        last_state_dtype=dtype_of(lasts[0]) if lasts else None, first_state_is_input=not bounded))
     if isinstance(emitted, str):
-        ctx.miss(FAMILY, emitted, [all_states])
+        # The scan was recognised: this miss, not explain's orphaned-exp(Δ·A) one, is the reason.
+        ctx.miss(FAMILY, emitted, [all_states], covers=[a_full, *disc.nodes])
         return
     y_user, last_user = emitted
     readout.end.replace_all_uses_with(y_user)
@@ -691,11 +693,32 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     _erase_dead(graph, [readout.end] + readout.chain + readout.nodes + lasts + [all_states] + list(dead) + scan_nodes)
     decision = {"L": _static(length), "N": _static(size["n"]), **decision, "layout": "".join(roles),
                 "last_state": bool(lasts)}
+    if not bounded:
+        decision["first_state"] = _FIRST_STATE_NOTE
     ctx.rewrite(FAMILY, pattern, scan_nodes, "ssm.selective_scan.default", decision)
     ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", disc.nodes, "ssm.selective_scan.default",
                 {"time_invariant_B": disc.time_invariant_B})
     ctx.rewrite("readout", "Σ_n h·C", readout.nodes, "ssm.selective_scan.default",
                 readout_decision("".join(readout.out_roles), readout.end, readout.C_roles))
+
+
+# For explain: why the op was handed h_{-1} = B_full[t=0] and a Δ copy (``_first_decay_bounded``).
+_FIRST_STATE_NOTE = ("B_full[t=0] as h_{-1} with Δ[t=0] = 0 (the graph does not show Δ·A <= 0, so exp(Δ·A) at "
+                     "t = 0 may be infinite, and the op must not multiply it by a zero state; Δ = softplus(...) "
+                     "and A = -exp(A_log) show it and save this copy of Δ)")
+
+
+def _first_decay_bounded(disc: Discretized) -> bool:
+    """Whether the ops that make Δ and A show Δ·A <= 0 (so exp(Δ·A) is in [0, 1], or NaN only
+    from a NaN or an inf·0 in Δ·A, where B_full = Δ·B·u is not finite either).
+
+    An associative or in-place parallel scan's first state is ``b_0`` itself: no decay multiplies
+    anything before it. ``ssm.selective_scan`` without an initial state computes ``a_0 * 0 + b_0``,
+    NaN where ``a_0`` is infinite (probe CC: a negative Δ with a strongly negative A), and its
+    backward carries the same product. Where the signs are not shown, the op is emitted to start
+    from ``b_0`` instead (``emit_selective_scan``'s ``first_state_is_input``)."""
+    delta, a = sign_of(disc.delta.node), sign_of(disc.A.node) * (-1 if disc.negate_A else 1)
+    return delta * a == -1
 
 
 def _static(size: Any) -> int | str:

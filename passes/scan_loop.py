@@ -1487,6 +1487,7 @@ def emit_selective_scan(
     initial_state: Source | None = None,
     last_state_roles: tuple[str, ...] | None = None,
     last_state_dtype: torch.dtype | None = None,
+    first_state_is_input: bool = False,
 ) -> tuple[torch.fx.Node, torch.fx.Node | None]:
     """Insert ``ssm.selective_scan`` and the views around it at the graph's insertion point.
 
@@ -1504,6 +1505,13 @@ def emit_selective_scan(
             and axes may be size 1, broadcast as in the user's update), or None for zeros.
         last_state_roles / last_state_dtype: the layout and dtype of the last state to produce, or
             None when nobody uses it (then return_last_state=False).
+        first_state_is_input: the user's first state is B_full[t=0] itself, with no h_{-1} (an
+            associative or in-place parallel scan), where the op would compute exp(Δ·A)[t=0]·0 +
+            B_full[t=0]: NaN where that decay is infinite. The op then starts from
+            h_{-1} = Δ_0·B_0·u_0 with Δ_0 = 0 (a decay of exactly 1 and no input term at t = 0):
+            the first state is B_full[t=0] for every value, and the gradients of Δ_0, B_0 and u_0
+            flow through h_{-1}. Costs a copy of Δ, so the caller asks for it only where the
+            graph does not show the decay finite.
 
     Returns:
         ``(y, last_state_or_None)``, nodes in the requested layouts and dtypes.
@@ -1553,6 +1561,9 @@ def emit_selective_scan(
             B4 = _node(graph, "call_function", operator.getitem, B, (slice(None), None))
             B = _node(graph, "call_method", "expand", B4, -1, groups, -1, -1)
     init = None
+    if first_state_is_input:
+        assert initial_state is None, "a scan whose first state is its first input term has no h_{-1}"
+        delta, init = _first_state_from_input(graph, u, delta, B)
     if initial_state is not None:
         init, roles = initial_state.node, initial_state.roles
         missing = tuple(r for r in "bdn" if r not in roles)
@@ -1589,6 +1600,44 @@ def emit_selective_scan(
         last = permute_view(graph, last, tuple("bdn".index(r) for r in last_state_roles))
         last = _cast(graph, last, last_state_dtype)
     return y, last
+
+
+def _first_state_from_input(graph: torch.fx.Graph, u: torch.fx.Node, delta: torch.fx.Node, B: torch.fx.Node
+                            ) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """``(Δ with Δ_0 = 0, h_{-1} = Δ_0·B_0·u_0)`` in the op's layouts, from its (batch, dim, L) u and
+    Δ and its B: (batch, N, L), (batch, G, N, L) or time-invariant (dim, N). See
+    ``emit_selective_scan``'s ``first_state_is_input``. Computed in the op's accumulation dtype."""
+    wide = torch.float64 if val(u).dtype == torch.float64 else torch.float32
+    u0 = _cast(graph, _node(graph, "call_function", operator.getitem, u, (slice(None), slice(None), 0)), wide)
+    d0 = _cast(graph, _node(graph, "call_function", operator.getitem, delta, (slice(None), slice(None), 0)), wide)
+    ndim = val(B).dim()
+    if ndim == 2:  # (dim, N), the same at every step
+        B0 = _node(graph, "call_function", operator.getitem, B, (None,))
+    elif ndim == 3:  # (batch, N, L)
+        B0 = _node(graph, "call_function", operator.getitem, B, (slice(None), None, slice(None), 0))
+    else:  # (batch, G, N, L): channel d reads group d // (dim / G)
+        B0 = _node(graph, "call_function", operator.getitem, B, (Ellipsis, 0))
+    # The op's order: (Δ·u)·B.
+    du = _node(graph, "call_function", operator.mul, d0, u0)
+    if ndim == 4:
+        # (batch, dim) as (batch, G, dim / G), each group's channels against its B row.
+        groups = _node(graph, "call_method", "size", B0, 1)
+        du = _node(graph, "call_method", "unflatten", du, 1, (groups, -1))
+        du = _node(graph, "call_function", operator.getitem, du, (Ellipsis, None))
+        B0 = _node(graph, "call_function", operator.getitem, B0, (slice(None), slice(None), None))
+        h0 = _node(graph, "call_function", operator.mul, du, _cast(graph, B0, wide))
+        return _delta_from_step_one(graph, delta), _node(graph, "call_method", "flatten", h0, 1, 2)
+    du = _node(graph, "call_function", operator.getitem, du, (slice(None), slice(None), None))
+    h0 = _node(graph, "call_function", operator.mul, du, _cast(graph, B0, wide))
+    return _delta_from_step_one(graph, delta), h0
+
+
+def _delta_from_step_one(graph: torch.fx.Graph, delta: torch.fx.Node) -> torch.fx.Node:
+    """Δ with Δ[..., 0] = 0: a decay of exactly 1 (for any finite A) and no input term at t = 0."""
+    head = _node(graph, "call_function", torch.zeros_like,
+                 _node(graph, "call_function", operator.getitem, delta, (Ellipsis, slice(None, 1))))
+    rest = _node(graph, "call_function", operator.getitem, delta, (Ellipsis, slice(1, None)))
+    return _node(graph, "call_function", torch.cat, [head, rest], -1)
 
 
 def _per_batch(graph: torch.fx.Graph, src: Source, u: torch.fx.Node) -> torch.fx.Node:
@@ -2128,7 +2177,8 @@ def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
         return ("a linear recurrence h = exp(Δ·A)*h + x_t whose Δ has no time axis (the same step at every t, "
                 "as in S4D): left alone, since ssm.selective_scan reads Δ per (batch, dim, time); a Δ "
                 "materialised per (batch, dim, time) before the loop (dt[None, :, None].repeat(b, 1, L), "
-                "dt[:, None] * torch.ones(b, d, L)) is rewritten, an expand of it is not")
+                "dt[:, None] * torch.ones(b, d, L)) passes this check, an expand of it does not; the "
+                "rest of the recurrence (a Δ·B·u input term, a real A) is then checked as for any scan")
     if ts is None:
         return ("a linear recurrence h = c*h + x_t with a time-invariant decay c (an EMA), not exp(Δ_t·A): "
                 "left alone, since ssm.selective_scan would compute c as exp(log c), which is not exactly c")

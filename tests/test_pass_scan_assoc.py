@@ -109,6 +109,22 @@ def check_close(out, ref, dtype=torch.float32):
         assert rel_err(o, r) <= TOL[dtype], rel_err(o, r)
 
 
+def from_A_log(fn):
+    """``fn`` with A = -exp(A_log) computed inside, as a model's mixer computes it before calling
+    HF's ``mamba_selective_scan``: compiled whole, the graph shows exp(Δ·A) <= 1, so the op starts
+    from a zero state. With A passed in, it starts from B_full[t=0] (``test_A_passed_in``)."""
+    def with_A_log(hidden_states, dt, A_log, B, C, D, z, delta_bias, **kw):
+        return fn(hidden_states, dt, -torch.exp(A_log), B, C, D, z, delta_bias, **kw)
+    return with_A_log
+
+
+def A_log_inputs(*args, **kw):
+    """``make_inputs`` with A replaced by its A_log."""
+    args = list(make_inputs(*args, **kw))
+    args[2] = torch.log(-args[2])
+    return args
+
+
 def fired(*families):
     return {f: counters["ssm"][f] for f in families}
 
@@ -245,13 +261,97 @@ def minimal_style(u, delta, A, B, C, D, z, delta_bias, mode="generic"):
 @pytest.mark.parametrize("mode", ["generic", "pointwise"])
 @pytest.mark.parametrize("length", [2, 5, 13], ids=lambda n: f"L{n}")
 def test_hf_form(length, mode):
+    fn = from_A_log(hf_selective_scan)
+    args = A_log_inputs(length)
+    ref = reference(fn, *args)
+    cap, out = compile_and_run(functools.partial(fn, mode=mode), *args, fold=True)
+    assert fired("scan_assoc", "discretization", "readout", "delta", "skip", "gate") == dict(
+        scan_assoc=1, discretization=1, readout=1, delta=1, skip=1, gate=1), cap.ctx.misses
+    assert cap.ctx.rewrites[0].decision["combine_mode"] == mode
+    assert "first_state" not in cap.ctx.rewrites[0].decision
+    check_close(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["generic", "pointwise"])
+@pytest.mark.parametrize("length", [2, 7], ids=lambda n: f"L{n}")
+def test_A_passed_in(length, mode):
+    # HF's mamba_selective_scan compiled on its own takes A as an argument: nothing shows
+    # exp(Δ·A) finite at t = 0, so the op starts from B_full[t=0] (with Δ[t=0] = 0, a copy of Δ
+    # that the softplus is not folded through); the skip and the gate still fold.
     args = make_inputs(length)
     ref = reference(hf_selective_scan, *args)
     cap, out = compile_and_run(functools.partial(hf_selective_scan, mode=mode), *args, fold=True)
     assert fired("scan_assoc", "discretization", "readout", "delta", "skip", "gate") == dict(
-        scan_assoc=1, discretization=1, readout=1, delta=1, skip=1, gate=1), cap.ctx.misses
-    assert cap.ctx.rewrites[0].decision["combine_mode"] == mode
+        scan_assoc=1, discretization=1, readout=1, delta=0, skip=1, gate=1), cap.ctx.misses
+    assert cap.ctx.rewrites[0].decision["first_state"].startswith("B_full[t=0] as h_{-1} with Δ[t=0] = 0")
     check_close(out, ref)
+
+
+@pytest.mark.parametrize("form", ["hf", "in_place"])
+@pytest.mark.parametrize("case", ["first_decay_inf", "positive_A"])
+def test_an_unbounded_first_decay_keeps_the_scans_first_state(form, case):
+    # Probe CC (run 59): Δ not from softplus and A passed in. An associative or in-place
+    # parallel scan's first state is B_full[t=0]; a scan from a zero state computes
+    # exp(Δ·A)[t=0] * 0 + B_full[t=0], NaN where that decay is infinite, and NaN reached the whole
+    # channel. The values are eager's, and so are the gradients where eager's are finite.
+    import ssm_compile
+
+    g = torch.Generator().manual_seed(3)
+    u, delta, B, C = (torch.randn(BATCH, DIM, 6, generator=g), torch.rand(BATCH, DIM, 6, generator=g) + 0.1,
+                      torch.randn(BATCH, N, 6, generator=g), torch.randn(BATCH, N, 6, generator=g))
+    if case == "first_decay_inf":
+        A = -torch.rand(DIM, N, generator=g) * 1e3 - 1e3
+        delta[:, :, 0] = -torch.rand(BATCH, DIM, generator=g) - 0.5  # Δ·A at t = 0 far above 88
+    else:
+        A = torch.rand(DIM, N, generator=g) * 5 + 5  # growing states, finite at every step
+
+    def scan(u, delta, A, B, C):
+        dA = torch.exp(delta[..., None] * A[:, None, :])
+        dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+        if form == "hf":
+            states = associative_scan(combine_hf, (dA, dBu), dim=2, combine_mode="generic")[1]
+        else:  # mamba.py's PScan: Blelloch's up and down sweeps in place on padded copies
+            L = dA.shape[2]
+            T = 1 << (L - 1).bit_length()
+            Ac, Xc = F.pad(dA, (0, 0, 0, T - L)), F.pad(dBu, (0, 0, 0, T - L))
+            s = 1
+            while s < T:
+                right, left = slice(2 * s - 1, T, 2 * s), slice(s - 1, T, 2 * s)
+                Xc[:, :, right].add_(Ac[:, :, right] * Xc[:, :, left])
+                Ac[:, :, right].mul_(Ac[:, :, left])
+                s *= 2
+            s = T // 4
+            while s >= 1:
+                dst, src = slice(3 * s - 1, T, 2 * s), slice(2 * s - 1, T - s, 2 * s)
+                Xc[:, :, dst].add_(Ac[:, :, dst] * Xc[:, :, src])
+                Ac[:, :, dst].mul_(Ac[:, :, src])
+                s //= 2
+            states = Xc[:, :, :L]
+        return (states * C.transpose(1, 2)[:, None]).sum(-1)
+
+    # Autograd cannot differentiate the in-place sweep in eager (it overwrites what it saved).
+    grads = form == "hf"
+    args = [t.requires_grad_(grads) for t in (u, delta, A, B, C)]
+    ref = scan(*args)
+    assert ref.isfinite().all()
+    report = ssm_compile.explain(scan, *args)
+    families = {r.family for r in report.rewrites}
+    assert families >= {"scan_assoc", "discretization"}, report
+    assert any("first_state" in r.decision for r in report.rewrites), report
+    torch._dynamo.reset()
+    out = torch.compile(scan, backend="ssm")(*args)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if not grads:
+        return
+    for got, want in zip(torch.autograd.grad(out, args, torch.ones_like(out)),
+                         torch.autograd.grad(ref, args, torch.ones_like(ref))):
+        # exp(Δ·A) at t = 0 is inf and unused; torch's generic scan still multiplies its zero
+        # gradient through it (0 * inf = NaN in eager's dΔ and dA there). The true gradient is
+        # finite, and so is the op's.
+        assert got.isfinite().all()
+        ok = want.isfinite()
+        torch.testing.assert_close(got[ok], want[ok], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["generic", "pointwise"])
@@ -268,7 +368,8 @@ def test_other_forms(form, mode):
         "bf16": (hf_selective_scan, "bdl", torch.bfloat16),
         "time_invariant_B": (time_invariant_B, "bdl", torch.float32),
     }[form]
-    args = make_inputs(7, dtype, layout)
+    fn = from_A_log(fn)
+    args = A_log_inputs(7, dtype, layout)
     ref = reference(fn, *args)
     cap, out = compile_and_run(functools.partial(fn, mode=mode), *args, fold=True)
     assert fired("scan_assoc", "discretization", "readout") == dict(
@@ -276,7 +377,8 @@ def test_other_forms(form, mode):
     assert counters["ssm"]["delta"] == (0 if form == "time_invariant_B" else 1)
     check_close(out, ref, dtype)
     text = normalized_graph_str(cap.gm)
-    assert "torch.exp(" not in text and "matmul" not in text and "einsum" not in text
+    # The one exp left is A = -exp(A_log)'s.
+    assert text.count("torch.exp(") == 1 and "matmul" not in text and "einsum" not in text
 
 
 def test_rewrite_needs_no_dead_code_elimination():
@@ -346,9 +448,9 @@ def test_generic_dynamic_length_with_too_many_lengths_is_a_miss(monkeypatch):
 
 
 def test_hf_generic_snapshot():
-    cap, _ = compile_and_run(hf_selective_scan, *make_inputs(6), fold=True)
+    cap, _ = compile_and_run(from_A_log(hf_selective_scan), *A_log_inputs(6), fold=True)
     assert_expected_inline(normalized_graph_str(cap.gm), """\
-%L_A_ = placeholder
+%L_A_log_ = placeholder
 %L_B_ = placeholder
 %L_C_ = placeholder
 %L_D_ = placeholder
@@ -356,7 +458,9 @@ def test_hf_generic_snapshot():
 %L_dt_ = placeholder
 %L_hidden_states_ = placeholder
 %L_z_ = placeholder
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_hidden_states_, %L_dt_, %L_A_, %L_B_, %L_C_, %L_D_, %L_z_, %L_delta_bias_, True, None, True)
+%exp_1 = torch.exp(%L_A_log_)
+%neg_1 = operator.neg(%exp_1)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_hidden_states_, %L_dt_, %neg_1, %L_B_, %L_C_, %L_D_, %L_z_, %L_delta_bias_, True, None, True)
 %getitem_1 = operator.getitem(%selective_scan_1, 0)
 %getitem_2 = operator.getitem(%selective_scan_1, 1)
 %permute_1 = .permute(%getitem_1, 0, 2, 1)
@@ -381,18 +485,28 @@ def test_pointwise_snapshot_scan_only():
 %getitem_1 = operator.getitem(%L_args_7_, (..., None))
 %add_1 = operator.add(%L_args_1_, %getitem_1)
 %softplus_1 = torch._C._nn.softplus(%add_1)
-%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_args_0_, %softplus_1, %L_args_2_, %L_args_3_, %L_args_4_, None, None, None, False, None, True)
-%getitem_2 = operator.getitem(%selective_scan_1, 0)
-%getitem_3 = operator.getitem(%selective_scan_1, 1)
-%getitem_4 = operator.getitem(%L_args_5_, (None, :, None))
-%mul_1 = operator.mul(%L_args_0_, %getitem_4)
-%add_2 = operator.add(%getitem_2, %mul_1)
+%getitem_2 = operator.getitem(%L_args_0_, (:, :, 0))
+%getitem_3 = operator.getitem(%softplus_1, (:, :, 0))
+%getitem_4 = operator.getitem(%L_args_3_, (:, None, :, 0))
+%mul_1 = operator.mul(%getitem_3, %getitem_2)
+%getitem_5 = operator.getitem(%mul_1, (:, :, None))
+%mul_2 = operator.mul(%getitem_5, %getitem_4)
+%getitem_6 = operator.getitem(%softplus_1, (..., :1))
+%zeros_like_1 = torch.zeros_like(%getitem_6)
+%getitem_7 = operator.getitem(%softplus_1, (..., 1:))
+%cat_1 = torch.cat([%zeros_like_1, %getitem_7], -1)
+%selective_scan_1 = torch.ops.ssm.selective_scan.default(%L_args_0_, %cat_1, %L_args_2_, %L_args_3_, %L_args_4_, None, None, None, False, %mul_2, True)
+%getitem_8 = operator.getitem(%selective_scan_1, 0)
+%getitem_9 = operator.getitem(%selective_scan_1, 1)
+%getitem_10 = operator.getitem(%L_args_5_, (None, :, None))
+%mul_3 = operator.mul(%L_args_0_, %getitem_10)
+%add_2 = operator.add(%getitem_8, %mul_3)
 %silu_1 = torch.nn.functional.silu(%L_args_6_)
-%mul_2 = operator.mul(%add_2, %silu_1)
-%permute_1 = .permute(%mul_2, 0, 2, 1)
+%mul_4 = operator.mul(%add_2, %silu_1)
+%permute_1 = .permute(%mul_4, 0, 2, 1)
 %contiguous_1 = .contiguous(%permute_1)
 %permute_2 = .permute(%contiguous_1, 0, 2, 1)
-return (%permute_2, %getitem_3)
+return (%permute_2, %getitem_9)
 """)
 
 
