@@ -85,9 +85,9 @@ def _assert_exact(program: Program, got, want, args, grads_want, weights, what: 
 
 def _expected_folds(program: Program) -> set[str]:
     """The tail folds a rewritten single scan must get: Δ's softplus (but see the associative_scan
-    case below); a skip after the loop
-    unless the gate is applied inside it or the readout is scaled (then y isn't the op's y); a
-    gate after the loop unless the skip is added inside it or the readout is scaled."""
+    case below); a skip after the loop unless the gate is applied inside it or the readout is
+    scaled (then y isn't the op's y); a gate after the loop unless the skip is added inside it or
+    the readout is scaled."""
     c = program.choice
     if c["calls"] != "once" or program.mutation not in (None, "init_ones"):
         return set()

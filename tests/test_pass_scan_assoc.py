@@ -311,21 +311,13 @@ def test_an_unbounded_first_decay_keeps_the_scans_first_state(form, case):
         if form == "hf":
             states = associative_scan(combine_hf, (dA, dBu), dim=2, combine_mode="generic")[1]
         else:  # mamba.py's PScan: Blelloch's up and down sweeps in place on padded copies
+            from test_pass_scan_inplace import _down, _up
+
             L = dA.shape[2]
             T = 1 << (L - 1).bit_length()
             Ac, Xc = F.pad(dA, (0, 0, 0, T - L)), F.pad(dBu, (0, 0, 0, T - L))
-            s = 1
-            while s < T:
-                right, left = slice(2 * s - 1, T, 2 * s), slice(s - 1, T, 2 * s)
-                Xc[:, :, right].add_(Ac[:, :, right] * Xc[:, :, left])
-                Ac[:, :, right].mul_(Ac[:, :, left])
-                s *= 2
-            s = T // 4
-            while s >= 1:
-                dst, src = slice(3 * s - 1, T, 2 * s), slice(2 * s - 1, T - s, 2 * s)
-                Xc[:, :, dst].add_(Ac[:, :, dst] * Xc[:, :, src])
-                Ac[:, :, dst].mul_(Ac[:, :, src])
-                s //= 2
+            _up(Ac, Xc, T)
+            _down(Ac, Xc, T)
             states = Xc[:, :, :L]
         return (states * C.transpose(1, 2)[:, None]).sum(-1)
 
