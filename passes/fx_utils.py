@@ -1901,10 +1901,13 @@ def sign_of(value: Any, depth: int = 16) -> int:
     if len(args) != 2 or value.kwargs:
         return 0
     second = args[1]
-    if name in ("mul", "multiply", "truediv", "div", "divide"):
-        if name.startswith("mul") and first is second:
+    if name in ("mul", "multiply"):
+        if first is second:
             return 1  # x * x
         return sign_of(first, depth - 1) * sign_of(second, depth - 1)
+    if name in ("truediv", "div", "divide"):
+        # Only by a non-zero number: x / -0.0 flips the sign, and a "non-negative" tensor may hold -0.0.
+        return sign_of(first, depth - 1) * sign_of(second) if is_number(second) and second != 0 else 0
     if name in ("add", "sub", "subtract"):
         left, right = sign_of(first, depth - 1), sign_of(second, depth - 1)
         if name != "add":

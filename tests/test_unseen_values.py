@@ -66,3 +66,16 @@ def test_a_scan_the_op_refuses_gets_that_reason_alone(n):
         and "256" in reasons[0], reasons
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(_assoc, backend="ssm")(*args), _assoc(*args))
+
+
+def test_sign_of_reads_signs_from_the_ops_only():
+    from ssm_compile.passes.fx_utils import sign_of
+
+    def f(x, a):
+        return (F.softplus(x) / 2, -torch.exp(a.float()) * 3, x / x.abs(), (x * x).clamp(min=0),
+                torch.sqrt(x) - torch.exp(x), -(a ** 2), x, F.relu(x) / -0.0, F.softplus(x).transpose(0, 1)[:1])
+
+    gm = torch.fx.symbolic_trace(f)
+    (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    # A placeholder's sign is unknown (0), and so is a division by anything but a non-zero number.
+    assert [sign_of(o) for o in outputs] == [1, -1, 0, 1, 0, -1, 0, 0, 1]
