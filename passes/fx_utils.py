@@ -1377,19 +1377,26 @@ def is_zeros(node: Any) -> bool:
     return False
 
 
-def written_in_place(graph: torch.fx.Graph, nodes: list[Any]) -> torch.fx.Node | None:
+def written_in_place(graph: torch.fx.Graph, nodes: list[Any], after_made: bool = False) -> torch.fx.Node | None:
     """The first node of ``graph`` that writes in place to memory one of ``nodes`` lives in (any
     view of it), or None. A pass that makes an op read ``nodes`` at another place in the graph
-    than the user did may only do so when this is None. Unknown storages count as shared."""
-    storages = [storage_of(n) for n in nodes if isinstance(n, torch.fx.Node)]
-    if any(s is None for s in storages):
-        return next((n for n in graph.nodes if mutates(n)), None)
+    than the user did may only do so when this is None. Unknown storages count as shared.
+
+    ``after_made``: only a write at or after the node itself counts. One before it (a buffer
+    filled in place, then viewed or cast without a copy: VMamba's cross-scan, probe CB) is in
+    the node's value wherever it is read."""
+    nodes = [n for n in nodes if isinstance(n, torch.fx.Node)]
+    storages = [storage_of(n) for n in nodes]
+    pos = node_order(graph) if after_made else {}
     for node in graph.nodes:
         if not mutates(node):
             continue
         written = [storage_of(a) for a in written_args(node) if isinstance(val(a), torch.Tensor)]
-        if any(w is None or w in storages for w in written):
-            return node
+        for n, storage in zip(nodes, storages):
+            if after_made and pos[node] < pos[n]:
+                continue
+            if storage is None or any(w is None or w == storage for w in written):
+                return node
     return None
 
 

@@ -38,7 +38,8 @@ from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, ad
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, follow_views,
                        higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
                        narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix, scan_args,
-                       scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain, written_in_place)
+                       scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
@@ -212,7 +213,9 @@ def _written_term(graph: torch.fx.Graph, roots: list[torch.fx.Node], stops: set)
             return f"the term is computed through more than {_TERM_LIMIT} nodes, too many to check for writes to"
         if node.op not in ("placeholder", "get_attr"):
             stack.extend(node.all_input_nodes)
-    writer = written_in_place(graph, sorted(term, key=lambda n: n.name))
+    # A write before a value is made (a buffer filled in place, then viewed or cast without a
+    # copy: VMamba's cross-scan, probe CB) is in it for the user's term and the op's alike.
+    writer = written_in_place(graph, sorted(term, key=lambda n: n.name), after_made=True)
     return None if writer is None else f"{writer.name} writes in place to the memory of a value in"
 
 
@@ -372,11 +375,13 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if refusal is not None:
         ctx.miss("skip", refusal, [user])
         return False
-    # The op reads D (and u) where the scan is, the user's D·u reads them where it is written.
-    writer = written_in_place(gm.graph, [skip.D, args["u"]])
+    # The op reads D (and u) where the scan is, the user's D·u reads them where it is written. A
+    # write before the values it writes are read by either (VMamba's cross-scan fills a buffer in
+    # place, then views it as u: probe CB) is seen by both alike.
+    writer = written_in_place(gm.graph, [skip.D, args["u"], skip.factors[0]], after_made=True)
     if writer is not None:
-        ctx.miss("skip", f"{writer.name} writes D or u in place, so the op would read them at another "
-                 "point than the user's D·u does", [user])
+        ctx.miss("skip", f"{writer.name} writes D or u in place after it is made, so the op would read them at "
+                 "another point than the user's D·u does", [user])
         return False
     writer = _written_term(gm.graph, [*skip.nodes[1:], *skip.factors],
                            {chain.top, skip.D, layout_source(args["u"]).base})
@@ -519,10 +524,10 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if refusal is not None:
         ctx.miss("gate", refusal, [user])
         return False
-    writer = written_in_place(gm.graph, [gate.z])
+    writer = written_in_place(gm.graph, [gate.z], after_made=True)
     if writer is not None:
-        ctx.miss("gate", f"{writer.name} writes z in place, so the op would read it at another point than "
-                 "the user's silu(z) does", [user])
+        ctx.miss("gate", f"{writer.name} writes z in place after it is made, so the op would read it at another "
+                 "point than the user's silu(z) does", [user])
         return False
     writer = _written_term(gm.graph, [n for n in gate.nodes if n is not gate.out], {chain.top, gate.z})
     if writer is not None:

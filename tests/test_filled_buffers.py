@@ -124,6 +124,23 @@ def test_a_source_filled_before_it_is_made_is_rewritten(fn, family):
     assert compare(fn, inputs(), family) == 1
 
 
+def filled_then_skip_and_gate(x, delta, A, B, C):
+    # VMamba v2's selective_scan_torch after its cross-scan (probe CB, run 59): the skip reads u,
+    # the gate a second buffer filled the same way; every write comes before u and z are made.
+    z = _cross(x.cos()).view(BATCH, 2 * CH, L)
+    u = _cross(x).view(BATCH, 2 * CH, L)
+    y = _loop(u, delta, A, B, C) + u * A[:, :1]
+    return y * torch.nn.functional.silu(z)
+
+
+def test_a_skip_and_gate_read_from_filled_buffers_fold():
+    # Any write to u's or z's memory used to refuse the folds, even one before u and z existed.
+    args = inputs()
+    assert compare(filled_then_skip_and_gate, args, "scan_loop") == 1
+    report = explain(filled_then_skip_and_gate, *args)
+    assert report.counts.get("skip") == 1 and report.counts.get("gate") == 1, report.format(graphs=False)
+
+
 @pytest.mark.parametrize("fn, reason", [
     (viewed_then_filled, "u is mutated in place (it, or a view sharing its memory, is written by"),
     (written_between, "u is mutated in place (it, or a view sharing its memory, is written by"),
