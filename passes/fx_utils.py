@@ -1885,14 +1885,18 @@ def _sign_vocabulary_name(node: torch.fx.Node) -> str | None:
 def sign_of(value: Any, depth: int = 16) -> int:
     """1 if every element of ``value`` is provably >= 0 (or NaN), -1 if provably <= 0 (or NaN),
     0 if the graph does not show either. From the ops that make it (``softplus``, ``exp``,
-    ``-exp(A_log)``, products and sums of known signs, views and casts), never from values: a
-    placeholder's sign is unknown."""
+    ``-exp(A_log)``, products and sums of known signs, views and casts) and only where nothing
+    writes into their memory, never from values: a placeholder's sign is unknown."""
     if is_number(value):
         return 1 if value >= 0 else -1
     if not isinstance(value, torch.fx.Node) or depth == 0:
         return 0
     name = _sign_vocabulary_name(value)
     if name is None:
+        return 0
+    if is_tensor_node(value) and written_in_place(value.graph, [value]) is not None:
+        # The op's sign is not its value's once something writes into it (``s = softplus(x);
+        # s[:, :, 0] = -1; delta = s * 2``): that write may come before any reader's own check.
         return 0
     args = value.args
     first = args[0] if args else None

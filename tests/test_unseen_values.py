@@ -79,3 +79,30 @@ def test_sign_of_reads_signs_from_the_ops_only():
     (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
     # A placeholder's sign is unknown (0), and so is a division by anything but a non-zero number.
     assert [sign_of(o) for o in outputs] == [1, -1, 0, 1, 0, -1, 0, 0, 1]
+
+
+def _softplus_written_then_scaled(u, x, A_log, B, C):
+    s = F.softplus(x)
+    s[:, :, 0] = -1.0  # a negative Δ at t = 0, written into softplus's output
+    delta = s * 2.0  # a fresh tensor made after the write: no reader of delta sees it
+    A = -torch.exp(A_log)
+    dA = torch.exp(delta[..., None] * A[:, None, :])
+    dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+    states = associative_scan(_combine, (dA, dBu), dim=2, combine_mode="generic")[1]
+    return (states * C.transpose(1, 2)[:, None]).sum(-1)
+
+
+def test_a_sign_is_not_read_from_an_op_whose_output_is_written():
+    # Review of run 59: sign_of read softplus's sign through the write, the op started from a zero
+    # state, and exp(Δ·A) at t = 0 = exp(+2194) gave NaN over every channel where eager is finite.
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g), torch.full((3, 4), 7.0),
+            torch.randn(2, 4, 5, generator=g), torch.randn(2, 4, 5, generator=g))
+    with torch.no_grad():
+        report, _ = _reasons(_softplus_written_then_scaled, *args)
+        assert any("first_state" in r.decision for r in report.rewrites if r.family == "scan_assoc"), report
+        torch._dynamo.reset()
+        want = _softplus_written_then_scaled(*args)
+        got = torch.compile(_softplus_written_then_scaled, backend="ssm")(*args)
+    assert want.isfinite().all() and got.isfinite().all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
