@@ -617,7 +617,6 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         ctx.miss(FAMILY, f"the states are computed in float64 but u is {dtype_of(disc.u.node)}: the op "
                  "would accumulate in float32", [all_states])
         return
-    bounded = _first_decay_bounded(disc)
     roles = disc.b_roles
     # An in-place scan's own updates and views of its buffer use the states node too; those
     # whose every user is in the scan are replaced with it (a view read outside, ``hs[:, -1]``,
@@ -677,6 +676,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     def narrowed() -> Any:
         return dataclasses.replace(disc, **{k: first_steps(graph, getattr(disc, k), length) for k in ("u", "delta", "B")})
 
+    bounded = _first_decay_bounded(disc)
     emitted = emit_or_refusal(graph, anchor, lambda: emit_selective_scan(
         graph, narrowed(), Source(readout.C, readout.C_roles),
         y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),

@@ -1621,14 +1621,12 @@ def _first_state_from_input(graph: torch.fx.Graph, u: torch.fx.Node, delta: torc
     du = _node(graph, "call_function", operator.mul, d0, u0)
     if ndim == 4:
         # (batch, dim) as (batch, G, dim / G), each group's channels against its B row.
-        groups = _node(graph, "call_method", "size", B0, 1)
-        du = _node(graph, "call_method", "unflatten", du, 1, (groups, -1))
-        du = _node(graph, "call_function", operator.getitem, du, (Ellipsis, None))
+        du = _node(graph, "call_method", "unflatten", du, 1, (_node(graph, "call_method", "size", B0, 1), -1))
         B0 = _node(graph, "call_function", operator.getitem, B0, (slice(None), slice(None), None))
-        h0 = _node(graph, "call_function", operator.mul, du, _cast(graph, B0, wide))
-        return _delta_from_step_one(graph, delta), _node(graph, "call_method", "flatten", h0, 1, 2)
-    du = _node(graph, "call_function", operator.getitem, du, (slice(None), slice(None), None))
+    du = _node(graph, "call_function", operator.getitem, du, (slice(None),) * val(du).dim() + (None,))
     h0 = _node(graph, "call_function", operator.mul, du, _cast(graph, B0, wide))
+    if ndim == 4:
+        h0 = _node(graph, "call_method", "flatten", h0, 1, 2)
     return _delta_from_step_one(graph, delta), h0
 
 

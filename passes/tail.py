@@ -38,8 +38,7 @@ from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, ad
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, follow_views,
                        higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
                        narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix, scan_args,
-                       scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain,
-                       written_in_place)
+                       scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
