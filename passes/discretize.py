@@ -932,8 +932,7 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
     if len(set(a_out)) != 4:
         return "A_full's axes are not four distinct indices"
     if len(inner.factors) == 2:
-        decay = _full_decay(ta, a_perm, a_views, at, ())
-        return decay if isinstance(decay, str) else prove_input(decay)
+        return _prove_input(_full_decay(ta, a_perm, a_views, at, ()), prove_input)
     # More factors: Δ or A is itself a product the user computed (Δ·mask for padded steps,
     # softplus(dt)·scale, A·scale). Each side must be one graph value that is exactly the product
     # of its factors (``product_parts``); the proof then runs with those values as leaves, so
@@ -941,8 +940,7 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
     first = None
     for stops in _exponent_groupings(at, inner, a_out[ta % 4]):
         ast = index_term(a_exp, stops, allow_exp=True, allow_neg=allow_neg)
-        decay = _full_decay(ta, a_perm, a_views, ast, stops)
-        found = decay if isinstance(decay, str) else prove_input(decay)
+        found = _prove_input(_full_decay(ta, a_perm, a_views, ast, stops), prove_input)
         if not isinstance(found, str):
             return found
         first = first or found
@@ -970,10 +968,40 @@ def _exponent_groupings(at: IndexTerm, inner: IndexTerm, t_lab: int):
             yield tuple(stops)
 
 
+def _shared_A_roles(n_lab: set, d_lab: set, b_lab: set) -> list[dict[int, str]] | None:
+    """The two role readings of exp(Δ ⊗ A) when A has one axis, which Δ lacks (one decay per
+    state, shared by every channel: ``einsum('bdl,n->bdln', Δ, A)``, probe CB): the decay alone
+    cannot tell Δ's batch axis from its channel axis, so each is tried as either. None for any
+    other labelling. (The labels' sets are left as they are.)"""
+    if d_lab or len(n_lab) != 1 or len(b_lab) != 2:
+        return None
+    (n,), (x, y) = tuple(n_lab), sorted(b_lab)
+    return [{x: "b", y: "d", n: "n"}, {y: "b", x: "d", n: "n"}]
+
+
+def _prove_input(decays: list[_Decay] | str, prove_input):
+    """``prove_input`` on the decay's reading, or on each of a shared A's two. Those two differ
+    only in which of Δ's axes is the batch: the input term must settle it (u by (batch, dim), B by
+    (batch, state)), so the proof holds only where exactly one reading does; where both do
+    (nothing in the step tells batch from channels), the op's roles are not proved."""
+    if isinstance(decays, str):
+        return decays
+    found = [prove_input(d) for d in decays]
+    proved = [f for f in found if not isinstance(f, str)]
+    if len(proved) == 1:
+        return proved[0]
+    if proved:
+        return ("A has only a state axis (one decay per state, shared by the channels), and nothing in the step "
+                "tells Δ's batch axis from its channel axis (B and u read both alike): the op's (batch, dim) "
+                "roles are not proved")
+    return found[0]
+
+
 def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tuple[torch.fx.Node, ...]
-                ) -> _Decay | str:
+                ) -> list[_Decay] | str:
     """A_full's half of the proof, once exp's product has two factors, Δ and A (``stops``: the
-    graph values that are Δ or A, evaluated as leaves on the input side as well)."""
+    graph values that are Δ or A, evaluated as leaves on the input side as well). Two readings
+    where A has no channel axis (``_shared_A_roles``), for ``_prove_input`` to choose from."""
     if at is None or at.exp_of is None or len(at.exp_of.factors) != 2 or at.exp_of.summed:
         return "A_full is not exp(Δ·A)"
     inner = at.exp_of
@@ -991,22 +1019,27 @@ def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tup
         return "A_full: exactly one factor of exp(Δ·A) must vary with time (Δ) and one must not (A)"
     n_lab, d_lab = sa - sd, sa & sd
     b_lab = sd - sa - {t_lab}
-    if len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1:
+    shared = _shared_A_roles(n_lab, d_lab, b_lab)
+    if shared is None and (len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1):
         return ("A_full: A must be indexed by (dim, state) and Δ by (batch, dim, time)"
                 + _size_one_note(fa.node, per_channel=bool(sa & sd)))
-    role = {b_lab.pop(): "b", d_lab.pop(): "d", t_lab: "t", n_lab.pop(): "n"}
-    if set(a_out) != set(role):
-        return "A_full's axes are not (batch, dim, time, state)"
-    a_roles = tuple(role[x] for x in a_out)
-    delta_roles = _roles_of(at, fd, role)
-    A_roles = _roles_of(at, fa, role)
-    if delta_roles is None or sorted(delta_roles) != ["b", "d", "t"]:
-        return "A_full: Δ must have exactly the axes (batch, dim, time)"
-    if A_roles is None or sorted(A_roles) != ["d", "n"]:
-        return "A_full: A must have exactly the axes (dim, state)"
-    return _Decay(delta=Source(fd.node, delta_roles), A=Source(fa.node, A_roles),
-                  state_roles=tuple(r for r in a_roles if r != "t"), a_roles=a_roles,
-                  nodes=list(dict.fromkeys(a_views + at.looked_through)), negate_A=inner.sign < 0, stops=stops)
+    decays = []
+    for role in shared or [{b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}]:
+        role[t_lab] = "t"
+        if set(a_out) != set(role):
+            return "A_full's axes are not (batch, dim, time, state)"
+        a_roles = tuple(role[x] for x in a_out)
+        delta_roles = _roles_of(at, fd, role)
+        A_roles = _roles_of(at, fa, role)
+        if delta_roles is None or sorted(delta_roles) != ["b", "d", "t"]:
+            return "A_full: Δ must have exactly the axes (batch, dim, time)"
+        if A_roles is None or sorted(A_roles) not in (["d", "n"], ["n"]):
+            return "A_full: A must have exactly the axes (dim, state)"
+        decays.append(_Decay(delta=Source(fd.node, delta_roles), A=Source(fa.node, A_roles),
+                             state_roles=tuple(r for r in a_roles if r != "t"), a_roles=a_roles,
+                             nodes=list(dict.fromkeys(a_views + at.looked_through)), negate_A=inner.sign < 0,
+                             stops=stops))
+    return decays
 
 
 def _full_input(b_full: torch.fx.Node, tb: int, decay: _Decay) -> Discretized | str:
@@ -1145,10 +1178,11 @@ def _size_one_note(node: Any, per_channel: bool) -> str:
                 "channel, as a flattened Mamba-2's scalar decay per head; the pass proves A's roles on a "
                 "tensor that has the state axis itself, such as a reshape of the expanded A)")
     if isinstance(value, torch.Tensor) and value.dim() == 1:
-        # One decay per state shared by every channel (probe CB: ``einsum('bdl,n->bdln', Δ, A)``).
+        # One decay per state shared by every channel (probe CB: ``einsum('bdl,n->bdln', Δ, A)``),
+        # proved only where Δ has both a batch and a channel axis (``_shared_A_roles``).
         return (f" (A is {node.name}, of shape {tuple(value.shape)}, broadcast over the channels: one decay per "
-                "state, shared by every channel; the pass proves A's roles on a tensor that has the channel axis "
-                "itself, such as A.expand(dim, N))")
+                "state, shared by every channel, which the pass proves only where Δ has a batch and a channel "
+                "axis besides time)")
     return ""
 
 
@@ -1205,24 +1239,28 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     sd = set(at.factor_labels(fd)) & set(out)
     sa = set(at.factor_labels(fa))
     n_lab, d_lab, b_lab = sa - sd, sa & sd, sd - sa
-    if len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1 or set(out) != n_lab | d_lab | b_lab:
+    shared = _shared_A_roles(n_lab, d_lab, b_lab) if set(out) == n_lab | b_lab else None
+    if shared is None and (len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1
+                           or set(out) != n_lab | d_lab | b_lab):
         return ("the state's multiplier: A must be indexed by (dim, state) and Δ by (batch, dim)"
                 + _size_one_note(fa.node, per_channel=bool(sa & sd)))
-    role = {b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}
-    state_roles = tuple(role[x] for x in out)
-    A_roles = _roles_of(at, fa, role)
-    d_slice = _slice_roles(at, fd, role)
-    if A_roles is None or sorted(A_roles) != ["d", "n"]:
-        return "the state's multiplier: A must have exactly the axes (dim, state)"
-    if d_slice is None or sorted(d_slice[2]) != ["b", "d", "t"]:
-        return "the state's multiplier: Δ must be a time slice of a (batch, dim, time) tensor"
-    delta_base, t0, delta_roles = d_slice
-    # Δ's base is a leaf for the input term too: a precomputed Δ·B·u (the mixed form) built from
-    # a Δ the user computed (softplus(dt) * mask) then names it as a factor.
-    decay = _Decay(delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles), state_roles=state_roles,
-                   a_roles=state_roles + ("t",), nodes=list(at.looked_through), negate_A=inner.sign < 0,
-                   stops=(delta_base,), t0=t0, sliced=(delta_base, delta_roles))
-    found = prove_input(decay)
+    decays, t0 = [], None
+    for role in shared or [{b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}]:
+        state_roles = tuple(role[x] for x in out)
+        A_roles = _roles_of(at, fa, role)
+        d_slice = _slice_roles(at, fd, role)
+        if A_roles is None or sorted(A_roles) not in (["d", "n"], ["n"]):
+            return "the state's multiplier: A must have exactly the axes (dim, state)"
+        if d_slice is None or sorted(d_slice[2]) != ["b", "d", "t"]:
+            return "the state's multiplier: Δ must be a time slice of a (batch, dim, time) tensor"
+        delta_base, t0, delta_roles = d_slice
+        # Δ's base is a leaf for the input term too: a precomputed Δ·B·u (the mixed form) built
+        # from a Δ the user computed (softplus(dt) * mask) then names it as a factor.
+        decays.append(_Decay(delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles),
+                             state_roles=state_roles, a_roles=state_roles + ("t",), nodes=list(at.looked_through),
+                             negate_A=inner.sign < 0, stops=(delta_base,), t0=t0,
+                             sliced=(delta_base, delta_roles)))
+    found = _prove_input(decays, prove_input)
     return found if isinstance(found, str) else (found, t0)
 
 

@@ -1191,13 +1191,45 @@ def follow_views(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, ...], l
         if not user.args or user.args[0] is not node:
             break
         sigma = view_perm(user)
-        if sigma is not None:
+        back = _unit_round_trip(user)
+        if back is not None:
+            # ``y[..., None].squeeze(-1)``: a readout collected with a size-1 axis, then squeezed
+            # (probe CG) is y itself.
+            chain.append(user)
+            user = back
+        elif sigma is not None:
             perm = tuple(perm[s] for s in sigma)
         elif cast_dtype(user) is None:
             break
         node = user
         chain.append(user)
     return node, perm, chain
+
+
+def _unit_round_trip(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The single user of ``node`` that squeezes the one size-1 axis ``node`` inserts into its
+    input (``x[:, :, None]`` or ``x.unsqueeze(k)``, then ``.squeeze(k)``), else None."""
+    src = node.args[0] if node.args else None
+    if not isinstance(src, torch.fx.Node) or not isinstance(val(src), torch.Tensor) or len(node.users) != 1:
+        return None
+    ndim = val(src).dim() + 1
+    if is_call(node, operator.getitem):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        nones = [i for i, x in enumerate(index) if x is None]
+        rest = [x for x in index if x is not None]
+        if len(nones) != 1 or len(index) > ndim or any(x != slice(None) for x in rest):
+            return None
+        axis = nones[0]
+    elif (is_method(node, "unsqueeze") or is_call(node, torch.unsqueeze)) and len(node.args) == 2 \
+            and isinstance(node.args[1], int) and not node.kwargs:
+        axis = node.args[1] % ndim
+    else:
+        return None
+    (squeeze,) = node.users
+    if not (is_method(squeeze, "squeeze") or is_call(squeeze, torch.squeeze)) or squeeze.args[0] is not node \
+            or len(squeeze.args) != 2 or squeeze.kwargs or not isinstance(squeeze.args[1], int):
+        return None
+    return squeeze if squeeze.args[1] % ndim == axis else None
 
 
 def depthwise_weight(graph: torch.fx.Graph, weight: torch.fx.Node) -> torch.fx.Node:
@@ -1377,27 +1409,41 @@ def is_zeros(node: Any) -> bool:
     return False
 
 
-def written_in_place(graph: torch.fx.Graph, nodes: list[Any], after_made: bool = False) -> torch.fx.Node | None:
+def written_in_place(graph: torch.fx.Graph, nodes: list[Any], after_made: bool = False,
+                     since: torch.fx.Node | None = None) -> torch.fx.Node | None:
     """The first node of ``graph`` that writes in place to memory one of ``nodes`` lives in (any
     view of it), or None. A pass that makes an op read ``nodes`` at another place in the graph
     than the user did may only do so when this is None. Unknown storages count as shared.
 
     ``after_made``: only a write at or after the node itself counts. One before it (a buffer
     filled in place, then viewed or cast without a copy: VMamba's cross-scan, probe CB) is in
-    the node's value wherever it is read."""
+    the node's value wherever it is read. ``since``: only a write at or after that node counts,
+    for every one of ``nodes`` (two reads of one memory, each through its own views or copies:
+    ``first_read``)."""
     nodes = [n for n in nodes if isinstance(n, torch.fx.Node)]
     storages = [storage_of(n) for n in nodes]
-    pos = node_order(graph) if after_made else {}
+    pos = node_order(graph) if after_made or since is not None else {}
     for node in graph.nodes:
         if not mutates(node):
             continue
         written = [storage_of(a) for a in written_args(node) if isinstance(val(a), torch.Tensor)]
         for n, storage in zip(nodes, storages):
-            if after_made and pos[node] < pos[n]:
+            if after_made and pos[node] < pos[n] or since is not None and pos[node] < pos[since]:
                 continue
             if storage is None or any(w is None or w == storage for w in written):
                 return node
     return None
+
+
+def first_read(nodes: list[torch.fx.Node]) -> torch.fx.Node:
+    """The earliest node on the views and casts from each of ``nodes`` back to its
+    ``layout_source`` base (the node itself where it is the base). Memory the base shares is read
+    no earlier: a cast copies it where the cast is, a view where its reader is. A write before it
+    is in every one of the values; one after it may be in some and not in others (u.float()
+    made before ``u[..., -1] = 0``, a view of u made after it: probe CE)."""
+    order = node_order(nodes[0].graph)
+    chain = [c for n in nodes for c in view_chain(n, layout_source(n).base) or [n]]
+    return min(chain, key=order.__getitem__)
 
 
 def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -1870,6 +1916,7 @@ _NONNEGATIVE = frozenset(("exp", "exp2", "softplus", "sigmoid", "special_expit",
 _SIGN_KEEPING = frozenset(VIEW_OPS + ("expand_as", "contiguous", "clone", "detach", "repeat", "repeat_interleave",
                                       "broadcast_to", "tensor_split", "split_with_sizes", "float", "double",
                                       "half", "bfloat16", "to", "type", "type_as"))
+_CASTS = frozenset(("float", "double", "half", "bfloat16", "to", "type", "type_as"))
 
 
 def _sign_vocabulary_name(node: torch.fx.Node) -> str | None:
@@ -1900,15 +1947,28 @@ def sign_of(value: Any, depth: int = 16) -> int:
         return 0
     args = value.args
     first = args[0] if args else None
+    if name == "softplus":
+        # log(1 + exp(beta·x)) / beta: non-positive for a negative beta (probe CE).
+        beta = value.kwargs.get("beta", args[1] if len(args) > 1 else 1)
+        return 1 if is_number(beta) and beta > 0 else 0
     if name in _NONNEGATIVE:
         return 1
     if name in _SIGN_KEEPING or name in ("getitem", "__getitem__"):
+        out, src = val(value), val(first) if isinstance(first, torch.fx.Node) else None
+        if isinstance(out, torch.Tensor) and not out.is_floating_point():
+            return 0  # a cast to bool or an unsigned type maps -0.5 to 1 (probe CE)
+        if (name not in _CASTS and isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+                and out.dtype != src.dtype):
+            return 0  # ``x.view(dtype)`` reinterprets the bits
         return sign_of(first, depth - 1)
     if name in ("neg", "negative"):
         return -sign_of(first, depth - 1)
     if name in ("clamp", "clamp_min", "clip"):
         low = value.kwargs.get("min", args[1] if len(args) > 1 else None)
-        return 1 if is_number(low) and low >= 0 else 0
+        high = None if name == "clamp_min" else value.kwargs.get("max", args[2] if len(args) > 2 else None)
+        # clamp(x, 0, -1) is -1 everywhere: torch applies max after min (probe CE).
+        bounded = high is None or is_number(high) and is_number(low) and high >= low
+        return 1 if is_number(low) and low >= 0 and bounded else 0
     if len(args) != 2 or value.kwargs:
         return 0
     second = args[1]

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from .discretize import Discretized, Source, match_discretization
 from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, ContextRegions, addcmul_operands,
-                       dropped_rounding, dtype_of, float64_readout, hoist_before, is_call, is_method,
+                       dropped_rounding, dtype_of, exp_node_behind, float64_readout, hoist_before, is_call, is_method,
                        mutates, node_order, pinned_int, proof_number, proof_sum, readout_decision, shape_of,
                        sign_of, time_prefix_source, val)
 from .manager import PassContext, PassManager
@@ -570,14 +570,18 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
         ctx.miss(FAMILY, "the scan's outputs are not the inclusive scan of (a, b)", region.seeds)
         return
     (all_states,) = states
+    # From here the scan is recognised: each miss, not explain's orphaned-exp(Δ·A) one, is the
+    # reason (probe CG), so it covers the exp the scan reads.
+    recognised = [a_seed.args[0], *filter(None, [exp_node_behind(a_seed.args[0])])]
     if any(p.users for p in products):
         ctx.miss(FAMILY, "the cumulative product of the multipliers is used; only the states "
-                 "can be produced by ssm.selective_scan", products)
+                 "can be produced by ssm.selective_scan", products, covers=recognised)
         return
     t_axis = b_seed.args[1] % len(shape_of(b_seed.args[0]))
     if (all_states.args[2] % len(shape_of(all_states)) != t_axis
             or a_seed.args[1] % len(shape_of(a_seed.args[0])) != t_axis):
-        ctx.miss(FAMILY, "the scan moves time back to another axis than it came from", [all_states])
+        ctx.miss(FAMILY, "the scan moves time back to another axis than it came from", [all_states],
+                 covers=recognised)
         return
     decision = {"combine_mode": region.mode}
     if region.proved_lengths:
@@ -597,6 +601,8 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     with it; any other write to what the op would read is refused.
     """
     length = shape_of(b_full)[t_axis]
+    # The scan is recognised: a refusal below is its reason, not explain's orphaned exp(Δ·A).
+    recognised = [a_full, *filter(None, [exp_node_behind(a_full)])]
     a_src, b_src = a_full, b_full
     if isinstance(length, int):
         # A scan over a prefix of precomputed tensors (``(dA[:, :, :k], dBu[:, :, :k])``): step t
@@ -609,13 +615,13 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         if sliced is not None:
             disc += (f"; the scan reads {sliced.name}, a slice of {sliced.args[0].name} that is not a prefix of its "
                      f"time axis alone ({sliced.args[0].name}[:, :, k:]?): the op scans from time 0")
-        ctx.miss("discretization", disc, [a_full, b_full])
+        ctx.miss("discretization", disc, [a_full, b_full], covers=recognised)
         return
     if dtype_of(all_states) == torch.float64 and dtype_of(disc.u.node) != torch.float64:
         # The op accumulates in float32 unless u is float64: states the user computes in float64
         # would silently lose precision.
         ctx.miss(FAMILY, f"the states are computed in float64 but u is {dtype_of(disc.u.node)}: the op "
-                 "would accumulate in float32", [all_states])
+                 "would accumulate in float32", [all_states], covers=recognised)
         return
     roles = disc.b_roles
     # An in-place scan's own updates and views of its buffer use the states node too; those
@@ -625,12 +631,12 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     producers = frozenset(n for n in scan_nodes if all(u in inside for u in n.users))
     users = split_state_users(all_states, roles, t_axis, length, producers)
     if isinstance(users, str):
-        ctx.miss("readout", users, [all_states])
+        ctx.miss("readout", users, [all_states], covers=recognised)
         return
     readout, lasts = users
     wide = float64_readout(readout.end, disc.u.node)
     if wide is not None:
-        ctx.miss("readout", wide, [readout.end])
+        ctx.miss("readout", wide, [readout.end], covers=recognised)
         return
     order = node_order(gm.graph)
     # The op reads the sources themselves, at the readout; the user's code read them through the
@@ -645,7 +651,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         # HF's ``ssm_state = all_states[:, :, -1]`` later copied over by a decode step, say.
         ctx.miss(FAMILY, f"the states ({all_states.name}) are written in place after the scan, through them or a "
                  "view of them (a last state updated in a cache): the op returns y and the last state as new "
-                 "tensors, not the states' memory", [all_states], covers=[a_full, *disc.nodes])
+                 "tensors, not the states' memory", [all_states], covers=[*recognised, *disc.nodes])
         return
     # A source filled in place before it is made (``xs[:, k] = ...; u = xs.view(...)``) is read
     # after its writes by the user's code and the op alike (``written_after``).
@@ -653,7 +659,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     if written is not None:
         # The scan was recognised (probe BC: explain also reported an orphaned exp(Δ·A)).
         ctx.miss(FAMILY, f"a value the scan reads its inputs through ({written.name}) is written in place after it "
-                 "is made", [all_states], covers=[a_full, *disc.nodes])
+                 "is made", [all_states], covers=[*recognised, *disc.nodes])
         return
     anchor = min([readout.end] + lasts, key=order.__getitem__)
     # The op must run under the grad mode / autocast / functorch state the states and the
@@ -665,12 +671,12 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
                or ContextRegions(graph).refusal(replaced, anchor))
     if refusal is not None:
         # The scan was recognised: this miss, not explain's orphaned-exp(Δ·A) one, is the reason.
-        ctx.miss(FAMILY, refusal, [all_states], covers=[a_full, *disc.nodes])
+        ctx.miss(FAMILY, refusal, [all_states], covers=[*recognised, *disc.nodes])
         return
     hoisted = hoist_before(readout.C, anchor, all_states)
     if hoisted is not None:
         ctx.miss("readout", "C is computed from the states" if hoisted == HOIST_BLOCKED else f"C: {hoisted}",
-                 [readout.C])
+                 [readout.C], covers=recognised)
         return
     size = dict(zip(roles, shape_of(all_states)))
     def narrowed() -> Any:
@@ -684,7 +690,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         last_state_dtype=dtype_of(lasts[0]) if lasts else None, first_state_is_input=not bounded))
     if isinstance(emitted, str):
         # The scan was recognised: this miss, not explain's orphaned-exp(Δ·A) one, is the reason.
-        ctx.miss(FAMILY, emitted, [all_states], covers=[a_full, *disc.nodes])
+        ctx.miss(FAMILY, emitted, [all_states], covers=[*recognised, *disc.nodes])
         return
     y_user, last_user = emitted
     readout.end.replace_all_uses_with(y_user)

@@ -1525,7 +1525,13 @@ def emit_selective_scan(
         # before. (fp32 at most: the state is fp32 either way, and there is no fp64 GPU kernel.)
         u = _cast(graph, u, torch.float32)
     delta = permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt"))
-    A = permute_view(graph, disc.A.node, disc.A.perm_to("dn"))
+    if disc.A.roles == ("n",):
+        # One decay per state, shared by the channels: the op reads it through a stride-0 (dim, N)
+        # view, whose backward sums dA over the channels as the user's broadcast does.
+        A = _node(graph, "call_function", operator.getitem, disc.A.node, (None, slice(None)))
+        A = _node(graph, "call_method", "expand", A, _node(graph, "call_method", "size", u, 1), -1)
+    else:
+        A = permute_view(graph, disc.A.node, disc.A.perm_to("dn"))
     if val(A).dtype in HALF_DTYPES:
         # A kept in 16 bits (a model cast to bf16 whose A = -exp(A_log) skips .float()): the op
         # takes an fp32 A. The widening is exact; the op then forms Δ·A in fp32, as it does the

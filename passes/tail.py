@@ -14,7 +14,9 @@ guessed:
   in the same layout as ``y`` at that point. In (batch, L, dim) code ``y`` comes back through a
   transpose and the skip reads the untransposed ``u``; the permutations are composed and compared
   axis by axis.
-- ``D`` must be a (dim,) vector broadcast along the dim axis of ``y``.
+- ``D`` must be a (dim,) vector broadcast along the dim axis of ``y``, or one number for every
+  channel (a Python number, or a floating tensor of one element: ``nn.Parameter(torch.ones(1))``),
+  which the op reads broadcast to (dim,).
 - The gate must be silu of a tensor of ``y``'s shape; the op receives it permuted to its own
   (batch, dim, L) layout as a view.
 - Order matters: the op gates after the skip. ``y * silu(z) + D * u`` is a different function;
@@ -31,12 +33,12 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, exact_sum, match_bias, signed_sum
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, addcmul_operands,
-                       behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, follow_views,
-                       higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
+                       behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, first_read,
+                       follow_views, higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
                        narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix, scan_args,
                        scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
@@ -185,7 +187,8 @@ def _fold_refusal(scan: torch.fx.Node, chain: YChain, folded: list[torch.fx.Node
     refusal = context_refusal(scan.graph, [scan, *chain.nodes, *folded])
     if refusal is not None:
         return refusal
-    hoisted = hoist_before(value, scan, scan)
+    # (A Python number, a skip's D, is no node to move.)
+    hoisted = hoist_before(value, scan, scan) if isinstance(value, torch.fx.Node) else None
     if hoisted == HOIST_BLOCKED:
         return f"{name} is computed from the scan's output"
     return None if hoisted is None else f"{name}: {hoisted}"
@@ -281,6 +284,8 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
             continue
         D = match_bias(d_like, product_shape, dim_axis, product_shape[dim_axis])
         if D is None:
+            D = _one_number(d_like, len(product_shape), product_shape[dim_axis])
+        if D is None:
             where = (f"the dim axis {dim_axis} of y" if not views else
                      f"the product's axis {dim_axis}, which its permutation turns into y's dim axis "
                      f"{chain.perm.index(1)}")
@@ -301,6 +306,42 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
             continue
         return Skip(add, D, [add] if other is None else [add, *views, product], (u_like, d_like))
     return "; ".join(reasons) if reasons else None
+
+
+def _one_number(d_like: Any, ndim: int, dim: Any) -> Any:
+    """``d_like`` when it is one number for every channel (a Python int or float, or a floating
+    tensor of one element with no more axes than the product: a 0-dim or (1,) parameter), which
+    ``_d_vector`` broadcasts to the op's (dim,) D; else None. The channel count must be a number:
+    the broadcast is built with it."""
+    if not is_concrete_int(dim):
+        return None
+    if type(d_like) in (int, float):
+        return d_like
+    value = val(d_like) if isinstance(d_like, torch.fx.Node) else None
+    if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() <= ndim
+            and all(statically_known_true(s == 1) for s in value.shape)):
+        return d_like
+    return None
+
+
+def _d_vector(graph: torch.fx.Graph, D: Any, dim: int, scan: torch.fx.Node, u: torch.fx.Node) -> torch.fx.Node:
+    """The op's (dim,) D for a matched skip's ``D``: ``as_vector``'s view of a (dim,)-valued one; a
+    one-element tensor broadcast by a view (so its gradient is the sum over channels, as eager's);
+    a Python number as a filled vector in the dtype eager multiplies it in (u's opmath dtype)."""
+    if isinstance(D, torch.fx.Node):
+        if statically_known_true(dim == 1) or any(not statically_known_true(s == 1) for s in shape_of(D)):
+            return as_vector(graph, D, dim, scan)
+        with graph.inserting_before(scan):
+            one = graph.call_method("reshape", (D, (1,)))
+            propagate_val(one)
+            vector = graph.call_method("expand", (one, dim))
+            propagate_val(vector)
+        return vector
+    with graph.inserting_before(scan):
+        vector = graph.call_method("new_full", (u, (dim,), D),
+                                   {"dtype": torch.promote_types(dtype_of(u), torch.float32)})
+        propagate_val(vector)
+    return vector
 
 
 def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | None:
@@ -376,18 +417,21 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
         return False
     # The op reads D (and u) where the scan is, the user's D·u reads them where it is written. A
     # write before the values it writes are read by either (VMamba's cross-scan fills a buffer in
-    # place, then views it as u: probe CB) is seen by both alike.
-    writer = written_in_place(gm.graph, [skip.D, args["u"], skip.factors[0]], after_made=True)
+    # place, then views it as u: probe CB) is seen by both alike; one after the first read of u's
+    # memory by either may be seen by one only.
+    u_reads = [args["u"], skip.factors[0]]
+    writer = (written_in_place(gm.graph, [skip.D], after_made=True)
+              or written_in_place(gm.graph, u_reads, since=first_read(u_reads)))
     if writer is not None:
-        ctx.miss("skip", f"{writer.name} writes D or u in place after it is made, so the op would read them at "
-                 "another point than the user's D·u does", [user])
+        ctx.miss("skip", f"{writer.name} writes D or u in place after the op or the user's D·u first reads it, so "
+                 "the two would read different values", [user])
         return False
     writer = _written_term(gm.graph, [*skip.nodes[1:], *skip.factors],
                            {chain.top, skip.D, layout_source(args["u"]).base})
     if writer is not None:
         ctx.miss("skip", f"{writer} the D·u product the fold computes from u and D itself", [user])
         return False
-    args["D"] = as_vector(gm.graph, skip.D, shape_of(chain.top)[chain.perm.index(1)], scan)
+    args["D"] = _d_vector(gm.graph, skip.D, shape_of(chain.top)[chain.perm.index(1)], scan, args["u"])
     set_scan_args(scan, args)
     chain = _widen_chain(chain, dtype_of(skip.add))
     _replace_with(skip.add, chain.top)

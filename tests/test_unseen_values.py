@@ -1,5 +1,5 @@
-"""Probes CB and CC (run 59): explain's reasons for a decay shared across channels and for an
-associative_scan the op refuses; x_dt_proj's reason for an x_proj it does not compute is in
+"""Probes CB and CC (run 59): a decay shared across channels (rewritten since run 60), and
+explain's reason for an associative_scan the op refuses; x_dt_proj's reason for an x_proj it does not compute is in
 test_x_dt_proj.py, the associative_scan's first state in test_pass_scan_assoc.py."""
 import pytest
 import torch
@@ -27,19 +27,59 @@ def _a_shared_by_channels(u, dt, A_log, B, C):
     return torch.stack(ys, dim=2)
 
 
-def test_a_decay_per_state_shared_by_the_channels_is_not_called_one_per_channel():
-    # The note for a 1-D A said "one decay per channel" whichever axis A indexes (probe CB).
+def _a_shared_step_form(u, dt, A_log, B, C):
+    A = -torch.exp(A_log)
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[0])
+    ys = []
+    for i in range(u.shape[2]):
+        h = torch.exp(dt[:, :, i, None] * A) * h + (dt[:, :, i] * u[:, :, i])[..., None] * B[:, None, :, i]
+        ys.append((h * C[:, None, :, i]).sum(-1))
+    return torch.stack(ys, dim=-1)
+
+
+def _a_and_B_shared(u, dt, A_log, B, C):
+    """A (N,) and B (N,): nothing in the step tells Δ's batch axis from its channel axis."""
+    A = -torch.exp(A_log)
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[0])
+    ys = []
+    for i in range(u.shape[2]):
+        h = torch.exp(dt[:, :, i, None] * A) * h + (dt[:, :, i] * u[:, :, i])[..., None] * B[0, :, 0]
+        ys.append((h * C[:, None, :, i]).sum(-1))
+    return torch.stack(ys, dim=-1)
+
+
+def _shared_args(batch=2, dim=6):
     g = torch.Generator().manual_seed(0)
-    args = (torch.randn(2, 6, 5, generator=g), F.softplus(torch.randn(2, 6, 5, generator=g)),
-            torch.randn(4, generator=g) * 0.5, torch.randn(2, 4, 5, generator=g), torch.randn(2, 4, 5, generator=g))
-    report, reasons = _reasons(_a_shared_by_channels, *args)
+    return (torch.randn(batch, dim, 5, generator=g), F.softplus(torch.randn(batch, dim, 5, generator=g)),
+            (torch.randn(4, generator=g) * 0.5).requires_grad_(), torch.randn(batch, 4, 5, generator=g),
+            torch.randn(batch, 4, 5, generator=g))
+
+
+@pytest.mark.parametrize("fn", [_a_shared_by_channels, _a_shared_step_form], ids=["precomputed", "per-step"])
+@pytest.mark.parametrize("batch, dim", [(2, 6), (6, 6)], ids=["b2-d6", "b6-d6"])
+def test_a_decay_per_state_shared_by_the_channels_is_rewritten(fn, batch, dim):
+    # A (N,) broadcast over the channels (probe CB): Δ's batch and channel axes are told apart by
+    # u and B, so the op gets A as a (dim, N) view; A's gradient is the sum over channels. With
+    # batch == dim, shapes cannot tell the axes apart and the proof does not use them.
+    args = _shared_args(batch, dim)
+    report, _ = _reasons(fn, *args)
+    assert [r.family for r in report.rewrites].count("scan_loop") == 1, str(report)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*args)
+    ref = fn(*args)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(torch.autograd.grad(out, args[2], grad)[0], torch.autograd.grad(ref, args[2], grad)[0])
+
+
+def test_a_and_B_shared_by_the_channels_is_left_alone_with_the_reason():
+    args = _shared_args()
+    report, reasons = _reasons(_a_and_B_shared, *args)
     assert not report.rewrites
     text = "\n".join(reasons)
-    assert "broadcast over the channels: one decay per state, shared by every channel" in text, text
-    assert "one decay per channel" not in text, text
+    assert "nothing in the step tells Δ's batch axis from its channel axis" in text, text
     torch._dynamo.reset()
-    torch.testing.assert_close(torch.compile(_a_shared_by_channels, backend="ssm")(*args),
-                               _a_shared_by_channels(*args))
+    torch.testing.assert_close(torch.compile(_a_and_B_shared, backend="ssm")(*args), _a_and_B_shared(*args))
 
 
 def _combine(left, right):
@@ -106,3 +146,120 @@ def test_a_sign_is_not_read_from_an_op_whose_output_is_written():
         got = torch.compile(_softplus_written_then_scaled, backend="ssm")(*args)
     assert want.isfinite().all() and got.isfinite().all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- probe CE (run 60): signs the ops do not show, and a skip's u written between two reads -----
+
+def _assoc_scan(delta, A, u, B, C):
+    dA = torch.exp(delta[..., None] * A[:, None, :])
+    dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+    states = associative_scan(_combine, (dA, dBu), dim=2, combine_mode="generic")[1]
+    return (states * C.transpose(1, 2)[:, None]).sum(-1)
+
+
+def _negative_beta(u, x, y, A_log, B, C):
+    return _assoc_scan(F.softplus(x, beta=-1.0), -torch.exp(A_log), u, B, C)
+
+
+def _negative_beta_module(u, x, y, A_log, B, C):
+    return _assoc_scan(torch.nn.Softplus(beta=-2.0)(x), -torch.exp(A_log), u, B, C)
+
+
+def _clamp_max_below_min(u, x, y, A_log, B, C):
+    # clamp(x, 0, -1) is -1 everywhere: torch applies max after min.
+    return _assoc_scan(torch.clamp(y, 0.0, -1.0) * F.softplus(-x), -torch.exp(A_log), u, B, C)
+
+
+def _cast_to_bool(u, x, y, A_log, B, C):
+    # -exp(A_log) cast to bool is True: A = +0.5.
+    return _assoc_scan(F.softplus(-x), (-torch.exp(A_log)).to(torch.bool).float() * 0.5, u, B, C)
+
+
+@pytest.mark.parametrize("fn", [_negative_beta, _negative_beta_module, _clamp_max_below_min, _cast_to_bool],
+                         ids=["softplus-beta<0", "nn.Softplus-beta<0", "clamp-max<min", "cast-to-bool"])
+def test_a_sign_the_ops_do_not_show_keeps_the_scans_first_state(fn):
+    # Each Δ·A is >= 0 somewhere, and at t = 0 large enough that exp(Δ·A) is inf: started from a
+    # zero state the op gave NaN over whole channels where eager is finite.
+    g = torch.Generator().manual_seed(3)
+    u, x, y = (torch.randn(2, 4, 8, generator=g) for _ in range(3))
+    x[..., 0] = -100.0 if fn in (_negative_beta, _negative_beta_module) else -300.0
+    args = (u, x, y, torch.randn(4, 4, generator=g) * 0.3, torch.randn(2, 4, 8, generator=g),
+            torch.randn(2, 4, 8, generator=g))
+    if fn is _cast_to_bool:
+        args[1][..., 0] = -300.0  # Δ0 = softplus(300) = 300, exp(150) = inf
+    report, _ = _reasons(fn, *args)
+    assert any(r.family == "scan_assoc" for r in report.rewrites), str(report)
+    ref = fn(*args)
+    assert torch.isfinite(ref).all()
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*args)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def _loop(u, delta, A, B, C):
+    dA = torch.exp(torch.einsum("bld,dn->bldn", delta, A))
+    dBu = torch.einsum("bld,bln,bld->bldn", delta, B, u)
+    h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
+    ys = []
+    for i in range(u.shape[1]):
+        h = dA[:, i] * h + dBu[:, i]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, i]))
+    return torch.stack(ys, dim=1)
+
+
+def _skip_u_scaled_after_the_scan(u_in, x, A_log, B, C, D):
+    u = u_in * 1.0
+    y = _loop(u.float(), F.softplus(x), -torch.exp(A_log), B, C)
+    u.mul_(2.0)
+    return y + u.transpose(1, 2).transpose(1, 2) * D
+
+
+def _skip_u_slice_zeroed_after_the_scan(u_in, x, A_log, B, C, D):
+    u = u_in * 1.0
+    y = _loop(u.float(), F.softplus(x), -torch.exp(A_log), B, C)
+    u[:, -1] = 0.0
+    return y + u.mT.mT * D
+
+
+@pytest.mark.parametrize("fn", [_skip_u_scaled_after_the_scan, _skip_u_slice_zeroed_after_the_scan],
+                         ids=["mul_", "setitem"])
+def test_a_skip_whose_u_is_written_between_the_two_reads_is_not_folded(fn):
+    # The op's u is a cast copy made before the write, the skip's a view made after it: each is
+    # read after it is made, and still the two values differ (probe CE).
+    g = torch.Generator().manual_seed(4)
+    args = (torch.randn(2, 8, 4, generator=g).bfloat16(), torch.randn(2, 8, 4, generator=g),
+            torch.randn(4, 4, generator=g) * 0.3, torch.randn(2, 8, 4, generator=g),
+            torch.randn(2, 8, 4, generator=g), torch.randn(4, generator=g))
+    report, reasons = _reasons(fn, *args)
+    assert not any(r.family == "skip" for r in report.rewrites), str(report)
+    assert any("writes D or u in place after the op or the user's D·u first reads it" in r for r in reasons), reasons
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend="ssm")(*args), fn(*args))
+
+
+# --- probe CG (run 60): a readout collected with a size-1 axis, squeezed after the stack ---------
+
+def _squeezed_after_stack(u, dt, A, B, C, D, z):
+    dA = torch.exp(torch.einsum("bld,dn->bldn", dt, A))
+    dBu = torch.einsum("bld,bln,bld->bldn", dt, B, u)
+    h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
+    ys = []
+    for i in range(u.shape[1]):
+        h = dA[:, i] * h + dBu[:, i]
+        ys.append(h @ C[:, i, :, None])
+    y = torch.stack(ys, 1).squeeze(-1)
+    return (y + u * D) * F.silu(z)
+
+
+def test_skip_and_gate_fold_after_a_squeezed_stack():
+    # The op's y comes back as y[..., None] for the stack's size-1 axis; the user's squeeze(-1)
+    # undoes it, and the skip and gate after it are the op's (they were left unfolded, silently).
+    g = torch.Generator().manual_seed(5)
+    b, L, d, n = 2, 7, 6, 4
+    args = (torch.randn(b, L, d, generator=g), F.softplus(torch.randn(b, L, d, generator=g)),
+            -torch.rand(d, n, generator=g) - 0.5, torch.randn(b, L, n, generator=g), torch.randn(b, L, n, generator=g),
+            torch.randn(d, generator=g), torch.randn(b, L, d, generator=g))
+    report, _ = _reasons(_squeezed_after_stack, *args)
+    assert {"scan_loop", "skip", "gate"} <= {r.family for r in report.rewrites}, str(report)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(_squeezed_after_stack, backend="ssm")(*args), _squeezed_after_stack(*args))

@@ -408,6 +408,34 @@ def test_column_shaped_D_and_dt_bias_fold_with_their_gradients():
     assert "softplus(x + bias)" in report and "y + u * D" in report
 
 
+@pytest.mark.parametrize("d_kind", ["0-dim", "(1,)", "(1, 1, 1)", "float", "int"])
+def test_one_number_D_folds_with_its_gradient(d_kind):
+    """A D that is one number for every channel (a 0-dim or one-element parameter, a Python
+    number) is the op's skip broadcast to (dim,): skip and gate fold, and the parameter's gradient
+    is eager's (the sum over channels, through the broadcast view)."""
+    torch.manual_seed(0)
+    model = HandBlock(a_direct=False, readout="matmul")
+    del model.D
+    if d_kind in ("float", "int"):
+        model.D = 0.7 if d_kind == "float" else 2
+    else:
+        shape = {"0-dim": (), "(1,)": (1,), "(1, 1, 1)": (1, 1, 1)}[d_kind]
+        model.D = nn.Parameter(torch.randn(shape))
+    x = torch.randn(2, L, 12)
+    compiled = torch.compile(model, backend=backend(inductor=False), fullgraph=True)
+    out = compiled(x)
+    assert dict(counters["ssm"]) == expected("scan_loop") | {"x_dt_proj": 1}
+    ref = model(x)
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    grad = torch.randn_like(ref)
+    params = [p for _, p in model.named_parameters()]
+    got = torch.autograd.grad(out, params, grad)
+    want = torch.autograd.grad(ref, params, grad)
+    for (name, p), g, w in zip(model.named_parameters(), got, want, strict=True):
+        assert g.shape == p.shape, name
+        assert rel_err(g, w) <= TOL[torch.float32], name
+
+
 def test_time_varying_D_is_not_a_skip():
     """A (dim, L) D is a per-step weight, not the op's skip: left alone, with the reason."""
     torch.manual_seed(0)
