@@ -91,6 +91,9 @@ class Discretized:
     b_roles: tuple[str, ...]
     nodes: list[torch.fx.Node]
     negate_A: bool = False  # A_full = exp(-(Δ·A)): the op gets -A
+    # A_full and B_full are the flips along time of the proved exp(Δ·A) and Δ·B·u (a reverse
+    # loop read forward, ``unreverse_loops``): the op reads u, Δ and B flipped along time.
+    flip_time: bool = False
 
     @property
     def time_invariant_B(self) -> bool:
@@ -873,7 +876,28 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
         ``exp(-delta[..., None] * A_pos)`` is proved too, with ``negate_A`` set.
     """
     ta, tb = _time_axes(axes)
+    flipped = _time_flip(a_full, ta), _time_flip(b_full, tb)
+    if None not in flipped:
+        # exp(Δ·A).flip(t) is exp(Δ.flip(t)·A), and likewise Δ·B·u: the flips' sources are proved,
+        # and the op reads u, Δ and B flipped along time.
+        disc = match_discretization(flipped[0], flipped[1], axes)
+        return disc if isinstance(disc, str) else dataclasses.replace(disc, flip_time=True)
     return _with_negation(lambda neg: _match_full_decay(a_full, ta, neg, lambda d: _full_input(b_full, tb, d)))
+
+
+def _time_flip(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
+    """What ``node`` flips when it is ``x.flip(axis)`` (``torch.flip(x, [axis])``) along its time
+    axis ``axis`` alone; else None."""
+    if not (is_call(node, torch.flip) or is_method(node, "flip")) or node.kwargs or len(node.args) != 2:
+        return None
+    x, dims = node.args
+    dims = (dims,) if isinstance(dims, int) else dims
+    value = val(node)
+    if not isinstance(x, torch.fx.Node) or not isinstance(value, torch.Tensor) or not isinstance(dims, (tuple, list)):
+        return None
+    if len(dims) != 1 or not isinstance(dims[0], int) or dims[0] % value.dim() != axis % value.dim():
+        return None
+    return x
 
 
 def match_full_decay_step_input(a_full: torch.fx.Node, t_axis: int, beta: torch.fx.Node, t0: int
@@ -917,8 +941,9 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
         if (is_call(a_exp, torch.flip) or is_method(a_exp, "flip")) and exp_node_behind(a_exp.args[0]) is not None:
             # associative_scan over (dA.flip(t), dBu.flip(t)), flipped back after: a reverse scan.
             dims = a_exp.args[1] if len(a_exp.args) > 1 else a_exp.kwargs.get("dims")
-            return (f"A_full is not exp(Δ·A) but exp(Δ·A) flipped along {dims} by {a_exp.name} (along time: a "
-                    "scan from the last step back, and ssm.selective_scan scans forward from t = 0 only)")
+            return (f"A_full is not exp(Δ·A) but exp(Δ·A) flipped along {dims} by {a_exp.name}, and B_full is not "
+                    "Δ·B·u flipped along the same time axis with it (the two flipped together are a scan from "
+                    "the last step back, which is rewritten over u, Δ and B flipped)")
         return "A_full is not exp(Δ·A)" + _hop_note(a_exp) + detach_note(a_exp) + _input_note(a_full)
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]

@@ -572,7 +572,7 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
     (all_states,) = states
     # From here the scan is recognised: each miss, not explain's orphaned-exp(Δ·A) one, is the
     # reason (probe CG), so it covers the exp the scan reads.
-    recognised = [a_seed.args[0], *filter(None, [exp_node_behind(a_seed.args[0])])]
+    recognised = _recognised(a_seed.args[0])
     if any(p.users for p in products):
         ctx.miss(FAMILY, "the cumulative product of the multipliers is used; only the states "
                  "can be produced by ssm.selective_scan", products, covers=recognised)
@@ -590,6 +590,13 @@ def _rewrite(gm: torch.fx.GraphModule, ctx: PassContext, region: Region) -> None
                    f"associative_scan({region.mode})", decision, dead=products)
 
 
+def _recognised(a_full: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes a recognised scan's miss speaks for: its multiplier and the exp(Δ·A) behind it,
+    through a flip along time (a scan of ``(dA.flip(t), dBu.flip(t))``)."""
+    inner = a_full.args[0] if (is_call(a_full, torch.flip) or is_method(a_full, "flip")) and a_full.args else a_full
+    return [a_full, *filter(None, [exp_node_behind(inner)])]
+
+
 def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.Node, b_full: torch.fx.Node,
                    t_axis: int, all_states: torch.fx.Node, scan_nodes: list[torch.fx.Node], pattern: str,
                    decision: dict[str, Any], dead: list[torch.fx.Node] = ()) -> None:
@@ -602,7 +609,7 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     """
     length = shape_of(b_full)[t_axis]
     # The scan is recognised: a refusal below is its reason, not explain's orphaned exp(Δ·A).
-    recognised = [a_full, *filter(None, [exp_node_behind(a_full)])]
+    recognised = _recognised(a_full)
     a_src, b_src = a_full, b_full
     if isinstance(length, int):
         # A scan over a prefix of precomputed tensors (``(dA[:, :, :k], dBu[:, :, :k])``): step t
@@ -680,7 +687,8 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
         return
     size = dict(zip(roles, shape_of(all_states)))
     def narrowed() -> Any:
-        return dataclasses.replace(disc, **{k: first_steps(graph, getattr(disc, k), length) for k in ("u", "delta", "B")})
+        return dataclasses.replace(disc, **{k: first_steps(graph, getattr(disc, k), length, disc.flip_time)
+                                            for k in ("u", "delta", "B")})
 
     bounded = _first_decay_bounded(disc)
     emitted = emit_or_refusal(graph, anchor, lambda: emit_selective_scan(

@@ -94,6 +94,7 @@ from .fx_utils import (
     unbind_source,
     val,
     written_args,
+    written_in_place,
 )
 from .manager import PassContext
 from .readout import split_state_users
@@ -425,15 +426,16 @@ def _too_short(name: str, size, L: int) -> str | None:
     return f"{name}'s time axis ({_size_repr(size)}) is not provably at least the loop's length {L}"
 
 
-def first_steps(graph: torch.fx.Graph, src: Source, L: int) -> Source:
+def first_steps(graph: torch.fx.Graph, src: Source, L: int, from_end: bool = False) -> Source:
     """``src`` as the loop reads it, through its first L steps: itself when its time axis is
-    provably L long, else a narrowed view (no copy)."""
+    provably L long, else a narrowed view (no copy). ``from_end``: the loop reads ``src``'s flip
+    (``Discretized.flip_time``), whose first L steps are ``src``'s last L."""
     if "t" not in src.roles:
         return src
     axis = src.roles.index("t")
     if _same_size(val(src.node).shape[axis], L):
         return src
-    return Source(_node(graph, "call_method", "narrow", src.node, axis, 0, L), src.roles)
+    return Source(_node(graph, "call_method", "narrow", src.node, axis, -L if from_end else 0, L), src.roles)
 
 
 _NOT_THE_ANCHOR = "the state's multiplier at step 0 is not A_full[t=0]"
@@ -472,6 +474,9 @@ class Collected:
     # kind "per-step": each step's readout r_t, replaced by a time slice of the op's output; the
     # user's code after it (a skip, a gate, a scale) and the collection stay as they are.
     step_readouts: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    # The outputs are stored last step first (a reverse loop's ``stack(ys[::-1])`` or ``out[:, t]
+    # = y_t``, read forward over the flipped tensors): the collection is the op's y flipped in time.
+    reversed_time: bool = False
 
 
 def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collected | str:
@@ -483,7 +488,8 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
             return (f"{c.name} collects only the first {len(items)} of the recurrence's {len(ys)} per-step outputs "
                     "(the state carried from one loop into another?): the op's output would need all of them "
                     "in one stack/cat")
-        if items != ys or any(set(y.users) != {c} for y in ys):
+        backwards = len(ys) > 1 and items == ys[::-1]
+        if (items != ys and not backwards) or any(set(y.users) != {c} for y in ys):
             return "the per-step outputs are not collected exactly once, in time order"
         dim = c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0)
         if is_call(c, torch.stack):
@@ -497,14 +503,20 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
         # A size-1 axis each y_t keeps (``h @ C_t[..., None]``, ``sum(-1, keepdim=True)``) stays in
         # the stacked output: role "1", which the op's y gets as an added axis.
         roles = ["1" if r is None else r for r in roles]
-        return Collected(c.target.__name__, c, list(c.users), [c], tuple(roles))
+        return Collected(c.target.__name__, c, list(c.users), [c], tuple(roles), reversed_time=backwards)
 
     # A preallocated buffer: out[:, :, t] = y_t, or out[:, t].copy_(y_t).
     for t, y in enumerate(ys):
         users = list(y.users)
         if len(users) != 1 or not _collects(users[0], y) or is_call(users[0], *_COLLECTORS):
             return f"step {t}'s output is not stored exactly once"
-    slots = _buffer_slots([(y, next(iter(y.users))) for y in ys], pos, "the output buffer", "step {t}'s output")
+    stored = [(y, next(iter(y.users))) for y in ys]
+    slots = _buffer_slots(stored, pos, "the output buffer", "step {t}'s output")
+    backwards = False
+    if isinstance(slots, str) and len(ys) > 1:
+        # Stored last step first, out[:, L-1-t] = y_t: the op's y flipped in time.
+        flipped = _buffer_slots(stored, pos, "the output buffer", "step {t}'s output", backwards=True)
+        slots, backwards = (flipped, True) if not isinstance(flipped, str) else (slots, False)
     if isinstance(slots, str):
         return slots
     buf, axis, axis_map, writes = slots
@@ -513,11 +525,11 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
         return "the output buffer's axes do not match the per-step output's"
     later = [u for u in buf.users if u not in set(writes)]
     return Collected(writes[-1].target if isinstance(writes[-1].target, str) else "setitem",
-                     buf, later, writes, tuple(roles))
+                     buf, later, writes, tuple(roles), reversed_time=backwards)
 
 
-def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: str, item: str
-                  ) -> tuple[torch.fx.Node, int, tuple, list[torch.fx.Node]] | str:
+def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: str, item: str,
+                  backwards: bool = False) -> tuple[torch.fx.Node, int, tuple, list[torch.fx.Node]] | str:
     """Each step's value written into one slot of one preallocated buffer, ``buf[:, :, t] = v_t``
     or ``buf[:, t].copy_(v_t)`` (``stored``: (v_t, its write) in time order): (the buffer, its
     time axis, the write's axis map, the write nodes), or why not. The buffer must be freshly
@@ -540,7 +552,7 @@ def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: 
         b, ax, idx, amap = parsed
         if buf is None:
             buf, axis, axis_map = b, ax, amap
-        if b is not buf or ax != axis or idx != t or amap != axis_map:
+        if b is not buf or ax != axis or idx != (len(stored) - 1 - t if backwards else t) or amap != axis_map:
             return f"{item.format(t=t)} is stored at the wrong place of {what} (index {idx} of axis {ax})"
         slot = [size for i, size in enumerate(val(b).shape) if i != ax]
         if not _same_shape(slot, val(stored[t][0]).shape):
@@ -1149,7 +1161,8 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
             # it is not one (e.g. a loop-invariant value such as -A recomputed in every step is a
             # different node per step, and only time slices are compared shifted).
             return ("no state chain: step 1's exp(...) is not step 0's with every time index + 1 "
-                    "(a value recomputed in every step that is not a time slice?)")
+                    "(a value recomputed in every step that is not a time slice, or one computed from time "
+                    "slices through more than six ops, such as a projection applied inside the loop?)")
         sa, sh = time_slice(a0), time_slice(H)
         if sa is not None and _made_by_step_at(H, sa[0], sa[1], 1, depth=3):
             return _REVERSE_SCAN
@@ -1548,10 +1561,15 @@ def emit_selective_scan(
         Cv = _time_invariant(graph, C, u)
     else:
         Cv = permute_view(graph, C.node, C.perm_to("bgnt" if "g" in C.roles else "bnt"))
+    if disc.flip_time:
+        # The loop read exp(Δ·A) and Δ·B·u flipped along time: the op reads their sources so.
+        u, delta = (_node(graph, "call_method", "flip", x, (-1,)) for x in (u, delta))
     if disc.time_invariant_B and "b" not in disc.B.roles:
         B = _time_invariant(graph, disc.B, u)
     elif "g" in disc.B.roles:
         B = permute_view(graph, disc.B.node, disc.B.perm_to("bgnt"))
+        if disc.flip_time:
+            B = _node(graph, "call_method", "flip", B, (-1,))
         if "g" not in C.roles and c_per_step:
             # The op reads B and C in one layout: share C across groups through a stride-0 view.
             groups = _node(graph, "call_method", "size", B, 1)
@@ -1562,6 +1580,8 @@ def emit_selective_scan(
             B = _per_batch(graph, disc.B, u)
         else:
             B = permute_view(graph, disc.B.node, disc.B.perm_to("bnt"))
+            if disc.flip_time:
+                B = _node(graph, "call_method", "flip", B, (-1,))
         if "g" in C.roles:
             groups = _node(graph, "call_method", "size", Cv, 1)
             B4 = _node(graph, "call_function", operator.getitem, B, (slice(None), None))
@@ -1684,8 +1704,8 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     # trailing roles.
     init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
     d = m.disc
-    disc = dataclasses.replace(d, u=first_steps(graph, d.u, m.L), delta=first_steps(graph, d.delta, m.L),
-                               B=first_steps(graph, d.B, m.L))
+    disc = dataclasses.replace(d, **{k: first_steps(graph, getattr(d, k), m.L, d.flip_time)
+                                     for k in ("u", "delta", "B")})
     return emit_selective_scan(
         graph,
         disc,
@@ -1745,6 +1765,10 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     y, last, steps = emitted
     for r, step in zip(m.out.step_readouts, steps, strict=True):
         r.replace_all_uses_with(step)
+    if m.out.reversed_time:
+        with graph.inserting_after(y):
+            y = graph.call_method("flip", (y, (m.out.roles.index("t"),)))
+        propagate_val(y)
     for user in m.out.out_users:
         user.replace_input_with(m.out.out_node, y)
     for user in m.last_users:
@@ -1797,6 +1821,7 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     # ctx is shared with the other graphs of the same compile (checkpointed layers' subgraphs),
     # whose node names can repeat this graph's: only this call's misses are about this graph.
     first_miss, first_rewrite = len(ctx.misses), len(ctx.rewrites)
+    unreverse_loops(gm)
     tried: set[tuple[torch.fx.Node, torch.fx.Node]] = set()
     while _rewrite_one(gm, ctx, tried):
         pass
@@ -1822,6 +1847,13 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             # (A loop refused for a lag at step 1 leaves steps 1.. as a chain of their own with
             # the same lag.)
             ctx.miss(FAMILY, reason, [m])
+    reported |= {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
+    deep = _deep_step_recurrence(muls, reported)
+    if deep is not None:
+        ctx.miss(FAMILY, "a linear recurrence h = exp(·)*h + x in which every step computes its decay from values "
+                 "the pass does not read as time slices of one tensor (computed from x[:, t] through more than "
+                 "six ops, as x_proj and dt_proj applied inside the loop are): left alone; Δ, B and C computed "
+                 "for the whole sequence before the loop are read step by step and proved", [deep])
     lerp = _lerp_recurrence(gm.graph)
     if lerp is not None:
         ctx.miss(FAMILY, "a linear recurrence written with torch.lerp (h = lerp(x_t, h, w_t) = w_t*h + "
@@ -1947,6 +1979,85 @@ def _unbind_items_before(unbind: torch.fx.Node, size: Any, index: int) -> bool:
         if item.users and not (0 <= i < index or (i < 0 and is_concrete_int(size) and i + int(size) < index)):
             return False
     return True
+
+
+def unreverse_loops(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Read the time slices of a loop that walks time backwards as slices of the flipped tensor.
+
+    A loop ``for t in reversed(range(L))`` reads ``x[:, L-1]`` first and ``x[:, 0]`` last: a
+    reverse scan, which ssm.selective_scan (forward from t = 0) does not compute as it stands.
+    ``x[:, i]`` is ``x.flip(1)[:, L-1-i]`` for every i and every x, so the slices of each tensor
+    the graph reads at every index in reverse order (index L-1 first, then L-2, ..., 0 last) are
+    replaced with those of its flip: the same values, and the loop then reads the flipped tensors
+    forward, which the scan passes prove as any forward loop (the readouts come out in the
+    flipped order, which is how the loop produced them). Only a tensor whose every slice in the
+    graph is read in that order is flipped, and one written in place anywhere keeps its slices
+    (its flip would be a copy taken at one point).
+    Returns the flip nodes added (possibly none)."""
+    graph = gm.graph
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    groups: dict[tuple[torch.fx.Node, int], list[tuple[torch.fx.Node, int]]] = {}
+    for node in graph.nodes:
+        ts = time_slice(node)
+        if ts is not None:
+            groups.setdefault((ts[0], ts[1]), []).append((node, ts[2]))
+    reversed_reads, others = [], []
+    for (base, axis), slices in groups.items():
+        length = val(base).shape[axis]
+        indices = [i for _, i in sorted(slices, key=lambda s: pos[s[0]])]
+        # Every read in reverse order: a tensor one loop reads forward and another backward (a
+        # bidirectional block sharing dA) keeps its slices, and the forward loop is proved as before.
+        if (is_concrete_int(length) and int(length) >= 2 and set(indices) == set(range(int(length)))
+                and all(b <= a for a, b in zip(indices, indices[1:]))
+                and all(_flipped_slice(node, i, int(length)) is not None for node, i in slices)
+                and written_in_place(graph, [base]) is None):
+            reversed_reads.append((base, axis, int(length), slices))
+        else:
+            others.append(slices)
+    if not reversed_reads:
+        return []
+    # A tensor sliced among the reversed reads but not flipped (written in place, read in another
+    # order too, or through a slice form of its own) would leave the loop reading it at mirrored
+    # steps, which explain would call a lag: then nothing is flipped, and the loop keeps its
+    # reverse-walk reason.
+    span = range(min(pos[n] for *_, sl in reversed_reads for n, _ in sl),
+                 max(pos[n] for *_, sl in reversed_reads for n, _ in sl) + 1)
+    if any(pos[n] in span for sl in others for n, _ in sl):
+        return []
+    flips = []
+    for base, axis, length, slices in reversed_reads:
+        with graph.inserting_before(min((n for n, _ in slices), key=pos.__getitem__)):
+            flipped = graph.call_method("flip", (base, (axis,)))
+        propagate_val(flipped)
+        for node, i in slices:
+            kind, index = _flipped_slice(node, i, length)
+            with graph.inserting_before(node):
+                if kind == "select":
+                    new = graph.call_method("select", (flipped, axis, index))
+                else:
+                    new = graph.call_function(operator.getitem, (flipped, index))
+            propagate_val(new)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        flips.append(flipped)
+    return flips
+
+
+def _flipped_slice(node: torch.fx.Node, index: int, length: int) -> tuple[str, Any] | None:
+    """How ``node`` (index ``index`` of a time axis ``length`` long) reads the flipped tensor:
+    ``("select", L-1-i)`` where its value is the plain select (a select, an unbind item, a
+    squeezed width-1 piece), ``("getitem", new index)`` for an index tuple with one integer (the
+    time index: other axes kept, sliced whole or added), else None."""
+    mirrored = length - 1 - index
+    if is_call(node, operator.getitem) and unbind_source(node.args[0]) is None:
+        key = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        ints = [k for k, x in enumerate(key) if isinstance(x, int) and not isinstance(x, bool)]
+        others = [x for x in key if not (isinstance(x, int) and not isinstance(x, bool))]
+        if len(ints) != 1 or any(not (x is None or x is Ellipsis or x == slice(None)) for x in others):
+            return None
+        key = tuple(mirrored if k == ints[0] else x for k, x in enumerate(key))
+        return "getitem", key
+    return "select", mirrored
 
 
 _REVERSE_SCAN = ("the loop walks time backwards (the state the step at t=0 multiplies was made by the step at "
@@ -2118,6 +2229,38 @@ def _unmatched_recurrences(muls: list[torch.fx.Node], reported: set[str]):
             chain.append(nxt[chain[-1]][0])
         if not any(n.name in reported for n in chain):
             yield m, c, H
+
+
+def _deep_step_recurrence(muls: list[torch.fx.Node], reported: set[str]) -> torch.fx.Node | None:
+    """The first product of a chain of three or more steps ``h' = c * h + x`` whose every ``c`` is
+    an exp that ``_leaf_key`` reads as no time slice (computed in the step from per-step values,
+    deeper than its depth: probe CF's Mamba-1 with x_proj and dt_proj inside the loop), none of
+    whose products has a reason yet; else None. Without it such a loop had no reason at all."""
+    mulset = set(muls)
+
+    def coefficient(m: torch.fx.Node, state: torch.fx.Node) -> Any:
+        c = m.args[1] if m.args[0] is state else m.args[0]
+        unkeyed = isinstance(c, torch.fx.Node) and time_slice(c) is None and not _key_slices(_leaf_key(c, 0))
+        return c if unkeyed and exp_behind(c) else None
+
+    def following(m: torch.fx.Node) -> torch.fx.Node | None:
+        for a, _ in _addends(m):
+            for m2 in a.users:
+                if m2 in mulset and a in m2.args and coefficient(m2, a) is not None:
+                    return m2
+        return None
+
+    nxt = {m: following(m) for m in muls if any(coefficient(m, h) is not None for h in m.args)}
+    later = {m2 for m2 in nxt.values() if m2 is not None}
+    for m in nxt:
+        if m in later:
+            continue
+        chain = [m]
+        while nxt.get(chain[-1]) is not None and len(chain) < 3:
+            chain.append(nxt[chain[-1]])
+        if len(chain) == 3 and not any(n.name in reported for n in chain):
+            return m
+    return None
 
 
 def _body_signature(body: torch.fx.GraphModule) -> tuple:
