@@ -2007,7 +2007,9 @@ def unreverse_loops(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         indices = [i for _, i in sorted(slices, key=lambda s: pos[s[0]])]
         # Every read in reverse order: a tensor one loop reads forward and another backward (a
         # bidirectional block sharing dA) keeps its slices, and the forward loop is proved as before.
-        if (is_concrete_int(length) and int(length) >= 2 and set(indices) == set(range(int(length)))
+        # (Three steps at least: a pair read second-first, ``im, re = z[..., 1], z[..., 0]``, is
+        # no scan worth a copy.)
+        if (is_concrete_int(length) and int(length) >= 3 and set(indices) == set(range(int(length)))
                 and all(b <= a for a, b in zip(indices, indices[1:]))
                 and all(_flipped_slice(node, i, int(length)) is not None for node, i in slices)
                 and written_in_place(graph, [base]) is None):
