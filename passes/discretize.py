@@ -881,7 +881,8 @@ def match_discretization(a_full: torch.fx.Node, b_full: torch.fx.Node, axes: int
         # exp(Δ·A).flip(t) is exp(Δ.flip(t)·A), and likewise Δ·B·u: the flips' sources are proved,
         # and the op reads u, Δ and B flipped along time.
         disc = match_discretization(flipped[0], flipped[1], axes)
-        return disc if isinstance(disc, str) else dataclasses.replace(disc, flip_time=True)
+        # (A toggle: two flips are none, probe CH.)
+        return disc if isinstance(disc, str) else dataclasses.replace(disc, flip_time=not disc.flip_time)
     return _with_negation(lambda neg: _match_full_decay(a_full, ta, neg, lambda d: _full_input(b_full, tb, d)))
 
 
@@ -941,9 +942,13 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
         if (is_call(a_exp, torch.flip) or is_method(a_exp, "flip")) and exp_node_behind(a_exp.args[0]) is not None:
             # associative_scan over (dA.flip(t), dBu.flip(t)), flipped back after: a reverse scan.
             dims = a_exp.args[1] if len(a_exp.args) > 1 else a_exp.kwargs.get("dims")
-            return (f"A_full is not exp(Δ·A) but exp(Δ·A) flipped along {dims} by {a_exp.name}, and B_full is not "
-                    "Δ·B·u flipped along the same time axis with it (the two flipped together are a scan from "
-                    "the last step back, which is rewritten over u, Δ and B flipped)")
+            if _time_flip(a_exp, a_perm[ta % len(a_perm)]) is None:
+                return (f"A_full is not exp(Δ·A) but exp(Δ·A) flipped along {dims} by {a_exp.name}, which is not "
+                        "its time axis alone: the op reads the channels and states in their order")
+            return (f"A_full is exp(Δ·A) flipped along time by {a_exp.name}, and B_full is not Δ·B·u flipped "
+                    "along time with it (a precomputed decay with an input term computed in the step, or the "
+                    "other way round, is not proved through the flip); the two flipped together are a scan "
+                    "from the last step back, which is rewritten over u, Δ and B flipped")
         return "A_full is not exp(Δ·A)" + _hop_note(a_exp) + detach_note(a_exp) + _input_note(a_full)
     inner = at.exp_of
     a_out = [at.out_labels()[p] for p in a_perm]

@@ -1216,10 +1216,12 @@ def _unit_round_trip(node: torch.fx.Node) -> torch.fx.Node | None:
     if is_call(node, operator.getitem):
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         nones = [i for i, x in enumerate(index) if x is None]
-        rest = [x for x in index if x is not None]
-        if len(nones) != 1 or len(index) > ndim or any(x != slice(None) for x in rest):
+        dots = [i for i, x in enumerate(index) if x is Ellipsis]
+        rest = [x for x in index if x is not None and x is not Ellipsis]
+        if len(nones) != 1 or len(dots) > 1 or len(index) - len(dots) > ndim or any(x != slice(None) for x in rest):
             return None
-        axis = nones[0]
+        # After an Ellipsis the index counts from the last axis (``y[..., None]``).
+        axis = nones[0] if not dots or nones[0] < dots[0] else ndim - (len(index) - nones[0])
     elif (is_method(node, "unsqueeze") or is_call(node, torch.unsqueeze)) and len(node.args) == 2 \
             and isinstance(node.args[1], int) and not node.kwargs:
         axis = node.args[1] % ndim

@@ -2063,9 +2063,12 @@ def _flipped_slice(node: torch.fx.Node, index: int, length: int) -> tuple[str, A
 
 
 _REVERSE_SCAN = ("the loop walks time backwards (the state the step at t=0 multiplies was made by the step at "
-                 "t=1: a reverse scan, e.g. indices L-1-t): ssm.selective_scan runs forward in time, so it is "
-                 "left alone; flipping the time axis of its inputs and of its output (x.flip(-1)) gives a "
-                 "forward loop that is rewritten")
+                 "t=1: a reverse scan, e.g. indices L-1-t), and its time slices could not all be read as slices "
+                 "of the flipped tensors, which makes a reverse loop a forward one: a tensor it reads is "
+                 "written in place, read in another order elsewhere (another loop), or sliced in a form not "
+                 "mirrored (unbind, split, a copy_ into a slot); or the loop covers part of the time axis, "
+                 "or fewer than 3 steps. Left alone; flipping its inputs and output (x.flip(-1)) yourself "
+                 "gives a forward loop that is rewritten")
 
 
 def _made_by_step_key(node: Any, key0: tuple, depth: int) -> bool:

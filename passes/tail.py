@@ -423,8 +423,8 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     writer = (written_in_place(gm.graph, [skip.D], after_made=True)
               or written_in_place(gm.graph, u_reads, since=first_read(u_reads)))
     if writer is not None:
-        ctx.miss("skip", f"{writer.name} writes D or u in place after the op or the user's D·u first reads it, so "
-                 "the two would read different values", [user])
+        ctx.miss("skip", f"{writer.name} writes D or u in place after the op or the user's D·u first reads it: the "
+                 "fold moves the op's read of them, so the two could read different values", [user])
         return False
     writer = _written_term(gm.graph, [*skip.nodes[1:], *skip.factors],
                            {chain.top, skip.D, layout_source(args["u"]).base})

@@ -394,3 +394,50 @@ def test_reverse_loops_that_keep_their_slices(fn, scans):
     out, ref = torch.compile(fn, backend="ssm")(*args), fn(*args)
     for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
         torch.testing.assert_close(o, r)
+
+
+def _disc_bdl(u, dt, A, B):
+    return torch.exp(torch.einsum("bdl,dn->bdln", dt, A)), torch.einsum("bdl,bnl,bdl->bdln", dt, B, u)
+
+
+def _forward_over_double_flips(u, dt, A, B, C):
+    dA, dBu = _disc_bdl(u, dt, A, B)
+    dA, dBu = dA.flip(2).flip(2), dBu.flip(2).flip(-2)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1), h
+
+
+def _reversed_over_flipped(u, dt, A, B, C):
+    dA, dBu = _disc_bdl(u, dt, A, B)
+    dA, dBu, C = dA.flip(2), dBu.flip(2), C.flip(2)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in reversed(range(u.shape[2])):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1), h
+
+
+def _assoc_over_double_flips(u, dt, A, B, C):
+    dA, dBu = _disc_bdl(u, dt, A, B)
+    hs = associative_scan(_combine, (dA.flip(2).flip(2), dBu.flip(2).flip(2)), dim=2, combine_mode="generic")[1]
+    return torch.einsum("bdln,bnl->bdl", hs, C), hs[:, :, -1]
+
+
+@pytest.mark.parametrize("fn", [_forward_over_double_flips, _reversed_over_flipped, _assoc_over_double_flips],
+                         ids=["loop-flip-flip", "reversed-loop-over-flips", "assoc-flip-flip"])
+def test_two_flips_along_time_are_none(fn):
+    # flip(flip(dA)) was read as one flip: the op scanned u, Δ and B backwards, off by ~7 (probe CH).
+    g = torch.Generator().manual_seed(6)
+    args = (torch.randn(2, 4, 6, generator=g), F.softplus(torch.randn(2, 4, 6, generator=g)),
+            -torch.rand(4, 3, generator=g) - 0.5, torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g))
+    report, _ = _reasons(fn, *args)
+    assert {"scan_loop", "scan_assoc"} & {r.family for r in report.rewrites}, str(report)
+    torch._dynamo.reset()
+    out, ref = torch.compile(fn, backend="ssm")(*args), fn(*[a.double() for a in args])
+    for o, r in zip(out, ref, strict=True):
+        torch.testing.assert_close(o, r.float(), rtol=1e-5, atol=1e-5)
