@@ -38,8 +38,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, exact_sum, match_bias, signed_sum
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, addcmul_operands,
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, first_read,
-                       follow_views, higher_order_op, hoist_before, hop_name, inverse, is_call, is_method, layout_source,
-                       narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix, scan_args,
+                       follow_views, higher_order_op, hoist_before, hop_name, inverse, is_call, is_method,
+                       layout_source, narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix, scan_args,
                        scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
@@ -520,6 +520,10 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
         if _is_inplace_silu(g):
             return (f"the gate is {g.name} = silu(z, inplace=True), which also writes silu(z) into z: "
                     "the op's gate would leave z as it was")
+        if isinstance(g, torch.fx.Node) and any(_silu_input(a) is not None for a in g.all_input_nodes):
+            # ``2 * silu(z)``, ``silu(z) + 1`` (probe CG: no reason was given).
+            return (f"the gate is {g.name} = {target_name(g)} of silu(z) and another value, not silu(z) itself: "
+                    "the op computes y * silu(z)")
         return None
     if shape_of(z) != shape_of(chain.top) or shape_of(out) != shape_of(chain.top):
         return f"the gate's z has shape {shape_of(z)}, y has {shape_of(chain.top)}"
