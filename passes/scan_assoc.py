@@ -60,7 +60,7 @@ from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, Conte
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
-from .scan_loop import emit_or_refusal, emit_selective_scan, first_steps, mutated, read_through, written_after
+from .scan_loop import emit_or_refusal, emit_selective_scan, first_steps_of, mutated, read_through, written_after
 
 log = logging.getLogger("ssm_compile")
 
@@ -686,13 +686,9 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
                  [readout.C], covers=recognised)
         return
     size = dict(zip(roles, shape_of(all_states)))
-    def narrowed() -> Any:
-        return dataclasses.replace(disc, **{k: first_steps(graph, getattr(disc, k), length, disc.flip_time)
-                                            for k in ("u", "delta", "B")})
-
     bounded = _first_decay_bounded(disc)
     emitted = emit_or_refusal(graph, anchor, lambda: emit_selective_scan(
-        graph, narrowed(), Source(readout.C, readout.C_roles),
+        graph, first_steps_of(graph, disc, length), Source(readout.C, readout.C_roles),
         y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),
         last_state_roles=tuple(r for r in roles if r != "t") if lasts else None,
         last_state_dtype=dtype_of(lasts[0]) if lasts else None, first_state_is_input=not bounded))

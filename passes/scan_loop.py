@@ -438,6 +438,13 @@ def first_steps(graph: torch.fx.Graph, src: Source, L: int, from_end: bool = Fal
     return Source(_node(graph, "call_method", "narrow", src.node, axis, -L if from_end else 0, L), src.roles)
 
 
+def first_steps_of(graph: torch.fx.Graph, disc: Discretized, L: int) -> Discretized:
+    """``disc`` with u, Δ and B as the scan reads them through its first L steps (``first_steps``,
+    from their ends where the scan reads them flipped)."""
+    return dataclasses.replace(disc, **{k: first_steps(graph, getattr(disc, k), L, disc.flip_time)
+                                        for k in ("u", "delta", "B")})
+
+
 _NOT_THE_ANCHOR = "the state's multiplier at step 0 is not A_full[t=0]"
 # A product of a time slice and a value that no later step multiplies: said of a candidate alone,
 # and dropped next to a loop whose real anchor gave its own reason (``_beside_a_reason``).
@@ -1581,6 +1588,7 @@ def emit_selective_scan(
         else:
             B = permute_view(graph, disc.B.node, disc.B.perm_to("bnt"))
             if disc.flip_time:
+                # (Before a group expand: the flip copies (batch, N, L), not G of them.)
                 B = _node(graph, "call_method", "flip", B, (-1,))
         if "g" in C.roles:
             groups = _node(graph, "call_method", "size", Cv, 1)
@@ -1703,12 +1711,9 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     # A broadcast h_{-1} (e.g. a learned (dim, N) state shared by the batch) has the state's
     # trailing roles.
     init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
-    d = m.disc
-    disc = dataclasses.replace(d, **{k: first_steps(graph, getattr(d, k), m.L, d.flip_time)
-                                     for k in ("u", "delta", "B")})
     return emit_selective_scan(
         graph,
-        disc,
+        first_steps_of(graph, m.disc, m.L),
         first_steps(graph, m.C, m.L),
         y_roles=m.out.roles,
         y_dtype=val(m.out.out_node).dtype,

@@ -353,9 +353,12 @@ def test_a_bidirectional_block_rewrites_both_directions():
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
+def _disc_bdl(u, dt, A, B):
+    return torch.exp(torch.einsum("bdl,dn->bdln", dt, A)), torch.einsum("bdl,bnl,bdl->bdln", dt, B, u)
+
+
 def _reverse_loop_over_a_written_tensor(u, delta, A, B, C):
-    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
-    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    dA, dBu = _disc_bdl(u, delta, A, B)
     dBu[:, :, 0] *= 2.0  # written in place: its flip would be a copy taken at one point
     h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
     ys = []
@@ -368,8 +371,7 @@ def _reverse_loop_over_a_written_tensor(u, delta, A, B, C):
 def _shared_forward_and_backward(u, delta, A, B, C):
     # One dA read forward by one loop and backward by the next: its slices are not all read in
     # reverse order, so they keep their indices; the forward loop is rewritten as before.
-    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
-    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    dA, dBu = _disc_bdl(u, delta, A, B)
     outs = []
     for steps in (range(u.shape[2]), reversed(range(u.shape[2]))):
         h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
@@ -394,10 +396,6 @@ def test_reverse_loops_that_keep_their_slices(fn, scans):
     out, ref = torch.compile(fn, backend="ssm")(*args), fn(*args)
     for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
         torch.testing.assert_close(o, r)
-
-
-def _disc_bdl(u, dt, A, B):
-    return torch.exp(torch.einsum("bdl,dn->bdln", dt, A)), torch.einsum("bdl,bnl,bdl->bdln", dt, B, u)
 
 
 def _forward_over_double_flips(u, dt, A, B, C):
@@ -449,14 +447,7 @@ def test_a_gate_computed_from_silu_gets_a_reason(gate, name):
     # The op gates by silu(z) itself; a function of it is left as written, and explain now says so
     # (probe CG: no reason was given).
     def gated(u, dt, A, B, C, D, z):
-        dA = torch.exp(torch.einsum("bld,dn->bldn", dt, A))
-        dBu = torch.einsum("bld,bln,bld->bldn", dt, B, u)
-        h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
-        ys = []
-        for i in range(u.shape[1]):
-            h = dA[:, i] * h + dBu[:, i]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, i]))
-        return (torch.stack(ys, 1) + u * D) * gate(z)
+        return (_loop(u, dt, A, B, C) + u * D) * gate(z)
 
     g = torch.Generator().manual_seed(5)
     b, L, d, n = 2, 7, 6, 4
