@@ -720,7 +720,9 @@ _FIRST_STATE_NOTE = ("B_full[t=0] as h_{-1} with Δ[t=0] = 0 (the graph does not
 
 def _first_decay_bounded(disc: Discretized) -> bool:
     """Whether the ops that make Δ and A show Δ·A <= 0 (so exp(Δ·A) is in [0, 1], or NaN only
-    from a NaN or an inf·0 in Δ·A, where B_full = Δ·B·u is not finite either).
+    from a NaN in Δ or an infinite Δ times A = 0, where B_full = Δ·B·u is not finite either). A = -inf
+    with Δ = 0 gives no NaN in the op: its kernels and CPU path read A = -inf as the most negative
+    float, so that step is the identity (probe CI: Δ = softplus(-120) = 0 at t = 0).
 
     An associative or in-place parallel scan's first state is ``b_0`` itself: no decay multiplies
     anything before it. ``ssm.selective_scan`` without an initial state computes ``a_0 * 0 + b_0``,

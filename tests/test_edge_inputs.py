@@ -67,6 +67,35 @@ def test_scan_forward_last_state_with_infinite_decay_rate(L):
     torch.testing.assert_close(y.cpu(), y_want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("variant", ["column", "serial", "nblock"])
+def test_infinite_decay_rate_meets_a_zero_dt(variant):
+    # A = -inf meeting dt = 0 exactly (softplus(-120)) at t = 0 and mid-sequence: every path reads
+    # A = -inf as the most negative float, so such a step is the identity, the first state is
+    # dt * B * u = 0 as an associative_scan's is, and nothing is NaN. Before (probe CI, run 61) the
+    # CPU path and the Triton backward formed exp(0 * -inf) = NaN, which ran down the channel.
+    u, delta, z, dy, A, B, C = _scan_inputs(L=40, N=4, seed=1)
+    delta[:, :, 0] = delta[:, :, 17] = -120.0
+    A[0, 0] = -float("inf")
+    D, bias = torch.randn(u.shape[1]), torch.randn(u.shape[1]) * 0.1
+    args = (u, delta, A, B, C, D, z, bias, True, None, True)
+    y_want, last_want = cpu.selective_scan_fwd(*args)
+    assert torch.isfinite(y_want).all() and torch.isfinite(last_want).all()
+    y, last = triton_fwd.selective_scan_fwd(*_dev(*args[:8]), True, None, True)
+    torch.testing.assert_close(y.cpu(), y_want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last.cpu(), last_want, rtol=1e-5, atol=1e-6)
+    # The fused kernel, with an identity conv (taps (0, 1), no activation) so that x is u.
+    conv_w = torch.tensor([[0.0, 1.0]]).expand(u.shape[1], 2).contiguous()
+    fused = fused_scan_fwd(*_dev(u, delta, A, B, C, D, z, bias), True, *_dev(conv_w), None, False, None).y
+    torch.testing.assert_close(fused.cpu(), y_want, rtol=1e-5, atol=1e-5)
+    bwd = (dy, None, u, delta, A, B, C, D, z, bias, True, None)
+    want = cpu.selective_scan_bwd(*bwd)
+    got = triton_bwd.selective_scan_bwd(*_dev(*bwd[:10]), True, None, tiles={"variant": variant})
+    for name in ("du", "ddelta", "dz", "dA", "dB", "dC", "dD", "ddelta_bias"):
+        w = getattr(want, name)
+        assert torch.isfinite(w).all(), name
+        torch.testing.assert_close(getattr(got, name).cpu(), w, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("N", [3, 4, 5])
 @pytest.mark.parametrize("inf", [float("inf"), -float("inf")])
 def test_infinite_input_stays_infinite_with_padded_state_lanes(N, inf):

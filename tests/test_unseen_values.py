@@ -196,6 +196,35 @@ def test_a_sign_the_ops_do_not_show_keeps_the_scans_first_state(fn):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+def _overflowed_A(u, x, y, A_log, B, C):
+    return _assoc_scan(F.softplus(x), -torch.exp(A_log), u, B, C)
+
+
+def test_an_infinite_A_meeting_a_zero_delta_at_the_first_step():
+    # Probe CI (run 61): A = -exp(90) = -inf and Δ0 = softplus(-120) = 0 exactly. The signs are
+    # shown (Δ >= 0, A <= 0), so the op starts from a zero state; eager's first state is
+    # Δ0·B0·u0 = 0, and the op's CPU path formed exp(0·-inf) = NaN over the whole channel.
+    g = torch.Generator().manual_seed(1)
+    u, x, y = (torch.randn(2, 3, 6, generator=g) for _ in range(3))
+    x[..., 0] = -120.0
+    A_log = torch.randn(3, 4, generator=g)
+    A_log[0, 0] = 90.0
+    args = [u, x, y, A_log, torch.randn(2, 4, 6, generator=g), torch.randn(2, 4, 6, generator=g)]
+    report, _ = _reasons(_overflowed_A, *args)
+    assert any(r.family == "scan_assoc" for r in report.rewrites), str(report)
+    leaves = [a.clone().requires_grad_(i in (0, 4, 5)) for i, a in enumerate(args)]
+    ref = _overflowed_A(*leaves)
+    assert torch.isfinite(ref).all()
+    torch._dynamo.reset()
+    out = torch.compile(_overflowed_A, backend="ssm")(*leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.randn_like(ref)
+    wrt = [leaves[i] for i in (0, 4, 5)]
+    for got, want in zip(torch.autograd.grad(out, wrt, grads), torch.autograd.grad(ref, wrt, grads), strict=True):
+        assert torch.isfinite(want).all()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def _loop(u, delta, A, B, C):
     dA = torch.exp(torch.einsum("bld,dn->bldn", delta, A))
     dBu = torch.einsum("bld,bln,bld->bldn", delta, B, u)

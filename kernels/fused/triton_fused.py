@@ -68,7 +68,7 @@ from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, 
                                          scan_fwd_config,
                                          selective_scan_fwd_launch)
 from ..layout import empty_activation
-from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, linear_combine, num_sms, project_dt, silu, softplus
+from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, finite_decay_rate, linear_combine, num_sms, project_dt, silu, softplus
 
 
 
@@ -135,8 +135,8 @@ def _fused_scan_kernel(
     B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
     C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
 
-    A = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
-                other=0.0).to(tl.float32) * LOG2E  # [N_PER_THREAD, BLOCK_D, LANES_N]
+    A = finite_decay_rate(tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
+                                  other=0.0).to(tl.float32) * LOG2E)  # [N_PER_THREAD, BLOCK_D, LANES_N]
     if HAS_DELTA_BIAS:
         delta_bias = tl.load(delta_bias_ptr + offs_d * stride_delta_bias, mask=mask_d,
                              other=0.0).to(tl.float32)

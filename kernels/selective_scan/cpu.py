@@ -101,6 +101,11 @@ def _prepare(u, A, B, initial_state, cdtype):
     # from it (dA, the decays, through them the initial state's gradient) is dense whatever A's
     # strides, as the op's fake impl promises.
     A5 = A.to(cdtype).reshape(groups, dim // groups, nstate).contiguous()
+    # A = -inf (an overflowed -exp(A_log)) as the most negative float, as the Triton forward has
+    # it (``triton_common.finite_decay_rate``): a step with dt = 0 is then the identity instead of
+    # exp(0 * -inf) = NaN, which matters at t = 0, whose decay multiplies the zero start state and
+    # which an associative_scan never forms (eager's first state there is dt * B * u = 0).
+    A5 = torch.where(A5 == float("-inf"), torch.finfo(cdtype).min, A5)
     if initial_state is None:
         h = torch.zeros(batch, groups, dim // groups, nstate, dtype=cdtype, device=u.device)
     else:

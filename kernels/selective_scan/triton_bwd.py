@@ -53,7 +53,7 @@ import triton.language as tl
 from ..layout import dim_innermost
 from ..partials import sum_partials
 from ..restride import restride_into
-from ..triton_common import (LAUNCH_OPTIONS, LOG2E, launcher, linear_combine, neg_zero, num_sms, prefetch,
+from ..triton_common import (LAUNCH_OPTIONS, LOG2E, finite_decay_rate, launcher, linear_combine, neg_zero, num_sms, prefetch,
                              sigmoid_approx, silu, softplus)
 from .grads import ScanGrads
 from .triton_fwd import _last_step, _load_chunk, _state_tile, _sum_lanes, scan_fwd_config
@@ -241,8 +241,8 @@ def _chunk_state_kernel(
     B_ptr += pid_b * stride_B_b + pid_g * stride_B_g
     C_ptr += pid_b * stride_C_b + pid_g * stride_C_g
 
-    A = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
-                other=0.0).to(tl.float32) * LOG2E
+    A = finite_decay_rate(tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
+                                  other=0.0).to(tl.float32) * LOG2E)
     bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_DELTA_BIAS:
         bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -346,7 +346,8 @@ def _state_pass_kernel(
     offs_n = i % BLOCK_N
     mask = (offs_d < dim) & (offs_n < N)
     offs = offs_d * N + offs_n
-    A2 = tl.load(A_ptr + offs_d * stride_A_d + offs_n * stride_A_n, mask=mask, other=0.0).to(tl.float32) * LOG2E
+    A2 = finite_decay_rate(tl.load(A_ptr + offs_d * stride_A_d + offs_n * stride_A_n, mask=mask,
+                                   other=0.0).to(tl.float32) * LOG2E)
     if HAS_INIT:
         h = tl.load(init_ptr + pid_b * stride_init_b + offs_d * stride_init_d + offs_n * stride_init_n,
                     mask=mask, other=0.0).to(tl.float32)
@@ -492,7 +493,8 @@ def _chunk_bwd_kernel(
         q = tl.zeros([BLOCK_D, ROWS, STEPS], dtype=tl.float32)  # dh . B
         s = tl.zeros([BLOCK_D, ROWS, STEPS], dtype=tl.float32)  # (dh * a * h_prev) . A * log2(e)
         for n in range(N):
-            A2 = tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d, other=0.0).to(tl.float32) * LOG2E
+            A2 = finite_decay_rate(tl.load(A_ptr + offs_d * stride_A_d + n * stride_A_n, mask=mask_d,
+                                           other=0.0).to(tl.float32) * LOG2E)
             A2 = A2[:, None, None]
             Bn = tl.load(B_ptr + n * stride_B_n + t * stride_B_l, mask=mask_t, other=0.0).to(tl.float32)[None, :, :]
             Cn = tl.load(C_ptr + n * stride_C_n + t * stride_C_l, mask=mask_t, other=0.0).to(tl.float32)[None, :, :]
@@ -689,8 +691,8 @@ def _chunk_bwd_nblock_kernel(
                 if HAS_Z:
                     z_ptrs = z_ptr + d * stride_z_d + t3 * stride_z_l
                     g *= silu(tl.load(z_ptrs, mask=mask_t3, other=0.0).to(tl.float32), FAST_MATH=True)
-                A2 = (tl.load(A_ptr + d * stride_A_d + offs_n * stride_A_n, mask=mask_n, other=0.0).to(tl.float32)
-                      * LOG2E)[:, None, None]  # [NB, 1, 1]
+                A2 = finite_decay_rate(tl.load(A_ptr + d * stride_A_d + offs_n * stride_A_n, mask=mask_n,
+                                               other=0.0).to(tl.float32) * LOG2E)[:, None, None]  # [NB, 1, 1]
                 h0 = tl.load(hs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]  # [NB, 1]
                 r = tl.load(rs_ptr + ws_off + d * N + offs_n, mask=mask_n, other=0.0)[:, None]
                 # Earlier blocks' sums over their columns, loaded up here with the other loads: below
@@ -987,8 +989,8 @@ def _chunk_bwd_serial_kernel(
         mask_d = offs_dl < dim_per_group
         offs_d3 = offs_d[None, :, None]
         mask_dn = mask_bn[:, None, :] & mask_d[None, :, None]  # [N_PER_THREAD, BLOCK_D, LANES_N]
-        A2 = tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
-                     other=0.0).to(tl.float32) * LOG2E
+        A2 = finite_decay_rate(tl.load(A_ptr + offs_d3 * stride_A_d + offs_n3 * stride_A_n, mask=mask_dn,
+                                       other=0.0).to(tl.float32) * LOG2E)
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
         if HAS_DELTA_BIAS:
             bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
