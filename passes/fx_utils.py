@@ -28,6 +28,9 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # ``node.meta`` key marking a cast a rewrite emitted as an op's own output rounding (to the dtype
 # the replaced code produced), as opposed to a cast the user wrote.
 OP_ROUNDING = "ssm_op_rounding"
+# ``node.meta`` key marking the flip along time a reverse loop's rewrite puts after the op: the
+# op ran over flipped time, and this flip gives the loop's outputs back in its own order.
+REVERSED_OUTPUT = "ssm_reversed_output"
 
 SCAN_QUALNAME = "ssm::selective_scan"
 SCAN_ARG_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",

@@ -69,6 +69,7 @@ from .fx_utils import (
     storage_of_value,
     is_call,
     OP_ROUNDING,
+    REVERSED_OUTPUT,
     dropped_rounding,
     float64_readout,
     higher_order_op,
@@ -1774,6 +1775,7 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
         with graph.inserting_after(y):
             y = graph.call_method("flip", (y, (m.out.roles.index("t"),)))
         propagate_val(y)
+        y.meta[REVERSED_OUTPUT] = True
     for user in m.out.out_users:
         user.replace_input_with(m.out.out_node, y)
     for user in m.last_users:

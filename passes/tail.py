@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, exact_sum, match_bias, signed_sum
-from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, SILU_TARGETS, addcmul_operands,
+from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, REVERSED_OUTPUT, SILU_TARGETS, Layout, addcmul_operands,
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, first_read,
                        follow_views, higher_order_op, hoist_before, hop_name, inverse, is_call, is_method,
                        layout_source, narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix, scan_args,
@@ -51,15 +51,50 @@ _OTHER_GATES = (F.gelu, torch._C._nn.gelu, torch.relu, F.relu, torch.tanh, F.sof
 
 class YChain(NamedTuple):
     """The scan's ``y`` followed forward through views and casts: ``top`` axis ``i`` holds op
-    axis ``perm[i]`` of ``y`` (batch, dim, L); ``nodes`` are the views and casts passed."""
+    axis ``perm[i]`` of ``y`` (batch, dim, L); ``nodes`` are the views and casts passed.
+    ``flipped``: the chain also passes the flip along time that a reverse loop's rewrite puts
+    after the op (``scan_loop.REVERSED_OUTPUT``), so ``top`` at time t is the op's y at L-1-t."""
 
     top: torch.fx.Node
     perm: tuple[int, ...]
     nodes: list[torch.fx.Node]
+    flipped: bool = False
 
 
 def follow_y(y: torch.fx.Node) -> YChain:
-    return YChain(*follow_views(y))
+    top, perm, nodes = follow_views(y)
+    (flip,) = top.users if len(top.users) == 1 else (None,)
+    if flip is None or not flip.meta.get(REVERSED_OUTPUT) or _flip_axis(flip) != perm.index(2):
+        return YChain(top, perm, nodes)
+    # A reverse loop's outputs: the op ran over flipped time, and its y is flipped back. A skip
+    # or gate after that flip folds with its u and z read flipped as well (``_unflipped``).
+    end, after, more = follow_views(flip)
+    return YChain(end, tuple(perm[p] for p in after), [*nodes, flip, *more], True)
+
+
+def _flip_axis(node: torch.fx.Node) -> Optional[int]:
+    """The one axis ``node`` flips (``x.flip(k)``, ``torch.flip(x, (k,))``), else None."""
+    if not (is_method(node, "flip") or is_call(node, torch.flip)) or node.kwargs or len(node.args) != 2:
+        return None
+    dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
+    ndim = len(shape_of(node))
+    return dims[0] % ndim if len(dims) == 1 and isinstance(dims[0], int) else None
+
+
+def _unflipped(u_op: Any) -> Optional[Layout]:
+    """Where the op's ``u`` is the flip along time of a value (a reverse loop's operand), that
+    value's layout with the op's axes (op axis ``i`` is axis ``perm[i]`` of ``base``), else None."""
+    outer = layout_source(u_op)
+    if _flip_axis(outer.base) != outer.perm[2]:
+        return None
+    inner = layout_source(outer.base.args[0])
+    return Layout(inner.base, tuple(inner.perm[p] for p in outer.perm), outer.lossless and inner.lossless)
+
+
+def _op_u(u_op: Any, chain: YChain) -> Optional[Layout]:
+    """The op's u as the skip after ``chain`` must read it: itself, or what it flips when the
+    chain flips y back (None if it flips nothing)."""
+    return _unflipped(u_op) if chain.flipped else layout_source(u_op)
 
 
 def _rounds_coarser(node: torch.fx.Node, dtype: torch.dtype) -> bool:
@@ -277,7 +312,9 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
     # Axis i of y lines up with axis sigma[i] of the product.
     product_shape = shape_of(product) if product is not None else top_shape
     dim_axis = sigma[chain.perm.index(1)]
-    op_u = layout_source(u_op)
+    op_u = _op_u(u_op, chain)
+    if op_u is None:
+        return "y is flipped back along time after a reverse scan whose u the op does not read flipped"
     reasons = []
     for u_like, d_like in (factors, factors[::-1]):
         if shape_of(u_like) != product_shape:
@@ -293,7 +330,7 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
                            f"(dim,) vector broadcast along {where}")
             continue
         skip_u = layout_source(u_like)
-        if skip_u.base is not op_u.base and not same_prefix(skip_u.base, op_u.base):
+        if skip_u.base is not op_u.base and (chain.flipped or not same_prefix(skip_u.base, op_u.base)):
             # (A loop over the first k steps: the op reads u narrowed to k steps, the user's skip
             # its own u[..., :k], the same value; probe BY.)
             reasons.append(f"the skip multiplies {u_like.name}, not the scan's u")
@@ -427,7 +464,7 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
                  "fold moves the op's read of them, so the two could read different values", [user])
         return False
     writer = _written_term(gm.graph, [*skip.nodes[1:], *skip.factors],
-                           {chain.top, skip.D, layout_source(args["u"]).base})
+                           {chain.top, skip.D, _op_u(args["u"], chain).base})
     if writer is not None:
         ctx.miss("skip", f"{writer} the D·u product the fold computes from u and D itself", [user])
         return False
@@ -582,6 +619,10 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
         return False
     with gm.graph.inserting_before(scan):
         args["z"] = permute_view(gm.graph, gate.z, inverse(chain.perm))
+        if chain.flipped:
+            # The op gates its y, which runs over flipped time: z is read flipped too.
+            args["z"] = gm.graph.call_method("flip", (args["z"], (-1,)))
+            propagate_val(args["z"])
     set_scan_args(scan, args)
     chain = _widen_chain(chain, dtype_of(gate.out))
     _replace_with(gate.out, chain.top)

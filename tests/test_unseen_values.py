@@ -487,3 +487,62 @@ def test_a_gate_computed_from_silu_gets_a_reason(gate, name):
     assert "gate" not in {r.family for r in report.rewrites}, str(report)
     assert any(f"= {name} of silu(z) and another value" in r for r in reasons), reasons
     torch.testing.assert_close(report.output, gated(*args))
+
+
+# --- probe CI (run 61): the skip and gate after a reverse loop's outputs ----------------------
+
+def _reverse_block(collect, tail, time_major):
+    """A reverse loop collected last step first (into a buffer, or by ``insert(0)``), then the D
+    skip and/or the z gate on the outputs in the loop's time order."""
+    def fn(u, dt, A, B, C, z, D):
+        if time_major:
+            u, dt, z = (x.transpose(1, 2) for x in (u, dt, z))
+        dA, dBu = _disc_bdl(u, dt, A, B)
+        h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+        if collect == "buffer":
+            y = u.new_empty(u.shape)
+            for t in range(u.shape[2] - 1, -1, -1):
+                h = dA[:, :, t] * h + dBu[:, :, t]
+                y[:, :, t] = torch.einsum("bdn,bn->bd", h, C[:, :, t])
+        else:
+            ys = []
+            for t in reversed(range(u.shape[2])):
+                h = dA[:, :, t] * h + dBu[:, :, t]
+                ys.insert(0, torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+            y = torch.stack(ys, dim=-1)
+        if "skip" in tail:
+            y = y + u * D[:, None]
+        if "gate" in tail:
+            y = y * F.silu(z)
+        return y.transpose(1, 2) if time_major else y
+    return fn
+
+
+@pytest.mark.parametrize("collect, tail, time_major", [
+    ("buffer", ("gate",), False), ("buffer", ("skip", "gate"), True),
+    ("insert0", ("skip",), False), ("insert0", ("skip", "gate"), False)],
+    ids=["buffer-gate", "buffer-skip-gate-time-major", "insert0-skip", "insert0-skip-gate"])
+def test_skip_and_gate_after_a_reverse_loop_fold(collect, tail, time_major):
+    # The op runs over flipped time and its y is flipped back; a skip or gate after that flip folds
+    # with z read flipped (u already is). Before, the gate's reason named the backend's own flip
+    # ("multiplies flip_6 (.flip of y), not y") and neither was folded.
+    fn = _reverse_block(collect, tail, time_major)
+    g = torch.Generator().manual_seed(8)
+    shape = (2, 6, 4) if time_major else (2, 4, 6)
+    args = [torch.randn(shape, generator=g), F.softplus(torch.randn(shape, generator=g)),
+            -torch.rand(4, 3, generator=g) - 0.5, torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g),
+            torch.randn(shape, generator=g), torch.randn(4, generator=g)]
+    report, _ = _reasons(fn, *args)
+    families = [r.family for r in report.rewrites]
+    assert "scan_loop" in families and all(f in families for f in tail), str(report)
+    assert not [m for m in report.misses if m.family in ("skip", "gate")], str(report)
+    leaves = [a.clone().requires_grad_() for a in args]
+    ref = fn(*leaves)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    wrt = [x for x in leaves if "skip" in tail or x is not leaves[-1]]
+    wrt = [x for x in wrt if "gate" in tail or x is not leaves[5]]
+    grads = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, wrt, grads), torch.autograd.grad(ref, wrt, grads), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
