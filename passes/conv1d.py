@@ -315,7 +315,8 @@ def _unsliced_reason(conv: torch.fx.Node) -> str:
         # probe BZ).
         flags = () if is_call(user, *_ARITHMETIC) or is_method(user, *_ARITHMETIC_METHODS) else (
             *user.args[1:], *user.kwargs.values())
-        written = target_name(user).endswith("_") or any(a is True for a in flags)
+        written = (target_name(user).endswith("_") or any(a is True for a in flags)
+                   or (is_call(user, operator.setitem) and user.args[0] is conv))  # ``c[..., 1] = 5`` (probe CJ)
         return f"{user.name} ({target_name(user)}{', in place' if written else ''})"
     readers = ", ".join(named(u) for u in conv.users) or "nothing"
     writers = [named(u) for u in conv.users if "in place" in named(u)]

@@ -174,6 +174,25 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
     return None
 
 
+def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
+    """Why not, when dt_proj (a linear) reads a piece of a split of x_proj's output other than the
+    first (``B, C, dt = x_dbl.split([N, N, R], -1)``, probe CJ: no reason was given); else None."""
+    found = _linear(dt_proj)
+    low = layout_source(found[0], allow_casts=False).base if found is not None else None
+    if not (is_call(low, operator.getitem) and isinstance(low.args[1], int) and low.args[1] > 0):
+        return None
+    split = low.args[0]
+    if not (is_call(split, *_SPLITS, torch.tensor_split) or is_method(split, "split", "split_with_sizes",
+                                                                       "tensor_split")):
+        return None
+    source = split.args[0] if split.args else None
+    if not isinstance(source, torch.fx.Node) or _linear(source) is None:
+        return None
+    return (f"dt_proj reads piece {low.args[1]} of the split of x_proj's output {source.name}, not its first "
+            "columns: ssm.x_dt_proj computes dt from the first R columns (dt, B, C order), so the two products "
+            "stay as they are")
+
+
 def _tensor_split_first(split: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
     """``(x_dbl, R)`` when the first piece of ``torch.tensor_split`` along the last axis is
     x_dbl's first R columns: at the first of its indices, or, for a number of sections s of a
@@ -220,7 +239,7 @@ def match(scan: torch.fx.Node) -> Site | str | None:
         if columns is not None:
             break
     else:
-        return None
+        return _later_piece(dt_proj)
     x_dbl, rank = columns
     x_args = _linear(x_dbl)
     if x_args is None:

@@ -329,6 +329,14 @@ def neg_tanh_in_place_then_slice(x, w, b):
     return c[..., :x.shape[-1]]
 
 
+def neg_written_by_setitem_before_the_slice_is_read(x, w, b):
+    # (Probe CJ, run 61: the reason named the right-hand padding, not the write.)
+    c = F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])
+    y = c[..., :x.shape[-1]]
+    c[..., 1] = 5.0
+    return F.silu(y)
+
+
 def neg_pad_both_sides_then_slice(x, w, b):
     # nn.Conv1d(padding=W-1)'s pad by hand: causal once sliced, but only (W-1, 0) is the form proved.
     return F.conv1d(F.pad(x, (w.shape[-1] - 1, w.shape[-1] - 1)), w, b, groups=x.shape[1])[..., :x.shape[-1]]
@@ -346,6 +354,8 @@ NEGATIVES = {
     # (probe BP: "its last W - 1 steps see the right-hand padding, so it is not a causal conv".)
     "relu-method-in-place-then-slice": (neg_relu_method_in_place_then_slice, {},
                                         "relu_ (.relu_, in place) writes it in place: the pass folds"),
+    "setitem-then-slice": (neg_written_by_setitem_before_the_slice_is_read, {},
+                           "setitem (operator.setitem, in place) writes it in place"),
     "tanh-in-place-then-slice": (neg_tanh_in_place_then_slice, {},
                                  "getitem (operator.getitem), and tanh_ (.tanh_, in place) writes it in place"),
     "narrow-from-1": (neg_narrow_from_1, {}, "does not start at step 0"),
