@@ -959,7 +959,14 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
     elif sorted(c_roles) == ["b", "n", "t"]:
         c_src = view_source(c_base, c_roles)
     else:
-        return f"C_t must be indexed by (batch, state), got {leaf_roles}"
+        shared = ""
+        if disc.A.roles == ("n",) and "d" in leaf_roles and "b" not in leaf_roles:
+            # (Probe CI, run 61: B read along the channels made the reading that swaps Δ's axes the
+            # one proved, and C, indexed as Mamba's, was then blamed alone.)
+            shared = (" (A has only a state axis, so Δ's batch and channel axes were told apart by u and B: "
+                      "the axis C reads by is the one they read as the channels; B or C is not indexed as "
+                      "(batch, state))")
+        return f"C_t must be indexed by (batch, state), got {leaf_roles}{shared}"
     y_roles = _readout_roles(rt, role, y0)
     return y_roles if isinstance(y_roles, str) else (c_src, c_base, y_roles)
 

@@ -546,3 +546,30 @@ def test_skip_and_gate_after_a_reverse_loop_fold(collect, tail, time_major):
     grads = torch.randn_like(ref)
     for got, want in zip(torch.autograd.grad(out, wrt, grads), torch.autograd.grad(ref, wrt, grads), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _per_channel_B_with_shared_A(u, dt, A, B, C):
+    dA = torch.exp(dt[..., None] * A)
+    dBu = (dt * u)[..., None] * B.transpose(1, 2)[None]  # B (batch == dim, N, L) read per channel
+    h = torch.zeros(dA.shape[0], dA.shape[1], dA.shape[3])
+    ys = []
+    for t in range(dA.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, -1)
+
+
+def test_a_shared_A_whose_B_reads_the_channels_says_B_or_C():
+    # Probe CI (run 61): with batch == dim, B read along the channels proves the reading that swaps
+    # Δ's axes, and the reason blamed C alone, which is indexed as Mamba's.
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(3, 3, 5, generator=g), F.softplus(torch.randn(3, 3, 5, generator=g)),
+            -torch.rand(2, generator=g) - 0.3, torch.randn(3, 2, 5, generator=g), torch.randn(3, 2, 5, generator=g))
+    report, _ = _reasons(_per_channel_B_with_shared_A, *args)
+    assert not report.rewrites, str(report)
+    reasons = [m.reason for m in report.misses if m.family == "scan_loop"]
+    assert any("C_t must be indexed by (batch, state)" in r and "B or C is not indexed as (batch, state)" in r
+               for r in reasons), reasons
+    torch._dynamo.reset()
+    out = torch.compile(_per_channel_B_with_shared_A, backend="ssm")(*args)
+    torch.testing.assert_close(out, _per_channel_B_with_shared_A(*args))
