@@ -1779,6 +1779,17 @@ def match_window_update(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) ->
     return {**m, **r, "first": first, "W": m["S"]}
 
 
+def _wider_than_the_op(last: torch.fx.Node) -> str | None:
+    """Why not, when the conv step's output is computed in a dtype the op does not compute in (an
+    fp32 step whose weight is widened to fp64: probe CM, where the op was built with an fp64 x,
+    raised inside the pass and cost the graph every rewrite); else None."""
+    dtype = _tensor(last).dtype
+    if dtype in SUPPORTED_DTYPES:
+        return None
+    return (f"the step computes its output in {dtype} (a factor, such as the weight, is {dtype}): the op "
+            "computes in fp32 and returns fp32/bf16/fp16")
+
+
 def check_window_update(m: dict[str, Any]) -> str | None:
     """The weight's taps line up with the window, widths and dtypes the op takes; else why not."""
     S, W, weight = m["S"], pinned_int(m["W"]), _tensor(m["weight"])
@@ -1797,6 +1808,9 @@ def check_window_update(m: dict[str, Any]) -> str | None:
         t = _tensor(node) if node is not None else None
         if node is not None and (t is None or t.dtype not in SUPPORTED_DTYPES):
             return f"{name} has dtype {None if t is None else t.dtype}, not one of fp32/bf16/fp16"
+    wide = _wider_than_the_op(m["last"])
+    if wide is not None:
+        return wide
     if m["bias"] is not None and not _same_shape(m["bias"], (dim,)):
         return f"bias has shape {tuple(_tensor(m['bias']).shape)}, expected ({dim},)"
     # The op goes right before the step's output: it reads x, the weight and the bias there, and

@@ -1466,8 +1466,10 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
     if val(h[-1]).dtype == torch.float64 and val(disc.u.node).dtype != torch.float64:
         # The op accumulates in float32 unless u is float64: a state the user keeps in float64
         # (for accuracy) would silently lose precision.
-        return (f"the state is accumulated in float64 but u is {val(disc.u.node).dtype}: "
-                "the op would accumulate in float32")
+        # (Probe CM, run 61: "u is float32" read as false where the loop reads ``u.double()``.)
+        return (f"the state is accumulated in float64 but u, where the pass finds it behind lossless casts "
+                f"(``u.double()`` is read as u), is {val(disc.u.node).dtype}: the op accumulates in u's dtype, "
+                "so it would accumulate in float32")
     wide = float64_readout(out.out_node, disc.u.node)
     if wide is not None:
         return wide

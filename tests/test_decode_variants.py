@@ -439,6 +439,25 @@ def test_returned_window_wider_than_the_state_is_left_alone():
         assert o.dtype == r.dtype and torch.equal(o, r)
 
 
+def rolled_step_with_fp64_weight(x, conv_state, weight, bias):
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    return F.silu(torch.sum(conv_state * weight.double(), dim=-1) + bias)
+
+
+def test_conv_step_computed_in_fp64_is_left_alone():
+    # Probe CM (run 61): an fp32 step whose weight is widened to fp64 computes its output in fp64.
+    # The pass built the op with x widened to fp64, which the op refused inside the pass: a reason
+    # about x's dtype that was false, and every other rewrite of the graph lost.
+    # (The cat form cannot get there: conv1d takes one dtype, and the window's is x's or the state's.)
+    y_e, y_c, e_in, c_in, cap = run_step(rolled_step_with_fp64_weight, conv_inputs())
+    assert not counters["ssm"]["conv_update"], dict(counters["ssm"])
+    assert any("the step computes its output in torch.float64" in r for r in misses(cap, "conv_update")), \
+        cap.ctx.misses
+    assert y_c.dtype == y_e.dtype == torch.float64 and torch.equal(y_c, y_e)
+    assert torch.equal(c_in["conv_state"], e_in["conv_state"])
+
+
 def heads_ref_step(state, x, dt, A, B, C, D, z, dt_bias):
     return mamba_ssm_ref_heads(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=True)
 
