@@ -2083,7 +2083,9 @@ _REVERSE_SCAN = ("the loop walks time backwards (the state the step at t=0 multi
                  "of the flipped tensors, which makes a reverse loop a forward one: a tensor it reads is "
                  "written in place, read in another order elsewhere (another loop), or sliced in a form not "
                  "mirrored (unbind, split, a copy_ into a slot); or the loop covers part of the time axis, "
-                 "or fewer than 3 steps. Left alone; flipping its inputs and output (x.flip(-1)) yourself "
+                 "or fewer than 3 steps; or the decay and the input term are read in opposite time orders "
+                 "(A_full[L-1-t] with B_full[t]: no scan in either direction). Left alone; where every "
+                 "tensor is read last step first, flipping its inputs and output (x.flip(-1)) yourself "
                  "gives a forward loop that is rewritten")
 
 

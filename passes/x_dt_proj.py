@@ -43,7 +43,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .delta import LINEAR_TARGETS, MATMUL_TARGETS, weight_product
-from .fx_utils import (context_refusal, is_call, is_method, layout_source, named_args, node_order,
+from .fx_utils import (cast_dtype, context_refusal, is_call, is_method, layout_source, named_args, node_order,
                        propagate_val, scan_args, scan_nodes, shape_of, target_name, val, view_chain,
                        written_in_place)
 from .manager import PassContext, PassManager
@@ -175,10 +175,18 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
 
 
 def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
-    """Why not, when dt_proj (a linear) reads a piece of a split of x_proj's output other than the
-    first (``B, C, dt = x_dbl.split([N, N, R], -1)``, probe CJ: no reason was given); else None."""
+    """Why not, when dt_proj (a linear) reads a function of x_proj's first columns, or a piece of a
+    split of x_proj's output other than the first (``B, C, dt = x_dbl.split([N, N, R], -1)``, probe
+    CJ: no reason was given); else None."""
     found = _linear(dt_proj)
     low = layout_source(found[0], allow_casts=False).base if found is not None else None
+    if (isinstance(low, torch.fx.Node) and low.op in ("call_function", "call_method") and low.args
+            and isinstance(low.args[0], torch.fx.Node) and _leading_columns(low.args[0]) is not None
+            and _linear(_leading_columns(low.args[0])[0]) is not None):
+        # ``dt_proj(tanh(dt))`` (probe CM: no reason was given), or of a rounded copy of them.
+        what = (f"cast to {cast_dtype(low)}" if cast_dtype(low) is not None else f"{low.name} = {target_name(low)}")
+        return (f"dt_proj reads x_proj's first columns {what}, not the columns themselves: ssm.x_dt_proj "
+                "computes the two products back to back, so they stay as they are")
     if not (is_call(low, operator.getitem) and isinstance(low.args[1], int) and low.args[1] > 0):
         return None
     split = low.args[0]

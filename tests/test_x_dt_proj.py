@@ -354,6 +354,8 @@ class XDt(nn.Module):
         elif self.variant in ("matmul_t", "matmul_T"):  # the linear written as a product (probe AI, run 49)
             w = self.dt_proj.weight
             dt_pre = dt @ (w.t() if self.variant == "matmul_t" else w.T) + self.dt_proj.bias
+        elif self.variant == "tanh":  # dt_proj reads a function of the columns (probe CM, run 61)
+            dt_pre = self.dt_proj(torch.tanh(dt))
         elif self.variant == "cast":  # dt_proj reads a rounded copy: another precision
             dt_pre = F.linear(dt.to(torch.bfloat16), self.dt_proj.weight.to(torch.bfloat16)).float()
         else:
@@ -407,7 +409,8 @@ NEAR_MISSES = {
     "middle_columns": "dt_proj reads piece 1 of the split of x_proj's output x_dbl, not its first columns",
     "x_proj_bias": "dt_proj reads the first 3 columns of x_dbl, which adds a bias",
     "written": "mul_",
-    "cast": None,
+    "cast": "dt_proj reads x_proj's first columns cast to torch.bfloat16, not the columns themselves",
+    "tanh": "dt_proj reads x_proj's first columns tanh = torch.tanh, not the columns themselves",
     "rows_middle_columns": None,
     # dt_proj does read x_dbl's first columns, but not from a product the op computes (a
     # forward hook that rescales x_proj's output is the same case: test_rescaled_x_proj_says_so).
