@@ -102,6 +102,22 @@ def test_infinite_decay_rate_meets_a_zero_dt(variant):
         torch.testing.assert_close(getattr(got, name).cpu(), w, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("variant", ["column", "serial", "nblock"])
+def test_scan_backward_with_a_positive_infinite_decay_rate(variant):
+    # A = +inf (probe CL, run 61): the padded steps' dt = 0 formed exp2(0 * inf) = NaN in the
+    # backward's adjoint, and du, dB came back NaN at the last real step where the CPU path is finite.
+    u, delta, z, dy, A, B, C = _scan_inputs(L=12, N=4)
+    A[0, 0] = float("inf")
+    D, bias = torch.randn(u.shape[1]), torch.randn(u.shape[1]) * 0.1
+    bwd = (dy, None, u, delta, A, B, C, D, z, bias, True, None)
+    want = cpu.selective_scan_bwd(*bwd)
+    got = triton_bwd.selective_scan_bwd(*_dev(*bwd[:10]), True, None, tiles={"variant": variant})
+    for name in ("du", "dB", "dC", "dz"):
+        w, t = getattr(want, name), getattr(got, name).cpu()
+        assert torch.equal(w.isfinite(), t.isfinite()), name
+        torch.testing.assert_close(t[w.isfinite()], w[w.isfinite()], rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("N", [3, 4, 5])
 @pytest.mark.parametrize("inf", [float("inf"), -float("inf")])
 def test_infinite_input_stays_infinite_with_padded_state_lanes(N, inf):

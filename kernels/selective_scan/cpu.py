@@ -78,7 +78,12 @@ class _Chunk:
         self.dt5 = self.dt.view(grouped)
         self.B5 = _time_major(B, start, end, cdtype).unsqueeze(3)
         self.C5 = _time_major(C, start, end, cdtype).unsqueeze(3)
-        self.a = torch.exp(self.dt5 * A5)
+        # A step with dt = 0 is the identity, also where A is infinite (an overflowed -exp(A_log)),
+        # instead of exp(0 * -inf) = NaN: at t = 0 that decay multiplies the zero start state, and an
+        # associative_scan never forms it (eager's first state there is dt * B * u = 0; probe CI).
+        # Every other dt keeps eager's exp(dt * A), 0 for a tiny dt with A = -inf (probe CL: a
+        # finite stand-in for -inf gave exp(-1e-39 * 3.4e38) = 0.71).
+        self.a = torch.exp(torch.where(self.dt5 == 0, 0.0, self.dt5 * A5))
 
     def states(self, h_start: torch.Tensor) -> torch.Tensor:
         """States h_t after every step of the chunk, (T, batch, G, P, N)."""
@@ -101,11 +106,6 @@ def _prepare(u, A, B, initial_state, cdtype):
     # from it (dA, the decays, through them the initial state's gradient) is dense whatever A's
     # strides, as the op's fake impl promises.
     A5 = A.to(cdtype).reshape(groups, dim // groups, nstate).contiguous()
-    # A = -inf (an overflowed -exp(A_log)) as the most negative float, as the Triton forward has
-    # it (``triton_common.finite_decay_rate``): a step with dt = 0 is then the identity instead of
-    # exp(0 * -inf) = NaN, which matters at t = 0, whose decay multiplies the zero start state and
-    # which an associative_scan never forms (eager's first state there is dt * B * u = 0).
-    A5 = torch.where(A5 == float("-inf"), torch.finfo(cdtype).min, A5)
     if initial_state is None:
         h = torch.zeros(batch, groups, dim // groups, nstate, dtype=cdtype, device=u.device)
     else:
