@@ -91,6 +91,29 @@ def _unflipped(u_op: Any) -> Optional[Layout]:
     return Layout(inner.base, tuple(inner.perm[p] for p in outer.perm), outer.lossless and inner.lossless)
 
 
+def _flips_of(node: Any) -> tuple[Any, frozenset]:
+    """``node`` followed back through flips (``x.flip(k)``, ``torch.flip(x, dims)``) to what they
+    flip, and the axes flipped an odd number of times."""
+    axes: set = set()
+    while isinstance(node, torch.fx.Node) and (is_method(node, "flip") or is_call(node, torch.flip)) \
+            and len(node.args) == 2 and not node.kwargs:
+        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
+        if not all(isinstance(d, int) for d in dims):
+            break
+        axes ^= {d % len(shape_of(node)) for d in dims}
+        node = node.args[0]
+    return node, frozenset(axes)
+
+
+def _same_flips(graph: torch.fx.Graph, a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same flips of one tensor that nothing writes in place (a reverse
+    loop's u as ``unreverse_loops`` flips it, beside the user's own ``u.flip(-1)``, or
+    ``u.flip(-1).flip(-1)`` beside u: probe CL)."""
+    base, axes = _flips_of(a)
+    return (a is not b and (base, axes) == _flips_of(b) and isinstance(base, torch.fx.Node)
+            and written_in_place(graph, [base]) is None)
+
+
 def _op_u(u_op: Any, chain: YChain) -> Optional[Layout]:
     """The op's u as the skip after ``chain`` must read it: itself, or what it flips when the
     chain flips y back (None if it flips nothing)."""
@@ -330,7 +353,8 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
                            f"(dim,) vector broadcast along {where}")
             continue
         skip_u = layout_source(u_like)
-        if skip_u.base is not op_u.base and (chain.flipped or not same_prefix(skip_u.base, op_u.base)):
+        if (skip_u.base is not op_u.base and (chain.flipped or not same_prefix(skip_u.base, op_u.base))
+                and not _same_flips(add.graph, skip_u.base, op_u.base)):
             # (A loop over the first k steps: the op reads u narrowed to k steps, the user's skip
             # its own u[..., :k], the same value; probe BY.)
             reasons.append(f"the skip multiplies {u_like.name}, not the scan's u")

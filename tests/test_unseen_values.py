@@ -620,3 +620,41 @@ def test_an_infinite_or_nan_A_keeps_eagers_values(fn, a, d0, dmid):
     assert torch.equal(out.isfinite(), ref.isfinite()), (out, ref)
     assert ref.isfinite().any()
     torch.testing.assert_close(out[ref.isfinite()], ref[ref.isfinite()], rtol=1e-5, atol=1e-5)
+
+
+def _reverse_loop_kept_in_loop_order(u, dt, A, B, C, z, D):
+    # The outputs in the loop's own (reversed) order: the skip reads u flipped to that order.
+    dA, dBu = _disc_bdl(u, dt, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in reversed(range(u.shape[2])):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return (torch.stack(ys, dim=-1) + u.flip(-1) * D[:, None]) * F.silu(z)
+
+
+def _reverse_loop_skip_on_a_double_flip(u, dt, A, B, C, z, D):
+    y = _reverse_block("insert0", (), False)(u, dt, A, B, C, z, D)
+    return (y + u.flip(-1).flip(-1) * D[:, None]) * F.silu(z)
+
+
+@pytest.mark.parametrize("fn", [_reverse_loop_kept_in_loop_order, _reverse_loop_skip_on_a_double_flip],
+                         ids=["loop-order-u-flipped", "u-flipped-twice"])
+def test_a_skip_on_the_same_flip_of_u_folds(fn):
+    # Probe CL (run 61): the op's u is unreverse_loops' flip of u; the user's own u.flip(-1) (or
+    # u.flip(-1).flip(-1), which is u) is the same value, and was called "not the scan's u".
+    g = torch.Generator().manual_seed(9)
+    args = [torch.randn(2, 4, 6, generator=g), F.softplus(torch.randn(2, 4, 6, generator=g)),
+            -torch.rand(4, 3, generator=g) - 0.5, torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g),
+            torch.randn(2, 4, 6, generator=g), torch.randn(4, generator=g)]
+    report, _ = _reasons(fn, *args)
+    families = [r.family for r in report.rewrites]
+    assert "skip" in families and "gate" in families, str(report)
+    leaves = [a.clone().requires_grad_() for a in args]
+    ref = fn(*leaves)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, leaves, grads), torch.autograd.grad(ref, leaves, grads), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
