@@ -72,13 +72,21 @@ def follow_y(y: torch.fx.Node) -> YChain:
     return YChain(end, tuple(perm[p] for p in after), [*nodes, flip, *more], True)
 
 
-def _flip_axis(node: torch.fx.Node) -> Optional[int]:
-    """The one axis ``node`` flips (``x.flip(k)``, ``torch.flip(x, (k,))``), else None."""
-    if not (is_method(node, "flip") or is_call(node, torch.flip)) or node.kwargs or len(node.args) != 2:
+def _flip_dims(node: Any) -> Optional[frozenset]:
+    """The axes ``node`` flips (``x.flip(k)``, ``torch.flip(x, dims)``), else None."""
+    if not (isinstance(node, torch.fx.Node) and (is_method(node, "flip") or is_call(node, torch.flip))
+            and len(node.args) == 2 and not node.kwargs):
         return None
     dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
-    ndim = len(shape_of(node))
-    return dims[0] % ndim if len(dims) == 1 and isinstance(dims[0], int) else None
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    return frozenset(d % len(shape_of(node)) for d in dims)
+
+
+def _flip_axis(node: Any) -> Optional[int]:
+    """The one axis ``node`` flips, else None."""
+    dims = _flip_dims(node)
+    return next(iter(dims)) if dims is not None and len(dims) == 1 else None
 
 
 def _unflipped(u_op: Any) -> Optional[Layout]:
@@ -92,17 +100,13 @@ def _unflipped(u_op: Any) -> Optional[Layout]:
 
 
 def _flips_of(node: Any) -> tuple[Any, frozenset]:
-    """``node`` followed back through flips (``x.flip(k)``, ``torch.flip(x, dims)``) to what they
-    flip, and the axes flipped an odd number of times."""
-    axes: set = set()
-    while isinstance(node, torch.fx.Node) and (is_method(node, "flip") or is_call(node, torch.flip)) \
-            and len(node.args) == 2 and not node.kwargs:
-        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
-        if not all(isinstance(d, int) for d in dims):
-            break
-        axes ^= {d % len(shape_of(node)) for d in dims}
+    """``node`` followed back through flips to what they flip, and the axes flipped an odd number
+    of times."""
+    axes: frozenset = frozenset()
+    while (dims := _flip_dims(node)) is not None:
+        axes ^= dims
         node = node.args[0]
-    return node, frozenset(axes)
+    return node, axes
 
 
 def _same_flips(graph: torch.fx.Graph, a: Any, b: Any) -> bool:

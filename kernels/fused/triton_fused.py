@@ -68,7 +68,8 @@ from ..selective_scan.triton_fwd import (ScanFwdConfig, _last_step, _next_pow2, 
                                          scan_fwd_config,
                                          selective_scan_fwd_launch)
 from ..layout import empty_activation
-from ..triton_common import LAUNCH_OPTIONS, LOG2E, dt_dot_meta, finite_decay_rate, linear_combine, num_sms, project_dt, silu, softplus
+from ..triton_common import (LAUNCH_OPTIONS, LOG2E, dt_dot_meta, finite_decay_rate, linear_combine, num_sms,
+                             project_dt, silu, softplus)
 
 
 

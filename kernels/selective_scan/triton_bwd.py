@@ -53,8 +53,8 @@ import triton.language as tl
 from ..layout import dim_innermost
 from ..partials import sum_partials
 from ..restride import restride_into
-from ..triton_common import (LAUNCH_OPTIONS, LOG2E, finite_decay_rate, launcher, linear_combine, neg_zero, num_sms, prefetch,
-                             sigmoid_approx, silu, softplus)
+from ..triton_common import (LAUNCH_OPTIONS, LOG2E, finite_decay_rate, launcher, linear_combine, neg_zero, num_sms,
+                             prefetch, sigmoid_approx, silu, softplus)
 from .grads import ScanGrads
 from .triton_fwd import _last_step, _load_chunk, _state_tile, _sum_lanes, scan_fwd_config
 
