@@ -185,7 +185,9 @@ def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
             ctx.miss(family, found, [user])
             return None
         if any(other is not user and not _reads_shape_only(other, chain.top) for other in chain.top.users):
-            ctx.miss(family, f"y ({chain.top.name}) has other users besides the {family}", [user])
+            # (The rewrite's own flip of a reverse loop's outputs is no node of the user's: probe CL.)
+            named = ("the loop's outputs" if chain.top.meta.get(REVERSED_OUTPUT) else chain.top.name)
+            ctx.miss(family, f"y ({named}) has other users besides the {family}", [user])
             return None
         return chain, user, found
     if family == "gate":

@@ -658,3 +658,21 @@ def test_a_skip_on_the_same_flip_of_u_folds(fn):
     grads = torch.randn_like(ref)
     for got, want in zip(torch.autograd.grad(out, leaves, grads), torch.autograd.grad(ref, leaves, grads), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_reverse_loops_outputs_read_twice_name_no_internal_node():
+    # Probe CL (run 61): "y (flip_6) has other users besides the skip" named the rewrite's own flip.
+    def fn(u, dt, A, B, C, z, D):
+        y = _reverse_block("insert0", (), False)(u, dt, A, B, C, z, D)
+        return y + u * D[:, None], y.sum()
+
+    g = torch.Generator().manual_seed(4)
+    args = [torch.randn(2, 4, 6, generator=g), F.softplus(torch.randn(2, 4, 6, generator=g)),
+            -torch.rand(4, 3, generator=g) - 0.5, torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g),
+            torch.randn(2, 4, 6, generator=g), torch.randn(4, generator=g)]
+    report, _ = _reasons(fn, *args)
+    reasons = [m.reason for m in report.misses if m.family == "skip"]
+    assert reasons == ["y (the loop's outputs) has other users besides the skip"], str(report)
+    torch._dynamo.reset()
+    for o, r in zip(torch.compile(fn, backend="ssm")(*args), fn(*args), strict=True):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
