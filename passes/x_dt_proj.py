@@ -180,9 +180,9 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
     CJ: no reason was given); else None."""
     found = _linear(dt_proj)
     low = layout_source(found[0], allow_casts=False).base if found is not None else None
-    if (isinstance(low, torch.fx.Node) and low.op in ("call_function", "call_method") and low.args
-            and isinstance(low.args[0], torch.fx.Node) and _leading_columns(low.args[0]) is not None
-            and _linear(_leading_columns(low.args[0])[0]) is not None):
+    columns = (_leading_columns(low.args[0]) if isinstance(low, torch.fx.Node) and low.op in
+               ("call_function", "call_method") and low.args and isinstance(low.args[0], torch.fx.Node) else None)
+    if columns is not None and _linear(columns[0]) is not None:
         # ``dt_proj(tanh(dt))`` (probe CM: no reason was given), or of a rounded copy of them.
         what = (f"cast to {cast_dtype(low)}" if cast_dtype(low) is not None else f"{low.name} = {target_name(low)}")
         return (f"dt_proj reads x_proj's first columns {what}, not the columns themselves: ssm.x_dt_proj "

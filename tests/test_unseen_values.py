@@ -280,14 +280,19 @@ def _squeezed_after_stack(u, dt, A, B, C, D, z):
     return (y + u * D) * F.silu(z)
 
 
+def _time_major_block_args():
+    """(u, Δ, A, B, C, D, z) of a (batch, L, dim) block, random."""
+    g = torch.Generator().manual_seed(5)
+    b, L, d, n = 2, 7, 6, 4
+    return (torch.randn(b, L, d, generator=g), F.softplus(torch.randn(b, L, d, generator=g)),
+            -torch.rand(d, n, generator=g) - 0.5, torch.randn(b, L, n, generator=g), torch.randn(b, L, n, generator=g),
+            torch.randn(d, generator=g), torch.randn(b, L, d, generator=g))
+
+
 def test_skip_and_gate_fold_after_a_squeezed_stack():
     # The op's y comes back as y[..., None] for the stack's size-1 axis; the user's squeeze(-1)
     # undoes it, and the skip and gate after it are the op's (they were left unfolded, silently).
-    g = torch.Generator().manual_seed(5)
-    b, L, d, n = 2, 7, 6, 4
-    args = (torch.randn(b, L, d, generator=g), F.softplus(torch.randn(b, L, d, generator=g)),
-            -torch.rand(d, n, generator=g) - 0.5, torch.randn(b, L, n, generator=g), torch.randn(b, L, n, generator=g),
-            torch.randn(d, generator=g), torch.randn(b, L, d, generator=g))
+    args = _time_major_block_args()
     report, _ = _reasons(_squeezed_after_stack, *args)
     assert {"scan_loop", "skip", "gate"} <= {r.family for r in report.rewrites}, str(report)
     torch._dynamo.reset()
@@ -478,11 +483,7 @@ def test_a_gate_computed_from_silu_gets_a_reason(gate, name):
     def gated(u, dt, A, B, C, D, z):
         return (_loop(u, dt, A, B, C) + u * D) * gate(z)
 
-    g = torch.Generator().manual_seed(5)
-    b, L, d, n = 2, 7, 6, 4
-    args = (torch.randn(b, L, d, generator=g), F.softplus(torch.randn(b, L, d, generator=g)),
-            -torch.rand(d, n, generator=g) - 0.5, torch.randn(b, L, n, generator=g), torch.randn(b, L, n, generator=g),
-            torch.randn(d, generator=g), torch.randn(b, L, d, generator=g))
+    args = _time_major_block_args()
     report, reasons = _reasons(gated, *args)
     assert "gate" not in {r.family for r in report.rewrites}, str(report)
     assert any(f"= {name} of silu(z) and another value" in r for r in reasons), reasons
@@ -518,6 +519,15 @@ def _reverse_block(collect, tail, time_major):
     return fn
 
 
+def _reverse_block_args(seed, time_major=False):
+    """(u, Δ, A, B, C, z, D) for ``_reverse_block``, random; u, Δ, z (batch, L, dim) if time_major."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, 6, 4) if time_major else (2, 4, 6)
+    return [torch.randn(shape, generator=g), F.softplus(torch.randn(shape, generator=g)),
+            -torch.rand(4, 3, generator=g) - 0.5, torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g),
+            torch.randn(shape, generator=g), torch.randn(4, generator=g)]
+
+
 @pytest.mark.parametrize("collect, tail, time_major", [
     ("buffer", ("gate",), False), ("buffer", ("skip", "gate"), True),
     ("insert0", ("skip",), False), ("insert0", ("skip", "gate"), False)],
@@ -527,11 +537,7 @@ def test_skip_and_gate_after_a_reverse_loop_fold(collect, tail, time_major):
     # with z read flipped (u already is). Before, the gate's reason named the backend's own flip
     # ("multiplies flip_6 (.flip of y), not y") and neither was folded.
     fn = _reverse_block(collect, tail, time_major)
-    g = torch.Generator().manual_seed(8)
-    shape = (2, 6, 4) if time_major else (2, 4, 6)
-    args = [torch.randn(shape, generator=g), F.softplus(torch.randn(shape, generator=g)),
-            -torch.rand(4, 3, generator=g) - 0.5, torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g),
-            torch.randn(shape, generator=g), torch.randn(4, generator=g)]
+    args = _reverse_block_args(8, time_major)
     report, _ = _reasons(fn, *args)
     families = [r.family for r in report.rewrites]
     assert "scan_loop" in families and all(f in families for f in tail), str(report)
@@ -643,10 +649,7 @@ def _reverse_loop_skip_on_a_double_flip(u, dt, A, B, C, z, D):
 def test_a_skip_on_the_same_flip_of_u_folds(fn):
     # Probe CL (run 61): the op's u is unreverse_loops' flip of u; the user's own u.flip(-1) (or
     # u.flip(-1).flip(-1), which is u) is the same value, and was called "not the scan's u".
-    g = torch.Generator().manual_seed(9)
-    args = [torch.randn(2, 4, 6, generator=g), F.softplus(torch.randn(2, 4, 6, generator=g)),
-            -torch.rand(4, 3, generator=g) - 0.5, torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g),
-            torch.randn(2, 4, 6, generator=g), torch.randn(4, generator=g)]
+    args = _reverse_block_args(9)
     report, _ = _reasons(fn, *args)
     families = [r.family for r in report.rewrites]
     assert "skip" in families and "gate" in families, str(report)
@@ -666,10 +669,7 @@ def test_a_reverse_loops_outputs_read_twice_name_no_internal_node():
         y = _reverse_block("insert0", (), False)(u, dt, A, B, C, z, D)
         return y + u * D[:, None], y.sum()
 
-    g = torch.Generator().manual_seed(4)
-    args = [torch.randn(2, 4, 6, generator=g), F.softplus(torch.randn(2, 4, 6, generator=g)),
-            -torch.rand(4, 3, generator=g) - 0.5, torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 6, generator=g),
-            torch.randn(2, 4, 6, generator=g), torch.randn(4, generator=g)]
+    args = _reverse_block_args(4)
     report, _ = _reasons(fn, *args)
     reasons = [m.reason for m in report.misses if m.family == "skip"]
     assert reasons == ["y (the loop's outputs) has other users besides the skip"], str(report)
