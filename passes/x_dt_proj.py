@@ -134,7 +134,8 @@ def _last_axis(axis: Any, node: torch.fx.Node) -> bool:
 
 def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
     """``(x_dbl, R)`` when ``node`` is x_dbl's first R columns (last axis), else None."""
-    if is_call(node, operator.getitem) and node.args[1] == 0 and (
+    piece = node.args[1] if is_call(node, operator.getitem) and len(node.args) == 2 else None
+    if isinstance(piece, int) and not isinstance(piece, bool) and piece >= 0 and (
             is_call(node.args[0], *_SPLITS) or is_method(node.args[0], "split", "split_with_sizes")):
         split = node.args[0]
         args = named_args(split, ("tensor", "split_size_or_sections", "dim") if split.op == "call_function"
@@ -144,11 +145,15 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
         axis = args.get("dim", 0)
         if not isinstance(source, torch.fx.Node) or not _last_axis(axis, source):
             return None
-        first = sizes[0] if isinstance(sizes, (list, tuple)) and sizes else sizes
-        return (source, first) if isinstance(first, int) and not isinstance(first, bool) else None
-    if is_call(node, operator.getitem) and node.args[1] == 0 and (
+        if isinstance(sizes, (list, tuple)):
+            # A piece after empty ones starts at column 0 too (``x_dbl.split([0, R, N, N])``, probe CN).
+            if piece >= len(sizes) or not all(_is_int(s) for s in sizes[:piece + 1]) or any(sizes[:piece]):
+                return None
+            return source, sizes[piece]
+        return (source, sizes) if piece == 0 and _is_int(sizes) else None
+    if isinstance(piece, int) and not isinstance(piece, bool) and piece >= 0 and (
             is_call(node.args[0], torch.tensor_split) or is_method(node.args[0], "tensor_split")):
-        return _tensor_split_first(node.args[0])
+        return _tensor_split_leading(node.args[0], piece)
     if is_method(node, "narrow") or is_call(node, torch.narrow):
         source, axis, start, length = (list(node.args) + [None] * 4)[:4]
         if isinstance(source, torch.fx.Node) and _last_axis(axis, source) and start == 0 and isinstance(length, int):
@@ -180,12 +185,16 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
     CJ: no reason was given); else None."""
     found = _linear(dt_proj)
     low = layout_source(found[0], allow_casts=False).base if found is not None else None
-    columns = (_leading_columns(low.args[0]) if isinstance(low, torch.fx.Node) and low.op in
-               ("call_function", "call_method") and low.args and isinstance(low.args[0], torch.fx.Node) else None)
-    if columns is not None and _linear(columns[0]) is not None:
-        # ``dt_proj(tanh(dt))`` (probe CM: no reason was given), or of a rounded copy of them.
-        what = (f"cast to {cast_dtype(low)}" if cast_dtype(low) is not None else f"{low.name} = {target_name(low)}")
-        return (f"dt_proj reads x_proj's first columns {what}, not the columns themselves: ssm.x_dt_proj "
+    # ``dt_proj(tanh(dt))`` (probe CM: no reason was given), ``dt_proj(2.0 * dt)``, ``where(dt > 0,
+    # dt, 0)`` or a rounded copy of them (``dt.double().float()``, probe CN): any operand, read
+    # through views and casts, that is x_proj's first columns.
+    operands = low.all_input_nodes if isinstance(low, torch.fx.Node) and low.op in ("call_function",
+                                                                                  "call_method") else []
+    if any((c := _leading_columns(layout_source(arg).base)) is not None and _linear(c[0]) is not None
+           for arg in operands):
+        what = (f"x_proj's first columns cast to {cast_dtype(low)}" if cast_dtype(low) is not None
+                else f"{low.name} = {target_name(low)} of x_proj's first columns")
+        return (f"dt_proj reads {what}, not the columns themselves: ssm.x_dt_proj "
                 "computes the two products back to back, so they stay as they are")
     if not (is_call(low, operator.getitem) and isinstance(low.args[1], int) and low.args[1] > 0):
         return None
@@ -201,10 +210,11 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
             "stay as they are")
 
 
-def _tensor_split_first(split: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
-    """``(x_dbl, R)`` when the first piece of ``torch.tensor_split`` along the last axis is
-    x_dbl's first R columns: at the first of its indices, or, for a number of sections s of a
-    width W, the first piece's W // s (+1 when s does not divide W); else None."""
+def _tensor_split_leading(split: torch.fx.Node, piece: int) -> Optional[tuple[torch.fx.Node, int]]:
+    """``(x_dbl, R)`` when piece ``piece`` of ``torch.tensor_split`` along the last axis is
+    x_dbl's first R columns: a piece from index 0 (the first one, or one after empty pieces:
+    ``tensor_split(x_dbl, [0, R, R + N])``), or, for a number of sections s of a width W, the
+    first piece's W // s (+1 when s does not divide W); else None."""
     args = named_args(split, ("input", "sections", "dim"))
     source = args.get("input", args.get("self"))
     # Its overloads name the second argument ``indices``, ``sections`` or ``tensor_indices_or_sections``.
@@ -216,13 +226,20 @@ def _tensor_split_first(split: torch.fx.Node) -> Optional[tuple[torch.fx.Node, i
     if not isinstance(width, int):
         return None
     if isinstance(sections, (list, tuple)):
-        first = sections[0] if sections else None
-        if isinstance(first, int) and not isinstance(first, bool) and 0 < first < width:
-            return source, first
-        return None
-    if isinstance(sections, int) and not isinstance(sections, bool) and sections > 1:
+        # Pieces are x[..., i_{k-1}:i_k] with i_{-1} = 0; only non-negative indices are read here
+        # (a negative one counts from the end, as a slice does).
+        bounds = [0, *sections]
+        if piece >= len(sections) or not all(_is_int(i) and i >= 0 for i in bounds[:piece + 2]):
+            return None
+        start, stop = bounds[piece], bounds[piece + 1]
+        return (source, stop) if start == 0 and 0 < stop < width else None
+    if piece == 0 and _is_int(sections) and sections > 1:
         return source, width // sections + (1 if width % sections else 0)
     return None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def match(scan: torch.fx.Node) -> Site | str | None:

@@ -335,6 +335,10 @@ class XDt(nn.Module):
             dt, B, C = torch.tensor_split(x_dbl, [R, R + N], dim=-1)
         elif self.variant == "tensor_split_method":
             dt, B, C = x_dbl.tensor_split((R, R + N), -1)
+        elif self.variant == "split_empty_first":  # an empty piece before dt: dt is still the first R (probe CN)
+            _, dt, B, C = x_dbl.split([0, R, N, N], dim=-1)
+        elif self.variant == "tensor_split_at_zero":  # likewise: pieces [:0], [0:R], ...
+            _, dt, B, C = torch.tensor_split(x_dbl, [0, R, R + N], dim=-1)
         elif self.variant == "tensor_split_late":  # first piece ends at R + 1: dt_proj reads R + 1 columns
             dt, B, C = torch.tensor_split(x_dbl, [R + 1, R + N], dim=-1)
             B = torch.cat([dt[..., R:], B], dim=-1)[..., :N]
@@ -356,6 +360,12 @@ class XDt(nn.Module):
             dt_pre = dt @ (w.t() if self.variant == "matmul_t" else w.T) + self.dt_proj.bias
         elif self.variant == "tanh":  # dt_proj reads a function of the columns (probe CM, run 61)
             dt_pre = self.dt_proj(torch.tanh(dt))
+        elif self.variant == "scaled_left":  # likewise, a number times them (probe CN: no reason was given)
+            dt_pre = self.dt_proj(2.0 * dt)
+        elif self.variant == "where":
+            dt_pre = self.dt_proj(torch.where(dt > 0, dt, 0.0))
+        elif self.variant == "round_trip":  # through fp64 and back: the reason names the last cast
+            dt_pre = self.dt_proj(dt.double().float())
         elif self.variant == "cast":  # dt_proj reads a rounded copy: another precision
             dt_pre = F.linear(dt.to(torch.bfloat16), self.dt_proj.weight.to(torch.bfloat16)).float()
         else:
@@ -388,7 +398,8 @@ class XDt(nn.Module):
 
 @pytest.mark.parametrize("variant", ["split", "slice", "slice_from_the_end", "split_keywords", "rows", "rows_T",
                                      "bias_add_method", "matmul_t", "matmul_T", "einsum", "einsum_ellipsis",
-                                     "tensor_split", "tensor_split_method"])
+                                     "tensor_split", "tensor_split_method", "split_empty_first",
+                                     "tensor_split_at_zero"])
 def test_forms_are_rewritten(variant):
     torch.manual_seed(0)
     model = XDt(variant)
@@ -410,7 +421,10 @@ NEAR_MISSES = {
     "x_proj_bias": "dt_proj reads the first 3 columns of x_dbl, which adds a bias",
     "written": "mul_",
     "cast": "dt_proj reads x_proj's first columns cast to torch.bfloat16, not the columns themselves",
-    "tanh": "dt_proj reads x_proj's first columns tanh = torch.tanh, not the columns themselves",
+    "tanh": "dt_proj reads tanh = torch.tanh of x_proj's first columns, not the columns themselves",
+    "scaled_left": "dt_proj reads mul = operator.mul of x_proj's first columns, not the columns themselves",
+    "where": "dt_proj reads where = torch.where of x_proj's first columns, not the columns themselves",
+    "round_trip": "dt_proj reads x_proj's first columns cast to torch.float32, not the columns themselves",
     "rows_middle_columns": None,
     # dt_proj does read x_dbl's first columns, but not from a product the op computes (a
     # forward hook that rescales x_proj's output is the same case: test_rescaled_x_proj_says_so).
