@@ -325,14 +325,14 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
     else:
         operands = binary_operands(add, ADD_TARGETS)
         if operands is None or chain.top not in operands or operands[0] is operands[1]:
-            return _skip_subtracted(add, chain.top, u_op)
+            return _skip_subtracted(add, chain, u_op)
         other = operands[1] if operands[0] is chain.top else operands[0]
         # The product may be computed in another layout and permuted back (``(u.mT * D).mT``).
         behind = layout_source(other, allow_casts=False)
         product, sigma, views = behind.base, behind.perm, view_chain(other, behind.base)
         factors = binary_operands(product, MUL_TARGETS)
         if factors is None:
-            return _skip_after_a_sum(add, u_op)
+            return _skip_after_a_sum(add, chain, u_op)
     top_shape = shape_of(chain.top)
     if shape_of(add) != top_shape:
         return f"the skip broadcasts y from {list(top_shape)} to {list(shape_of(add))}"
@@ -411,16 +411,17 @@ def _d_vector(graph: torch.fx.Graph, D: Any, dim: int, scan: torch.fx.Node, u: t
     return vector
 
 
-def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | None:
+def _skip_subtracted(sub: torch.fx.Node, chain: YChain, u_op: Any) -> str | None:
     """Why not, when ``sub`` is ``y - u·X`` or ``u·X - y`` with the scan's u (a skip of the other
     sign), or a sum that scales one side by its ``alpha`` (``torch.add(y, u·X, alpha=2)``), which
     the op (``y + D·u``) does not compute. None for anything else."""
+    y = chain.top
     found = signed_sum(sub)
     if found is None or y not in sub.args or (not found.sub and found.alpha == 1):
         return None
     is_sub, alpha = found.sub, found.alpha
     term = sub.args[1] if sub.args[0] is y else sub.args[0]
-    u = layout_source(u_op).base
+    u = _user_u(u_op, chain)
     if not _product_of(term, u):
         return None
     # Only a (dim,) coefficient makes the subtracted term a D·u of the other sign: a per-step one
@@ -442,18 +443,25 @@ def _skip_subtracted(sub: torch.fx.Node, y: torch.fx.Node, u_op: Any) -> str | N
     return f"{sub.name} subtracts {'D·u from y' if sub.args[0] is y else 'y from D·u'}: the op adds D·u to y"
 
 
+def _user_u(u_op: Any, chain: YChain) -> Any:
+    """The u the user's skip after ``chain`` reads: past the op's own flip where the chain flips y
+    back (a reverse loop's tail, probe CN: its subtracted skip had no reason)."""
+    found = _op_u(u_op, chain)
+    return (found or layout_source(u_op)).base
+
+
 def _product_of(node: Any, u: torch.fx.Node) -> bool:
     """``node`` is a two-factor product with a factor that is ``u`` (through views and casts)."""
     factors = binary_operands(node, MUL_TARGETS)
     return factors is not None and any(isinstance(f, torch.fx.Node) and layout_source(f).base is u for f in factors)
 
 
-def _skip_after_a_sum(add: torch.fx.Node, u_op: Any) -> str | None:
+def _skip_after_a_sum(add: torch.fx.Node, chain: YChain, u_op: Any) -> str | None:
     """Why not, when ``add`` = y + X (X no product) is itself added to a product of the scan's u,
     as in a bidirectional ``(y_fwd + y_bwd.flip(-1)) + u * D``: the op's D skip is added to y
     alone, so folding would reassociate the user's sum. None when nothing downstream looks like
     the skip (the common case: y + X is the residual or another direction's output)."""
-    op_u = layout_source(u_op).base
+    op_u = _user_u(u_op, chain)
     for user in add.users:
         operands = binary_operands(user, ADD_TARGETS)
         if operands is None or add not in operands:

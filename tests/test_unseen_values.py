@@ -676,3 +676,21 @@ def test_a_reverse_loops_outputs_read_twice_name_no_internal_node():
     torch._dynamo.reset()
     for o, r in zip(torch.compile(fn, backend="ssm")(*args), fn(*args), strict=True):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("skip, reason", [
+    (lambda y, u, D: y - u * D[:, None], "sub subtracts D·u from y: the op adds D·u to y"),
+    (lambda y, u, D: torch.add(y, u * D[:, None], alpha=2.0), "(its alpha=2.0), not y + D·u: the op adds D·u to y")],
+    ids=["subtracted", "alpha"])
+def test_a_reverse_loops_skip_of_another_form_says_so(skip, reason):
+    # Probe CN (run 62): after a reverse loop the reasons compared the skip's u with the op's own
+    # flip of it, so y - u·D and add(y, u·D, alpha=2) got none (a forward loop's did).
+    def fn(u, dt, A, B, C, z, D):
+        return skip(_reverse_block("buffer", (), False)(u, dt, A, B, C, z, D), u, D)
+
+    args = _reverse_block_args(5)
+    report, _ = _reasons(fn, *args)
+    assert "scan_loop" in [r.family for r in report.rewrites], str(report)
+    reasons = [m.reason for m in report.misses if m.family == "skip"]
+    assert len(reasons) == 1 and reason in reasons[0], str(report)
+    torch.testing.assert_close(report.output, fn(*args), rtol=1e-5, atol=1e-5)
