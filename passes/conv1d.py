@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .fx_utils import (OP_ROUNDING, bare_name, context_refusal, depthwise_weight, is_call, is_method, is_number,
-                       is_zeros, named_args, propagate_val, target_name, val, view_perm, written_in_place)
+                       is_zeros, mutates, named_args, propagate_val, storage_of, target_name, val, view_perm,
+                       written_args, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "conv1d"
@@ -320,6 +321,11 @@ def _unsliced_reason(conv: torch.fx.Node) -> str:
         return f"{user.name} ({target_name(user)}{', in place' if written else ''})"
     readers = ", ".join(named(u) for u in conv.users) or "nothing"
     writers = [named(u) for u in conv.users if "in place" in named(u)]
+    storage = storage_of(conv)
+    if not writers and storage is not None:
+        # A write through a view of it (``c[:, :, :][..., 1] = 5``, probe CN) is as much a write.
+        writers = [f"{n.name} ({target_name(n)}, through a view)" for n in conv.graph.nodes
+                   if mutates(n) and any(storage_of(a) == storage for a in written_args(n))][:1]
     if writers:
         # ``conv(x).relu_()[..., :L]``, ``c.tanh_(); c[..., :L]``: causal once sliced; what is
         # refused is the write (probe BR), not the padding.

@@ -337,6 +337,14 @@ def neg_written_by_setitem_before_the_slice_is_read(x, w, b):
     return F.silu(y)
 
 
+def neg_written_through_a_view_before_the_slice_is_read(x, w, b):
+    # (Probe CN, run 62: the right-hand padding was blamed again when the write went through a view.)
+    c = F.conv1d(x, w, b, padding=w.shape[-1] - 1, groups=x.shape[1])
+    y = c[..., :x.shape[-1]]
+    c[:, :, :][..., 1] = 5.0
+    return F.silu(y)
+
+
 def neg_pad_both_sides_then_slice(x, w, b):
     # nn.Conv1d(padding=W-1)'s pad by hand: causal once sliced, but only (W-1, 0) is the form proved.
     return F.conv1d(F.pad(x, (w.shape[-1] - 1, w.shape[-1] - 1)), w, b, groups=x.shape[1])[..., :x.shape[-1]]
@@ -356,6 +364,8 @@ NEGATIVES = {
                                         "relu_ (.relu_, in place) writes it in place: the pass folds"),
     "setitem-then-slice": (neg_written_by_setitem_before_the_slice_is_read, {},
                            "setitem (operator.setitem, in place) writes it in place"),
+    "setitem-through-a-view-then-slice": (neg_written_through_a_view_before_the_slice_is_read, {},
+                                          "setitem (operator.setitem, through a view) writes it in place"),
     "tanh-in-place-then-slice": (neg_tanh_in_place_then_slice, {},
                                  "getitem (operator.getitem), and tanh_ (.tanh_, in place) writes it in place"),
     "narrow-from-1": (neg_narrow_from_1, {}, "does not start at step 0"),
