@@ -1918,6 +1918,10 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         last.replace_all_uses_with(result)
         if m["form"] == "returned":
             m["window"].replace_all_uses_with(new)
+        # The conv pass may have refused the step's conv1d as a sequence conv (mamba.py's module,
+        # padded by W - 1, read at one step: "not a slice of the time axis alone", probe CO); this
+        # rewrite accounts for it.
+        ctx.withdraw("conv1d", {n.name for n in m["nodes"] + [m["first"], last]})
         _erase_unused(graph, m["nodes"] + [m["first"], last] + m["writes"])
         order = node_order(graph)
         ctx.rewrite(CONV_FAMILY, {"roll": "roll; window[-1] = x", "copy_": "copy_(cat(window[1:], x))",

@@ -1916,7 +1916,10 @@ def _closed_form_scans(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         if node.op not in ("call_function", "call_method") or name not in _RUNNING:
             continue
         value = val(node)
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 4:
+        # Complex too: Heinsen's log-space sequence takes the log of signed values as complex
+        # numbers (probe CO: no reason was given).
+        if not (isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+                and value.dim() >= 4):
             continue
         source = node.args[0] if node.args else None
         if (name == "cumprod" and _feeds_from_exp(source)) or (name == "cumsum" and _reaches_exp(node, depth=4)):

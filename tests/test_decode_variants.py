@@ -22,6 +22,7 @@ from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
 from utils import TOL, PassCapture, perturbed, rel_err, tiny_falcon_mamba, tiny_jamba
 
+import ssm_compile
 from ssm_compile.compiler import backend
 from ssm_compile.kernels.decode import op as decode_op
 from ssm_compile.kernels.decode.reference import causal_conv1d_update_ref, selective_state_update_ref
@@ -529,6 +530,14 @@ def test_mambapy_block_step():
     assert dict(counters["ssm"]) == {"conv_update": 1, "state_update": 1}
     for o, r in zip(out, ref, strict=True):
         assert rel_err(o, r) <= TOL[torch.float32]
+    # Every pass: the conv pass refuses the step's padded conv1d read at W - 1 as a sequence conv,
+    # and the decode rewrite accounts for it (probe CO, run 62: "not a slice of the time axis
+    # alone" stayed in explain though no conv1d was left).
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = ssm_compile.explain(model, x, h, inputs)
+    assert {r.family for r in report.rewrites} >= {"conv_update", "state_update"}, str(report)
+    assert not [m for m in report.misses if m.family == "conv1d"], str(report)
 
 
 # --- look-alikes -----------------------------------------------------------------------------

@@ -298,8 +298,18 @@ def segsum_scan(u, delta, A, B, C):
     return torch.einsum("btsdn,bsdn,btn->btd", decay, dBu, C)
 
 
-@pytest.mark.parametrize("fn", [log_space_cumsum, cumprod_scan, segsum_scan],
-                         ids=["exp(cumsum)-log-space", "cumprod", "segsum"])
+def heinsen_complex(u, delta, A, B, C):
+    """Heinsen's log-space sequence on the log of signed values, taken as complex numbers (probe CO,
+    run 62: no reason was given, the complex cumsum was not looked at)."""
+    log_coeffs = (delta.unsqueeze(-1) * A).to(torch.complex64)              # (b, l, d, n)
+    log_values = ((delta * u).unsqueeze(-1) * B.unsqueeze(2)).to(torch.complex64).log()
+    a_star = torch.cumsum(log_coeffs, dim=1)
+    h = torch.exp(a_star + torch.logcumsumexp(log_values - a_star, dim=1)).real
+    return torch.einsum("bldn,bln->bld", h, C)
+
+
+@pytest.mark.parametrize("fn", [log_space_cumsum, cumprod_scan, segsum_scan, heinsen_complex],
+                         ids=["exp(cumsum)-log-space", "cumprod", "segsum", "heinsen-complex"])
 def test_closed_form_scan_matches_eager(fn):
     args = make_inputs()
     report = check(fn, args, rewritten=None)
