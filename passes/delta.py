@@ -28,10 +28,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .fx_utils import (HALF_DTYPES, behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of,
-                       higher_order_op, hop_name, is_call, is_lossless_cast, is_method, layout_source,
-                       narrowed_by_program, permute_view, propagate_val, scan_args, named_args, scan_nodes,
-                       set_scan_args, shape_of, view_chain, written_in_place)
+from .fx_utils import (HALF_DTYPES, Layout, behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding,
+                       dtype_of, flip_dims, higher_order_op, hop_name, is_call, is_lossless_cast, is_method,
+                       layout_source, narrowed_by_program, permute_view, propagate_val, scan_args, named_args,
+                       scan_nodes, set_scan_args, shape_of, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -57,6 +57,9 @@ class DeltaFold(NamedTuple):
     linear: Optional[torch.fx.Node]  # F.linear(x, W, b) whose bias moves into the op
     nodes: list[torch.fx.Node]    # the matched nodes, for the record
     between: list[torch.fx.Node]  # the views and casts around the softplus, replaced as well
+    # The op's Δ is the softplus flipped along time (a reverse loop's, which ``unreverse_loops``
+    # runs over flipped operands): the op reads the pre-activation flipped the same way.
+    flipped: bool = False
 
 
 def _softplus_default(node: torch.fx.Node) -> Optional[str]:
@@ -191,6 +194,12 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     if not isinstance(delta, torch.fx.Node):
         return None
     top = layout_source(delta)
+    # Softplus and the bias add are elementwise, so they commute with a flip of the time axis as
+    # they do with the views (probe CO: a reverse loop's Δ went unfolded, with no reason).
+    flipped = flip_dims(top.base) == {top.perm[2]}
+    if flipped:
+        below = layout_source(top.base.args[0])
+        top = Layout(below.base, tuple(below.perm[p] for p in top.perm), top.lossless and below.lossless)
     softplus = top.base
     if not is_call(softplus, *SOFTPLUS_TARGETS):
         return _softplus_behind_hop(softplus) or _softplus_written_out(softplus)
@@ -207,7 +216,7 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     if is_call(pre, *LINEAR_TARGETS):
         bias = named_args(pre, ("input", "weight", "bias")).get("bias")
         if bias is not None and dim_axis == len(shape_of(pre)) - 1 and shape_of(bias) == (dim,):
-            return DeltaFold(pre, perm, bias, pre, nodes + [pre], between)
+            return DeltaFold(pre, perm, bias, pre, nodes + [pre], between, flipped)
     operands = binary_operands(pre, ADD_TARGETS)
     if operands is not None:
         for x, bias_b in (operands, operands[::-1]):
@@ -215,8 +224,8 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
                 continue
             bias = match_bias(bias_b, shape_of(pre), dim_axis, dim)
             if bias is not None:
-                return DeltaFold(x, perm, bias, None, nodes + [pre], between)
-    return DeltaFold(pre, perm, None, None, nodes, between)
+                return DeltaFold(x, perm, bias, None, nodes + [pre], between, flipped)
+    return DeltaFold(pre, perm, None, None, nodes, between, flipped)
 
 
 def _softplus_behind_hop(node: torch.fx.Node) -> str | None:
@@ -366,13 +375,17 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
         elif product is not None:
             pre = _as_linear(graph, *product)
         new_delta = permute_view(graph, pre, fold.perm)
+        if fold.flipped:
+            new_delta = graph.call_method("flip", (new_delta, 2))
+            propagate_val(new_delta)
     bias = None if fold.bias is None else as_vector(graph, fold.bias, shape_of(new_delta)[1], scan)
     args.update(delta=new_delta, delta_bias=bias, delta_softplus=True)
     set_scan_args(scan, args)
     pattern = "softplus(linear(x, W, b))" if fold.linear is not None else (
         "softplus(x + bias)" if fold.bias is not None else "softplus(x)")
     ctx.rewrite(FAMILY, pattern, fold.nodes, "ssm.selective_scan.default",
-                {"delta_bias": fold.bias is not None, "perm": list(fold.perm)})
+                {"delta_bias": fold.bias is not None, "perm": list(fold.perm),
+                 **({"time_flipped": True} if fold.flipped else {})})
 
 
 def delta_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:

@@ -1053,6 +1053,17 @@ class Layout(NamedTuple):
     lossless: bool
 
 
+def flip_dims(node: Any) -> frozenset | None:
+    """The axes ``node`` flips (``x.flip(k)``, ``torch.flip(x, dims)``), else None."""
+    if not (isinstance(node, torch.fx.Node) and (is_method(node, "flip") or is_call(node, torch.flip))
+            and len(node.args) == 2 and not node.kwargs):
+        return None
+    dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    return frozenset(d % len(shape_of(node)) for d in dims)
+
+
 def layout_source(node: torch.fx.Node, allow_casts: bool = True) -> Layout:
     """Follow permutation views (and float casts when ``allow_casts``) back from ``node``."""
     perm = list(range(len(shape_of(node) or ())))

@@ -38,9 +38,10 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .delta import ADD_TARGETS, MUL_TARGETS, as_vector, binary_operands, exact_sum, match_bias, signed_sum
 from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, REVERSED_OUTPUT, SILU_TARGETS, Layout, addcmul_operands,
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, first_read,
-                       follow_views, higher_order_op, hoist_before, hop_name, inverse, is_call, is_method,
-                       layout_source, narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix, scan_args,
-                       scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain, written_in_place)
+                       flip_dims, follow_views, higher_order_op, hoist_before, hop_name, inverse, is_call, is_method,
+                       layout_source, narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix,
+                       scan_args, scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
@@ -72,20 +73,9 @@ def follow_y(y: torch.fx.Node) -> YChain:
     return YChain(end, tuple(perm[p] for p in after), [*nodes, flip, *more], True)
 
 
-def _flip_dims(node: Any) -> Optional[frozenset]:
-    """The axes ``node`` flips (``x.flip(k)``, ``torch.flip(x, dims)``), else None."""
-    if not (isinstance(node, torch.fx.Node) and (is_method(node, "flip") or is_call(node, torch.flip))
-            and len(node.args) == 2 and not node.kwargs):
-        return None
-    dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
-    if not all(isinstance(d, int) for d in dims):
-        return None
-    return frozenset(d % len(shape_of(node)) for d in dims)
-
-
 def _flip_axis(node: Any) -> Optional[int]:
     """The one axis ``node`` flips, else None."""
-    dims = _flip_dims(node)
+    dims = flip_dims(node)
     return next(iter(dims)) if dims is not None and len(dims) == 1 else None
 
 
@@ -103,7 +93,7 @@ def _flips_of(node: Any) -> tuple[Any, frozenset]:
     """``node`` followed back through flips to what they flip, and the axes flipped an odd number
     of times."""
     axes: frozenset = frozenset()
-    while (dims := _flip_dims(node)) is not None:
+    while (dims := flip_dims(node)) is not None:
         axes ^= dims
         node = node.args[0]
     return node, axes

@@ -694,3 +694,36 @@ def test_a_reverse_loops_skip_of_another_form_says_so(skip, reason):
     reasons = [m.reason for m in report.misses if m.family == "skip"]
     assert len(reasons) == 1 and reason in reasons[0], str(report)
     torch.testing.assert_close(report.output, fn(*args), rtol=1e-5, atol=1e-5)
+
+
+def _reverse_loop_softplus_delta(u, dt, A, B, C, bias, D):
+    # Δ = softplus(dt + bias) computed in the graph, read by a reverse loop.
+    delta = F.softplus(dt + bias[:, None])
+    dA, dBu = _disc_bdl(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in reversed(range(u.shape[2])):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.insert(0, torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1) + u * D[:, None]
+
+
+def test_a_reverse_loops_softplus_delta_folds_flipped():
+    # Probe CO (run 62): the op's Δ is the softplus flipped along time; the fold looks through the
+    # flip and hands the op the pre-activation flipped (it went unfolded, with no reason).
+    g = torch.Generator().manual_seed(3)
+    args = _reverse_block_args(6)
+    args[5] = torch.randn(4, generator=g)  # the bias, in z's place
+    args[1] = torch.randn(2, 4, 6, generator=g)  # dt before the bias and softplus
+    report, _ = _reasons(_reverse_loop_softplus_delta, *args)
+    folds = [r for r in report.rewrites if r.family == "delta"]
+    assert len(folds) == 1 and folds[0].decision.get("time_flipped") is True, str(report)
+    assert not [m for m in report.misses if m.family == "delta"], str(report)
+    leaves = [a.clone().requires_grad_() for a in args]
+    ref = _reverse_loop_softplus_delta(*leaves)
+    torch._dynamo.reset()
+    out = torch.compile(_reverse_loop_softplus_delta, backend="ssm")(*leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, leaves, grads), torch.autograd.grad(ref, leaves, grads), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
