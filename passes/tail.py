@@ -353,7 +353,10 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
                 and not _same_flips(add.graph, skip_u.base, op_u.base)):
             # (A loop over the first k steps: the op reads u narrowed to k steps, the user's skip
             # its own u[..., :k], the same value; probe BY.)
-            reasons.append(f"the skip multiplies {u_like.name}, not the scan's u")
+            # (Said as proved, not as a fact: a gather by a reversed arange is the same value as
+            # a flip, but the pass does not read it as one; probe CN.)
+            reasons.append(f"the skip multiplies {u_like.name}, not the scan's u (nor a value the pass proves "
+                           "equal to it: u through views, lossless casts and flips)")
             continue
         if not (skip_u.lossless and op_u.lossless):
             reasons.append("a rounding cast lies between the skip's u and the scan's u")
