@@ -85,12 +85,14 @@ def finite_decay_rate(A):
     # A = -inf (an overflowed -exp(A_log)) becomes the most negative float, +inf the largest, once
     # per program. The kernels give a padded time step dt = 0, and 0 * inf = NaN would reach the
     # carried state and the backward's adjoint; with the finite value the padded step is the
-    # identity (exp2(0) = 1), as is a real step with dt exactly 0 (eager's exp(0 * -inf) is NaN, but
-    # an associative_scan never forms its first decay, and the CPU path does the same). A real step
-    # with |dt| >= 2**-120 decays to exp2(dt * -3.4e38) = 0 (or grows to inf), as with the infinity.
-    # Below that the stand-in is not the infinity: exp2(1e-39 * -3.4e38) = 0.79 where eager's is 0
-    # (probe CL, run 61). Exact would be a select per element in the loop, in a kernel bound by its
-    # instruction issue, for an A_log above 88 together with a dt below 1e-36. NaN stays NaN.
+    # identity (exp2(0) = 1), as is a real step with dt exactly 0. At t = 0 that is eager's value (an
+    # associative_scan never forms its first decay; the CPU path does the same). Later, eager's
+    # exp(0 * -inf) is NaN, and so is the CPU path's (probe CN, run 62): there the kernels differ. A
+    # real step with |dt| >= 2**-120 decays to exp2(dt * -3.4e38) = 0 (or grows to inf), as with the
+    # infinity. Below that the stand-in is not the infinity: exp2(1e-39 * -3.4e38) = 0.79 where
+    # eager's is 0 (probe CL, run 61). Exact would be a select per element in the loop, in a kernel
+    # bound by its instruction issue, for an A_log above 88 together with a dt below 1e-36 (or
+    # exactly 0 after the first step). NaN stays NaN.
     return tl.where(A == float("-inf"), -3.4028234663852886e38,
                     tl.where(A == float("inf"), 3.4028234663852886e38, A))
 

@@ -69,17 +69,25 @@ def test_scan_forward_last_state_with_infinite_decay_rate(L):
 
 @pytest.mark.parametrize("variant", ["column", "serial", "nblock"])
 def test_infinite_decay_rate_meets_a_zero_dt(variant):
-    # A = -inf meeting dt = 0 exactly (softplus(-120)) at t = 0 and mid-sequence: every path reads
-    # A = -inf as the most negative float, so such a step is the identity, the first state is
-    # dt * B * u = 0 as an associative_scan's is, and nothing is NaN. Before (probe CI, run 61) the
-    # CPU path and the Triton backward formed exp(0 * -inf) = NaN, which ran down the channel.
+    # A = -inf meeting dt = 0 exactly (softplus(-120)) at t = 0: the first step is the identity
+    # on every path, so the first state is dt * B * u = 0 as an associative_scan's is, and nothing
+    # is NaN. Before (probe CI, run 61) the CPU path and the Triton backward formed exp(0 * -inf) =
+    # NaN, which ran down the channel. Mid-sequence the CPU path keeps eager's NaN (below); the
+    # kernels' finite stand-in for -inf makes that step the identity (finite_decay_rate's comment).
     u, delta, z, dy, A, B, C = _scan_inputs(L=40, N=4, seed=1)
-    delta[:, :, 0] = delta[:, :, 17] = -120.0
+    delta[:, :, 0] = -120.0
     A[0, 0] = -float("inf")
     D, bias = torch.randn(u.shape[1]), torch.randn(u.shape[1]) * 0.1
     args = (u, delta, A, B, C, D, z, bias, True, None, True)
     y_want, last_want = cpu.selective_scan_fwd(*args)
     assert torch.isfinite(y_want).all() and torch.isfinite(last_want).all()
+    # dt = 0 at step 17 as well: exp(0 * -inf) = NaN in eager's loop and associative_scan alike, so
+    # channel 0 is NaN from there on (probe CN, run 62: it was silently finite), the rest unchanged.
+    mid = delta.clone()
+    mid[:, :, 17] = -120.0
+    y_mid, _ = cpu.selective_scan_fwd(u, mid, A, B, C, D, z, bias, True, None, True)
+    assert y_mid[:, 0, 17:].isnan().all() and y_mid[:, 0, :17].isfinite().all() and y_mid[:, 1:].isfinite().all()
+    torch.testing.assert_close(y_mid[:, 0, :17], y_want[:, 0, :17])
     y, last = triton_fwd.selective_scan_fwd(*_dev(*args[:8]), True, None, True)
     torch.testing.assert_close(y.cpu(), y_want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(last.cpu(), last_want, rtol=1e-5, atol=1e-6)
@@ -87,12 +95,11 @@ def test_infinite_decay_rate_meets_a_zero_dt(variant):
     conv_w = torch.tensor([[0.0, 1.0]]).expand(u.shape[1], 2).contiguous()
     fused = fused_scan_fwd(*_dev(u, delta, A, B, C, D, z, bias), True, *_dev(conv_w), None, False, None).y
     torch.testing.assert_close(fused.cpu(), y_want, rtol=1e-5, atol=1e-5)
-    # The gradients with dt = 0 at t = 0 only, the case eager defines (an associative_scan's first
+    # The gradients, with dt = 0 at t = 0 only, the case eager defines (an associative_scan's first
     # step). Not ddelta and ddelta_bias: eager's is NaN wherever A = -inf (-inf * exp(dt * A) = -inf
     # * 0), and the kernels' a_t * h_{t-1}, recovered as h_t - b_t (NOTES_scan_bwd.md, run 42),
     # leaves rounding noise times A = -3.4e38 there on the GPU (-2.5e30 against the CPU path's
     # -1.07, H100, run 61; benchmarks/repros/inf_decay_zero_dt_bwd.py).
-    delta[:, :, 17] = 0.5
     bwd = (dy, None, u, delta, A, B, C, D, z, bias, True, None)
     want = cpu.selective_scan_bwd(*bwd)
     got = triton_bwd.selective_scan_bwd(*_dev(*bwd[:10]), True, None, tiles={"variant": variant})

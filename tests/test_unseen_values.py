@@ -601,13 +601,16 @@ def _assoc_given_A(u, delta, A, B, C):
 
 @pytest.mark.parametrize("fn, a, d0, dmid", [
     (_loop_bdl, -float("inf"), None, 1e-39), (_assoc_given_A, -float("inf"), None, 1e-39),
-    (_assoc_given_A, float("inf"), 0.0, None), (_assoc_given_A, float("nan"), 0.0, None)],
-    ids=["loop--inf-tiny-delta", "assoc--inf-tiny-delta", "assoc-+inf-zero-delta0", "assoc-nan-zero-delta0"])
+    (_assoc_given_A, float("inf"), 0.0, None), (_assoc_given_A, float("nan"), 0.0, None),
+    (_loop_bdl, -float("inf"), None, 0.0), (_assoc_given_A, -float("inf"), None, 0.0)],
+    ids=["loop--inf-tiny-delta", "assoc--inf-tiny-delta", "assoc-+inf-zero-delta0", "assoc-nan-zero-delta0",
+         "loop--inf-zero-delta-mid", "assoc--inf-zero-delta-mid"])
 def test_an_infinite_or_nan_A_keeps_eagers_values(fn, a, d0, dmid):
     # A = -inf with a tiny Δ (1e-39: softplus(-89.8)) decays to exp(-inf) = 0 in eager; a finite
     # stand-in for -inf on the CPU path gave exp(-1e-39 * 3.4e38) = 0.71. An A = +inf or NaN with
     # Δ0 = 0 on the h_-1 path formed exp(0 * inf) = NaN at t = 0, where eager's first state is
-    # finite. Where eager is not finite, neither may the compiled value be.
+    # finite. Where eager is not finite, neither may the compiled value be: Δ = 0 mid-sequence with
+    # A = -inf is NaN in eager from there on, and was silently finite (probe CN, run 62).
     g = torch.Generator().manual_seed(11)
     u, delta = torch.randn(2, 4, 8, generator=g), F.softplus(torch.randn(2, 4, 8, generator=g))
     A = -torch.rand(4, 3, generator=g) - 0.2

@@ -78,12 +78,17 @@ class _Chunk:
         self.dt5 = self.dt.view(grouped)
         self.B5 = _time_major(B, start, end, cdtype).unsqueeze(3)
         self.C5 = _time_major(C, start, end, cdtype).unsqueeze(3)
-        # A step with dt = 0 is the identity, also where A is infinite (an overflowed -exp(A_log)),
-        # instead of exp(0 * -inf) = NaN: at t = 0 that decay multiplies the zero start state, and an
-        # associative_scan never forms it (eager's first state there is dt * B * u = 0; probe CI).
-        # Every other dt keeps eager's exp(dt * A), 0 for a tiny dt with A = -inf (probe CL: a
-        # finite stand-in for -inf gave exp(-1e-39 * 3.4e38) = 0.71).
-        self.a = torch.exp(torch.where(self.dt5 == 0, 0.0, self.dt5 * A5))
+        # The first step (t = 0) with dt = 0 is the identity, also where A is infinite (an
+        # overflowed -exp(A_log)), instead of exp(0 * -inf) = NaN: that decay multiplies the zero
+        # start state, and an associative_scan never forms it (eager's first state is dt * B * u = 0;
+        # probe CI), nor does the h_-1 start, whose dt at t = 0 the pass sets to 0. Every other step
+        # keeps eager's exp(dt * A): NaN for dt = 0 with A = -inf, as eager's loop and scan are
+        # there (probe CN), and 0 for a tiny dt (probe CL: a finite stand-in for -inf gave
+        # exp(-1e-39 * 3.4e38) = 0.71).
+        rate = self.dt5 * A5
+        if start == 0:
+            rate[0] = torch.where(self.dt5[0] == 0, 0.0, rate[0])
+        self.a = torch.exp(rate)
 
     def states(self, h_start: torch.Tensor) -> torch.Tensor:
         """States h_t after every step of the chunk, (T, batch, G, P, N)."""
