@@ -631,6 +631,18 @@ def test_an_infinite_or_nan_A_keeps_eagers_values(fn, a, d0, dmid):
     torch.testing.assert_close(out[ref.isfinite()], ref[ref.isfinite()], rtol=1e-5, atol=1e-5)
 
 
+def _values_and_grads_match(fn, args):
+    """Compiled ``fn`` equals eager on ``args``, and so do the gradients of every argument."""
+    leaves = [a.clone().requires_grad_() for a in args]
+    ref = fn(*leaves)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, leaves, grads), torch.autograd.grad(ref, leaves, grads), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def _reverse_loop_kept_in_loop_order(u, dt, A, B, C, z, D):
     # The outputs in the loop's own (reversed) order: the skip reads u flipped to that order.
     dA, dBu = _disc_bdl(u, dt, A, B)
@@ -656,14 +668,7 @@ def test_a_skip_on_the_same_flip_of_u_folds(fn):
     report, _ = _reasons(fn, *args)
     families = [r.family for r in report.rewrites]
     assert "skip" in families and "gate" in families, str(report)
-    leaves = [a.clone().requires_grad_() for a in args]
-    ref = fn(*leaves)
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend="ssm")(*leaves)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    grads = torch.randn_like(ref)
-    for got, want in zip(torch.autograd.grad(out, leaves, grads), torch.autograd.grad(ref, leaves, grads), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    _values_and_grads_match(fn, args)
 
 
 def test_a_reverse_loops_outputs_read_twice_name_no_internal_node():
@@ -722,11 +727,4 @@ def test_a_reverse_loops_softplus_delta_folds_flipped():
     folds = [r for r in report.rewrites if r.family == "delta"]
     assert len(folds) == 1 and folds[0].decision.get("time_flipped") is True, str(report)
     assert not [m for m in report.misses if m.family == "delta"], str(report)
-    leaves = [a.clone().requires_grad_() for a in args]
-    ref = _reverse_loop_softplus_delta(*leaves)
-    torch._dynamo.reset()
-    out = torch.compile(_reverse_loop_softplus_delta, backend="ssm")(*leaves)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    grads = torch.randn_like(ref)
-    for got, want in zip(torch.autograd.grad(out, leaves, grads), torch.autograd.grad(ref, leaves, grads), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    _values_and_grads_match(_reverse_loop_softplus_delta, args)
