@@ -194,10 +194,12 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     if not isinstance(delta, torch.fx.Node):
         return None
     top = layout_source(delta)
-    # Softplus and the bias add are elementwise, so they commute with a flip of the time axis as
-    # they do with the views (probe CO: a reverse loop's Δ went unfolded, with no reason).
-    flipped = flip_dims(top.base) == {top.perm[2]}
-    if flipped:
+    # Softplus and the bias add are elementwise, so they commute with flips of the time axis as
+    # they do with the views (probe CO: a reverse loop's Δ went unfolded, with no reason); two
+    # flips (a reverse loop over the user's own ``softplus(dt).flip(-1)``, probe CQ) cancel.
+    flipped = False
+    while flip_dims(top.base) == {top.perm[2]}:
+        flipped = not flipped
         below = layout_source(top.base.args[0])
         top = Layout(below.base, tuple(below.perm[p] for p in top.perm), top.lossless and below.lossless)
     softplus = top.base

@@ -1931,7 +1931,10 @@ _NONNEGATIVE = frozenset(("exp", "exp2", "softplus", "sigmoid", "special_expit",
 # keeps a sign), or of their tensor argument for split-like ops read through getitem.
 _SIGN_KEEPING = frozenset(VIEW_OPS + ("expand_as", "contiguous", "clone", "detach", "repeat", "repeat_interleave",
                                       "broadcast_to", "tensor_split", "split_with_sizes", "float", "double",
-                                      "half", "bfloat16", "to", "type", "type_as"))
+                                      "half", "bfloat16", "to", "type", "type_as",
+                                      # Reorderings of the elements (a user's ``softplus(dt).flip(-1)``,
+                                      # probe CQ):
+                                      "flip", "roll"))
 _CASTS = frozenset(("float", "double", "half", "bfloat16", "to", "type", "type_as"))
 
 

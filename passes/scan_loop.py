@@ -1916,13 +1916,17 @@ def _closed_form_scans(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         if node.op not in ("call_function", "call_method") or name not in _RUNNING:
             continue
         value = val(node)
-        # Complex too: Heinsen's log-space sequence takes the log of signed values as complex
-        # numbers (probe CO: no reason was given).
-        if not (isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
-                and value.dim() >= 4):
+        if not (isinstance(value, torch.Tensor) and value.dim() >= 4):
             continue
         source = node.args[0] if node.args else None
-        if (name == "cumprod" and _feeds_from_exp(source)) or (name == "cumsum" and _reaches_exp(node, depth=4)):
+        if value.is_complex():
+            # Heinsen's log-space sequence takes the log of signed values as complex numbers, and
+            # its running sums meet in a logcumsumexp (probe CO: no reason was given). A complex
+            # cumsum without one is no scan (a rotary phase; probe CQ).
+            if name == "cumsum" and _reaches(node, ("logcumsumexp",), 3):
+                found.append(node)
+        elif value.is_floating_point() and (name == "cumprod" and _feeds_from_exp(source)
+                                            or name == "cumsum" and _reaches_exp(node, depth=4)):
             found.append(node)
     return found
 
@@ -1935,10 +1939,23 @@ def _feeds_from_exp(node: Any) -> bool:
 
 def _reaches_exp(node: torch.fx.Node, depth: int) -> bool:
     # exp(S), exp(-S), exp(S[:, :, None] - S[:, None, :]), and that masked (``masked_fill`` with -inf
-    # above the diagonal, probe BY): a few elementwise or indexing steps.
+    # above the diagonal, probe BY): a few elementwise or indexing steps. A real exp: the exp of a
+    # complex value is a rotation (a rotary phase exp(1j * cumsum(theta)), probe CQ), no decay.
+    return _reaches(node, ("exp",), depth, lambda u: not _is_complex(u))
+
+
+def _reaches(node: torch.fx.Node, names: tuple[str, ...], depth: int,
+             accept: Callable[[torch.fx.Node], bool] = lambda u: True) -> bool:
+    """A call named in ``names`` (and passing ``accept``) reads ``node`` within ``depth`` steps of
+    its users."""
     if depth == 0:
         return False
-    return any(is_call(u, torch.exp) or is_method(u, "exp") or _reaches_exp(u, depth - 1) for u in node.users)
+    return any(bare_name(u) in names and accept(u) or _reaches(u, names, depth - 1, accept) for u in node.users)
+
+
+def _is_complex(node: torch.fx.Node) -> bool:
+    value = val(node)
+    return isinstance(value, torch.Tensor) and value.is_complex()
 
 
 def _key_slices(key: Any) -> list[tuple]:

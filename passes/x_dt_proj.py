@@ -226,12 +226,13 @@ def _tensor_split_leading(split: torch.fx.Node, piece: int) -> Optional[tuple[to
     if not isinstance(width, int):
         return None
     if isinstance(sections, (list, tuple)):
-        # Pieces are x[..., i_{k-1}:i_k] with i_{-1} = 0; only non-negative indices are read here
-        # (a negative one counts from the end, as a slice does).
+        # Pieces are x[..., i_{k-1}:i_k] with i_{-1} = 0, each index read as a slice bound: a
+        # negative one counts from the end, and all are clamped to [0, W] (``[0, -2 * N, -N]``,
+        # probe CQ).
         bounds = [0, *sections]
-        if piece >= len(sections) or not all(_is_int(i) and i >= 0 for i in bounds[:piece + 2]):
+        if piece >= len(sections) or not all(_is_int(i) for i in bounds[:piece + 2]):
             return None
-        start, stop = bounds[piece], bounds[piece + 1]
+        start, stop = (min(max(i + width if i < 0 else i, 0), width) for i in bounds[piece:piece + 2])
         return (source, stop) if start == 0 and 0 < stop < width else None
     if piece == 0 and _is_int(sections) and sections > 1:
         return source, width // sections + (1 if width % sections else 0)
@@ -275,8 +276,10 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     if not all(isinstance(v, torch.Tensor) for v in values):
         return "an input of x_proj/dt_proj has no fake value"
     wx, wdt = values[1], values[4]
+    # R = 0 (``x_dbl.split([0, N, N])``: dt_proj of no columns is its bias alone) is no product the
+    # op computes; the op would refuse it inside the pass (probe CQ).
     if (values[0].dim() < 2 or wx.dim() != 2 or wdt.dim() != 2 or wdt.shape[1] != rank
-            or not rank < wx.shape[0]):
+            or not 1 <= rank < wx.shape[0]):
         return None
     dtypes = {v.dtype for v in values}
     if len(dtypes) == 1 and next(iter(dtypes)) not in _FLOATS:

@@ -321,6 +321,21 @@ def test_closed_form_scan_matches_eager(fn):
             report.format(graphs=False)
 
 
+def test_a_complex_phase_cumsum_is_no_closed_form_scan():
+    # exp(1j * cumsum(theta)), a rotary phase over a 4-D tensor, is no scan, whether the running
+    # sum is real or complex: no closed-form reason for it (probe CQ, run 62: the complex cumsum
+    # that Heinsen's scan needed brought one; the real one had one before).
+    def rotary(x, theta):
+        phase = torch.exp(1j * torch.cumsum(theta, dim=1)) * torch.exp(torch.cumsum(1j * theta, dim=1))
+        return (torch.view_as_complex(x) * phase).real
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 5, 3, 4, 2, generator=g), torch.randn(2, 5, 3, 4, generator=g))
+    report = explain(rotary, *args)
+    assert not [m for m in report.misses if "closed-form scan" in m.reason], report.format(graphs=False)
+    torch.testing.assert_close(report.output, rotary(*args))
+
+
 # --- 5. shape edges ----------------------------------------------------------------------------
 
 def paper_scan(u, delta, A, B, C):

@@ -728,3 +728,42 @@ def test_a_reverse_loops_softplus_delta_folds_flipped():
     assert len(folds) == 1 and folds[0].decision.get("time_flipped") is True, str(report)
     assert not [m for m in report.misses if m.family == "delta"], str(report)
     _values_and_grads_match(_reverse_loop_softplus_delta, args)
+
+
+def _assoc_over_a_flipped_softplus(u, dt, A_log, B, C, bias, D):
+    # The user's own Δ flipped along time: softplus, then flip, then an associative_scan.
+    delta = F.softplus(dt + bias[:, None]).flip(-1)
+    dA = torch.exp(delta[..., None] * -torch.exp(A_log)[:, None, :])
+    dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+    h = associative_scan(_combine, (dA, dBu), dim=2, combine_mode="generic")[1]
+    return (h * C.transpose(1, 2)[:, None]).sum(-1) + u * D[:, None]
+
+
+def _reverse_loop_over_a_flipped_softplus(u, dt, A, B, C, bias, D):
+    # A reverse loop over the user's flip of Δ: the op's Δ is that flip flipped again.
+    delta = F.softplus(dt + bias[:, None]).flip(-1)
+    dA, dBu = _disc_bdl(u, delta, A, B)
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in reversed(range(u.shape[2])):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.insert(0, torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=-1) + u * D[:, None]
+
+
+@pytest.mark.parametrize("fn, flipped", [(_assoc_over_a_flipped_softplus, True),
+                                         (_reverse_loop_over_a_flipped_softplus, False)],
+                         ids=["assoc-flipped-softplus", "reverse-loop-twice-flipped"])
+def test_a_delta_flipped_by_the_user_folds(fn, flipped):
+    # Probe CQ (run 62): a flip kept softplus's sign from the first-state proof (the op took a
+    # copy of Δ with Δ0 = 0, and no fold), and two flips along time stopped the fold.
+    g = torch.Generator().manual_seed(4)
+    args = _reverse_block_args(6)
+    args[1] = torch.randn(2, 4, 6, generator=g)
+    args[2] = torch.randn(4, 3, generator=g) * 0.3  # A_log for the scan, A for the loop (signs unused)
+    args[5] = torch.randn(4, generator=g)
+    report, _ = _reasons(fn, *args)
+    folds = [r for r in report.rewrites if r.family == "delta"]
+    assert len(folds) == 1 and bool(folds[0].decision.get("time_flipped")) is flipped, str(report)
+    assert not any("first_state" in r.decision for r in report.rewrites), str(report)
+    _values_and_grads_match(fn, args)

@@ -339,6 +339,8 @@ class XDt(nn.Module):
             _, dt, B, C = x_dbl.split([0, R, N, N], dim=-1)
         elif self.variant == "tensor_split_at_zero":  # likewise: pieces [:0], [0:R], ...
             _, dt, B, C = torch.tensor_split(x_dbl, [0, R, R + N], dim=-1)
+        elif self.variant == "tensor_split_negative":  # indices from the end: piece 1 is [0:-2N] (probe CQ)
+            _, dt, B, C = torch.tensor_split(x_dbl, [0, -2 * N, -N], dim=-1)
         elif self.variant == "tensor_split_late":  # first piece ends at R + 1: dt_proj reads R + 1 columns
             dt, B, C = torch.tensor_split(x_dbl, [R + 1, R + N], dim=-1)
             B = torch.cat([dt[..., R:], B], dim=-1)[..., :N]
@@ -399,7 +401,7 @@ class XDt(nn.Module):
 @pytest.mark.parametrize("variant", ["split", "slice", "slice_from_the_end", "split_keywords", "rows", "rows_T",
                                      "bias_add_method", "matmul_t", "matmul_T", "einsum", "einsum_ellipsis",
                                      "tensor_split", "tensor_split_method", "split_empty_first",
-                                     "tensor_split_at_zero"])
+                                     "tensor_split_at_zero", "tensor_split_negative"])
 def test_forms_are_rewritten(variant):
     torch.manual_seed(0)
     model = XDt(variant)
@@ -507,3 +509,25 @@ def test_mixed_dtypes_are_a_near_miss():
     assert misses and "mix dtypes" in misses[0], misses
     torch._dynamo.reset()
     assert rel_err(y, under_autocast(x)[0].double()) < TOL[torch.bfloat16]
+
+
+def test_dt_of_no_columns_keeps_the_other_rewrites():
+    # R = 0 (``x_dbl.split([0, N, N])``, dt_proj of no columns is its bias): the pass built an op
+    # that refused R = 0 inside it, and the graph lost every rewrite (probe CQ, run 62).
+    from ssm_compile.kernels.selective_scan.op import selective_scan_fn
+    from ssm_compile.report import explain
+
+    def fn(x, w_x, w_dt, bias, A):
+        x_dbl = F.linear(x, w_x)
+        dt, B, C = x_dbl.split([0, 4, 4], dim=-1)
+        delta = F.softplus(F.linear(dt, w_dt, bias))
+        return selective_scan_fn(x.transpose(1, 2), delta.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2))
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 7, 8, generator=g), 0.3 * torch.randn(8, 8, generator=g), torch.randn(8, 0, generator=g),
+            torch.randn(8, generator=g), -torch.rand(8, 4, generator=g) - 0.5)
+    torch._dynamo.reset()
+    report = explain(fn, *args)
+    assert [r.family for r in report.rewrites] == ["delta"], str(report)
+    assert not [m for m in report.misses if m.family == "x_dt_proj" or "internal" in m.reason], str(report)
+    torch.testing.assert_close(report.output, fn(*args))
