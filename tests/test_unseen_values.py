@@ -705,15 +705,8 @@ def test_a_reverse_loops_skip_of_another_form_says_so(skip, reason):
 
 
 def _reverse_loop_softplus_delta(u, dt, A, B, C, bias, D):
-    # Δ = softplus(dt + bias) computed in the graph, read by a reverse loop.
-    delta = F.softplus(dt + bias[:, None])
-    dA, dBu = _disc_bdl(u, delta, A, B)
-    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
-    ys = []
-    for t in reversed(range(u.shape[2])):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        ys.insert(0, torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, dim=-1) + u * D[:, None]
+    # Δ = softplus(dt + bias) computed in the graph, read by a reverse loop with the D skip.
+    return _reverse_block("insert0", ("skip",), False)(u, F.softplus(dt + bias[:, None]), A, B, C, None, D)
 
 
 def test_a_reverse_loops_softplus_delta_folds_flipped():
@@ -741,14 +734,7 @@ def _assoc_over_a_flipped_softplus(u, dt, A_log, B, C, bias, D):
 
 def _reverse_loop_over_a_flipped_softplus(u, dt, A, B, C, bias, D):
     # A reverse loop over the user's flip of Δ: the op's Δ is that flip flipped again.
-    delta = F.softplus(dt + bias[:, None]).flip(-1)
-    dA, dBu = _disc_bdl(u, delta, A, B)
-    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1])
-    ys = []
-    for t in reversed(range(u.shape[2])):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        ys.insert(0, torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, dim=-1) + u * D[:, None]
+    return _reverse_block("insert0", ("skip",), False)(u, F.softplus(dt + bias[:, None]).flip(-1), A, B, C, None, D)
 
 
 @pytest.mark.parametrize("fn, flipped", [(_assoc_over_a_flipped_softplus, True),
