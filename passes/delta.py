@@ -204,7 +204,8 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
         top = Layout(below.base, tuple(below.perm[p] for p in top.perm), top.lossless and below.lossless)
     softplus = top.base
     if not is_call(softplus, *SOFTPLUS_TARGETS):
-        return _softplus_behind_hop(softplus) or _softplus_written_out(softplus)
+        return (_softplus_behind_hop(softplus) or _softplus_written_out(softplus)
+                or _softplus_reordered(softplus, top.perm))
     why = _softplus_default(softplus)
     if why is not None:
         return why
@@ -242,6 +243,41 @@ def _softplus_behind_hop(node: torch.fx.Node) -> str | None:
             return (f"Δ is {hop_name(hop)} of the softplus {arg.name} (a custom autograd.Function, or a hook on "
                     "the tensor): folding the softplus into the op would drop what that does in the backward")
     return None
+
+
+_DELTA_AXES = ("batch", "channels", "time")
+
+
+def _softplus_reordered(node: torch.fx.Node, perm: tuple[int, ...]) -> str | None:
+    """Why not, when Δ is a softplus flipped along other axes than time alone or rolled
+    (``softplus(dt_proj(dt)).flip(-1)`` in a (b, L, dim) layout, ``.roll(1, -1)``); ``perm``: the
+    op's Δ axis i is ``node``'s axis perm[i]. None when Δ is anything else."""
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    rolled = is_method(node, "roll") or is_call(node, torch.roll)
+    if rolled:
+        dims = named_args(node, ("input", "shifts", "dims")).get("dims")
+    elif is_method(node, "flip") or is_call(node, torch.flip):
+        # ``x.flip(1, 2)`` as well as ``x.flip((1, 2))``, which ``flip_dims`` reads.
+        dims = node.kwargs.get("dims", node.args[1] if len(node.args) == 2 else node.args[1:])
+    else:
+        return None
+    dims = dims if isinstance(dims, (tuple, list)) or dims is None else (dims,)
+    if dims is not None and not all(isinstance(d, int) for d in dims):
+        return None
+    softplus = layout_source(node.args[0]).base
+    if not is_call(softplus, *SOFTPLUS_TARGETS):
+        return None
+    # ``roll`` without dims rolls the flattened tensor: every axis moves.
+    axes = set(range(len(perm))) if dims is None else {d % len(perm) for d in dims}
+    how = ("rolled as one flat row of elements" if dims is None else ("rolled" if rolled else "flipped") + " along "
+           + " and ".join(_DELTA_AXES[i] for i in range(len(perm)) if perm[i] in axes))
+    why = "the fold follows Δ back to the softplus only through views and flips of time"
+    if rolled and perm[2] in axes:
+        why += " (a roll is not a reversal)"
+    if perm[1] in axes:
+        why += "; along channels the op's per-channel delta_bias would have to move with dt_proj's rows"
+    return f"Δ is the softplus {softplus.name} {how} ({node.name}): {why}; the softplus stays where it is"
 
 
 def _is_exp(node: Any) -> bool:

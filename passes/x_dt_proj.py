@@ -23,15 +23,18 @@ Soundness: the op computes exactly the two linears (same rounding points), so th
 when
 - dt_proj's input is the first R columns of x_proj's output, through views that give back the
   same tensor (a split's or tensor_split's first piece, ``x_dbl[..., :R]``,
-  ``x_dbl.narrow(-1, 0, R)``), and R is
-  W_dt's second dimension (in the 2-D product form, that input transposed: ``.t()``, ``.T``,
-  ``.transpose(0, 1)``, ``.permute(1, 0)``);
+  ``x_dbl.narrow(-1, 0, R)``) and copies of the same values and gradient (``dt.clone()``,
+  ``dt.to(dt.dtype, copy=True)``, ``torch.cat([dt, B], -1)[..., :R]``: not ``dt.detach()``),
+  and R is W_dt's second dimension (in the 2-D product form, that input transposed: ``.t()``,
+  ``.T``, ``.transpose(0, 1)``, ``.permute(1, 0)``);
 - each product is a linear (``F.linear``, ``x @ W.t()``, or an einsum that is one:
   ``'bld,ed->ble'``), neither has a bias, and every tensor (x, both weights, both outputs) has one floating
   dtype: no cast or autocast region changes a product's precision;
 - dt is now computed where x_proj ran, earlier than the user's code did, so nothing may write in
-  place to x_dbl (any view of it) or W_dt, W_dt must exist there, and both products must run
-  under one grad mode / autocast state with no functorch level between.
+  place to x_dbl (any view of it), to a copy of it on the way, or to W_dt, W_dt must exist there,
+  and both products must run under one grad mode / autocast state with no functorch level between;
+- the op saves x_dbl for its backward where eager's dt_proj saved the copy: under grad, a copy
+  stays when x_dbl's memory is returned (the caller may write it before the backward).
 """
 from __future__ import annotations
 
@@ -43,13 +46,18 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .delta import LINEAR_TARGETS, MATMUL_TARGETS, weight_product
-from .fx_utils import (cast_dtype, context_refusal, is_call, is_method, layout_source, named_args, node_order,
-                       propagate_val, scan_args, scan_nodes, shape_of, target_name, val, view_chain,
-                       written_in_place)
+from .fx_utils import (Layout, caller_storages, cast_dtype, context_refusal, grad_enabled_at, is_call, is_method,
+                       layout_source, mutates, named_args, node_order, propagate_val, protects_saved_input, scan_args,
+                       scan_nodes, shape_of, storage_of, target_name, val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "x_dt_proj"
 _SPLITS = (torch.split, torch.functional.split, torch.split_with_sizes)
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+# Calls that return their input's values (a copy, or the tensor itself) when dtype, device and
+# shape stay: the keywords name only what may change the copy's strides or its timing.
+_COPY_METHODS = ("clone", "to", "contiguous", "float", "double", "half", "bfloat16", "type")
+_COPY_KEYWORDS = {"memory_format", "copy", "non_blocking", "dtype", "device"}
 # The op's dtypes on every device (fp64 only on CPU, for gradcheck: not worth a rewrite).
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -184,16 +192,24 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
     split of x_proj's output other than the first (``B, C, dt = x_dbl.split([N, N, R], -1)``, probe
     CJ: no reason was given); else None."""
     found = _linear(dt_proj)
-    low = layout_source(found[0], allow_casts=False).base if found is not None else None
+    low = _read_through_copies(found[0])[0].base if found is not None and isinstance(found[0], torch.fx.Node) else None
     # ``dt_proj(tanh(dt))`` (probe CM: no reason was given), ``dt_proj(2.0 * dt)``, ``where(dt > 0,
     # dt, 0)`` or a rounded copy of them (``dt.double().float()``, probe CN): any operand, read
-    # through views and casts, that is x_proj's first columns.
+    # through views, casts and copies, that is x_proj's first columns.
     operands = low.all_input_nodes if isinstance(low, torch.fx.Node) and low.op in ("call_function",
                                                                                   "call_method") else []
-    if any((c := _leading_columns(layout_source(arg).base)) is not None and _linear(c[0]) is not None
-           for arg in operands):
-        what = (f"x_proj's first columns cast to {cast_dtype(low)}" if cast_dtype(low) is not None
-                else f"{low.name} = {target_name(low)} of x_proj's first columns")
+    if any((c := _leading_columns(_read_through_copies(arg, allow_casts=True)[0].base)) is not None
+           and _linear(c[0]) is not None for arg in operands):
+        if is_method(low, "detach") or is_call(low, torch.detach):
+            return (f"dt_proj reads {low.name} = x_proj's first columns detached: no gradient reaches x_proj "
+                    "through dt_proj, where ssm.x_dt_proj's backward would send one, so the two products stay "
+                    "as they are")
+        if mutates(low):
+            what = f"x_proj's first columns as {low.name} = {target_name(low)} writes them in place"
+        elif cast_dtype(low) is not None:
+            what = f"x_proj's first columns cast to {cast_dtype(low)}"
+        else:
+            what = f"{low.name} = {target_name(low)} of x_proj's first columns"
         return (f"dt_proj reads {what}, not the columns themselves: ssm.x_dt_proj "
                 "computes the two products back to back, so they stay as they are")
     if not (is_call(low, operator.getitem) and isinstance(low.args[1], int) and low.args[1] > 0):
@@ -243,6 +259,76 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _value_copy(node: Any) -> bool:
+    """``node`` gives back its input's values in the same dtype, device and shape, with the
+    identity as its gradient: ``dt.clone()``, ``torch.clone(dt)``, ``dt.to(dt.dtype,
+    copy=True)``, ``dt.to(memory_format=...)``, ``dt.float()`` of an fp32 dt. (``dt.detach()``
+    has the values but no gradient: not one.)"""
+    if not (is_method(node, *_COPY_METHODS) or is_call(node, torch.clone)) or not node.args:
+        return False
+    src, out = node.args[0], val(node)
+    if not isinstance(src, torch.fx.Node) or not isinstance(out, torch.Tensor) or set(node.kwargs) - _COPY_KEYWORDS:
+        return False
+    if any(isinstance(a, torch.fx.Node) for a in [*node.args[1:], *node.kwargs.values()]):
+        return False  # ``dt.to(other)``: other's dtype and device, read from a tensor
+    v = val(src)
+    return (isinstance(v, torch.Tensor) and v.dtype == out.dtype and v.device == out.device
+            and v.shape == out.shape)
+
+
+def _cat_head(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """``t`` when ``node`` is the first R columns of a cat along the last axis whose first operand
+    ``t`` is R columns wide, in the cat's dtype (``torch.cat([dt, B], -1)[..., :R]``): those
+    columns are t's values, and their gradient is t's; else None."""
+    found = _leading_columns(node)
+    cat = found[0] if found is not None else None
+    if not is_call(cat, *_CATS):
+        return None
+    args = named_args(cat, ("tensors", "dim"))
+    tensors = args.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not tensors or not _last_axis(args.get("dim", 0), cat):
+        return None
+    head = tensors[0]
+    head_val, cat_val = val(head) if isinstance(head, torch.fx.Node) else None, val(cat)
+    if not isinstance(head_val, torch.Tensor) or head_val.dtype != cat_val.dtype or head_val.dim() != cat_val.dim():
+        return None
+    return head if _is_int(head_val.shape[-1]) and head_val.shape[-1] == found[1] else None
+
+
+def _read_through_copies(node: torch.fx.Node, allow_casts: bool = False) -> tuple[Layout, list[torch.fx.Node]]:
+    """``layout_source(node)`` followed on through value copies (``_value_copy``) and a cat's
+    leading operand (``_cat_head``), with the nodes passed on the way (views, copies, the cat and
+    the piece of it read), for the context and in-place write checks."""
+    perm = tuple(range(len(shape_of(node) or ())))
+    chain: list[torch.fx.Node] = []
+    lossless = True
+    while True:
+        top = layout_source(node, allow_casts=allow_casts)
+        perm, lossless = tuple(top.perm[p] for p in perm), lossless and top.lossless
+        chain += view_chain(node, top.base)
+        head = _cat_head(top.base)
+        if _value_copy(top.base):
+            chain.append(top.base)
+            node = top.base.args[0]
+        elif head is not None:
+            chain += [top.base, _leading_columns(top.base)[0]]
+            node = head
+        else:
+            return Layout(top.base, perm, lossless), chain
+
+
+def _kept_apart(chain: list[torch.fx.Node]) -> Optional[torch.fx.Node]:
+    """The copy on ``chain`` that keeps what dt_proj saves for its backward apart from memory the
+    caller holds (``protects_saved_input``; a cat copies its leading operand), else None."""
+    for node in chain:
+        if _value_copy(node) and protects_saved_input(node):
+            return node
+        if is_call(node, *_CATS) and grad_enabled_at(node) and storage_of(
+                named_args(node, ("tensors",))["tensors"][0]) in caller_storages(node.graph):
+            return node
+    return None
+
+
 def match(scan: torch.fx.Node) -> Site | str | None:
     """The site if the scan's Δ is dt_proj of x_proj's first R columns and the rewrite is sound;
     a near-miss reason; or None (Δ is not such a product: nothing to say)."""
@@ -258,7 +344,7 @@ def match(scan: torch.fx.Node) -> Site | str | None:
         low, dt_weight = dt_args
         if not isinstance(low, torch.fx.Node) or not isinstance(dt_weight, torch.fx.Node):
             continue
-        top = layout_source(low, allow_casts=False)
+        top, chain = _read_through_copies(low)
         if top.perm != ((1, 0) if rows_product else tuple(range(len(top.perm)))):
             continue
         columns = _leading_columns(top.base)
@@ -288,18 +374,23 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     if len(dtypes) != 1:
         return (f"x_proj/dt_proj mix dtypes ({', '.join(sorted(str(d) for d in dtypes))}): a cast or an "
                 "autocast region sets a product's precision, which the op would not reproduce")
-    nodes = [x_dbl, top.base, *view_chain(low, top.base)]
+    nodes = [x_dbl, top.base, *chain]
     refusal = context_refusal(scan.graph, [x_dbl, *nodes, dt_proj], anchor=x_dbl)
     if refusal is not None:
         return refusal
+    copy = _kept_apart(chain)
+    if copy is not None:
+        return (f"{copy.name} copies the columns dt_proj reads, and {x_dbl.name}'s memory is returned (itself or "
+                "a view): the caller may write it before the backward, which would read ssm.x_dt_proj's saved "
+                f"{x_dbl.name} where eager's reads the copy, so the two products stay as they are")
     order = node_order(scan.graph)
     if order[dt_weight] > order[x_dbl]:
         return "dt_proj's weight is computed after x_proj: dt cannot be computed where x_proj runs"
     # The op reads the weights and x_dbl's columns where x_proj runs, past what the user's code
-    # read them through: a ``.contiguous()`` copy (``W.t().contiguous()``, ``dt.contiguous()``)
-    # or a view. A write to any of them, or to a weight after the copy was made, is one the op
-    # would not see.
-    followed = [*view_chain(low, top.base), *_weight_views(x_dbl), *_weight_views(dt_proj)]
+    # read them through: a copy (``W.t().contiguous()``, ``dt.clone()``, a cat of dt) or a view.
+    # A write to any of them (``dt = dt.clone(); dt.mul_(2)``), or to a weight after the copy
+    # was made, is one the op would not see.
+    followed = [*chain, *_weight_views(x_dbl), *_weight_views(dt_proj)]
     writer = written_in_place(scan.graph, [x_dbl, dt_weight, x_weight, *followed])
     if writer is not None:
         return (f"{writer.name} writes in place to x_proj's output, a weight or a copy or view of them the "
