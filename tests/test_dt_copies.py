@@ -131,6 +131,9 @@ NEAR_MISSES = {
     # x_dbl returned: eager's dt_proj saved the copy, the op would save x_dbl, which the caller may write.
     "clone_of_returned": (lambda dt, B, w, b: F.linear(dt.clone(), w, b), True, True,
                           "clone copies the columns dt_proj reads, and x_dbl's memory is returned"),
+    # dt is a narrow piece: .contiguous() copies it (the pass followed it before run 63, returned or not).
+    "contiguous_of_returned": (lambda dt, B, w, b: F.linear(dt.contiguous(), w, b), True, True,
+                               "contiguous copies the columns dt_proj reads, and x_dbl's memory is returned"),
     "cat_of_returned": (lambda dt, B, w, b: F.linear(torch.cat([dt, B], -1)[..., :R], w, b), True, True,
                         "cat copies the columns dt_proj reads, and x_dbl's memory is returned"),
 }
