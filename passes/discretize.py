@@ -264,7 +264,7 @@ class _Evaluator:
             return self._sum(node)
         if self.allow_sum and is_call(node, torch.linalg.vecdot):
             return self._vecdot(node)
-        return self._view(node)
+        return self._view(node, top)
 
     def _vecdot(self, node) -> IndexTerm | None:
         """``linalg.vecdot(x, y, dim=d)`` is ``sum(x.conj() * y, d)`` over the broadcast shape;
@@ -410,8 +410,10 @@ class _Evaluator:
                     for i, lab in enumerate(t.out) if keepdim or i not in dims)
         return self._combine([t], out, {t.out[i] for i in dims})
 
-    def _view(self, node) -> IndexTerm | None:
-        """Views that only insert/drop size-1 axes, permute, or broadcast-expand."""
+    def _view(self, node, top: bool) -> IndexTerm | None:
+        """Views that only insert/drop size-1 axes, permute, or broadcast-expand. At the top, a
+        view of ``exp(...)`` (``exp(Δ[t]·A).unsqueeze(-1)``) is exp of the same view of its
+        argument: a view moves, inserts or repeats elements, which commutes with an elementwise exp."""
         if not node.args:
             return None
         x = node.args[0]
@@ -420,7 +422,7 @@ class _Evaluator:
             return None
         out_shape = val(node).shape
         if is_method(node, "unsqueeze") or is_call(node, torch.unsqueeze):
-            t = self.term(x)
+            t = self.term(x, top)
             if t is None:
                 return None
             dim = _dims_arg(node, 1, "dim") % (len(t.out) + 1)
@@ -429,12 +431,12 @@ class _Evaluator:
             perm = _dims_arg(node, 1, "dims")
             if isinstance(perm, int):
                 perm = (perm,)
-            t = self.term(x)
+            t = self.term(x, top)
             if t is None or not all(isinstance(p, int) for p in perm):
                 return None
             return self._relabel(t, tuple(t.out[p % len(t.out)] for p in perm))
         if is_method(node, "transpose", "swapaxes") or is_call(node, torch.transpose):
-            t = self.term(x)
+            t = self.term(x, top)
             d0, d1 = node.args[1:3] if len(node.args) >= 3 else (None, None)
             if t is None or not isinstance(d0, int) or not isinstance(d1, int):
                 return None
@@ -443,7 +445,7 @@ class _Evaluator:
             out[d0], out[d1] = out[d1], out[d0]
             return self._relabel(t, tuple(out))
         if is_method(node, "expand", "expand_as"):
-            t = self.term(x)
+            t = self.term(x, top)
             if t is None:
                 return None
             lead = len(out_shape) - len(t.out)
@@ -460,25 +462,25 @@ class _Evaluator:
             if dims is None:
                 return None
             dims = [dims] if isinstance(dims, int) else list(dims)
-            return self._drop_ones(x, [d % src.dim() for d in dims])
+            return self._drop_ones(x, [d % src.dim() for d in dims], top)
         if is_method(node, "view", "reshape") or is_call(node, torch.reshape):
-            return self._reshape_ones(x, out_shape)
+            return self._reshape_ones(x, out_shape, top)
         if is_call(node, operator.getitem):
-            return self._getitem(node, x, src)
+            return self._getitem(node, x, src, top)
         return None
 
     def _relabel(self, t: IndexTerm, out: tuple[int, ...]) -> IndexTerm:
         return IndexTerm(t.factors, out, t.summed, self.uf, t.exp_of, t.looked_through, sign=t.sign)
 
-    def _drop_ones(self, x, dims) -> IndexTerm | None:
+    def _drop_ones(self, x, dims, top: bool) -> IndexTerm | None:
         src = val(x)
         dims = [d for d in dims if _is_one(src.shape[d])]
-        t = self.term(x)
+        t = self.term(x, top)
         if t is None:
             return None
         return self._relabel(t, tuple(lab for i, lab in enumerate(t.out) if i not in dims))
 
-    def _reshape_ones(self, x, out_shape) -> IndexTerm | None:
+    def _reshape_ones(self, x, out_shape, top: bool) -> IndexTerm | None:
         src = val(x).shape
         keep_in = [i for i, s in enumerate(src) if not _is_one(s)]
         keep_out = [i for i, s in enumerate(out_shape) if not _is_one(s)]
@@ -486,7 +488,7 @@ class _Evaluator:
             _same(src[i], out_shape[j]) for i, j in zip(keep_in, keep_out)
         ):
             return None
-        t = self.term(x)
+        t = self.term(x, top)
         if t is None:
             return None
         out = [self.uf.fresh() for _ in out_shape]
@@ -494,7 +496,7 @@ class _Evaluator:
             out[j] = t.out[i]
         return self._relabel(t, tuple(out))
 
-    def _getitem(self, node, x, src) -> IndexTerm | None:
+    def _getitem(self, node, x, src, top: bool) -> IndexTerm | None:
         idx = node.args[1]
         idx = idx if isinstance(idx, tuple) else (idx,)
         n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
@@ -520,7 +522,7 @@ class _Evaluator:
             else:
                 return None
             axis += 1
-        t = self.term(x)
+        t = self.term(x, top)
         if t is None:
             return None
         return self._relabel(t, tuple(t.out[o[1]] if isinstance(o, tuple) else o for o in out))
@@ -1009,6 +1011,47 @@ def _shared_A_roles(n_lab: set, d_lab: set, b_lab: set) -> list[dict[int, str]] 
     return [{x: "b", y: "d", n: "n"}, {y: "b", x: "d", n: "n"}]
 
 
+def _decay_labels(out: set[int], sd: set[int], sa: set[int]) -> tuple[set[int], set[int], set[int]]:
+    """The labels of exp(Δ ⊗ A)'s state, channel and batch axes, from ``out`` (its axes but time),
+    ``sd`` (Δ's) and ``sa`` (A's). An axis of A missing from ``out`` is a size-1 one broadcast
+    against Δ's (A (1, N): one decay per state, kept 2-D), which indexes nothing. Where A has a
+    channel axis and no other, the state axis is the one of ``out`` neither factor has: a size-1
+    axis a view inserted (``A[:, None]``, ``delta[..., None]``: one decay per channel, shared by
+    the states), or an expand's (the state's N)."""
+    sa = sa & out
+    n_lab, d_lab, b_lab = sa - sd, sa & sd, sd - sa
+    if not n_lab and d_lab:
+        n_lab = out - sa - sd
+    return n_lab, d_lab, b_lab
+
+
+# A's roles, sorted, that the op can read (``scan_loop._decay``): "1" is a size-1 axis broadcast
+# (A (dim, 1), (1, N)), and a missing axis one broadcast by a view (A (dim,) as A[:, None]).
+_A_ROLES = (["d", "n"], ["n"], ["1", "n"], ["d"], ["1", "d"])
+
+
+def _decay_roles(term: IndexTerm, f: Factor, role: dict[int, str]) -> tuple[str, ...] | None:
+    """The roles of A's axes ("1" for a size-1 axis it broadcasts along), if the op can read them."""
+    roles = _broadcast_roles(term, f, role)
+    if roles is None:
+        return None
+    roles = tuple("1" if r is None else r for r in roles)
+    return roles if sorted(roles) in _A_ROLES else None
+
+
+def _A_along_states(disc: Discretized) -> Discretized:
+    """``disc`` with A's state axis read as a broadcast one where it has size 1 and B's has not:
+    one decay per channel, shared by the N states (S4D-real with a shared decay, a flattened
+    Mamba-2's ``A[:, None]``), which the state update broadcasts against B's N. The op reads that
+    A expanded to (dim, N); where N is 1 too, A is a (dim, N) A as it is."""
+    if "n" not in disc.A.roles:
+        return disc
+    if not _is_one(val(disc.A.node).shape[disc.A.roles.index("n")]) or _is_one(
+            val(disc.B.node).shape[disc.B.roles.index("n")]):
+        return disc
+    return dataclasses.replace(disc, A=Source(disc.A.node, tuple("1" if r == "n" else r for r in disc.A.roles)))
+
+
 def _prove_input(decays: list[_Decay] | str, prove_input):
     """``prove_input`` on the decay's reading, or on each of a shared A's two. Those two differ
     only in which of Δ's axes is the batch: the input term must settle it (u by (batch, dim), B by
@@ -1019,7 +1062,7 @@ def _prove_input(decays: list[_Decay] | str, prove_input):
     found = [prove_input(d) for d in decays]
     proved = [f for f in found if not isinstance(f, str)]
     if len(proved) == 1:
-        return proved[0]
+        return _A_along_states(proved[0])
     if proved:
         return ("A has only a state axis (one decay per state, shared by the channels), and nothing in the step "
                 "tells Δ's batch axis from its channel axis (B and u read both alike): the op's (batch, dim) "
@@ -1047,8 +1090,7 @@ def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tup
         fd, fa, sd, sa = f1, f0, l1, l0
     else:
         return "A_full: exactly one factor of exp(Δ·A) must vary with time (Δ) and one must not (A)"
-    n_lab, d_lab = sa - sd, sa & sd
-    b_lab = sd - sa - {t_lab}
+    n_lab, d_lab, b_lab = _decay_labels(set(a_out) - {t_lab}, sd - {t_lab}, sa)
     shared = _shared_A_roles(n_lab, d_lab, b_lab)
     if shared is None and (len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1):
         return ("A_full: A must be indexed by (dim, state) and Δ by (batch, dim, time)"
@@ -1060,10 +1102,10 @@ def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tup
             return "A_full's axes are not (batch, dim, time, state)"
         a_roles = tuple(role[x] for x in a_out)
         delta_roles = _roles_of(at, fd, role)
-        A_roles = _roles_of(at, fa, role)
+        A_roles = _decay_roles(at, fa, role)
         if delta_roles is None or sorted(delta_roles) != ["b", "d", "t"]:
             return "A_full: Δ must have exactly the axes (batch, dim, time)"
-        if A_roles is None or sorted(A_roles) not in (["d", "n"], ["n"]):
+        if A_roles is None:
             return "A_full: A must have exactly the axes (dim, state)"
         decays.append(_Decay(delta=Source(fd.node, delta_roles), A=Source(fa.node, A_roles),
                              state_roles=tuple(r for r in a_roles if r != "t"), a_roles=a_roles,
@@ -1193,20 +1235,23 @@ def _hop_note(node: Any) -> str:
 
 
 def _size_one_note(node: Any, per_channel: bool) -> str:
-    """Why A (``node``) can fail the role proof: an axis of size 1 (N = 1, a single channel)
-    indexes nothing, so it reads as a broadcast axis, not as the state's or the channels'.
+    """Why A (``node``) can fail the role proof when it has fewer real axes than (dim, state): a
+    size-1 axis (A (dim, 1), (1, N)) indexes nothing and reads as a broadcast one, and a 1-D A
+    broadcast over the states or the channels has one axis; the other roles must then come from
+    Δ and the state's axes (``_decay_labels``, ``_shared_A_roles``).
     ``per_channel``: A shares an index with Δ (the channels'), else its indices are Δ-free."""
     value = val(node) if isinstance(node, torch.fx.Node) else None
     ones = [i for i, s in enumerate(value.shape) if statically_known_true(s == 1)] if isinstance(
         value, torch.Tensor) else []
     if ones:
         return (f" (A has shape {tuple(value.shape)}: its size-1 axis {ones[0]} indexes nothing, so it reads as "
-                "a broadcast axis and A's (dim, state) roles are not proved here)")
+                "a broadcast axis, and A's roles are proved only where Δ has a batch and a channel axis besides "
+                "time and the state axis is A's other one or one the state update broadcasts it along)")
     if isinstance(value, torch.Tensor) and value.dim() == 1 and per_channel:
-        # A flattened Mamba-2: ``A.repeat_interleave(P)[:, None].expand(dim, N)`` (probe BT).
+        # A flattened Mamba-2: ``A.repeat_interleave(P)[:, None]`` (probe BT).
         return (f" (A is {node.name}, of shape {tuple(value.shape)}, broadcast over the state axis: one decay per "
-                "channel, as a flattened Mamba-2's scalar decay per head; the pass proves A's roles on a "
-                "tensor that has the state axis itself, such as a reshape of the expanded A)")
+                "channel, as a flattened Mamba-2's scalar decay per head, which is proved only where Δ has a "
+                "batch and a channel axis besides time and the state axis is the one other axis)")
     if isinstance(value, torch.Tensor) and value.dim() == 1:
         # One decay per state shared by every channel (probe CB: ``einsum('bdl,n->bdln', Δ, A)``),
         # proved only where Δ has both a batch and a channel axis (``_shared_A_roles``).
@@ -1266,9 +1311,11 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
         return "exactly one factor of exp(Δ·A) must be a time slice (Δ)"
     fd = sliced[0]
     fa = next(f for f in inner.factors if f is not fd)
-    sd = set(at.factor_labels(fd)) & set(out)
+    # Δ's own axes: a size-1 axis the slice inserts (``delta[:, :, t, None]``) indexes nothing of Δ.
+    labels = at.factor_labels(fd)
+    sd = {labels[m] for m in parse_slice(fd.node)[3] if m is not None} & set(out)
     sa = set(at.factor_labels(fa))
-    n_lab, d_lab, b_lab = sa - sd, sa & sd, sd - sa
+    n_lab, d_lab, b_lab = _decay_labels(set(out), sd, sa)
     shared = _shared_A_roles(n_lab, d_lab, b_lab) if set(out) == n_lab | b_lab else None
     if shared is None and (len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1
                            or set(out) != n_lab | d_lab | b_lab):
@@ -1277,9 +1324,9 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     decays, t0 = [], None
     for role in shared or [{b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}]:
         state_roles = tuple(role[x] for x in out)
-        A_roles = _roles_of(at, fa, role)
+        A_roles = _decay_roles(at, fa, role)
         d_slice = _slice_roles(at, fd, role)
-        if A_roles is None or sorted(A_roles) not in (["d", "n"], ["n"]):
+        if A_roles is None:
             return "the state's multiplier: A must have exactly the axes (dim, state)"
         if d_slice is None or sorted(d_slice[2]) != ["b", "d", "t"]:
             return "the state's multiplier: Δ must be a time slice of a (batch, dim, time) tensor"

@@ -391,6 +391,15 @@ def _same_shape(a, b) -> bool:
     return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
 
 
+def _unit_broadcast(src, dst) -> bool:
+    """``src`` is ``dst`` with at most one axis of size 1 (same rank): a multiplier the update
+    broadcasts along that axis, if any."""
+    if len(src) != len(dst):
+        return False
+    wider = [(a, b) for a, b in zip(src, dst) if not _same_size(a, b)]
+    return len(wider) <= 1 and all(statically_known_true(a == 1) for a, _ in wider)
+
+
 def _broadcasts_to(src, dst) -> bool:
     """``src`` broadcasts to exactly ``dst`` (aligned on the right, each axis equal or 1)."""
     if len(src) > len(dst):
@@ -960,7 +969,7 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
         c_src = view_source(c_base, c_roles)
     else:
         shared = ""
-        if disc.A.roles == ("n",) and "d" in leaf_roles and "b" not in leaf_roles:
+        if "d" not in disc.A.roles and "d" in leaf_roles and "b" not in leaf_roles:
             # (Probe CI, run 61: B read along the channels made the reading that swaps Δ's axes the
             # one proved, and C, indexed as Mamba's, was then blamed alone.)
             shared = (" (A has only a state axis, so Δ's batch and channel axes were told apart by u and B: "
@@ -1217,8 +1226,11 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         return (f"the state update is h*({alpha.xreplace(named)}) + ({beta.xreplace(named)}); expected "
                 "A_full[t]*h + B_full[t] with two time slices")
     a_leaf, b_leaf = leaves[alpha], leaves[beta]
-    shape = val(a_leaf).shape
-    if not _same_shape(val(b_leaf).shape, shape) or not _same_shape(val(h0).shape, shape):
+    shape = val(h0).shape
+    # A_full[t] may have size 1 along an axis where the state is wider: the proof below then reads
+    # it as exp(Δ·A) with A's state axis broadcast (``_A_along_states``). Along the batch or channel axes it is no
+    # such decay: Δ would lack an axis that B_full has, and the proof fails.
+    if not _same_shape(val(b_leaf).shape, shape) or not _unit_broadcast(val(a_leaf).shape, shape):
         return "the state update broadcasts: A_full[t], B_full[t] and h_t differ in shape"
     if _leaf_key(a_leaf, 0) != key0:
         return _NOT_THE_ANCHOR
@@ -1555,13 +1567,7 @@ def emit_selective_scan(
         # before. (fp32 at most: the state is fp32 either way, and there is no fp64 GPU kernel.)
         u = _cast(graph, u, torch.float32)
     delta = permute_view(graph, disc.delta.node, disc.delta.perm_to("bdt"))
-    if disc.A.roles == ("n",):
-        # One decay per state, shared by the channels: the op reads it through a stride-0 (dim, N)
-        # view, whose backward sums dA over the channels as the user's broadcast does.
-        A = _node(graph, "call_function", operator.getitem, disc.A.node, (None, slice(None)))
-        A = _node(graph, "call_method", "expand", A, _node(graph, "call_method", "size", u, 1), -1)
-    else:
-        A = permute_view(graph, disc.A.node, disc.A.perm_to("dn"))
+    A = _decay(graph, disc.A, u, disc.B)
     if val(A).dtype in HALF_DTYPES:
         # A kept in 16 bits (a model cast to bf16 whose A = -exp(A_log) skips .float()): the op
         # takes an fp32 A. The widening is exact; the op then forms Δ·A in fp32, as it does the
@@ -1644,6 +1650,25 @@ def emit_selective_scan(
         last = permute_view(graph, last, tuple("bdn".index(r) for r in last_state_roles))
         last = _cast(graph, last, last_state_dtype)
     return y, last
+
+
+def _decay(graph: torch.fx.Graph, A: Source, u: torch.fx.Node, B: Source) -> torch.fx.Node:
+    """A as the op takes it, (dim, N). One shared by the channels (roles (n,), or (1, n) kept
+    2-D) or by the states ((d, 1), or (d,) read as A[:, None]) is read through a stride-0 (dim, N)
+    expand: no copy, and its backward sums dA over the broadcast axis as the user's broadcast does."""
+    node, roles = A.node, A.roles
+    if len(roles) == 1:
+        node = _node(graph, "call_function", operator.getitem, node,
+                     (None, slice(None)) if roles == ("n",) else (slice(None), None))
+        roles = ("1", "n") if roles == ("n",) else (roles[0], "1")
+    missing = iter(r for r in "dn" if r not in roles)
+    named = tuple(next(missing) if r == "1" else r for r in roles)
+    node = permute_view(graph, node, Source(node, named).perm_to("dn"))
+    if "1" not in roles:
+        return node
+    sizes = [_node(graph, "call_method", "size", u, 1) if "d" not in roles else -1,
+             _node(graph, "call_method", "size", B.node, B.roles.index("n")) if "n" not in roles else -1]
+    return _node(graph, "call_method", "expand", node, *sizes)
 
 
 def _first_state_from_input(graph: torch.fx.Graph, u: torch.fx.Node, delta: torch.fx.Node, B: torch.fx.Node
@@ -2423,7 +2448,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
             continue
         decision = {
             "L": m.L,
-            "N": _size_repr(val(m.disc.A.node).shape[m.disc.A.roles.index("n")]),
+            "N": _size_repr(val(m.disc.B.node).shape[m.disc.B.roles.index("n")]),
             "layout": _layout(m.disc.a_roles),
             "initial_state": m.init is not None,
             "return_last_state": bool(m.last_users or m.last_views),

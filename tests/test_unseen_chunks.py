@@ -10,8 +10,10 @@ buffer written back with ``copy_``). One-step windows stay the decode pass's.
 A Mamba-2 block flattened to Mamba-1 (dim = heads * headdim, A repeated over headdim and the
 state) is a Mamba-1 scan. Through ``associative_scan`` with a one-group B read as ``B[:, :, 0]``
 it is now rewritten (the evaluator looked through the select, and the op reads the user's
-view); A broadcast over the state axis without a value that holds it, and a B indexed by a
-single ``B[:, None, :, 0]``, are left alone with reasons that say so.
+view); a B indexed by a single ``B[:, None, :, 0]``, or by time and group at once in a loop's
+``B[:, t, 0, None, :]``, is left alone with a reason that says so. (Until run 63 the loop's A,
+broadcast over the state axis without a value that holds it, was the reason; such an A is now
+read through a stride-0 expand, tests/test_broadcast_A.py.)
 """
 import pytest
 import torch
@@ -228,7 +230,7 @@ def test_flattened_mamba2_through_associative_scan_is_rewritten():
 
 @pytest.mark.parametrize("fn, family, reason", [
     (m2_assoc_one_index, "discretization", "its size-1 axis is one the product does not have"),
-    (m2_loop_A_broadcast, "scan_loop", "broadcast over the state axis: one decay per channel"),
+    (m2_loop_A_broadcast, "scan_loop", "the state's addend: a factor is neither a time slice nor"),
     (m2_loop_4d, "scan_loop", "the state update broadcasts"),
 ], ids=["B-one-index", "A-broadcast-over-state", "4-D-state"])
 def test_flattened_mamba2_left_alone_says_why(fn, family, reason):

@@ -384,16 +384,16 @@ def test_shape_edge(case):
     args = (u, delta, A, B, C)
     ref_A = A if A.dim() == 2 else A[:, None]
     ref = reference(u, delta, ref_A.expand(-1, n), B, C)[0]
-    # L=1 is a one-step loop; a size-1 state or A axis broadcasts in the update (A (dim, 1), N=1),
-    # which the passes refuse with a reason (a missed rewrite, never a wrong one).
-    rewritten = 1 if u.shape[1] > 1 and n > 1 and a is None else None
+    # L=1 is a one-step loop. A (dim, 1) or (dim,) broadcast over the state axis, and N = 1, are
+    # rewritten (run 63): the op reads A expanded to (dim, N).
+    rewritten = 1 if u.shape[1] > 1 else None
     check(fn, args, rewritten=rewritten, reason="", ref=ref)
 
 
-def test_state_size_one_says_why():
-    # N = 1: A (dim, 1) has no axis that the proof can tell from a broadcast one; the reason says so.
+def test_state_size_one_is_rewritten():
+    # N = 1: A (dim, 1) is a (dim, N) A as it is (until run 63 its size-1 axis read as a broadcast one).
     args = make_inputs(n=1)
-    check(paper_scan, args, rewritten=0, reason="size-1 axis 1 indexes nothing", ref=reference(*args)[0])
+    check(paper_scan, args, rewritten=1, ref=reference(*args)[0])
 
 
 def chained_loops(u, delta, A, B, C):
