@@ -158,6 +158,40 @@ def _widening_refusal(scan: torch.fx.Node, chain: YChain, dtype: torch.dtype, fo
     return dropped_rounding(retargeted, inputs)
 
 
+def _finer_tail(scan: torch.fx.Node, dtype: torch.dtype, term: str) -> tuple[bool, str | None]:
+    """Whether folding a tail that eager computes in ``dtype`` needs the op's y in fp32, and why
+    it cannot be folded at all (or None).
+
+    The op returns y + D·u and y·silu(z) in its y's dtype (u's). A tail the program computes in a
+    finer dtype is not rounded to y's dtype by eager: a bf16 scan's y added to D·u against an fp32
+    D, or gated by an fp32 z, sums in fp32. The fold then gives the op an fp32 copy of u (exact), so
+    that it returns the fp32 sum; what it drops is its own rounding of y, which the rule of
+    ``fx_utils.dropped_rounding`` lets go. An fp64 tail after an fp32 y (an fp64 D or z) cannot be
+    had that way on the GPU, which has no fp64 kernel, and would be rounded to fp32 (probe CR: 5e-5
+    off an fp64 output where eager is 7e-10): left alone, as an fp64 C readout is."""
+    y = output_getitem(scan, 0)
+    y_dtype = dtype_of(y) if y is not None else None
+    if (y_dtype is None or not (dtype.is_floating_point and y_dtype.is_floating_point)
+            or torch.finfo(dtype).eps >= torch.finfo(y_dtype).eps):
+        return False, None
+    if dtype == torch.float32:
+        return True, None
+    return False, (f"the program computes {term} in {dtype}, finer than the scan's y ({y_dtype}): the op "
+                   f"would return it rounded to {y_dtype}, a rounding eager does not make (the GPU kernels have no "
+                   "fp64 y to give it)")
+
+
+def _widen_op_y(graph: torch.fx.Graph, scan: torch.fx.Node, args: dict[str, Any]) -> None:
+    """Give the op an fp32 copy of u, so that it returns y (and its tail) in fp32."""
+    with graph.inserting_before(scan):
+        args["u"] = graph.call_method("to", (args["u"], torch.float32))
+    propagate_val(args["u"])
+    set_scan_args(scan, args)
+    propagate_val(scan)
+    for out in scan.users:
+        propagate_val(out)
+
+
 def _find_tail(ctx: PassContext, scan: torch.fx.Node, family: str,
                match: Callable[[torch.fx.Node, YChain], Any]) -> Optional[tuple[YChain, torch.fx.Node, Any]]:
     """The first user of the scan's ``y`` chain that ``match`` recognises, as ``(chain, user,
@@ -478,7 +512,9 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if args["D"] is not None:
         ctx.miss("skip", "the scan already has a D", [user])
         return False
-    refusal = (_widening_refusal(scan, chain, dtype_of(skip.add), skip.D)
+    widen_y, refusal = _finer_tail(scan, dtype_of(skip.add), "y + D·u")
+    refusal = (refusal
+               or _widening_refusal(scan, chain, dtype_of(skip.add), skip.D)
                or _fold_refusal(scan, chain, skip.nodes, skip.D, "D"))
     if refusal is not None:
         ctx.miss("skip", refusal, [user])
@@ -501,9 +537,14 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
         return False
     args["D"] = _d_vector(gm.graph, skip.D, shape_of(chain.top)[chain.perm.index(1)], scan, args["u"])
     set_scan_args(scan, args)
+    if widen_y:
+        _widen_op_y(gm.graph, scan, args)
     chain = _widen_chain(chain, dtype_of(skip.add))
     _replace_with(skip.add, chain.top)
-    ctx.rewrite("skip", "y + u * D", skip.nodes, "ssm.selective_scan.default", {"perm": list(chain.perm)})
+    decision = {"perm": list(chain.perm)}
+    if widen_y:
+        decision["u"] = "fp32 copy (eager sums y + D·u in fp32)"
+    ctx.rewrite("skip", "y + u * D", skip.nodes, "ssm.selective_scan.default", decision)
     return True
 
 
@@ -631,7 +672,9 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
         ctx.miss("gate", "the scan already has a z", [user])
         return False
     narrowed = narrowed_by_program(gate.z) if dtype_of(gate.z) in HALF_DTYPES else None
-    refusal = (_widening_refusal(scan, chain, dtype_of(gate.out), gate.z)
+    widen_y, refusal = _finer_tail(scan, dtype_of(gate.out), "y·silu(z)")
+    refusal = (refusal
+               or _widening_refusal(scan, chain, dtype_of(gate.out), gate.z)
                or _fold_refusal(scan, chain, gate.nodes, gate.z, "z")
                or (None if narrowed is None else
                    f"silu(z) runs in {dtype_of(gate.z)} because {narrowed.name} rounds z from "
@@ -655,9 +698,13 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
             args["z"] = gm.graph.call_method("flip", (args["z"], (-1,)))
             propagate_val(args["z"])
     set_scan_args(scan, args)
+    if widen_y:
+        _widen_op_y(gm.graph, scan, args)
     chain = _widen_chain(chain, dtype_of(gate.out))
     _replace_with(gate.out, chain.top)
     decision = {"perm": list(chain.perm)}
+    if widen_y:
+        decision["u"] = "fp32 copy (eager computes y·silu(z) in fp32)"
     if dtype_of(gate.z) in HALF_DTYPES:
         # Eager computes silu of a 16-bit z in that dtype and rounds it; the op keeps it in fp32
         # (a rounding no finer than z's own, which ``dropped_rounding`` lets go). Said, not hidden.
