@@ -2047,13 +2047,14 @@ def unreverse_loops(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
     A loop ``for t in reversed(range(L))`` reads ``x[:, L-1]`` first and ``x[:, 0]`` last: a
     reverse scan, which ssm.selective_scan (forward from t = 0) does not compute as it stands.
-    ``x[:, i]`` is ``x.flip(1)[:, L-1-i]`` for every i and every x, so the slices of each tensor
-    the graph reads at every index in reverse order (index L-1 first, then L-2, ..., 0 last) are
-    replaced with those of its flip: the same values, and the loop then reads the flipped tensors
-    forward, which the scan passes prove as any forward loop (the readouts come out in the
-    flipped order, which is how the loop produced them). Only a tensor whose every slice in the
-    graph is read in that order is flipped, and one written in place anywhere keeps its slices
-    (its flip would be a copy taken at one point).
+    ``x[:, i]`` is ``x.flip(1)[:, L-1-i]`` for every i and every x, so each pass of the graph
+    over x's indices L-1, L-2, ..., lo in that order (three at least; the whole axis, or the part
+    a loop over ``range(L - 1, lo - 1, -1)`` covers) is replaced with slices of the flip: the same
+    values, and the loop then reads the flipped tensors forward, which the scan passes prove as any
+    forward loop (the readouts come out in the flipped order, which is how the loop produced them). Reads of x in another order (a forward loop over
+    the same C or dA, a bidirectional block) keep their slices. A tensor written in place anywhere
+    keeps every slice (its flip would be a copy taken at one point), and so does every pass that a
+    kept slice falls among, which would leave a loop reading some tensors flipped and others not.
     Returns the flip nodes added (possibly none)."""
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
@@ -2062,35 +2063,41 @@ def unreverse_loops(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         ts = time_slice(node)
         if ts is not None:
             groups.setdefault((ts[0], ts[1]), []).append((node, ts[2]))
-    reversed_reads, others = [], []
+    passes, kept = [], []
     for (base, axis), slices in groups.items():
-        length = val(base).shape[axis]
-        indices = [i for _, i in sorted(slices, key=lambda s: pos[s[0]])]
-        # Every read in reverse order: a tensor one loop reads forward and another backward (a
-        # bidirectional block sharing dA) keeps its slices, and the forward loop is proved as before.
-        # (Three steps at least: a pair read second-first, ``im, re = z[..., 1], z[..., 0]``, is
-        # no scan worth a copy.)
-        if (is_concrete_int(length) and int(length) >= 3 and set(indices) == set(range(int(length)))
-                and all(b <= a for a, b in zip(indices, indices[1:]))
-                and all(_flipped_slice(node, i, int(length)) is not None for node, i in slices)
-                and written_in_place(graph, [base]) is None):
-            reversed_reads.append((base, axis, int(length), slices))
-        else:
-            others.append(slices)
-    if not reversed_reads:
-        return []
-    # A tensor sliced among the reversed reads but not flipped (written in place, read in another
-    # order too, or through a slice form of its own) would leave the loop reading it at mirrored
-    # steps, which explain would call a lag: then nothing is flipped, and the loop keeps its
-    # reverse-walk reason.
-    span = range(min(pos[n] for *_, sl in reversed_reads for n, _ in sl),
-                 max(pos[n] for *_, sl in reversed_reads for n, _ in sl) + 1)
-    if any(pos[n] in span for sl in others for n, _ in sl):
-        return []
+        ordered = sorted(slices, key=lambda s: pos[s[0]])
+        size = val(base).shape[axis]
+        found = [] if written_in_place(graph, [base]) is not None else [
+            p for p in _reverse_passes(ordered)
+            # A pass that stops short of x's last step (hi < L-1) is a loop over the flip's late
+            # steps, which no scan rewrite covers: its slices are kept. A length dynamo left
+            # symbolic (C only indexed, known to be at least the loop's length) is the loop's.
+            if not is_concrete_int(size) or max(i for _, i in p) == int(size) - 1]
+        taken = {node for p in found for node, _ in p}
+        passes += [(base, axis, p) for p in found]
+        kept += [node for node, _ in ordered if node not in taken]
+    # A pass among whose reads a kept slice falls would flip only part of what its loop reads,
+    # which explain would call a lag: it is kept too, until none is.
+    while True:
+        spans = [range(min(pos[n] for n, _ in p), max(pos[n] for n, _ in p) + 1) for _, _, p in passes]
+        clash = [i for i, span in enumerate(spans) if any(pos[n] in span for n in kept)]
+        if not clash:
+            break
+        kept += [n for i in clash for n, _ in passes[i][2]]
+        passes = [p for i, p in enumerate(passes) if i not in clash]
     flips = []
-    for base, axis, length, slices in reversed_reads:
+    for base, axis, slices in passes:
+        # A pass stopping at lo > 0 becomes a loop over the first steps of the flip, which the
+        # passes prove as any prefix. Where x's length is symbolic, its first hi + 1 steps are
+        # flipped (the loop's steps, as ``first_steps`` reads a forward loop's).
+        length = max(i for _, i in slices) + 1
         with graph.inserting_before(min((n for n, _ in slices), key=pos.__getitem__)):
-            flipped = graph.call_method("flip", (base, (axis,)))
+            size = val(base).shape[axis]
+            piece = base
+            if not (is_concrete_int(size) and int(size) == length):
+                piece = graph.call_method("narrow", (base, axis, 0, length))
+                propagate_val(piece)
+            flipped = graph.call_method("flip", (piece, (axis,)))
         propagate_val(flipped)
         for node, i in slices:
             kind, index = _flipped_slice(node, i, length)
@@ -2104,6 +2111,42 @@ def unreverse_loops(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             graph.erase_node(node)
         flips.append(flipped)
     return flips
+
+
+def _reverse_passes(slices: list[tuple[torch.fx.Node, int]]) -> list[list[tuple[torch.fx.Node, int]]]:
+    """The passes of ``slices`` (one tensor's time slices, ``(node, index)`` in graph order) that
+    read indices hi, hi-1, ..., lo, each the same number of times, and nothing else in between.
+
+    A pass is a run of non-increasing indices covering lo..hi with no gap, three steps at least (a
+    pair read second-first, ``im, re = z[..., 1], z[..., 0]``, is no scan worth a copy). A run
+    that starts with more reads of hi than of the other indices began with the last read of a
+    forward loop over the same tensor (``0, ..., L-1`` then ``L-1, ..., 0``), and one that ends
+    with more reads of lo runs into the first read of the next: those reads are the forward
+    loop's, and stay out of the pass."""
+    runs, run = [], []
+    for s in slices:
+        if run and s[1] > run[-1][1]:
+            runs.append(run)
+            run = []
+        run.append(s)
+    runs.append(run)
+    found = []
+    for run in runs:
+        if not run or any(i < 0 for _, i in run):
+            continue
+        counts: dict[int, int] = {}
+        for _, i in run:
+            counts[i] = counts.get(i, 0) + 1
+        lo, hi = min(counts), max(counts)
+        if hi == lo:
+            continue
+        each = min(counts.values())
+        run = run[counts[hi] - each:len(run) - (counts[lo] - each)]
+        counts[hi] = counts[lo] = each
+        if (hi - lo + 1 >= 3 and set(counts) == set(range(lo, hi + 1)) and set(counts.values()) == {each}
+                and all(_flipped_slice(node, i, hi + 1) is not None for node, i in run)):
+            found.append(run)
+    return found
 
 
 def _flipped_slice(node: torch.fx.Node, index: int, length: int) -> tuple[str, Any] | None:
