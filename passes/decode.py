@@ -1528,7 +1528,8 @@ def conv_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
 #
 #     conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1)); conv_state[:, :, -1] = x
 #  or conv_state.copy_(torch.cat([conv_state[..., 1:], x[..., None]], -1))
-#     y = (conv_state * w).sum(-1) + b                  # w (dim, W), W = S: the whole window
+#  or rolled = torch.roll(conv_state, -1, -1); rolled[:, :, -1] = x; conv_state.copy_(rolled)
+#     y = (conv_state * w).sum(-1) + b                  # w (dim, W), W = S: the whole window (or rolled)
 #     y = F.silu(y).to(dtype)                            # activation, casts optional
 #
 # The new window is the last S inputs of cat(conv_state, x), which is what the op keeps, and
@@ -1585,6 +1586,12 @@ def _shifted_window(cat: Any, is_state) -> dict[str, Any] | None:
     return dict(cs=cs, S=S, x=_unsqueezed(x3, -1), x3=x3, reads=[first], window=cat)
 
 
+def _last_slot_writes(node: torch.fx.Node, S: Any) -> list[torch.fx.Node]:
+    """The ``node[..., -1] = x`` writes to ``node`` itself."""
+    return [n for n in node.users if is_call(n, operator.setitem) and len(n.args) == 3 and n.args[0] is node
+            and _is_last_position(n.args[1], S)]
+
+
 def find_window_write(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) -> dict[str, Any] | None:
     """A window roll ending in ``copy`` (``conv_state.copy_(...)``): x (batch, dim), the old-state
     reads and the writes; None if ``copy`` is not one, ``Miss`` if it nearly is."""
@@ -1603,11 +1610,18 @@ def find_window_write(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) -> d
     shifts, dims = roll
     if dims not in (-1, 2) or not isinstance(shifts, int):
         raise Miss(f"the window is rolled with shifts={shifts!r}, dims={dims!r}, not along its last axis")
-    sets = [n for n in cs.users if is_call(n, operator.setitem) and len(n.args) == 3 and _is_last_position(n.args[1], S)]
-    after = [n for n in sets if order[n] > order[copy]]
-    if not after:
-        raise Miss("the rolled window is not followed by conv_state[..., -1] = x")
-    setitem = min(after, key=order.__getitem__)
+    after = [n for n in _last_slot_writes(cs, S) if order[n] > order[copy]]
+    # transformers 4.39 writes x into the rolled copy before copying it into the cache, and reads
+    # that copy out: the cache and the copy both end up holding the new window.
+    rolled = _last_slot_writes(src, S)
+    before = [n for n in rolled if order[n] < order[copy]]
+    if not after and not before:
+        late = [n.name for n in rolled]
+        raise Miss("conv_state[..., -1] = x is written neither to the conv state after the copy_ nor to the "
+                   "rolled window before it" + (f" ({late} writes the rolled window after the copy_: the state keeps "
+                                                "its oldest input in the slot where the op's new state has x)"
+                                                if late else ""))
+    setitem = min(after, key=order.__getitem__) if after else max(before, key=order.__getitem__)
     # roll by -1 (or S - 1) moves the oldest input to the end, where x overwrites it.
     if not (shifts == -1 or _same(shifts, S - 1)):
         raise Miss(f"the window is rolled with shifts={shifts}, not -1 (oldest input out at the front, its slot at "
@@ -1615,7 +1629,17 @@ def find_window_write(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) -> d
     x = setitem.args[2]
     if _tensor(x) is None or _tensor(x).dim() != 2:
         return None
-    return dict(cs=cs, S=S, x=x, x3=None, reads=[src], writes=[copy, setitem], window=None, form="roll")
+    if not _same_shape(x, tuple(sv.shape[:2])):
+        # The write broadcasts x (one input for every batch row, say); the op reads x as given.
+        raise Miss(f"the window's last slot is written {tuple(_tensor(x).shape)}, broadcast to its (batch, dim) = "
+                   f"{tuple(sv.shape[:2])}: the op takes one new input per batch row and channel")
+    if after:
+        return dict(cs=cs, S=S, x=x, x3=None, reads=[src], writes=[copy, setitem], window=None, form="roll")
+    early = [n.name for n in src.users if order[n] < order[setitem]]
+    if early:
+        raise Miss(f"the rolled window is used by {early} before x is written into its last slot: the op never "
+                   "holds that window (it rolls the state and writes x in one step)")
+    return dict(cs=cs, S=S, x=x, x3=None, reads=[src], writes=[setitem, copy], window=src, form="rolled copy")
 
 
 def _window_readout_at(node: torch.fx.Node, src: torch.fx.Node) -> torch.fx.Node | None:
@@ -1763,7 +1787,8 @@ def match_window_update(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) ->
     reads = [(cs, n) for n in cs.users if order[written] < order[n] < hi]
     reads += [(w, n) for w in m["writes"] for n in w.users]
     if m["window"] is not None:
-        reads += [(m["window"], n) for n in m["window"].users if not _is_copy_chain(n, copy, m["window"])]
+        reads += [(m["window"], n) for n in m["window"].users
+                  if n not in m["writes"] and not _is_copy_chain(n, copy, m["window"])]
     found = [(src, user, r) for src, user in reads for r in [_match_window_readout(user, src)] if r is not None]
     if len(found) == 1 and hi < float("inf"):
         last = found[0][2]["last"]
@@ -1924,7 +1949,8 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         ctx.withdraw("conv1d", {n.name for n in m["nodes"] + [m["first"], last]})
         _erase_unused(graph, m["nodes"] + [m["first"], last] + m["writes"])
         order = node_order(graph)
-        ctx.rewrite(CONV_FAMILY, {"roll": "roll; window[-1] = x", "copy_": "copy_(cat(window[1:], x))",
+        ctx.rewrite(CONV_FAMILY, {"roll": "roll; window[-1] = x", "rolled copy": "rolled[-1] = x; copy_(rolled)",
+                                  "copy_": "copy_(cat(window[1:], x))",
                                   "returned": "cat(window[1:], x) returned"}[m["form"]]
                     + ("; conv1d(cat(window, x))[t]" if _tensor(m["weight"]).dim() == 3 else "; (window * w).sum(-1)")
                     + ("+b" if m["bias"] is not None else "") + ("+silu" if m["activation"] else ""),
