@@ -22,9 +22,10 @@ by an equal value, so those steps and any other user of dt_proj see what they sa
 Soundness: the op computes exactly the two linears (same rounding points), so the rewrite holds
 when
 - dt_proj's input is the first R columns of x_proj's output, through views that give back the
-  same tensor (a split's or tensor_split's first piece, ``x_dbl[..., :R]``,
-  ``x_dbl.narrow(-1, 0, R)``) and copies of the same values and gradient (``dt.clone()``,
-  ``dt.to(dt.dtype, copy=True)``, ``torch.cat([dt, B], -1)[..., :R]``: not ``dt.detach()``),
+  same tensor (a split's or tensor_split's first piece, a chunk's first piece when its
+  ceil(W / k) columns are R, ``x_dbl[..., :R]``, ``x_dbl.narrow(-1, 0, R)``) and copies of the
+  same values and gradient (``dt.clone()``, ``dt.to(dt.dtype, copy=True)``,
+  ``torch.cat([dt, B], -1)[..., :R]``: not ``dt.detach()``),
   and R is W_dt's second dimension (in the 2-D product form, that input transposed: ``.t()``,
   ``.T``, ``.transpose(0, 1)``, ``.permute(1, 0)``);
 - each product is a linear (``F.linear``, ``x @ W.t()``, or an einsum that is one:
@@ -162,21 +163,16 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
     if isinstance(piece, int) and not isinstance(piece, bool) and piece >= 0 and (
             is_call(node.args[0], torch.tensor_split) or is_method(node.args[0], "tensor_split")):
         return _tensor_split_leading(node.args[0], piece)
+    if piece == 0 and (is_call(node.args[0], torch.chunk) or is_method(node.args[0], "chunk")):
+        return _chunk_leading(node.args[0])
     if is_method(node, "narrow") or is_call(node, torch.narrow):
         source, axis, start, length = (list(node.args) + [None] * 4)[:4]
         if isinstance(source, torch.fx.Node) and _last_axis(axis, source) and start == 0 and isinstance(length, int):
             return source, length
         return None
-    if is_call(node, operator.getitem) and isinstance(node.args[0], torch.fx.Node):
-        source, index = node.args
-        items = list(index) if isinstance(index, tuple) else [index]
-        ndim = len(shape_of(source) or ())
-        if Ellipsis in items:
-            at = items.index(Ellipsis)
-            items = items[:at] + [slice(None)] * (ndim - len(items) + 1) + items[at + 1:]
-        if len(items) != ndim or ndim == 0 or any(i != slice(None) for i in items[:-1]):
-            return None
-        last = items[-1]
+    indexed = _last_axis_index(node)
+    if indexed is not None:
+        source, last = indexed
         if isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1) and isinstance(last.stop, int):
             if last.stop >= 0:
                 return source, last.stop
@@ -185,6 +181,63 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
             if isinstance(width, int) and width + last.stop > 0:
                 return source, width + last.stop
     return None
+
+
+def _last_axis_index(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, Any]]:
+    """``(x, i)`` when ``node`` is ``x[..., i]``, every axis but the last taken whole, else None."""
+    if not (is_call(node, operator.getitem) and isinstance(node.args[0], torch.fx.Node)):
+        return None
+    source, index = node.args
+    items = list(index) if isinstance(index, tuple) else [index]
+    ndim = len(shape_of(source) or ())
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + [slice(None)] * (ndim - len(items) + 1) + items[at + 1:]
+    if len(items) != ndim or ndim == 0 or any(i != slice(None) for i in items[:-1]):
+        return None
+    return source, items[-1]
+
+
+def _offset_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, int]]:
+    """``(x_dbl, start, stop)`` when ``node`` is x_dbl's columns start:stop (last axis, unit step,
+    bounds as the slice or ``narrow`` reads them on a width known here) and start is past column 0
+    (``x_dbl[..., 1:R + 1]``); else None."""
+    if is_method(node, "narrow") or is_call(node, torch.narrow):
+        source, axis, start, length = (list(node.args) + [None] * 4)[:4]
+        if not (isinstance(source, torch.fx.Node) and _last_axis(axis, source) and _is_int(start)
+                and _is_int(length)):
+            return None
+        width = shape_of(source)[-1]
+        if not _is_int(width):
+            return None
+        start = start + width if start < 0 else start
+        bounds = (start, start + length)
+    else:
+        indexed = _last_axis_index(node)
+        width = shape_of(indexed[0])[-1] if indexed is not None else None
+        if indexed is None or not isinstance(indexed[1], slice) or not _is_int(width) or not all(
+                b is None or _is_int(b) for b in (indexed[1].start, indexed[1].stop, indexed[1].step)):
+            return None
+        source = indexed[0]
+        start, stop, step = indexed[1].indices(width)
+        if step != 1:
+            return None
+        bounds = (start, stop)
+    return (source, *bounds) if 0 < bounds[0] < bounds[1] else None
+
+
+def _chunk_leading(chunk: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
+    """``(x_dbl, R)`` for the first piece of ``torch.chunk(x_dbl, k, dim)`` along the last axis of
+    a width W known here: chunk cuts pieces of ceil(W / k) columns (the last one shorter), so the
+    first is x_dbl's first min(ceil(W / k), W) columns; else None."""
+    args = named_args(chunk, ("input", "chunks", "dim"))
+    source, chunks = args.get("input", args.get("self")), args.get("chunks")
+    if not isinstance(source, torch.fx.Node) or not _last_axis(args.get("dim", 0), source) or not _is_int(chunks):
+        return None
+    width = shape_of(source)[-1]
+    if not _is_int(width) or chunks < 1:
+        return None
+    return source, min(-(-width // chunks), width)
 
 
 def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
@@ -212,18 +265,25 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
             what = f"{low.name} = {target_name(low)} of x_proj's first columns"
         return (f"dt_proj reads {what}, not the columns themselves: ssm.x_dt_proj "
                 "computes the two products back to back, so they stay as they are")
+    offset = _offset_columns(low) if isinstance(low, torch.fx.Node) else None
+    if offset is not None and _linear(offset[0]) is not None:
+        source, start, stop = offset
+        return (f"dt_proj reads columns {start}:{stop} of x_proj's output {source.name}, not its first "
+                f"{stop - start}: ssm.x_dt_proj computes dt from the first R columns, so the two products stay "
+                "as they are")
     if not (is_call(low, operator.getitem) and isinstance(low.args[1], int) and low.args[1] > 0):
         return None
     split = low.args[0]
-    if not (is_call(split, *_SPLITS, torch.tensor_split) or is_method(split, "split", "split_with_sizes",
-                                                                       "tensor_split")):
+    chunk = is_call(split, torch.chunk) or is_method(split, "chunk")
+    if not (chunk or is_call(split, *_SPLITS, torch.tensor_split)
+            or is_method(split, "split", "split_with_sizes", "tensor_split")):
         return None
     source = split.args[0] if split.args else None
     if not isinstance(source, torch.fx.Node) or _linear(source) is None:
         return None
-    return (f"dt_proj reads piece {low.args[1]} of the split of x_proj's output {source.name}, not its first "
-            "columns: ssm.x_dt_proj computes dt from the first R columns (dt, B, C order), so the two products "
-            "stay as they are")
+    return (f"dt_proj reads piece {low.args[1]} of the {'chunk' if chunk else 'split'} of x_proj's output "
+            f"{source.name}, not its first columns: ssm.x_dt_proj computes dt from the first R columns (dt, B, C "
+            "order), so the two products stay as they are")
 
 
 def _tensor_split_leading(split: torch.fx.Node, piece: int) -> Optional[tuple[torch.fx.Node, int]]:

@@ -341,6 +341,19 @@ class XDt(nn.Module):
             _, dt, B, C = torch.tensor_split(x_dbl, [0, R, R + N], dim=-1)
         elif self.variant == "tensor_split_negative":  # indices from the end: piece 1 is [0:-2N] (probe CQ)
             _, dt, B, C = torch.tensor_split(x_dbl, [0, -2 * N, -N], dim=-1)
+        elif self.variant == "chunk":  # with R == N the chunks are split([R, N, N])'s pieces (probe CR)
+            dt, B, C = x_dbl.chunk(3, dim=-1)
+        elif self.variant == "torch_chunk":
+            dt, B, C = torch.chunk(x_dbl, 3, -1)
+        elif self.variant == "chunk_halves":  # R == 2N: ceil((R + 2N) / 2) = R columns, then B and C
+            dt, BC = x_dbl.chunk(2, -1)
+            B, C = BC.split([N, N], dim=-1)
+        elif self.variant == "chunk_last":  # ceil((3 + 8) / 3) = 4, 4, 3 columns: dt is the last chunk
+            B, C, dt = x_dbl.chunk(3, -1)
+        elif self.variant == "offset_slice":  # columns 1..R: one column past dt's
+            dt, B, C = x_dbl[..., 1:R + 1], x_dbl[..., R:R + N], x_dbl[..., R + N:]
+        elif self.variant == "offset_narrow":
+            dt, B, C = x_dbl.narrow(-1, 1, R), x_dbl[..., R:R + N], x_dbl[..., R + N:]
         elif self.variant == "tensor_split_late":  # first piece ends at R + 1: dt_proj reads R + 1 columns
             dt, B, C = torch.tensor_split(x_dbl, [R + 1, R + N], dim=-1)
             B = torch.cat([dt[..., R:], B], dim=-1)[..., :N]
@@ -416,6 +429,29 @@ def test_forms_are_rewritten(variant):
     assert rel_err(y, ref_y.double()) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("variant, R, N", [("chunk", 4, 4), ("torch_chunk", 4, 4), ("chunk_halves", 4, 2)])
+def test_chunk_whose_first_piece_is_dt_is_rewritten(variant, R, N):
+    """``x_dbl.chunk(k, -1)``'s first piece is x_dbl's first ceil((R + 2N) / k) columns: dt's R here
+    (probe CR, run 63: left alone with no reason while the same split was rewritten)."""
+    torch.manual_seed(0)
+    model = XDt(variant, R=R, N=N)
+    x = torch.randn(2, 7, 8, requires_grad=True)
+    cap, (y, x_dbl) = _compiled(model, x)
+    x_ref = x.detach().clone().requires_grad_()
+    ref_y, ref_x_dbl = model(x_ref)
+    assert len(_x_dt_ops(cap.gm)) == 1
+    (record,) = [r for r in cap.ctx.rewrites if r.family == "x_dt_proj"]
+    assert record.decision["R"] == R and record.decision["x_dbl_cols"] == R + 2 * N, record.decision
+    assert torch.equal(x_dbl, ref_x_dbl)
+    assert rel_err(y, ref_y.double()) < TOL[torch.float32]
+    g_y, g_dbl = torch.randn_like(y), torch.randn_like(x_dbl)
+    params = [x, *model.parameters()]
+    got = torch.autograd.grad((y, x_dbl), params, (g_y, g_dbl))
+    want = torch.autograd.grad((ref_y, ref_x_dbl), [x_ref, *model.parameters()], (g_y, g_dbl))
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(a, b.double()) < 4 * TOL[torch.float32], i
+
+
 NEAR_MISSES = {
     # variant: the miss reason's start (None: not an x_dt_proj site at all, nothing to report)
     # (Probe CJ, run 61: a later piece of the split was left alone with no reason.)
@@ -434,6 +470,11 @@ NEAR_MISSES = {
     "einsum_broadcast": "dt_proj reads the first 3 columns of x_dbl, which is torch.functional.einsum, not",
     "einsum_dt_transposed": None,
     "tensor_split_late": "dt_proj reads the first 3 columns of dt, which is a piece of torch.tensor_split, not",
+    # (Probe CR, run 63: both were left alone with no reason.)
+    "chunk_last": "dt_proj reads piece 2 of the chunk of x_proj's output x_dbl, not its first columns",
+    "offset_slice": "dt_proj reads columns 1:4 of x_proj's output x_dbl, not its first 3: ssm.x_dt_proj computes "
+                    "dt from the first R columns",
+    "offset_narrow": "dt_proj reads columns 1:4 of x_proj's output x_dbl, not its first 3",
 }
 
 
