@@ -17,9 +17,9 @@ import torch
 import torch.fx
 
 from .discretize import index_term, product_source
-from .fx_utils import dtype_of, follow_views, is_call, is_cast, is_method, shape_of, storage_of
+from .fx_utils import dtype_of, follow_views, is_call, is_cast, is_method, named_args, shape_of, storage_of
 
-__all__ = ["Readout", "match_readout", "last_state_index", "split_state_users"]
+__all__ = ["Readout", "match_readout", "last_state_index", "loose_readout", "split_state_users"]
 
 
 @dataclasses.dataclass
@@ -107,12 +107,54 @@ def match_readout(user: torch.fx.Node, states: torch.fx.Node, roles: tuple[str, 
     return None if found is None else _through_views(found)
 
 
+def _loose_chain(user: torch.fx.Node, states: torch.fx.Node) -> Optional[str]:
+    """``loose_readout``'s reason for the first node on ``user``'s chain of single users (as far as
+    ``match_readout`` looks) that has one, else None."""
+    node = user
+    for _ in range(8):
+        reason = loose_readout(node, states)
+        if reason is not None or len(node.users) != 1:
+            return reason
+        (node,) = node.users
+    return None
+
+
 def _through_views(readout: Readout) -> Readout:
     """Absorb the permutations and casts right after the readout (HF's ``.transpose(1, 2)``), so
     the op's ``y`` reaches the user through one permute instead of a chain of views."""
     end, perm, chain = follow_views(readout.end)
     return dataclasses.replace(readout, end=end, out_roles=tuple(readout.out_roles[p] for p in perm),
                                chain=readout.chain + chain)
+
+
+def _reads_product(node: object, states: torch.fx.Node, summed: bool) -> bool:
+    """``node`` is Σ states·C (``summed``) or the elementwise states·C the sum reads: two factors,
+    one of them the states."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    term = index_term(node, stop=[states], allow_sum=True)
+    return (term is not None and term.exp_of is None and len(term.factors) == 2
+            and sum(f.node is states for f in term.factors) == 1 and bool(term.summed) == summed)
+
+
+def loose_readout(node: torch.fx.Node, states: torch.fx.Node) -> Optional[str]:
+    """Why ``node``, a step of a readout of ``states`` with C, is one the readout matchers do not
+    read, where it is a sum given a dtype (``(h * C).sum(-1, dtype=torch.float64)``) or a
+    ``squeeze()`` naming no axis (``(h @ C[..., None]).squeeze()``); None where it is neither."""
+    if is_call(node, torch.sum) or is_method(node, "sum"):
+        x, dtype = named_args(node, ("input", "dim", "keepdim")).get("input"), node.kwargs.get("dtype")
+        if dtype is None or not _reads_product(x, states, summed=False):
+            return None
+        widened = "" if dtype == dtype_of(x) else f", not in the product's {dtype_of(x)}"
+        return (f"the readout {node.name} sums the product of the state and C with dtype={dtype}: y is accumulated "
+                f"and returned in {dtype}{widened}, and the scan matchers read only a sum that names no dtype")
+    if (is_call(node, torch.squeeze) or is_method(node, "squeeze")) and len(node.args) == 1 and not node.kwargs:
+        if not _reads_product(node.args[0], states, summed=True):
+            return None
+        return (f"the readout {node.name} = {node.args[0].name}.squeeze() (Σ of the state times C) names no axis: it "
+                "drops every size-1 axis, a batch or dim axis of size 1 too, and the scan matchers read a squeeze "
+                "only by the axes it names (squeeze(-1))")
+    return None
 
 
 def last_state_index(node: torch.fx.Node, states: torch.fx.Node, t_axis: int, length: int) -> bool:
@@ -155,7 +197,8 @@ def split_state_users(states: torch.fx.Node, roles: tuple[str, ...], t_axis: int
             continue
         readout = match_readout(user, states, roles)
         if readout is None:
-            return f"the states are used by {user.name}, which is neither a readout Σ_n h·C nor the last state"
+            return (_loose_chain(user, states)
+                    or f"the states are used by {user.name}, which is neither a readout Σ_n h·C nor the last state")
         readouts.append(readout)
     if len(readouts) != 1:
         return f"expected one readout of the states, found {len(readouts)}"

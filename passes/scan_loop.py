@@ -98,7 +98,7 @@ from .fx_utils import (
     written_in_place,
 )
 from .manager import PassContext
-from .readout import split_state_users
+from .readout import loose_readout, split_state_users
 
 FAMILY = "scan_loop"
 ONE_STEP = ("a one-step loop is left alone: the decay is a slice of a tensor with a single time step (a decode "
@@ -1384,7 +1384,7 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         if found == NOT_A_CONTRACTION:
             found = _match_readout_with_tail(y0, h0, rregion, h, state_roles, L, disc, pos) or found
         if found == NOT_A_CONTRACTION:
-            found += _detached_state_note(y0, h0)
+            found = next(filter(None, (loose_readout(n, h0) for n in rregion)), found + _detached_state_note(y0, h0))
         if isinstance(found, str):
             return found
         c_src, c_base, out, readouts = found
