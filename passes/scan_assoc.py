@@ -52,15 +52,16 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .discretize import Discretized, Source, match_discretization
+from .discretize import Source, match_discretization
 from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, ContextRegions, addcmul_operands,
                        dropped_rounding, dtype_of, exp_node_behind, float64_readout, hoist_before, is_call, is_method,
                        mutates, node_order, pinned_int, proof_number, proof_sum, readout_decision, shape_of,
-                       sign_of, time_prefix_source, val)
+                       time_prefix_source, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
-from .scan_loop import emit_or_refusal, emit_selective_scan, first_steps_of, mutated, read_through, written_after
+from .scan_loop import (emit_or_refusal, emit_selective_scan, first_decay_bounded, first_steps_of, mutated,
+                        read_through, written_after)
 
 log = logging.getLogger("ssm_compile")
 
@@ -686,7 +687,8 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
                  [readout.C], covers=recognised)
         return
     size = dict(zip(roles, shape_of(all_states)))
-    bounded = _first_decay_bounded(disc)
+    # Where the signs are not shown, the op starts from b_0 instead (``first_state_is_input``).
+    bounded = first_decay_bounded(disc)
     emitted = emit_or_refusal(graph, anchor, lambda: emit_selective_scan(
         graph, first_steps_of(graph, disc, length), Source(readout.C, readout.C_roles),
         y_roles=readout.out_roles, y_dtype=dtype_of(readout.end),
@@ -712,25 +714,10 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
                 readout_decision("".join(readout.out_roles), readout.end, readout.C_roles))
 
 
-# For explain: why the op was handed h_{-1} = B_full[t=0] and a Δ copy (``_first_decay_bounded``).
+# For explain: why the op was handed h_{-1} = B_full[t=0] and a Δ copy (``scan_loop.first_decay_bounded``).
 _FIRST_STATE_NOTE = ("B_full[t=0] as h_{-1} with Δ[t=0] = 0 (the graph does not show Δ·A <= 0, so exp(Δ·A) at "
                      "t = 0 may be infinite, and the op must not multiply it by a zero state; Δ = softplus(...) "
                      "and A = -exp(A_log) show it and save this copy of Δ)")
-
-
-def _first_decay_bounded(disc: Discretized) -> bool:
-    """Whether the ops that make Δ and A show Δ·A <= 0 (so exp(Δ·A) is in [0, 1], or NaN only
-    from a NaN in Δ or an infinite Δ times A = 0, where B_full = Δ·B·u is not finite either). A = -inf
-    with Δ = 0 gives no NaN in the op: its kernels and CPU path read A = -inf as the most negative
-    float, so that step is the identity (probe CI: Δ = softplus(-120) = 0 at t = 0).
-
-    An associative or in-place parallel scan's first state is ``b_0`` itself: no decay multiplies
-    anything before it. ``ssm.selective_scan`` without an initial state computes ``a_0 * 0 + b_0``,
-    NaN where ``a_0`` is infinite (probe CC: a negative Δ with a strongly negative A), and its
-    backward carries the same product. Where the signs are not shown, the op is emitted to start
-    from ``b_0`` instead (``emit_selective_scan``'s ``first_state_is_input``)."""
-    delta, a = sign_of(disc.delta.node), sign_of(disc.A.node) * (-1 if disc.negate_A else 1)
-    return delta * a == -1
 
 
 def _static(size: Any) -> int | str:

@@ -90,6 +90,7 @@ from .fx_utils import (
     permute_view,
     propagate_val,
     shape_of,
+    sign_of,
     time_prefix_source,
     time_slice,
     unbind_source,
@@ -459,6 +460,10 @@ _NOT_THE_ANCHOR = "the state's multiplier at step 0 is not A_full[t=0]"
 # A product of a time slice and a value that no later step multiplies: said of a candidate alone,
 # and dropped next to a loop whose real anchor gave its own reason (``_beside_a_reason``).
 _NO_CHAIN = "no state chain: A_full[t=1] does not multiply a value computed from the step-0 state"
+# The loop's first state is B_full[t=0] itself, read before a loop from t = 1 (``h = dBu[:, 0]``,
+# or ``h = dBu[:, t] if h is None else ...``): match_loop's answer, which ``_rewrite_one`` takes up.
+_PEELED = ("the loop's first state is itself a time slice (h = B_full[t=0], then h = A_full[t]*h + B_full[t] "
+           "from t = 1)")
 
 
 def _is_exp(node: Any) -> bool:
@@ -1035,38 +1040,52 @@ def _match_stacked_readout(stacked: torch.fx.Node, h: list[torch.fx.Node], state
 
     Returns (C source, the collection with ``out_node`` the readout, the last-state views).
     """
-    if list(stacked.args[0]) != h:
-        return "the stacked states are not every step's state, once, in time order"
+    backwards = len(h) > 1 and list(stacked.args[0]) == h[::-1]
+    if list(stacked.args[0]) != h and not backwards:
+        return "the stacked states are not every step's state, once, in the loop's order or its reverse"
     dim = stacked.args[1] if len(stacked.args) > 1 else stacked.kwargs.get("dim", 0)
     if not isinstance(dim, int):
         return "the states are stacked along a non-constant axis"
     roles = list(state_roles)
     roles.insert(dim % (len(roles) + 1), "t")
-    return _readout_of_states(stacked, tuple(roles), L, [stacked])
+    return _readout_of_states(stacked, tuple(roles), L, [stacked], backwards)
 
 
-def _readout_of_states(states: torch.fx.Node, roles: tuple[str, ...], L: int, collecting: list[torch.fx.Node]
-                       ) -> tuple[Source, Collected, list[torch.fx.Node]] | str:
+def _readout_of_states(states: torch.fx.Node, roles: tuple[str, ...], L: int, collecting: list[torch.fx.Node],
+                       backwards: bool = False) -> tuple[Source, Collected, list[torch.fx.Node]] | str:
     """The one readout of all the states (and the last-state views) after the loop, on the
     tensor that holds them (``states``, with axis ``roles``), which ``collecting`` fills:
-    (C source, the collection with ``out_node`` the readout, the last-state views)."""
+    (C source, the collection with ``out_node`` the readout, the last-state views).
+
+    ``backwards``: the loop's step s stored its state at slot L-1-s (a reverse walk's states put
+    back in time order, ``hs.insert(0, h)``, read forward over the flipped tensors). The readout
+    at slot p is then the op's y at step L-1-p with C read at p: the op reads C flipped in time
+    and its y is flipped back (``Collected.reversed_time``)."""
     producers = frozenset(c for c in collecting if c is not states)
     users = split_state_users(states, roles, roles.index("t"), L, producers=producers)
     if isinstance(users, str):
         return users
     readout, last_views = users
+    if backwards and last_views:
+        return (f"the states are stored last step first (a reverse walk's states kept in time order), and "
+                f"{last_views[0].name} reads their slot at time index L-1, which holds the walk's first state: the "
+                "op returns only its last")
     c_src = Source(readout.C, readout.C_roles)
     if "t" in c_src.roles and not _same_size(_time_len(c_src), L):
         return "C_full's time axis does not have the loop's length"
     erased = [*collecting, *last_views, *readout.chain, *readout.nodes, readout.end]
-    out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(erased)), readout.out_roles)
+    out = Collected("states", readout.end, list(readout.end.users), list(dict.fromkeys(erased)), readout.out_roles,
+                    reversed_time=backwards)
     return c_src, out, last_views
 
 
-def _state_buffer_writes(h: list[torch.fx.Node], pos) -> tuple[torch.fx.Node, int, tuple, list[torch.fx.Node]] | str | None:
+def _state_buffer_writes(h: list[torch.fx.Node], pos
+                         ) -> tuple[torch.fx.Node, int, tuple, list[torch.fx.Node], bool] | str | None:
     """The states written into a preallocated buffer, ``H[:, :, t] = h`` (or ``H[:, :, t].copy_(h)``)
     each step (``_buffer_slots``), a reason when some state is written but not as one slot per
-    step, or None when h_0 is not written into a buffer at all."""
+    step, or None when h_0 is not written into a buffer at all. The last item says whether step t
+    wrote slot L-1-t (a reverse walk read over the flipped tensors, storing its states in time
+    order)."""
     if not any(_collects(u, h[0]) and not is_call(u, *_COLLECTORS) for u in h[0].users):
         return None
     stored = []
@@ -1076,25 +1095,29 @@ def _state_buffer_writes(h: list[torch.fx.Node], pos) -> tuple[torch.fx.Node, in
             return f"state h_{t} is not written into the states' buffer exactly once"
         stored.append((ht, found[0]))
     slots = _buffer_slots(stored, pos, "the states' buffer", "state h_{t}")
+    backwards = False
+    if isinstance(slots, str) and len(h) > 1:
+        flipped = _buffer_slots(stored, pos, "the states' buffer", "state h_{t}", backwards=True)
+        slots, backwards = (flipped, True) if not isinstance(flipped, str) else (slots, False)
     if isinstance(slots, str):
         return slots
     if val(slots[0]).dtype != val(h[0]).dtype:
         # A write into a narrower buffer rounds every state; the op would not.
         return f"the states' buffer is {val(slots[0]).dtype}, the states {val(h[0]).dtype}"
-    return slots
+    return (*slots, backwards)
 
 
 def _match_buffered_readout(buffered, state_roles: tuple[str, ...], L: int
                             ) -> tuple[Source, Collected, list[torch.fx.Node]] | str:
     """The states written into a buffer and read out after the loop: as for stacked states, the
     readout is proved on the buffer, whose only other users are the writes."""
-    buf, axis, axis_map, writes = buffered
+    buf, axis, axis_map, writes, backwards = buffered
     if any(o is not None and not 0 <= o < len(state_roles) for o in axis_map):
         return "the states' buffer has axes the state does not have"
     roles = tuple("t" if o is None else state_roles[o] for o in axis_map)
     if sorted(r for r in roles if r != "t") != sorted(state_roles) or len(roles) != len(state_roles) + 1:
         return "the states' buffer's axes do not match the state's"
-    return _readout_of_states(buf, roles, L, writes)
+    return _readout_of_states(buf, roles, L, writes, backwards)
 
 
 def _lagged_step(products: list[tuple[torch.fx.Node, Any, Any]], key0: tuple, state: torch.fx.Node,
@@ -1188,15 +1211,13 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
                     "(a value recomputed in every step that is not a time slice, or one computed from time "
                     "slices through more than six ops, such as a projection applied inside the loop?)")
         sa, sh = time_slice(a0), time_slice(H)
-        if sa is not None and _made_by_step_at(H, sa[0], sa[1], 1, depth=3):
-            return _REVERSE_SCAN
+        if sa is not None and _made_by_step_at(H, sa[0], sa[1], 1, depth=3) is not None:
+            return _reverse_walk_reason(_reverse_walk_start(H, sa[0], sa[1]), 0, val(sa[0]).shape[sa[1]])
         # (Not for a time axis of 2: an in-place parallel scan's pairs, Xa[..., 1] += Aa[..., 1] *
         # Xa[..., 0], look the same, and are scan_inplace's to explain.)
         if sa is not None and sh is not None and {sa[2], sh[2]} == {0, 1} and (L is None or L > 2):
-            return ("the loop's first state is itself a time slice (h = B_full[t=0], then "
-                    "h = A_full[t]*h + B_full[t] from t = 1?): that equals a scan from h = 0 only "
-                    "where exp(Δ·A) at t = 0 is finite, which the graph does not show; start from "
-                    "h = zeros and run every step from t = 0 to have it rewritten")
+            # ``_rewrite_one`` writes step 0 out and proves the loop from there (``_write_first_step``).
+            return _PEELED
         if sh is not None or (sa is not None and _of_one_step(H, sa[2])):
             # A product of two time slices (B̄[t] * x[t] inside a step, or Δ[t].unsqueeze(-1) *
             # B[t]): no state to chain. The loop's real anchor, if any, gives its own reason.
@@ -1699,6 +1720,21 @@ def _first_state_from_input(graph: torch.fx.Graph, u: torch.fx.Node, delta: torc
     return _delta_from_step_one(graph, delta), h0
 
 
+def first_decay_bounded(disc: Discretized) -> bool:
+    """Whether the ops that make Δ and A show Δ·A <= 0 (so exp(Δ·A) is in [0, 1], or NaN only
+    from a NaN in Δ or an infinite Δ times A = 0, where B_full = Δ·B·u is not finite either). A = -inf
+    with Δ = 0 gives no NaN in the op: its kernels and CPU path read A = -inf as the most negative
+    float, so that step is the identity (probe CI: Δ = softplus(-120) = 0 at t = 0).
+
+    A scan whose first state is ``b_0`` itself (an associative or in-place parallel scan, where no
+    decay multiplies anything before it; a loop from t = 1 after ``h = B_full[t=0]``) is the op's
+    from a zero state only where this holds: ``ssm.selective_scan`` without an initial state
+    computes ``a_0 * 0 + b_0``, NaN where ``a_0`` is infinite (probe CC: a negative Δ with a
+    strongly negative A), and its backward carries the same product."""
+    delta, a = sign_of(disc.delta.node), sign_of(disc.A.node) * (-1 if disc.negate_A else 1)
+    return delta * a == -1
+
+
 def _delta_from_step_one(graph: torch.fx.Graph, delta: torch.fx.Node) -> torch.fx.Node:
     """Δ with Δ[..., 0] = 0: a decay of exactly 1 (for any finite A) and no input term at t = 0."""
     head = _node(graph, "call_function", torch.zeros_like,
@@ -1746,10 +1782,15 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     # A broadcast h_{-1} (e.g. a learned (dim, N) state shared by the batch) has the state's
     # trailing roles.
     init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
+    C = first_steps(graph, m.C, m.L)
+    if m.out.kind == "states" and m.out.reversed_time and "t" in C.roles:
+        # The states were stored last step first and read out with C in their slots' order: the
+        # op's step s reads C at slot L-1-s (``_readout_of_states``).
+        C = Source(_node(graph, "call_method", "flip", C.node, (C.roles.index("t"),)), C.roles)
     return emit_selective_scan(
         graph,
         first_steps_of(graph, m.disc, m.L),
-        first_steps(graph, m.C, m.L),
+        C,
         y_roles=m.out.roles,
         y_dtype=val(m.out.out_node).dtype,
         initial_state=init,
@@ -1882,12 +1923,18 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs]
     reported = {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
     given = {x.reason for x in ctx.misses[first_miss:] if x.family == FAMILY}
-    for m, c, H in _unmatched_recurrences(muls, reported):
+    for m, c, H, _ in _unmatched_recurrences(muls, reported):
         reason = _recurrence_reason(m, c, H)
         if reason not in given:
             # (A loop refused for a lag at step 1 leaves steps 1.. as a chain of their own with
             # the same lag.)
             ctx.miss(FAMILY, reason, [m])
+    reported |= {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
+    # A walk backwards that stops short of index 0 has no step at t = 0 for an anchor to start from.
+    for m, c, _, steps in _unmatched_recurrences(muls, reported, shift=-1):
+        ts = time_slice(c)
+        if ts is not None and val(ts[0]).dim() == 4:
+            ctx.miss(FAMILY, _reverse_walk_reason(ts[2], ts[2] - steps + 1, val(ts[0]).shape[ts[1]]), [m])
     reported |= {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
     deep = _deep_step_recurrence(muls, reported)
     if deep is not None:
@@ -2189,18 +2236,48 @@ def _made_by_step_key(node: Any, key0: tuple, depth: int) -> bool:
     return any(_made_by_step_key(a, key0, depth - 1) for a in node.args if isinstance(a, torch.fx.Node))
 
 
-def _made_by_step_at(node: Any, base: torch.fx.Node, axis: int, index: int, depth: int) -> bool:
-    """``node`` is computed, within ``depth`` elementwise nodes, by a product with a factor
-    ``base`` sliced at ``index`` along ``axis``: the state a step at that time index made."""
+def _made_by_step_at(node: Any, base: torch.fx.Node, axis: int, index: int, depth: int) -> Any:
+    """The state that a product with a factor ``base`` sliced at ``index`` along ``axis``
+    multiplies, where ``node`` is computed from that product within ``depth`` elementwise nodes
+    (``node`` is then the state a step at that time index made); else None."""
     if depth == 0 or not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
-        return False
+        return None
     if (is_call(node, *_MUL) or is_method(node, "mul")) and len(node.args) == 2:
-        for f in node.args:
+        for f, state in (node.args, node.args[::-1]):
             ts = time_slice(f)
             if ts is not None and ts[0] is base and ts[1] == axis and ts[2] == index:
-                return True
-    return any(_made_by_step_at(a, base, axis, index, depth - 1) for a in node.args
-               if isinstance(a, torch.fx.Node))
+                return state
+    return next((found for a in node.args if isinstance(a, torch.fx.Node)
+                 if (found := _made_by_step_at(a, base, axis, index, depth - 1)) is not None), None)
+
+
+def _reverse_walk_start(state: Any, base: torch.fx.Node, axis: int) -> int:
+    """The time index that a walk backwards through ``base``'s time slices starts at, ``state``
+    being what its step at index 0 multiplies: the step at 1 made it, and so on back to the
+    walk's first step."""
+    index = 0
+    while (state := _made_by_step_at(state, base, axis, index + 1, depth=3)) is not None:
+        index += 1
+    return index
+
+
+def _reverse_walk_reason(hi: int, lo: int, size: Any) -> str:
+    """Why a loop that walks time backwards from index ``hi`` down to ``lo``, along an axis ``size``
+    long, is left alone."""
+    if is_concrete_int(size) and hi < int(size) - 1:
+        # Over the flipped tensors this is a loop from a later step (``unreverse_loops`` keeps its
+        # slices), as ``range(2, L)`` is forward.
+        return (f"the loop walks time backwards from time index {hi}, not from the last one ({int(size) - 1}), down "
+                f"to {lo} (range({hi}, {lo - 1}, -1)?): read over the flipped tensors it is a loop that starts "
+                f"late, at step {int(size) - 1 - hi}, from a state made before it (a late start or a state reset): "
+                "left alone; a reverse walk is rewritten where it starts at the last time index")
+    if lo == 0:
+        return _REVERSE_SCAN
+    return (f"the loop walks time backwards from the last time index down to {lo} (range(L - 1, {lo - 1}, -1)?), "
+            "and its time slices could not all be read as slices of the flipped tensors, which makes a reverse "
+            "loop over the last steps a forward one over the first: a tensor it reads is written in place, read in "
+            "another order elsewhere (another loop), or sliced in a form not mirrored (unbind, split, a copy_ into "
+            "a slot), or the decay and the input term are read in opposite time orders. Left alone")
 
 
 def _anchors(products: list[tuple[torch.fx.Node, Any, Any]]):
@@ -2269,6 +2346,90 @@ def _state_tensor(graph: torch.fx.Graph, anchor: torch.fx.Node, a0: torch.fx.Nod
     return filled
 
 
+@dataclasses.dataclass
+class _FirstStep:
+    """Step 0 of a loop from t = 1, written into the graph by ``_write_first_step``."""
+    zero: torch.fx.Node            # the zero state it starts from
+    a0: torch.fx.Node              # A_full[t=0], a slice the graph did not have
+    anchor: torch.fx.Node          # A_full[0] * zero, the copy of step 1's product
+    nodes: list[torch.fx.Node]     # every node added, in graph order (the state h_0 last)
+    h: torch.fx.Node               # the user's first state, B_full[t=0], whose readers now read h_0
+
+
+def _write_first_step(graph: torch.fx.Graph, anchor: torch.fx.Node, h: torch.fx.Node, a1: torch.fx.Node,
+                      products: list[tuple[torch.fx.Node, Any, Any]], pos) -> _FirstStep | str:
+    """``h = B_full[t=0]``, then ``h = A_full[t]*h + B_full[t]`` from t = 1 (``anchor`` is step 1's
+    ``a1 * h``): step 1's nodes copied as a step 0 from a zero state, ``A_full[0]*0 + B_full[0]``
+    with this very ``h`` as its B_full[0], and h's readers moved onto the copy's state. That loop
+    is the user's wherever A_full[0] is finite (``A_full[0]*0 + x`` is then x), which the caller
+    proves before it rewrites (``first_decay_bounded``); it undoes the copy otherwise
+    (``_undo_first_step``). Returns the copy, or why none is written."""
+    (b_base, axis, _), a_base = time_slice(h), time_slice(a1)[0]
+    if time_slice(a1)[1] != axis or val(a_base).dim() != 4 or val(b_base).dim() != 4:
+        return "A_full and B_full are not two 4-D tensors sliced along one time axis"
+    # h_1: what step 2's A_full[2] multiplies, made from h.
+    h1 = None
+    for _, p, q in products:
+        for a2, x in ((p, q), (q, p)):
+            if (isinstance(x, torch.fx.Node) and time_slice(a2) == (a_base, axis, 2) and pos[x] >= pos[anchor]
+                    and (h1 is None or pos[x] < pos[h1]) and _between(h, x, pos) is not None):
+                h1 = x
+    if h1 is None:
+        return "no step at t = 2 multiplies a state made from h by A_full[2]"
+    region = _between(h, h1, pos)
+    leaves = {}
+    for n in region:
+        for x in n.all_input_nodes:
+            if x in region or x is h or x in leaves:
+                continue
+            ts = time_slice(x)
+            if ts is None or ts[0] not in (a_base, b_base) or ts[1] != axis or ts[2] != 1:
+                return (f"step 1 reads {x.name}, which is not A_full[1] or B_full[1]: only a step on slices of "
+                        "the precomputed A_full and B_full is written out for t = 0")
+            leaves[x] = ts[0]
+    last = max(h, a_base, key=pos.__getitem__)
+    if any(pos[u] <= pos[last] for u in h.users):
+        return f"h is read ({min(h.users, key=pos.__getitem__).name}) before A_full ({a_base.name}) is made"
+    readers = list(h.users)
+    added: list[torch.fx.Node] = []
+    with graph.inserting_before(last.next):
+        zero = graph.call_function(torch.zeros, ((),), {"dtype": val(h).dtype, "device": val(h).device})
+        propagate_val(zero, mode_of=h)
+        a0 = graph.call_method("select", (a_base, axis, 0))
+        propagate_val(a0)
+        added += [zero, a0]
+        env = {h: zero, **{x: h if base is b_base else a0 for x, base in leaves.items()}}
+        for n in region:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            propagate_val(env[n])
+            added.append(env[n])
+    for user in readers:
+        user.replace_input_with(h, env[h1])
+    return _FirstStep(zero, a0, env[anchor], added, h)
+
+
+def _undo_first_step(graph: torch.fx.Graph, first: _FirstStep) -> None:
+    """The graph as it was before ``_write_first_step``."""
+    first.nodes[-1].replace_all_uses_with(first.h)
+    for n in reversed(first.nodes):
+        graph.erase_node(n)
+
+
+def _first_step_reason(first: _FirstStep | str, m: LoopMatch | str | None) -> str | None:
+    """Why a loop from t = 1 after ``h = B_full[t=0]`` is left alone, or None where it is rewritten."""
+    if isinstance(first, str):
+        return f"{_PEELED}, and its step at t = 0 is not written out to prove it as a scan from h = 0: {first}"
+    if m is None or isinstance(m, str):
+        return (f"{_PEELED}, read as a scan from h = 0 with its step at t = 0 written out, which is left alone: "
+                f"{m or _NO_CHAIN}")
+    if not first_decay_bounded(m.disc):
+        return (f"{_PEELED}: that equals a scan from h = 0 only where exp(Δ·A) at t = 0 is finite, which the ops "
+                f"that make Δ ({m.disc.delta.node.name}) and A ({m.disc.A.node.name}) do not show (Δ·A <= 0, which "
+                "Δ = softplus(...) and A = -exp(A_log) show); start from h = zeros and run every step from t = 0 "
+                "to have it rewritten")
+    return None
+
+
 def _is_add(node: Any) -> bool:
     return (is_call(node, operator.add, torch.add) or is_method(node, "add")) and len(node.args) == 2 \
         and not node.kwargs
@@ -2299,9 +2460,9 @@ def _addends(m: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, Any]]:
             yield a, a.args[1] if a.args[0] is m else a.args[0]
 
 
-def _next_step(m: torch.fx.Node, c: Any) -> tuple[torch.fx.Node, Any] | None:
+def _next_step(m: torch.fx.Node, c: Any, shift: int = 1) -> tuple[torch.fx.Node, Any] | None:
     """For ``m = c * H`` feeding ``h = m + x_t``: the next step's ``c' * h`` with ``c'`` being
-    ``c`` shifted one step in time, and the addend's time shift checked likewise."""
+    ``c`` shifted ``shift`` steps in time, and the addend's time shift checked likewise."""
     for a, x0 in _addends(m):
         if not isinstance(x0, torch.fx.Node) or not _key_slices(_leaf_key(x0, 0)):
             continue
@@ -2309,24 +2470,26 @@ def _next_step(m: torch.fx.Node, c: Any) -> tuple[torch.fx.Node, Any] | None:
             if not (is_call(m2, *_MUL) or is_method(m2, "mul")) or len(m2.args) != 2 or m2.kwargs:
                 continue
             c2 = m2.args[1] if m2.args[0] is a else m2.args[0]
-            if _coeff_key(c2, 1) != _coeff_key(c, 0):
+            if _coeff_key(c2, shift) != _coeff_key(c, 0):
                 continue
             for a2 in m2.users:
                 if _is_add(a2):
                     x1 = a2.args[1] if a2.args[0] is m2 else a2.args[0]
-                    if isinstance(x1, torch.fx.Node) and _leaf_key(x1, 1) == _leaf_key(x0, 0):
+                    if isinstance(x1, torch.fx.Node) and _leaf_key(x1, shift) == _leaf_key(x0, 0):
                         return m2, c2
     return None
 
 
-def _unmatched_recurrences(muls: list[torch.fx.Node], reported: set[str]):
+def _unmatched_recurrences(muls: list[torch.fx.Node], reported: set[str], shift: int = 1):
     """Unrolled linear recurrences ``h = c_t * h + x_t`` (three steps or more) with no scan_loop
-    record yet; yields (first step's product, its coefficient, its other operand)."""
+    record yet, each step reading its slices ``shift`` time indices after the step before (-1: a
+    walk backwards through time); yields (first step's product, its coefficient, its other
+    operand, the number of steps)."""
     nxt: dict[torch.fx.Node, tuple[torch.fx.Node, Any]] = {}
     first: dict[torch.fx.Node, tuple[Any, Any]] = {}
     for m in muls:
         for c, H in ((m.args[0], m.args[1]), (m.args[1], m.args[0])):
-            step = _next_step(m, c)
+            step = _next_step(m, c, shift)
             if step is not None:
                 nxt[m] = step
                 first[m] = (c, H)
@@ -2339,7 +2502,7 @@ def _unmatched_recurrences(muls: list[torch.fx.Node], reported: set[str]):
         while chain[-1] in nxt:
             chain.append(nxt[chain[-1]][0])
         if not any(n.name in reported for n in chain):
-            yield m, c, H
+            yield m, c, H, len(chain)
 
 
 def _deep_step_recurrence(muls: list[torch.fx.Node], reported: set[str]) -> torch.fx.Node | None:
@@ -2479,7 +2642,17 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
         m = match_loop(user, a0, H, products, pos)
         if number is not None and m == _NO_CHAIN:
             m = None  # a slice times a number that starts no loop (``C[:, :, 0] * 2.0``): no recurrence
+        first = None
+        if m is _PEELED:
+            first = _write_first_step(graph, user, a0, H, products, pos)
+            if not isinstance(first, str):
+                pos, products = {n: i for i, n in enumerate(graph.nodes)}, _products(graph)
+                m = match_loop(first.anchor, first.a0, first.zero, products, pos)
+            m = _first_step_reason(first, m) or m
         err = m if m is None or isinstance(m, str) else _emit(gm, m, pos)
+        if isinstance(first, _FirstStep) and (m is None or err is not None):
+            _undo_first_step(graph, first)
+            pos, products = {n: i for i, n in enumerate(graph.nodes)}, _products(graph)
         if m is None or err is not None:
             if number is not None:
                 # Not rewritten: the user's own product by the number comes back.
@@ -2497,6 +2670,12 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
             "return_last_state": bool(m.last_users or m.last_views),
             "collector": m.out.kind,
         }
+        if first is not None:
+            for n in (first.zero, first.a0):
+                if not n.users:
+                    graph.erase_node(n)
+            decision["first_state"] = ("B_full[t=0], read before a loop from t = 1: the op's step 0 from a zero "
+                                       "state, since the ops that make Δ and A show Δ·A <= 0")
         emitted = "ssm.selective_scan"
         ctx.rewrite(FAMILY, "unrolled h = A_full[t]*h + B_full[t]", m.loop_nodes, emitted, decision)
         ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", m.disc.nodes, emitted,
