@@ -190,9 +190,14 @@ def test_the_kernels_read_the_users_A_through_the_stride_0_expand(a_shape, strid
     y_ref, last_ref = torch.ops.ssm.selective_scan(u, delta, dense, B, C, None, None, None, True, None, True)
     torch.testing.assert_close((y, last), (y_ref, last_ref), rtol=0, atol=0)
 
-    B, C = B[:, None], C[:, None]  # the kernels' grouped layout, one group
+    # The Triton kernels on the GPU where there is one, else under the interpreter (conftest).
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    u, delta, dy, dense = (t.to(dev) for t in (u, delta, dy, dense))
+    A = _rate(args[2].detach().to(dev)).expand(DIM, N)  # (a copy of a stride-0 view is dense)
+    assert A.stride() == stride
+    B, C = B[:, None].to(dev), C[:, None].to(dev)  # the kernels' grouped layout, one group
     y, last = selective_scan_fwd(u, delta, A, B, C, None, None, None, True, None, True)
-    torch.testing.assert_close((y, last), (y_ref, last_ref), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((y.cpu(), last.cpu()), (y_ref, last_ref), rtol=1e-5, atol=1e-5)
     grads = selective_scan_bwd(dy, None, u, delta, A, B, C, None, None, None, True, None)
     ref = selective_scan_bwd(dy, None, u, delta, dense, B, C, None, None, None, True, None)
     assert grads.dA.is_contiguous() and grads.dA.shape == (DIM, N)
