@@ -27,17 +27,23 @@ def _rate(A_log):
     return A.unsqueeze(-1) if A.dim() == 1 else A
 
 
-def loop_bdl(u, dt, A_log, B, C, D):
-    """(batch, dim, L) activations, exp(Δ·A) and Δ·B·u precomputed, einsum readout."""
-    delta = F.softplus(dt)
-    dA = torch.exp(delta[..., None] * _rate(A_log)[:, None, :])
-    dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+def _scan_bdl(dA, dBu, u, B, C):
+    """The loop over precomputed (batch, dim, L, ·) decays and input terms, einsum readout: the
+    state's N is B's, whatever size-1 axis dA broadcasts."""
     h = u.new_zeros(u.shape[0], u.shape[1], B.shape[1])
     ys = []
     for t in range(u.shape[2]):
         h = dA[:, :, t] * h + dBu[:, :, t]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, dim=2) + u * D[:, None]
+    return torch.stack(ys, dim=2)
+
+
+def loop_bdl(u, dt, A_log, B, C, D):
+    """(batch, dim, L) activations, exp(Δ·A) and Δ·B·u precomputed, einsum readout."""
+    delta = F.softplus(dt)
+    dA = torch.exp(delta[..., None] * _rate(A_log)[:, None, :])
+    dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+    return _scan_bdl(dA, dBu, u, B, C) + u * D[:, None]
 
 
 def loop_bld(u, dt, A_log, B, C, D):
@@ -222,12 +228,7 @@ def full_exp_unsqueezed(u, dt, A_log, B, C, D):
     delta = F.softplus(dt)
     dA = torch.exp(delta * -torch.exp(A_log)[:, None]).unsqueeze(-1)
     dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    h = u.new_zeros(u.shape[0], u.shape[1], B.shape[1])
-    ys = []
-    for t in range(u.shape[2]):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, dim=2) + u * D[:, None]
+    return _scan_bdl(dA, dBu, u, B, C) + u * D[:, None]
 
 
 HEADS, HEADDIM = 2, 3
@@ -321,12 +322,7 @@ def no_state_axis_from_B(u, dt, A_log, B, C, D):
     delta = F.softplus(dt)
     dA = torch.exp(delta[..., None] * -torch.exp(A_log)[:, None, :])
     dBu = (delta * u * B.sum(1)[:, None])[..., None]
-    h = u.new_zeros(u.shape[0], u.shape[1], B.shape[1])
-    ys = []
-    for t in range(u.shape[2]):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, dim=2)
+    return _scan_bdl(dA, dBu, u, B, C)
 
 
 def shared_B_and_A(u, dt, A_log, B, C, D):
