@@ -1605,7 +1605,16 @@ def find_window_write(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) -> d
     if shifted is not None:
         return {**shifted, "writes": [copy], "form": "copy_"}
     roll = _shift(src)
-    if roll is None or src.args[0] is not cs:
+    if roll is None:
+        return None
+    if src.args[0] is not cs:
+        other = src.args[0]
+        if isinstance(other, torch.fx.Node) and any(order[n] < order[copy] for n in _last_slot_writes(src, S)):
+            # transformers 4.39's step with the copy going to another cache than the one rolled
+            # (probe CS): the op rolls one conv state in place, reading and writing the same cache.
+            raise Miss(f"the rolled window {src.name} is a roll of {other.name} but is copied into {cs.name}, not "
+                       f"back into {other.name}: the op rolls one conv state in place, reading and writing the "
+                       "same cache")
         return None
     shifts, dims = roll
     if dims not in (-1, 2) or not isinstance(shifts, int):

@@ -21,12 +21,14 @@ this pass uses live in ``fx_utils.py``.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .fx_utils import (HALF_DTYPES, Layout, behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding,
                        dtype_of, flip_dims, higher_order_op, hop_name, is_call, is_lossless_cast, is_method,
@@ -256,7 +258,7 @@ def _softplus_reordered(node: torch.fx.Node, perm: tuple[int, ...]) -> str | Non
         return None
     rolled = is_method(node, "roll") or is_call(node, torch.roll)
     if rolled:
-        dims = named_args(node, ("input", "shifts", "dims")).get("dims")
+        dims, shifts = (named_args(node, ("input", "shifts", "dims")).get(k) for k in ("dims", "shifts"))
     elif is_method(node, "flip") or is_call(node, torch.flip):
         # ``x.flip(1, 2)`` as well as ``x.flip((1, 2))``, which ``flip_dims`` reads.
         dims = node.kwargs.get("dims", node.args[1] if len(node.args) == 2 else node.args[1:])
@@ -265,19 +267,42 @@ def _softplus_reordered(node: torch.fx.Node, perm: tuple[int, ...]) -> str | Non
     dims = dims if isinstance(dims, (tuple, list)) or dims is None else (dims,)
     if dims is not None and not all(isinstance(d, int) for d in dims):
         return None
-    softplus = layout_source(node.args[0]).base
+    source = node.args[0]
+    # ``x.flip(k).flip(k)``: the second flip undoes the first (probe CS).
+    twice = not rolled and flip_dims(source) is not None and flip_dims(source) == flip_dims(node)
+    names = f"{source.name}, {node.name}" if twice else node.name
+    if twice:
+        source = source.args[0]
+    softplus = layout_source(source).base
     if not is_call(softplus, *SOFTPLUS_TARGETS):
         return None
     # ``roll`` without dims rolls the flattened tensor: every axis moves.
     axes = set(range(len(perm))) if dims is None else {d % len(perm) for d in dims}
-    how = ("rolled as one flat row of elements" if dims is None else ("rolled" if rolled else "flipped") + " along "
+    how = ("rolled as one flat row of elements" if dims is None else
+           ("rolled" if rolled else "flipped twice" if twice else "flipped") + " along "
            + " and ".join(_DELTA_AXES[i] for i in range(len(perm)) if perm[i] in axes))
     why = "the fold follows Δ back to the softplus only through views and flips of time"
+    if twice or (rolled and _whole_turns(node, shifts, dims)):
+        return (f"Δ is the softplus {softplus.name} {how} ({names}), which moves nothing: {why}, and does not "
+                f"read {'the two flips' if twice else 'a roll'} as the identity; the softplus stays where it is")
     if rolled and perm[2] in axes:
         why += " (a roll is not a reversal)"
     if perm[1] in axes:
         why += "; along channels the op's per-channel delta_bias would have to move with dt_proj's rows"
     return f"Δ is the softplus {softplus.name} {how} ({node.name}): {why}; the softplus stays where it is"
+
+
+def _whole_turns(node: torch.fx.Node, shifts: Any, dims: Any) -> bool:
+    """``roll(shifts, dims)`` of ``node``'s input shifts every axis it rolls by a multiple of its
+    length (``roll(0, -1)``, ``roll(dim, -1)``): each element stays where it is."""
+    shape = shape_of(node)
+    shifts = shifts if isinstance(shifts, (tuple, list)) else (shifts,)
+    if dims is None:
+        sizes = [math.prod(shape)] if all(is_concrete_int(s) for s in shape) else [None]
+    else:
+        sizes = [shape[d] if is_concrete_int(shape[d]) else None for d in dims]
+    return (len(shifts) == len(sizes) and None not in sizes
+            and all(isinstance(k, int) and int(n) > 0 and k % int(n) == 0 for k, n in zip(shifts, sizes)))
 
 
 def _is_exp(node: Any) -> bool:

@@ -1923,6 +1923,49 @@ def same_prefix(a: Any, b: Any) -> bool:
     return False
 
 
+def same_suffix(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same last steps of one tensor along one axis, with the same shape:
+    two spellings of one value (the skip's ``u[..., 1:]`` beside the ``u.narrow(-1, -k, k)`` that
+    the scan pass hands the op, flipped, for a reverse loop that stops before step 0)."""
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return False
+    va, vb = val(a), val(b)
+    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)) or not same_sizes(va.shape, vb.shape):
+        return False
+    return any(_suffix_of(a, axis) is not None and _suffix_of(a, axis) is _suffix_of(b, axis)
+               for axis in range(va.dim()))
+
+
+def _suffix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
+    """``x`` when ``node`` is one slice of ``x`` that keeps the last steps of ``axis`` and all of
+    every other axis (``x[:, :, k:]``, ``x.narrow(axis, -k, k)``); else None. Sizes must be
+    numbers: the end of the slice is checked against the end of the axis."""
+    vx = val(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(vx, torch.Tensor) or not is_concrete_int(vx.shape[axis]) or int(vx.shape[axis]) == 0:
+        return None
+    size = int(vx.shape[axis])
+    if is_call(node, torch.narrow) or is_method(node, "narrow"):
+        a = named_args(node, ("input", "dim", "start", "length"))
+        dim, start, length = a.get("dim"), a.get("start"), a.get("length")
+        if not (isinstance(dim, int) and dim % vx.dim() == axis and isinstance(start, int) and isinstance(length, int)):
+            return None
+        return node.args[0] if start % size + length == size else None
+    if not is_call(node, operator.getitem):
+        return None
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if items.count(Ellipsis) == 1:
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (vx.dim() - len(items) + 1) + items[at + 1:]
+    if len(items) > vx.dim():
+        return None
+    for i, item in enumerate(items):
+        if not isinstance(item, slice) or item.step not in (None, 1):
+            return None
+        if item.stop is not None or (i != axis and item.start not in (None, 0)):
+            return None
+    return node.args[0]
+
+
 # sign_of's vocabulary, by the function's or method's name (call_function targets only from
 # torch and operator, so that a user's function of the same name is not read as one of these).
 _NONNEGATIVE = frozenset(("exp", "exp2", "softplus", "sigmoid", "special_expit", "relu", "relu6", "abs", "square",

@@ -575,7 +575,8 @@ def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: 
         if buf is None:
             buf, axis, axis_map = b, ax, amap
         if b is not buf or ax != axis or idx != (len(stored) - 1 - t if backwards else t) or amap != axis_map:
-            return f"{item.format(t=t)} is stored at the wrong place of {what} (index {idx} of axis {ax})"
+            return (_part_of_buffer(stored, what)
+                    or f"{item.format(t=t)} is stored at the wrong place of {what} (index {idx} of axis {ax})")
         slot = [size for i, size in enumerate(val(b).shape) if i != ax]
         if not _same_shape(slot, val(stored[t][0]).shape):
             # The write would broadcast the value over the slot (a batch-1 state into a batch-2
@@ -592,6 +593,31 @@ def _buffer_slots(stored: list[tuple[torch.fx.Node, torch.fx.Node]], pos, what: 
     if any(pos[u] < last_write for u in buf.users if u not in set(writes)):
         return f"{what} is read or written inside the loop"
     return buf, axis, tuple(axis_map), writes
+
+
+def _part_of_buffer(stored: list[tuple[torch.fx.Node, torch.fx.Node]], what: str) -> str | None:
+    """Why the loop's writes, one per step into consecutive slots of one buffer, miss some of its
+    slots (a reverse walk from L-1 that stops before step 0, a loop from t = 1), or None when the
+    writes are not such a run. Step t's slot is right for the walk; the buffer is not the op's
+    output: its unwritten slots keep what they held before the loop."""
+    parsed = [parse_index(w.args[0], w.args[1]) if is_call(w, operator.setitem) else parse_slice(w.args[0])
+              for _, w in stored]
+    if None in parsed or len({(b, ax, tuple(amap)) for b, ax, _, amap in parsed}) != 1:
+        return None
+    b, ax = parsed[0][0], parsed[0][1]
+    idx = [p[2] for p in parsed]
+    size = val(b).shape[ax]
+    step = 1 if idx[-1] >= idx[0] else -1
+    if not is_concrete_int(size) or idx != list(range(idx[0], idx[-1] + step, step)) or len(idx) >= int(size):
+        return None
+    lo, hi = min(idx), max(idx)
+    gaps = [(a, z) for a, z in ((0, lo - 1), (hi + 1, int(size) - 1)) if z >= a]
+    missing = " and ".join(f"{a}..{z}" if z > a else f"{a}" for a, z in gaps)
+    many = len(gaps) > 1 or gaps[0][1] > gaps[0][0]
+    return (f"the loop walks {what} {'back' if step < 0 else 'forward'} from index {idx[0]} to index {idx[-1]} "
+            f"of axis {ax} (length {size}): {'indices' if many else 'index'} {missing} "
+            f"{'are' if many else 'is'} never written by the loop and keep{'' if many else 's'} what the buffer "
+            "held before it; the op's output holds one value per step walked")
 
 
 # Ops whose result may share memory with their input: views, and conversions that return the input

@@ -40,8 +40,8 @@ from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, REVERSED_OUTPUT,
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, first_read,
                        flip_dims, follow_views, higher_order_op, hoist_before, hop_name, inverse, is_call, is_method,
                        layout_source, narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix,
-                       scan_args, scan_nodes, set_scan_args, shape_of, silu_input, target_name, val, view_chain,
-                       written_in_place)
+                       same_suffix, scan_args, scan_nodes, set_scan_args, shape_of, silu_input, target_name, val,
+                       view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
@@ -384,9 +384,10 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
             continue
         skip_u = layout_source(u_like)
         if (skip_u.base is not op_u.base and (chain.flipped or not same_prefix(skip_u.base, op_u.base))
-                and not _same_flips(add.graph, skip_u.base, op_u.base)):
+                and not same_suffix(skip_u.base, op_u.base) and not _same_flips(add.graph, skip_u.base, op_u.base)):
             # (A loop over the first k steps: the op reads u narrowed to k steps, the user's skip
-            # its own u[..., :k], the same value; probe BY.)
+            # its own u[..., :k], the same value; probe BY. A reverse loop that stops before step
+            # 0: the op reads u's last k steps, the skip u[..., 1:]; probe CS.)
             # (Said as proved, not as a fact: a gather by a reversed arange is the same value as
             # a flip, but the pass does not read it as one; probe CN.)
             reasons.append(f"the skip multiplies {u_like.name}, not the scan's u (nor a value the pass proves "
