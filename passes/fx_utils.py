@@ -1892,12 +1892,8 @@ def _prefix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
         return node.args[0] if first else None
     if not is_call(node, operator.getitem):
         return None
-    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    if items.count(Ellipsis) == 1:
-        # ``x[..., :k, :]``: the ellipsis stands for the axes the other items leave out.
-        at = items.index(Ellipsis)
-        items = items[:at] + (slice(None),) * (vx.dim() - len(items) + 1) + items[at + 1:]
-    if len(items) > vx.dim():
+    items = _index_items(node, vx)
+    if items is None:
         return None
     for i, item in enumerate(items):
         if not isinstance(item, slice) or item.start not in (None, 0) or item.step not in (None, 1):
@@ -1905,6 +1901,17 @@ def _prefix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
         if i != axis and item.stop is not None:
             return None
     return node.args[0]
+
+
+def _index_items(node: torch.fx.Node, vx: torch.Tensor) -> tuple | None:
+    """The items of ``node``'s index (a getitem of a tensor like ``vx``), one per leading axis,
+    or None where there are more items than axes."""
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if items.count(Ellipsis) == 1:
+        # ``x[..., :k, :]``: the ellipsis stands for the axes the other items leave out.
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (vx.dim() - len(items) + 1) + items[at + 1:]
+    return None if len(items) > vx.dim() else items
 
 
 def same_prefix(a: Any, b: Any) -> bool:
@@ -1952,11 +1959,8 @@ def _suffix_of(node: torch.fx.Node, axis: int) -> torch.fx.Node | None:
         return node.args[0] if start % size + length == size else None
     if not is_call(node, operator.getitem):
         return None
-    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    if items.count(Ellipsis) == 1:
-        at = items.index(Ellipsis)
-        items = items[:at] + (slice(None),) * (vx.dim() - len(items) + 1) + items[at + 1:]
-    if len(items) > vx.dim():
+    items = _index_items(node, vx)
+    if items is None:
         return None
     for i, item in enumerate(items):
         if not isinstance(item, slice) or item.step not in (None, 1):
