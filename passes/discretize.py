@@ -29,9 +29,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (detach_note, dtype_of, exp_node_behind, higher_order_op, hop_name, is_call, is_cast, is_method,
-                       layout_source, named_args, parse_slice, protects_saved_input, squeezed_unit_piece, unit_piece,
-                       val, view_chain)
+from .fx_utils import (detach_note, dtype_of, exp_node_behind, flip_dims, higher_order_op, hop_name, is_call, is_cast,
+                       is_method, layout_source, named_args, ndim_of, parse_slice, protects_saved_input,
+                       squeezed_unit_piece, unit_piece, val, view_chain)
 
 __all__ = [
     "Source",
@@ -1294,6 +1294,53 @@ def _kept_time_axis_note(alpha: torch.fx.Node) -> str:
             "read as x[:, t] is)")
 
 
+def flipped_step_delta(alpha: Any) -> tuple[str, torch.fx.Node, str] | None:
+    """Where one step's multiplier ``alpha`` is exp(Δ·A) with Δ read through a flip: a flipped
+    tensor's time slice (``delta.flip(0)[:, :, t]``, ``kind`` "slice") or a time slice flipped
+    (``delta[:, :, t].flip(0)``, ``kind`` "flip"): ``(what, flip, kind)``, ``what`` naming the Δ axes
+    the flip reverses ("Δ flipped along batch"). The roles come from A's axes as the decay's proof
+    reads them (A shares the channel axis with Δ; Δ's other axis is the batch); an axis they
+    leave open is named by its index. None for any other multiplier."""
+    for allow_neg in (False, True):
+        at = index_term(alpha, allow_exp=True, allow_neg=allow_neg)
+        if at is None or at.exp_of is None or at.exp_of.summed or len(at.exp_of.factors) != 2:
+            continue
+        out = set(at.out_labels())
+        for fd in at.exp_of.factors:
+            fa = next(f for f in at.exp_of.factors if f is not fd)
+            labels = at.factor_labels(fd)
+            sliced = parse_slice(fd.node)
+            if sliced is not None and flip_dims(sliced[0]) is not None:
+                flip, kind, t_axis, axis_map = sliced[0], "slice", sliced[1], sliced[3]
+                flipped = {d: "t" if d == t_axis else labels[axis_map[d]] for d in flip_dims(flip)}
+                sd = {labels[m] for m in axis_map if m is not None}
+            elif (flip_dims(fd.node) is not None and parse_slice(fd.node.args[0]) is not None
+                  and len(labels) == ndim_of(fd.node)):
+                flip, kind = fd.node, "flip"
+                flipped = {d: labels[d] for d in flip_dims(flip)}
+                sd = set(labels)
+            else:
+                continue
+            n_lab, d_lab, b_lab = _decay_labels(out, sd & out, set(at.factor_labels(fa)))
+            names = {lab: name for group, name in ((b_lab, "batch"), (d_lab, "channels"), (n_lab, "states"))
+                     if len(group) == 1 for lab in group}
+            names["t"] = "time"
+            axes = " and ".join(names.get(lab, f"its axis {d}") for d, lab in sorted(flipped.items()))
+            return f"Δ flipped along {axes}", flip, kind
+    return None
+
+
+def _flipped_factor_note(alpha: torch.fx.Node) -> str:
+    """Why exp(Δ·A) has no time-slice factor when Δ's step is a time slice flipped along another
+    axis (``delta[:, :, t].flip(0)``): the pass reads Δ only as a slice of one tensor."""
+    found = flipped_step_delta(alpha)
+    if found is None or found[2] != "flip":
+        return ""
+    what, flip, _ = found
+    return (f": Δ's step is {flip.name}, the time slice {flip.args[0].name} flipped ({what}), and the pass does "
+            "not read a flipped time slice as a time slice")
+
+
 def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
     """Prove ``alpha == exp(Δ[t0] ⊗ A)``, then ``prove_input(decay)``; ``(Discretized, t0)``."""
     at = index_term(alpha, allow_exp=True, allow_neg=allow_neg)
@@ -1308,7 +1355,7 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
         return "the state is not 3-D (batch, dim, state)"
     sliced = [f for f in inner.factors if parse_slice(f.node) is not None]
     if len(sliced) != 1:
-        return "exactly one factor of exp(Δ·A) must be a time slice (Δ)"
+        return "exactly one factor of exp(Δ·A) must be a time slice (Δ)" + _flipped_factor_note(alpha)
     fd = sliced[0]
     fa = next(f for f in inner.factors if f is not fd)
     # Δ's own axes: a size-1 axis the slice inserts (``delta[:, :, t, None]``) indexes nothing of Δ.

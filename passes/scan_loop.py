@@ -44,6 +44,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .discretize import (
     Discretized,
     Source,
+    flipped_step_delta,
     grouped_source,
     index_term,
     match_discretization,
@@ -468,6 +469,25 @@ _PEELED = ("the loop's first state is itself a time slice (h = B_full[t=0], then
 
 def _is_exp(node: Any) -> bool:
     return is_call(node, torch.exp) or is_method(node, "exp")
+
+
+def _flip_in_every_step(a0: torch.fx.Node) -> str | None:
+    """Why step 1's exp(Δ·A) does not repeat step 0's when step 0 reads Δ as a time slice of a
+    flip that only that step reads (``delta.flip(0)[:, :, t]`` in the loop body): each step flips
+    Δ anew, and the steps' slices are compared only where they read one tensor, or one that each
+    step recomputes by views, casts and elementwise ops (``_leaf_key``). None otherwise."""
+    found = flipped_step_delta(a0)
+    if found is None or found[2] != "slice":
+        return None
+    what, flip, _ = found
+    read = [time_slice(user) for user in flip.users]
+    if None in read or len({r[2] for r in read}) != 1:
+        return None
+    # One text for every step (each is a candidate anchor): the misses merge into one record.
+    return (f"no state chain: step 1's exp(...) is not step 0's with every time index + 1: the step reads Δ as a "
+            f"time slice of {what}, a flip that no other step reads (each step flips Δ anew), and the scan pass "
+            "compares the steps' slices only where they read one tensor, or one that every step recomputes by "
+            "views, casts or elementwise ops, which a flip is not")
 
 
 _BUFFER_FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like, torch.zeros_like,
@@ -1222,7 +1242,9 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         # whose own anchor proves or refuses it.
         return None
     if h0 is None:
-        if per_step and not (_is_exp(a0) and _same_shape(val(a0).shape, val(H).shape)):
+        # (A decay of one value per channel, A (dim, 1), has size 1 along the states.)
+        if per_step and not (_is_exp(a0) and isinstance(val(H), torch.Tensor)
+                             and _unit_broadcast(val(a0).shape, val(H).shape)):
             return None
         if per_step:
             if _made_by_step_key(H, key0, depth=3):
@@ -1230,6 +1252,9 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
             strided = strided_steps()
             if strided is not None:
                 return strided
+            flipped = _flip_in_every_step(a0)
+            if flipped is not None:
+                return flipped
             # exp(...) of time slices multiplying a state-shaped value looks like a step; say why
             # it is not one (e.g. a loop-invariant value such as -A recomputed in every step is a
             # different node per step, and only time slices are compared shifted).

@@ -1,0 +1,89 @@
+"""Run 64: near-misses whose explain reason was missing or misleading (probe CS, run 63).
+
+- Δ flipped inside the scan's step (``delta.flip(0)[:, :, t]``: every step flips Δ anew, or
+  ``delta[:, :, t].flip(0)``): with an A (dim, 1) the loop got no reason at all (and so no
+  ``cpp.simdlen=1`` guard), with an A (dim, N) a generic one; the reason now names the flip and
+  the axis it reverses (batch, channels, time), read from A's axes.
+
+Each case's output (explain runs the rewritten graph) is checked against eager: bit for bit,
+as nothing is rewritten.
+"""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssm_compile.report import explain
+
+BATCH, DIM, L, N = 2, 5, 6, 4
+pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+
+
+def _misses(report, family):
+    return [m.reason for m in report.misses if m.family == family]
+
+
+# --- Δ flipped in the step -----------------------------------------------------------------------
+
+def _step_loop(decay_delta, input_delta):
+    """The discretisation in the step; ``decay_delta(delta, t)`` and ``input_delta(delta, t)`` are
+    step t's Δ in exp(Δ·A) and in Δ·B·u."""
+    def fn(u, dt, A_log, B, C):
+        delta, A = F.softplus(dt), -torch.exp(A_log)
+        h = u.new_zeros(u.shape[0], u.shape[1], B.shape[1])
+        ys = []
+        for t in range(u.shape[2]):
+            h = (torch.exp(decay_delta(delta, t)[..., None] * A) * h
+                 + (input_delta(delta, t) * u[:, :, t])[..., None] * B[:, None, :, t])
+            ys.append((h * C[:, None, :, t]).sum(-1))
+        return torch.stack(ys, dim=-1)
+    return fn
+
+
+def _scan_args(a_shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(BATCH, DIM, L, generator=g), torch.randn(BATCH, DIM, L, generator=g),
+            torch.randn(*a_shape, generator=g), torch.randn(BATCH, N, L, generator=g),
+            torch.randn(BATCH, N, L, generator=g))
+
+
+def _plain(delta, t):
+    return delta[:, :, t]
+
+
+_ANEW = ("no state chain: step 1's exp(...) is not step 0's with every time index + 1: the step reads Δ as a time "
+         "slice of Δ flipped along {}, a flip that no other step reads (each step flips Δ anew), and the scan pass "
+         "compares the steps' slices only where they read one tensor, or one that every step recomputes by views, "
+         "casts or elementwise ops, which a flip is not")
+FLIPPED_IN_THE_STEP = {
+    # case: (decay's Δ at t, input term's Δ at t, the reason)
+    "batch_flip_in_the_decay": (lambda d, t: d.flip(0)[:, :, t], _plain, _ANEW.format("batch")),
+    "batch_flip_in_both": (lambda d, t: d.flip(0)[:, :, t], lambda d, t: d.flip(0)[:, :, t],
+                           _ANEW.format("batch")),
+    "channel_flip": (lambda d, t: torch.flip(d, (1,))[:, :, t], _plain, _ANEW.format("channels")),
+    "time_flip": (lambda d, t: d.flip(-1)[:, :, t], _plain, _ANEW.format("time")),
+    # (The flip and the slice are Dynamo's nodes of step 0: flip and getitem on torch 2.13.)
+    "batch_flip_of_the_slice": (lambda d, t: d[:, :, t].flip(0), _plain,
+                                r"discretization: exactly one factor of exp\(Δ·A\) must be a time slice \(Δ\): Δ's "
+                                r"step is \w+, the time slice \w+ flipped \(Δ flipped along batch\), and the pass "
+                                "does not read a flipped time slice as a time slice"),
+}
+
+
+@pytest.mark.parametrize("a_shape", [(DIM, 1), (DIM, N)], ids=["A_dim_1", "A_dim_N"])
+@pytest.mark.parametrize("case", list(FLIPPED_IN_THE_STEP))
+def test_delta_flipped_in_the_step_names_the_flip(case, a_shape):
+    decay_delta, input_delta, reason = FLIPPED_IN_THE_STEP[case]
+    fn = _step_loop(decay_delta, input_delta)
+    args = _scan_args(a_shape)
+    report = explain(fn, *args)
+    assert not report.rewrites, report.format(graphs=False)
+    misses = _misses(report, "scan_loop")
+    if case == "batch_flip_of_the_slice":
+        assert len(misses) == 1 and re.fullmatch(reason, misses[0]), misses
+    else:
+        assert misses == [reason], misses
+    # A recurrence left alone on the CPU: inductor would compile it with its vectorisation off.
+    assert report.graphs[0].options["inductor_config"] == {"cpp.simdlen": 1}
+    assert torch.equal(report.output, fn(*args))
