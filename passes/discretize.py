@@ -844,6 +844,9 @@ class _Decay:
     stops: tuple[torch.fx.Node, ...] = ()  # values that are Δ or A, leaves for the input term too
     t0: int | None = None  # the step form's time index
     sliced: tuple[torch.fx.Node, tuple[str, ...]] | None = None  # the step form's Δ slice base, roles
+    # The other reading where A shares the channel axis with Δ: that axis as the batch
+    # (``_batch_reading``), proved only to say why the decay is no op's (``_A_along_batch``).
+    other: "_Decay | None" = None
 
     def is_delta(self, node: torch.fx.Node, roles: tuple[str, ...]) -> bool:
         """``node`` with axis ``roles`` is this Δ: the node the multiplier read, or a permuted view
@@ -1052,6 +1055,35 @@ def _A_along_states(disc: Discretized) -> Discretized:
     return dataclasses.replace(disc, A=Source(disc.A.node, tuple("1" if r == "n" else r for r in disc.A.roles)))
 
 
+def _batch_reading(term: IndexTerm, fa: Factor, role: dict[int, str]) -> tuple[dict[int, str], tuple[str, ...]] | None:
+    """The decay's other reading where A shares the channel axis with Δ (``role``): that axis as
+    Δ's batch and Δ's other one as the channels, with A's roles so read; None where A has no
+    channel axis. The decay alone cannot tell the two apart (``_decay_labels`` takes A's axis that
+    Δ has for the channels); the input term can."""
+    swapped = {lab: {"b": "d", "d": "b"}.get(r, r) for lab, r in role.items()}
+    A_roles = _broadcast_roles(term, fa, swapped)
+    if A_roles is None or "b" not in A_roles:
+        return None
+    return swapped, tuple("1" if r is None else r for r in A_roles)
+
+
+def _A_along_batch(found: str, decay: _Decay, prove_input) -> str:
+    """``found``, the input term's refusal under the decay's reading, or, where the input term
+    proves under the other one (``decay.other``: A's axis that Δ has is the axis B reads as its
+    batch, B being (batch, state, time) as the op's), why the decay is no op's: A varies along
+    batch. (Read the first way, the same program has a B per channel; both are said.)"""
+    if decay.other is None:
+        return found
+    proved = prove_input(decay.other)
+    if isinstance(proved, str) or sorted(proved.B.roles) != ["b", "n", "t"]:
+        return found
+    A = decay.A.node
+    return (f"A varies along batch: the axis that {A.name} (shape {tuple(val(A).shape)}) shares with Δ is B's batch "
+            "axis (B read as the op's (batch, state, time) B), so each batch element has its own decay; "
+            "ssm.selective_scan takes a (dim, N) A, one decay per channel and state, the same for every batch "
+            "element (read as the channel axis instead, it would make B vary along the channels)")
+
+
 def _prove_input(decays: list[_Decay] | str, prove_input):
     """``prove_input`` on the decay's reading, or on each of a shared A's two. Those two differ
     only in which of Δ's axes is the batch: the input term must settle it (u by (batch, dim), B by
@@ -1067,7 +1099,7 @@ def _prove_input(decays: list[_Decay] | str, prove_input):
         return ("A has only a state axis (one decay per state, shared by the channels), and nothing in the step "
                 "tells Δ's batch axis from its channel axis (B and u read both alike): the op's (batch, dim) "
                 "roles are not proved")
-    return found[0]
+    return _A_along_batch(found[0], decays[0], prove_input)
 
 
 def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tuple[torch.fx.Node, ...]
@@ -1095,22 +1127,30 @@ def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tup
     if shared is None and (len(n_lab) != 1 or len(d_lab) != 1 or len(b_lab) != 1):
         return ("A_full: A must be indexed by (dim, state) and Δ by (batch, dim, time)"
                 + _size_one_note(fa.node, per_channel=bool(sa & sd)))
+
+    def decay(role: dict[int, str], A_roles: tuple[str, ...] | None) -> _Decay | str:
+        a_roles = tuple(role[x] for x in a_out)
+        delta_roles = _roles_of(at, fd, role)
+        if delta_roles is None or sorted(delta_roles) != ["b", "d", "t"]:
+            return "A_full: Δ must have exactly the axes (batch, dim, time)"
+        return _Decay(delta=Source(fd.node, delta_roles), A=Source(fa.node, A_roles),
+                      state_roles=tuple(r for r in a_roles if r != "t"), a_roles=a_roles,
+                      nodes=list(dict.fromkeys(a_views + at.looked_through)), negate_A=inner.sign < 0, stops=stops)
+
     decays = []
     for role in shared or [{b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}]:
         role[t_lab] = "t"
         if set(a_out) != set(role):
             return "A_full's axes are not (batch, dim, time, state)"
-        a_roles = tuple(role[x] for x in a_out)
-        delta_roles = _roles_of(at, fd, role)
         A_roles = _decay_roles(at, fa, role)
-        if delta_roles is None or sorted(delta_roles) != ["b", "d", "t"]:
-            return "A_full: Δ must have exactly the axes (batch, dim, time)"
+        found = decay(role, A_roles)
+        if isinstance(found, str):
+            return found
         if A_roles is None:
             return "A_full: A must have exactly the axes (dim, state)"
-        decays.append(_Decay(delta=Source(fd.node, delta_roles), A=Source(fa.node, A_roles),
-                             state_roles=tuple(r for r in a_roles if r != "t"), a_roles=a_roles,
-                             nodes=list(dict.fromkeys(a_views + at.looked_through)), negate_A=inner.sign < 0,
-                             stops=stops))
+        batch = None if shared else _batch_reading(at, fa, role)
+        other = decay(*batch) if batch is not None else None
+        decays.append(dataclasses.replace(found, other=other if isinstance(other, _Decay) else None))
     return decays
 
 
@@ -1368,24 +1408,32 @@ def _match_step_decay(alpha: torch.fx.Node, allow_neg: bool, prove_input):
                            or set(out) != n_lab | d_lab | b_lab):
         return ("the state's multiplier: A must be indexed by (dim, state) and Δ by (batch, dim)"
                 + _size_one_note(fa.node, per_channel=bool(sa & sd)))
-    decays, t0 = [], None
-    for role in shared or [{b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}]:
-        state_roles = tuple(role[x] for x in out)
-        A_roles = _decay_roles(at, fa, role)
+
+    def decay(role: dict[int, str], A_roles: tuple[str, ...] | None) -> _Decay | str:
         d_slice = _slice_roles(at, fd, role)
-        if A_roles is None:
-            return "the state's multiplier: A must have exactly the axes (dim, state)"
         if d_slice is None or sorted(d_slice[2]) != ["b", "d", "t"]:
             return "the state's multiplier: Δ must be a time slice of a (batch, dim, time) tensor"
         delta_base, t0, delta_roles = d_slice
+        state_roles = tuple(role[x] for x in out)
         # Δ's base is a leaf for the input term too: a precomputed Δ·B·u (the mixed form) built
         # from a Δ the user computed (softplus(dt) * mask) then names it as a factor.
-        decays.append(_Decay(delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles),
-                             state_roles=state_roles, a_roles=state_roles + ("t",), nodes=list(at.looked_through),
-                             negate_A=inner.sign < 0, stops=(delta_base,), t0=t0,
-                             sliced=(delta_base, delta_roles)))
+        return _Decay(delta=view_source(delta_base, delta_roles), A=Source(fa.node, A_roles),
+                      state_roles=state_roles, a_roles=state_roles + ("t",), nodes=list(at.looked_through),
+                      negate_A=inner.sign < 0, stops=(delta_base,), t0=t0, sliced=(delta_base, delta_roles))
+
+    decays = []
+    for role in shared or [{b_lab.pop(): "b", d_lab.pop(): "d", n_lab.pop(): "n"}]:
+        A_roles = _decay_roles(at, fa, role)
+        if A_roles is None:
+            return "the state's multiplier: A must have exactly the axes (dim, state)"
+        found = decay(role, A_roles)
+        if isinstance(found, str):
+            return found
+        batch = None if shared else _batch_reading(at, fa, role)
+        other = decay(*batch) if batch is not None else None
+        decays.append(dataclasses.replace(found, other=other if isinstance(other, _Decay) else None))
     found = _prove_input(decays, prove_input)
-    return found if isinstance(found, str) else (found, t0)
+    return found if isinstance(found, str) else (found, decays[0].t0)
 
 
 def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | str:

@@ -4,6 +4,9 @@
   ``delta[:, :, t].flip(0)``): with an A (dim, 1) the loop got no reason at all (and so no
   ``cpp.simdlen=1`` guard), with an A (dim, N) a generic one; the reason now names the flip and
   the axis it reverses (batch, channels, time), read from A's axes.
+- A per batch (``A[:, None, :]`` of an A (batch, 1) or (batch, N)) was refused as "B must be
+  indexed by (batch, state, time), got ('d', 'n', 't')": the decay proof had taken A's axis for
+  the channels. The reason now says that A varies along batch.
 
 Each case's output (explain runs the rewritten graph) is checked against eager: bit for bit,
 as nothing is rewritten.
@@ -26,15 +29,15 @@ def _misses(report, family):
 
 # --- Δ flipped in the step -----------------------------------------------------------------------
 
-def _step_loop(decay_delta, input_delta):
+def _step_loop(decay_delta, input_delta, a_of=lambda A: A):
     """The discretisation in the step; ``decay_delta(delta, t)`` and ``input_delta(delta, t)`` are
-    step t's Δ in exp(Δ·A) and in Δ·B·u."""
+    step t's Δ in exp(Δ·A) and in Δ·B·u, ``a_of(A)`` the A the decay reads."""
     def fn(u, dt, A_log, B, C):
         delta, A = F.softplus(dt), -torch.exp(A_log)
         h = u.new_zeros(u.shape[0], u.shape[1], B.shape[1])
         ys = []
         for t in range(u.shape[2]):
-            h = (torch.exp(decay_delta(delta, t)[..., None] * A) * h
+            h = (torch.exp(decay_delta(delta, t)[..., None] * a_of(A)) * h
                  + (input_delta(delta, t) * u[:, :, t])[..., None] * B[:, None, :, t])
             ys.append((h * C[:, None, :, t]).sum(-1))
         return torch.stack(ys, dim=-1)
@@ -86,4 +89,45 @@ def test_delta_flipped_in_the_step_names_the_flip(case, a_shape):
         assert misses == [reason], misses
     # A recurrence left alone on the CPU: inductor would compile it with its vectorisation off.
     assert report.graphs[0].options["inductor_config"] == {"cpp.simdlen": 1}
+    assert torch.equal(report.output, fn(*args))
+
+
+# --- A per batch ---------------------------------------------------------------------------------
+
+def _precomputed_loop(a_of):
+    """exp(Δ·A) and Δ·B·u precomputed, (batch, dim, L, N), einsum readout; A read as ``a_of(A)``."""
+    def fn(u, dt, A_log, B, C):
+        delta, A = F.softplus(dt), -torch.exp(A_log)
+        dA = torch.exp(delta[..., None] * a_of(A)[:, :, None, :])
+        dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
+        h = u.new_zeros(u.shape[0], u.shape[1], B.shape[1])
+        ys = []
+        for t in range(u.shape[2]):
+            h = dA[:, :, t] * h + dBu[:, :, t]
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+        return torch.stack(ys, dim=2)
+    return fn
+
+
+_PER_BATCH = ("discretization: A varies along batch: the axis that A (shape {}) shares with Δ is B's batch axis (B "
+              "read as the op's (batch, state, time) B), so each batch element has its own decay; "
+              "ssm.selective_scan takes a (dim, N) A, one decay per channel and state, the same for every batch "
+              "element (read as the channel axis instead, it would make B vary along the channels)")
+PER_BATCH_A = {
+    # case: (the loop, A's shape)
+    "b1_in_the_step": (_step_loop(_plain, _plain, lambda A: A[:, None, :]), (BATCH, 1)),
+    "bN_in_the_step": (_step_loop(_plain, _plain, lambda A: A.unsqueeze(1)), (BATCH, N)),
+    "b_in_the_step": (_step_loop(_plain, _plain, lambda A: A[:, None, None]), (BATCH,)),
+    "b1_precomputed": (_precomputed_loop(lambda A: A[:, None, :]), (BATCH, 1)),
+    "bN_precomputed": (_precomputed_loop(lambda A: A[:, None, :]), (BATCH, N)),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_BATCH_A))
+def test_A_per_batch_says_A_varies_along_batch(case):
+    fn, a_shape = PER_BATCH_A[case]
+    args = _scan_args(a_shape)
+    report = explain(fn, *args)
+    assert "scan_loop" not in report.counts, report.format(graphs=False)
+    assert _misses(report, "scan_loop") == [_PER_BATCH.format(a_shape)], report.format(graphs=False)
     assert torch.equal(report.output, fn(*args))
