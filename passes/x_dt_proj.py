@@ -47,9 +47,10 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .delta import LINEAR_TARGETS, MATMUL_TARGETS, weight_product
-from .fx_utils import (Layout, caller_storages, cast_dtype, context_refusal, grad_enabled_at, is_call, is_method,
-                       layout_source, mutates, named_args, node_order, propagate_val, protects_saved_input, scan_args,
-                       scan_nodes, shape_of, storage_of, target_name, val, view_chain, written_in_place)
+from .fx_utils import (Layout, caller_storages, context_refusal, dtype_of, grad_enabled_at, is_call, is_cast,
+                       is_lossless_cast, is_method, layout_source, mutates, named_args, node_order, propagate_val,
+                       protects_saved_input, scan_args, scan_nodes, shape_of, storage_of, target_name, val, view_chain,
+                       written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "x_dt_proj"
@@ -251,16 +252,18 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
     # through views, casts and copies, that is x_proj's first columns.
     operands = low.all_input_nodes if isinstance(low, torch.fx.Node) and low.op in ("call_function",
                                                                                   "call_method") else []
-    if any((c := _leading_columns(_read_through_copies(arg, allow_casts=True)[0].base)) is not None
-           and _linear(c[0]) is not None for arg in operands):
+    read = [_read_through_copies(arg, allow_casts=True) for arg in operands]
+    chain = next((passed for source, passed in read if (c := _leading_columns(source.base)) is not None
+                  and _linear(c[0]) is not None), None)
+    if chain is not None:
         if is_method(low, "detach") or is_call(low, torch.detach):
             return (f"dt_proj reads {low.name} = x_proj's first columns detached: no gradient reaches x_proj "
                     "through dt_proj, where ssm.x_dt_proj's backward would send one, so the two products stay "
                     "as they are")
         if mutates(low):
             what = f"x_proj's first columns as {low.name} = {target_name(low)} writes them in place"
-        elif cast_dtype(low) is not None:
-            what = f"x_proj's first columns cast to {cast_dtype(low)}"
+        elif is_cast(low):
+            what = "x_proj's first columns " + _casts(low, chain)
         else:
             what = f"{low.name} = {target_name(low)} of x_proj's first columns"
         return (f"dt_proj reads {what}, not the columns themselves: ssm.x_dt_proj "
@@ -284,6 +287,19 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
     return (f"dt_proj reads piece {low.args[1]} of the {'chunk' if chunk else 'split'} of x_proj's output "
             f"{source.name}, not its first columns: ssm.x_dt_proj computes dt from the first R columns (dt, B, C "
             "order), so the two products stay as they are")
+
+
+def _casts(cast: torch.fx.Node, chain: list[torch.fx.Node]) -> str:
+    """How ``cast`` (what dt_proj reads) and the casts on ``chain`` below it change x_proj's
+    first columns: the last dtype, after each rounding on the way (``dt.bfloat16().float()``), and
+    whether a cast is a copy (``dt.to(torch.bfloat16, copy=True)``, which x_dt_proj does not read
+    through as it reads a copy in dt's own dtype)."""
+    def copy(node: torch.fx.Node) -> bool:
+        return node.kwargs.get("copy") is True
+
+    rounded = [f"rounded to {dtype_of(n)} by {n.name}{' (a copy)' if copy(n) else ''}" for n in reversed(chain)
+               if is_cast(n) and not is_lossless_cast(dtype_of(n.args[0]), dtype_of(n))]
+    return " and ".join([*rounded, f"{'copied' if copy(cast) else 'cast'} to {dtype_of(cast)}"])
 
 
 def _tensor_split_leading(split: torch.fx.Node, piece: int) -> Optional[tuple[torch.fx.Node, int]]:
@@ -367,7 +383,9 @@ def _read_through_copies(node: torch.fx.Node, allow_casts: bool = False) -> tupl
         perm, lossless = tuple(top.perm[p] for p in perm), lossless and top.lossless
         chain += view_chain(node, top.base)
         head = _cat_head(top.base)
-        if _value_copy(top.base):
+        # A cast that is a copy (``dt.to(torch.bfloat16, copy=True)``), which ``layout_source`` does
+        # not follow, changes the values as a cast does.
+        if _value_copy(top.base) or (allow_casts and is_cast(top.base)):
             chain.append(top.base)
             node = top.base.args[0]
         elif head is not None:

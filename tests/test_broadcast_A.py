@@ -147,14 +147,10 @@ def _misses(report):
     return [f"[{m.family}] {m.reason}" for m in report.misses]
 
 
-@pytest.mark.parametrize("a_shape", list(A_SHAPES.values()), ids=list(A_SHAPES))
-@pytest.mark.parametrize("fn", [loop_bdl, loop_bld, loop_step, loop_mixed, loop_buffer, assoc],
-                         ids=lambda f: f.__name__)
-def test_broadcast_decay_is_rewritten_with_eager_values_and_gradients(fn, a_shape):
-    args = make_args(fn, a_shape)
+def _check_rewritten(fn, args, family="scan_loop"):
+    """One rewrite of ``family`` and no near-miss; values and the gradients of every input as eager's."""
     report = _report(fn, args)
-    families = [r.family for r in report.rewrites]
-    assert families.count(FAMILY.get(fn, "scan_loop")) == 1, str(report)
+    assert [r.family for r in report.rewrites].count(family) == 1, str(report)
     assert not _misses(report), _misses(report)
     ref = fn(*args)
     out = _compiled(fn, args)
@@ -163,6 +159,13 @@ def test_broadcast_decay_is_rewritten_with_eager_values_and_gradients(fn, a_shap
     for name, o, r in zip("u dt A_log B C D".split(), _grads(out, args, v), _grads(ref, args, v)):
         assert o.shape == r.shape, name
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("a_shape", list(A_SHAPES.values()), ids=list(A_SHAPES))
+@pytest.mark.parametrize("fn", [loop_bdl, loop_bld, loop_step, loop_mixed, loop_buffer, assoc],
+                         ids=lambda f: f.__name__)
+def test_broadcast_decay_is_rewritten_with_eager_values_and_gradients(fn, a_shape):
+    _check_rewritten(fn, make_args(fn, a_shape), FAMILY.get(fn, "scan_loop"))
 
 
 @pytest.mark.parametrize("a_shape, stride", [((DIM, 1), (1, 0)), ((DIM,), (1, 0)), ((1, N), (0, 1))],
@@ -259,16 +262,7 @@ def _flat_mamba2_args():
 
 @pytest.mark.parametrize("fn", [step_exp_unsqueezed, full_exp_unsqueezed, flat_mamba2], ids=lambda f: f.__name__)
 def test_a_decay_per_channel_unsqueezed_is_rewritten(fn):
-    args = _flat_mamba2_args() if fn is flat_mamba2 else make_args(fn, (DIM,))
-    report = _report(fn, args)
-    assert [r.family for r in report.rewrites].count("scan_loop") == 1, str(report)
-    assert not _misses(report), _misses(report)
-    ref = fn(*args)
-    out = _compiled(fn, args)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    v = torch.randn_like(ref)
-    for name, o, r in zip("u dt A_log B C D".split(), _grads(out, args, v), _grads(ref, args, v)):
-        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+    _check_rewritten(fn, _flat_mamba2_args() if fn is flat_mamba2 else make_args(fn, (DIM,)))
 
 
 def test_bf16_activations_match_fp64():

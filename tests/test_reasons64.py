@@ -7,19 +7,25 @@
 - A per batch (``A[:, None, :]`` of an A (batch, 1) or (batch, N)) was refused as "B must be
   indexed by (batch, state, time), got ('d', 'n', 't')": the decay proof had taken A's axis for
   the channels. The reason now says that A varies along batch.
+- dt_proj over ``dt.to(torch.bfloat16, copy=True)`` (a copy that changes the dtype, unlike the
+  same-dtype copies x_dt_proj reads through) got no reason, or "to = .to of x_proj's first
+  columns"; the reason now says the columns are copied or rounded to bf16.
 
-Each case's output (explain runs the rewritten graph) is checked against eager: bit for bit,
-as nothing is rewritten.
+Each case's output (explain runs the rewritten graph) is checked against eager: bit for bit where
+nothing is rewritten; over a bf16 copy, whose rounding is the program's, where the Δ fold is, against
+eager.
 """
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from utils import TOL, rel_err
 
+from ssm_compile.kernels.selective_scan.op import selective_scan_fn
 from ssm_compile.report import explain
 
-BATCH, DIM, L, N = 2, 5, 6, 4
+BATCH, DIM, L, N, R = 2, 5, 6, 4, 3
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 
 
@@ -131,3 +137,49 @@ def test_A_per_batch_says_A_varies_along_batch(case):
     assert "scan_loop" not in report.counts, report.format(graphs=False)
     assert _misses(report, "scan_loop") == [_PER_BATCH.format(a_shape)], report.format(graphs=False)
     assert torch.equal(report.output, fn(*args))
+
+
+# --- dt_proj over a dtype-changing copy, or over a piece of a cat --------------------------------
+
+def _dt_block(dt_of):
+    """x_proj, split, ``dt_of(dt, B, W_dt, bias)`` (dt_proj's pre-activation), softplus, scan."""
+    def fn(x, w_x, w_dt, bias, A):
+        dt, B, C = F.linear(x, w_x).split([R, N, N], dim=-1)
+        pre = dt_of(dt, B, w_dt, bias)
+        return selective_scan_fn(x.transpose(1, 2), F.softplus(pre).transpose(1, 2), A, B.transpose(1, 2),
+                                 C.transpose(1, 2))
+    return fn
+
+
+def _dt_args():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(BATCH, L, DIM, generator=g), 0.3 * torch.randn(R + 2 * N, DIM, generator=g),
+            torch.randn(DIM, R, generator=g), torch.randn(DIM, generator=g), -torch.rand(DIM, N, generator=g) - 0.5]
+
+
+COPIES_TO_ANOTHER_DTYPE = {
+    # case: (dt_proj's pre-activation, the reason's start)
+    "bf16_copy_back_to_fp32": (lambda dt, w, b: F.linear(dt.to(torch.bfloat16, copy=True).float(), w, b),
+                               "dt_proj reads x_proj's first columns rounded to torch.bfloat16 by to (a copy) and "
+                               "cast to torch.float32, not the columns themselves: ssm.x_dt_proj computes the two "
+                               "products back to back"),
+    "bf16_copy_under_a_bf16_linear": (lambda dt, w, b: F.linear(dt.to(torch.bfloat16, copy=True), w.bfloat16(),
+                                                                b.bfloat16()).float(),
+                                      "dt_proj reads x_proj's first columns copied to torch.bfloat16, not the "
+                                      "columns themselves"),
+}
+
+
+@pytest.mark.parametrize("case", list(COPIES_TO_ANOTHER_DTYPE))
+def test_dt_proj_over_a_copy_to_another_dtype_says_so(case):
+    dt_of, reason = COPIES_TO_ANOTHER_DTYPE[case]
+    fn = _dt_block(lambda dt, B, w, b: dt_of(dt, w, b))
+    args = _dt_args()
+    report = explain(fn, *args)
+    assert "x_dt_proj" not in report.counts
+    misses = _misses(report, "x_dt_proj")
+    assert len(misses) == 1 and misses[0].startswith(reason), misses
+    # Against eager itself, which rounds dt to bf16 as the program does. Under a bf16 dt_proj the Δ
+    # fold adds the bf16 bias inside the scan, which rounds otherwise (as test_x_dt_proj's "cast").
+    tol = TOL[torch.bfloat16 if case == "bf16_copy_under_a_bf16_linear" else torch.float32]
+    assert rel_err(report.output, fn(*args).double()) < tol

@@ -20,9 +20,8 @@ result bit for bit.
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import TOL, rel_err
+from utils import check_compiled_against_fp64
 
-from ssm_compile.compiler import backend
 from ssm_compile.report import explain
 
 BATCH, L, DIM, N = 2, 7, 5, 4
@@ -45,14 +44,20 @@ def _shown(u, dt_raw, A_log, B):
     return _disc(F.softplus(dt_raw), -torch.exp(A_log), B, u)
 
 
-def peeled(u, dt_raw, A_log, B, C):
-    dA, dBu = _shown(u, dt_raw, A_log, B)
+def _from_t1(dA, dBu, C):
+    """Step 0's state written out as ``h = dBu[:, 0]`` before a loop from t = 1, einsum readouts
+    stacked."""
     h = dBu[:, 0]
     ys = [torch.einsum("bdn,bn->bd", h, C[:, 0])]
     for t in range(1, L):
         h = dA[:, t] * h + dBu[:, t]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))
     return torch.stack(ys, 1)
+
+
+def peeled(u, dt_raw, A_log, B, C):
+    dA, dBu = _shown(u, dt_raw, A_log, B)
+    return _from_t1(dA, dBu, C)
 
 
 def peeled_h_is_none(u, dt_raw, A_log, B, C):
@@ -80,18 +85,7 @@ def _check_rewritten(fn, args, family="scan_loop"):
     args = [a.clone().requires_grad_() for a in args]
     report = explain(fn, *args)
     assert report.counts.get(family) == 1, report.format(graphs=False)
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend(inductor=False), fullgraph=True)(*args)
-    wide = [a.detach().double().requires_grad_() for a in args]
-    ref = fn(*wide)
-    outs, refs = (list(out), list(ref)) if isinstance(out, tuple) else ([out], [ref])
-    for o, r in zip(outs, refs, strict=True):
-        assert rel_err(o, r) <= TOL[torch.float32]
-    grads = [torch.randn_like(o) for o in outs]
-    got = torch.autograd.grad(outs, args, grads)
-    want = torch.autograd.grad(refs, wide, [g.double() for g in grads])
-    for g, w in zip(got, want, strict=True):
-        assert rel_err(g, w) <= TOL[torch.float32]
+    check_compiled_against_fp64(fn, args)
     return report
 
 
@@ -117,12 +111,7 @@ def test_loop_from_t1_keeps_a_reason_naming_delta_and_A_where_signs_are_not_show
     infinite, where a scan from a zero state is NaN and the user's loop is not."""
     def fn(u, delta, A, B, C):
         dA, dBu = _disc(delta, A, B, u)
-        h = dBu[:, 0]
-        ys = [torch.einsum("bdn,bn->bd", h, C[:, 0])]
-        for t in range(1, L):
-            h = dA[:, t] * h + dBu[:, t]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))
-        return torch.stack(ys, 1)
+        return _from_t1(dA, dBu, C)
 
     u, dt_raw, A_log, B, C = make_inputs()
     delta, A = F.softplus(dt_raw), -torch.exp(A_log)
@@ -136,12 +125,7 @@ def test_loop_from_t1_keeps_a_reason_naming_delta_and_A_where_signs_are_not_show
 def test_loop_from_t1_with_delta_shown_but_A_not_keeps_the_reason():
     def fn(u, dt_raw, A, B, C):
         dA, dBu = _disc(F.softplus(dt_raw), A, B, u)
-        h = dBu[:, 0]
-        ys = [torch.einsum("bdn,bn->bd", h, C[:, 0])]
-        for t in range(1, L):
-            h = dA[:, t] * h + dBu[:, t]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))
-        return torch.stack(ys, 1)
+        return _from_t1(dA, dBu, C)
 
     u, dt_raw, A_log, B, C = make_inputs()
     _check_left_alone(fn, (u, dt_raw, -torch.exp(A_log), B, C),
@@ -153,13 +137,18 @@ def _rev(u, dt_raw, A_log, B):
     return dA, dBu, u.new_zeros(BATCH, DIM, N)
 
 
-def rev_states_inserted(u, dt_raw, A_log, B, C):
+def _states_inserted(u, dt_raw, A_log, B):
+    """A reverse walk's states put in time order by ``hs.insert(0, h)``, stacked."""
     dA, dBu, h = _rev(u, dt_raw, A_log, B)
     hs = []
     for t in reversed(range(L)):
         h = dA[:, t] * h + dBu[:, t]
         hs.insert(0, h)
-    return torch.einsum("bldn,bln->bld", torch.stack(hs, 1), C)
+    return torch.stack(hs, 1)
+
+
+def rev_states_inserted(u, dt_raw, A_log, B, C):
+    return torch.einsum("bldn,bln->bld", _states_inserted(u, dt_raw, A_log, B), C)
 
 
 def rev_states_buffer(u, dt_raw, A_log, B, C):
@@ -192,12 +181,7 @@ def test_reverse_loop_states_slot_at_L_minus_1_is_left_alone():
     """``hs[:, -1]`` of states collected in time order is the state at time L-1: the reverse walk's
     first, which the op does not return."""
     def fn(u, dt_raw, A_log, B, C):
-        dA, dBu, h = _rev(u, dt_raw, A_log, B)
-        hs = []
-        for t in reversed(range(L)):
-            h = dA[:, t] * h + dBu[:, t]
-            hs.insert(0, h)
-        states = torch.stack(hs, 1)
+        states = _states_inserted(u, dt_raw, A_log, B)
         return torch.einsum("bldn,bln->bld", states, C), states[:, -1]
 
     _check_left_alone(fn, make_inputs(2), "the walk's first state")

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
 from test_pass_scan_inplace import _down, _padded_copies, _up_pairs
-from utils import TOL, compile_with_passes, perturbed, rel_err, tiny_falcon_mamba, tiny_jamba
+from utils import (TOL, check_compiled_against_fp64, compile_with_passes, perturbed, rel_err, tiny_falcon_mamba,
+                   tiny_jamba)
 
 from ssm_compile.compiler import backend
 from ssm_compile.passes import scan_loop
@@ -1032,14 +1033,7 @@ def test_reverse_walks_are_rewritten_over_flipped_inputs(fn):
     args = [a.requires_grad_() for a in make_inputs()]
     report = explain(fn, *args)
     assert [r.family for r in report.rewrites if r.family == "scan_loop"] == ["scan_loop"], report.format(graphs=False)
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend(inductor=False), fullgraph=True)(*args)
-    wide = [a.detach().double().requires_grad_() for a in args]
-    ref = fn(*wide)
-    assert rel_err(out, ref) <= TOL[torch.float32]
-    grad = torch.randn_like(out)
-    for g, w in zip(torch.autograd.grad(out, args, grad), torch.autograd.grad(ref, wide, grad.double()), strict=True):
-        assert rel_err(g, w) <= TOL[torch.float32]
+    check_compiled_against_fp64(fn, args)
 
 
 @pytest.mark.parametrize("fn, reason", NEAR_MISSES)

@@ -177,3 +177,23 @@ def traced_without_interpreter(script: str):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_compiled_against_fp64(fn, args):
+    """Compile ``fn`` through every ssm pass (no inductor, fullgraph) and compare its outputs, and
+    the gradients of ``args`` under random output gradients, with eager's in fp64 (the probe tests'
+    check of a rewrite). A tuple output is compared output by output."""
+    from ssm_compile.compiler import backend
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend(inductor=False), fullgraph=True)(*args)
+    wide = [a.detach().double().requires_grad_() for a in args]
+    ref = fn(*wide)
+    outs, refs = (list(out), list(ref)) if isinstance(out, tuple) else ([out], [ref])
+    for o, r in zip(outs, refs, strict=True):
+        assert rel_err(o, r) <= TOL[torch.float32]
+    grads = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, args, grads)
+    want = torch.autograd.grad(refs, wide, [g.double() for g in grads])
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) <= TOL[torch.float32]
