@@ -39,6 +39,7 @@ when
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any, NamedTuple, Optional
 
@@ -241,12 +242,14 @@ def _chunk_leading(chunk: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
     return source, min(-(-width // chunks), width)
 
 
-def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
-    """Why not, when dt_proj (a linear) reads a function of x_proj's first columns, or a piece of a
+def _later_piece(dt_proj: torch.fx.Node, axis_names: dict[int, str]) -> Optional[str]:
+    """Why not, when dt_proj (a linear) reads a function of x_proj's first columns, a piece of a
     split of x_proj's output other than the first (``B, C, dt = x_dbl.split([N, N, R], -1)``, probe
-    CJ: no reason was given); else None."""
+    CJ: no reason was given), or a piece of a cat of them that is not its leading columns (probe
+    CS); else None. ``axis_names``: dt_proj's input axes that are Δ's batch and time axes."""
     found = _linear(dt_proj)
-    low = _read_through_copies(found[0])[0].base if found is not None and isinstance(found[0], torch.fx.Node) else None
+    top = _read_through_copies(found[0])[0] if found is not None and isinstance(found[0], torch.fx.Node) else None
+    low = top.base if top is not None else None
     # ``dt_proj(tanh(dt))`` (probe CM: no reason was given), ``dt_proj(2.0 * dt)``, ``where(dt > 0,
     # dt, 0)`` or a rounded copy of them (``dt.double().float()``, probe CN): any operand, read
     # through views, casts and copies, that is x_proj's first columns.
@@ -268,6 +271,11 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
             what = f"{low.name} = {target_name(low)} of x_proj's first columns"
         return (f"dt_proj reads {what}, not the columns themselves: ssm.x_dt_proj "
                 "computes the two products back to back, so they stay as they are")
+    piece = _piece(low) if isinstance(low, torch.fx.Node) else None
+    if piece is not None and is_call(piece[0], *_CATS):
+        why = _cat_piece(*piece, axis_names if top.perm == tuple(range(len(top.perm))) else {})
+        if why is not None:
+            return why
     offset = _offset_columns(low) if isinstance(low, torch.fx.Node) else None
     if offset is not None and _linear(offset[0]) is not None:
         source, start, stop = offset
@@ -287,6 +295,132 @@ def _later_piece(dt_proj: torch.fx.Node) -> Optional[str]:
     return (f"dt_proj reads piece {low.args[1]} of the {'chunk' if chunk else 'split'} of x_proj's output "
             f"{source.name}, not its first columns: ssm.x_dt_proj computes dt from the first R columns (dt, B, C "
             "order), so the two products stay as they are")
+
+
+def _axis_names(delta: torch.fx.Node, dt_proj: torch.fx.Node) -> dict[int, str]:
+    """dt_proj's axes (and its input's: a linear keeps the leading ones) that are the op's Δ's
+    batch and time axes, where Δ is dt_proj through permutations; else none."""
+    top = layout_source(delta)
+    if top.base is not dt_proj or len(top.perm) != 3:
+        return {}
+    return {top.perm[0]: "the batch axis", top.perm[2]: "the time axis"}
+
+
+def _piece(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, int, int]]:
+    """``(x, axis, start, stop)`` when ``node`` is x's elements start:stop along one axis, every
+    other axis whole: ``x[..., a:b]``, ``x[:, a:b]``, ``x.narrow(axis, a, n)``, piece k of
+    ``x.split(sizes, axis)`` or of ``x.chunk(k, axis)``; x's size along that axis known here."""
+    if is_method(node, "narrow") or is_call(node, torch.narrow):
+        source, axis, start, length = (list(node.args) + [None] * 4)[:4]
+        shape = shape_of(source) if isinstance(source, torch.fx.Node) else None
+        size = shape[axis] if shape and isinstance(axis, int) else None
+        if not (_is_int(size) and _is_int(start) and _is_int(length)):
+            return None
+        start = start + size if start < 0 else start
+        return source, axis % len(shape), start, start + length
+    if not is_call(node, operator.getitem) or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    source, index = node.args
+    if isinstance(val(source), torch.Tensor):
+        items = list(index) if isinstance(index, tuple) else [index]
+        ndim = len(shape_of(source))
+        if Ellipsis in items:
+            at = items.index(Ellipsis)
+            items = items[:at] + [slice(None)] * (ndim - len(items) + 1) + items[at + 1:]
+        cut = [i for i, item in enumerate(items) if item != slice(None)]
+        if len(items) > ndim or len(cut) != 1 or not isinstance(items[cut[0]], slice):
+            return None
+        axis, size, bounds = cut[0], shape_of(source)[cut[0]], items[cut[0]]
+        if not _is_int(size) or not all(b is None or _is_int(b) for b in (bounds.start, bounds.stop, bounds.step)):
+            return None
+        start, stop, step = bounds.indices(size)
+        return (source, axis, start, stop) if step == 1 and start < stop else None
+    split = source
+    if not _is_int(index) or not (is_call(split, *_SPLITS, torch.chunk) or is_method(split, "split", "chunk")):
+        return None
+    chunk = is_call(split, torch.chunk) or is_method(split, "chunk")
+    args = named_args(split, ("input", "chunks", "dim") if chunk else ("tensor", "split_size_or_sections", "dim"))
+    source = args.get("input", args.get("tensor", args.get("self")))
+    sizes = args.get("chunks") if chunk else args.get("split_size_or_sections", args.get("split_size"))
+    axis = args.get("dim", 0)
+    if not isinstance(source, torch.fx.Node) or shape_of(source) is None or not isinstance(axis, int):
+        return None
+    axis %= len(shape_of(source))
+    size = shape_of(source)[axis]
+    if not _is_int(size):
+        return None
+    if chunk:
+        sizes = -(-size // sizes) if _is_int(sizes) and sizes > 0 else None
+    if _is_int(sizes) and sizes > 0:
+        sizes = [min(sizes, size - k) for k in range(0, size, sizes)]
+    if not isinstance(sizes, (list, tuple)) or index >= len(sizes) or not all(_is_int(k) for k in sizes):
+        return None
+    start = sum(sizes[:index])
+    return source, axis, start, start + sizes[index]
+
+
+def _operand(node: Any) -> Optional[str]:
+    """What a cat's operand is of x_proj's output: its first columns, or a function of them
+    (read through views, casts and copies); else None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    base = _read_through_copies(node, allow_casts=True)[0].base
+
+    def first_columns(x: torch.fx.Node) -> bool:
+        c = _leading_columns(_read_through_copies(x, allow_casts=True)[0].base)
+        return c is not None and _linear(c[0]) is not None
+
+    if first_columns(base):
+        return "x_proj's first columns"
+    if base.op in ("call_function", "call_method") and any(first_columns(x) for x in base.all_input_nodes):
+        return f"{target_name(base)} of x_proj's first columns"
+    return None
+
+
+def _cat_piece(cat: torch.fx.Node, axis: int, start: int, stop: int, axis_names: dict[int, str]) -> Optional[str]:
+    """Why not, when dt_proj reads elements start:stop along ``axis`` of a cat (``cat``) one of
+    whose operands is x_proj's first columns or a function of them, and they are not the cat's
+    leading columns that x_dt_proj reads through (``_cat_head``): a later operand's columns
+    (``torch.cat([B, dt], -1)[..., N:]``), or a piece along another axis than the columns
+    (``torch.cat([dt, dt2], 0)[:b]``); else None."""
+    args = named_args(cat, ("tensors", "dim"))
+    tensors, dim = args.get("tensors"), args.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int) or dim % len(shape_of(cat)) != axis:
+        return None
+    described = [_operand(t) for t in tensors]
+    sizes = [shape_of(t)[axis] if isinstance(t, torch.fx.Node) and len(shape_of(t) or ()) == len(shape_of(cat))
+             else None for t in tensors]
+    if not any(described) or not all(_is_int(k) for k in sizes):
+        return None
+    ends = list(itertools.accumulate(sizes))
+    read = [k for k, end in enumerate(ends) if end - sizes[k] < stop and start < end]
+    first, last = read[0], read[-1]
+
+    def operand(k: int) -> str:
+        return f"{tensors[k].name}{' = ' + described[k] if described[k] else ''}"
+
+    whole = (start, stop) == (ends[first] - sizes[first], ends[first])
+    last_axis = axis == len(shape_of(cat)) - 1
+    if first == last == 0 and whole and last_axis:
+        # The leading columns that ``_cat_head`` reads through where the cat keeps dt's dtype: not
+        # refused for being a cat's piece.
+        return None
+    if first != last:
+        part = f"parts of its operands {first} ({operand(first)}) to {last} ({operand(last)})"
+    elif whole:
+        part = f"its operand {first} ({operand(first)})"
+    else:
+        part = f"part of its operand {first} ({operand(first)})"
+    if last_axis:
+        where, how = (f"columns {start}:{stop} of {cat.name}, a torch.cat along the last axis",
+                      "only as its first R columns where its first operand is those R columns")
+    else:
+        along = axis_names.get(axis, f"axis {axis}")
+        where, how = (f"{start}:{stop} along {along} of {cat.name}, a torch.cat along {along}",
+                      "only along the last axis, as its first operand's columns")
+    return (f"dt_proj reads {where}, which are {part}: ssm.x_dt_proj computes dt from x_proj's first R columns, "
+            f"and the pass reads them through a cat {how} (torch.cat([dt, B], -1)[..., :R]), so the two products "
+            "stay as they are")
 
 
 def _casts(cast: torch.fx.Node, chain: list[torch.fx.Node]) -> str:
@@ -429,11 +563,12 @@ def match(scan: torch.fx.Node) -> Site | str | None:
         if columns is not None:
             break
     else:
-        return _later_piece(dt_proj)
+        return _later_piece(dt_proj, _axis_names(delta, dt_proj))
     x_dbl, rank = columns
     x_args = _linear(x_dbl)
     if x_args is None:
-        return _not_x_proj(x_dbl, rank)
+        return (is_call(x_dbl, *_CATS) and _cat_piece(x_dbl, len(shape_of(x_dbl)) - 1, 0, rank, {})
+                or _not_x_proj(x_dbl, rank))
     x, x_weight = x_args
     tensors = [x, x_weight, x_dbl, low, dt_weight, dt_proj]
     values = [val(t) if isinstance(t, torch.fx.Node) else None for t in tensors]

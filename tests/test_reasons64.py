@@ -1,4 +1,4 @@
-"""Run 64: near-misses whose explain reason was missing or misleading (probe CS, run 63).
+"""Run 64: four near-misses whose explain reason was missing or misleading (probe CS, run 63).
 
 - Δ flipped inside the scan's step (``delta.flip(0)[:, :, t]``: every step flips Δ anew, or
   ``delta[:, :, t].flip(0)``): with an A (dim, 1) the loop got no reason at all (and so no
@@ -10,10 +10,13 @@
 - dt_proj over ``dt.to(torch.bfloat16, copy=True)`` (a copy that changes the dtype, unlike the
   same-dtype copies x_dt_proj reads through) got no reason, or "to = .to of x_proj's first
   columns"; the reason now says the columns are copied or rounded to bf16.
+- dt_proj over a piece of a cat that is not its leading columns (``torch.cat([B, dt], -1)[...,
+  N:]``, ``cat(...)[..., R:2R]``) or along the batch or time axis got no reason; it now names the
+  piece, the cat's axis and the operand it reads.
 
 Each case's output (explain runs the rewritten graph) is checked against eager: bit for bit where
-nothing is rewritten; over a bf16 copy, whose rounding is the program's, where the Δ fold is, against
-eager.
+nothing is rewritten; where the Δ fold is (dt_proj's cases), against fp64 eager in values and
+every input's gradient, or, over a bf16 copy whose rounding is the program's, against eager.
 """
 import re
 
@@ -183,3 +186,56 @@ def test_dt_proj_over_a_copy_to_another_dtype_says_so(case):
     # fold adds the bf16 bias inside the scan, which rounds otherwise (as test_x_dt_proj's "cast").
     tol = TOL[torch.bfloat16 if case == "bf16_copy_under_a_bf16_linear" else torch.float32]
     assert rel_err(report.output, fn(*args).double()) < tol
+
+
+def _explain_against_eager(fn):
+    """explain's report, its output and input gradients checked against fp64 eager."""
+    leaves = [a.requires_grad_() for a in _dt_args()]
+    report = explain(fn, *leaves)
+    got = torch.autograd.grad(report.output.square().sum(), leaves)
+    ref_leaves = [a.detach().double().requires_grad_() for a in leaves]
+    want_out = fn(*ref_leaves)
+    want = torch.autograd.grad(want_out.square().sum(), ref_leaves)
+    assert rel_err(report.output, want_out) < TOL[torch.float32]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(g, w) < TOL[torch.float32], i
+    return report
+
+
+def _cat_reason(where, part, how):
+    return (f"dt_proj reads {where}, which are {part}: ssm.x_dt_proj computes dt from x_proj's first R columns, and "
+            f"the pass reads them through a cat {how} (torch.cat([dt, B], -1)[..., :R]), so the two products stay "
+            "as they are")
+
+
+_LEADING = "only as its first R columns where its first operand is those R columns"
+_COLUMNS_ONLY = "only along the last axis, as its first operand's columns"
+CAT_PIECES = {
+    # case: (dt_proj's input, the reason)
+    "second_operand": (lambda dt, B: torch.cat([2.0 * dt, dt], -1)[..., R:2 * R],
+                       _cat_reason("columns 3:6 of cat, a torch.cat along the last axis",
+                                   "its operand 1 (dt = x_proj's first columns)", _LEADING)),
+    "second_operand_scaled": (lambda dt, B: torch.cat([dt, dt * 2.0], -1)[..., R:2 * R],
+                              _cat_reason("columns 3:6 of cat, a torch.cat along the last axis",
+                                          "its operand 1 (mul = operator.mul of x_proj's first columns)", _LEADING)),
+    "after_B_narrow": (lambda dt, B: torch.cat([B, dt], -1).narrow(-1, N, R),
+                       _cat_reason("columns 4:7 of cat, a torch.cat along the last axis",
+                                   "its operand 1 (dt = x_proj's first columns)", _LEADING)),
+    "B_leading": (lambda dt, B: torch.cat([B, dt], -1)[..., :R],
+                  _cat_reason("columns 0:3 of cat, a torch.cat along the last axis", "part of its operand 0 (B)",
+                              _LEADING)),
+    "along_batch": (lambda dt, B: torch.cat([dt, dt * 2.0], 0)[:BATCH],
+                    _cat_reason("0:2 along the batch axis of cat, a torch.cat along the batch axis",
+                                "its operand 0 (dt = x_proj's first columns)", _COLUMNS_ONLY)),
+    "along_time_split": (lambda dt, B: torch.cat([dt * 2.0, dt], 1).split([L, L], 1)[1],
+                         _cat_reason("6:12 along the time axis of cat, a torch.cat along the time axis",
+                                     "its operand 1 (dt = x_proj's first columns)", _COLUMNS_ONLY)),
+}
+
+
+@pytest.mark.parametrize("case", list(CAT_PIECES))
+def test_dt_proj_over_a_piece_of_a_cat_names_the_piece(case):
+    dt_of, reason = CAT_PIECES[case]
+    report = _explain_against_eager(_dt_block(lambda dt, B, w, b: F.linear(dt_of(dt, B), w, b)))
+    assert "x_dt_proj" not in report.counts
+    assert _misses(report, "x_dt_proj") == [reason]
