@@ -23,7 +23,8 @@ from .casts import drop_identity_conversions, fold_round_trip_casts, fold_wideni
 from .inplace import caller_state_recurrences, rewrite_local_writes
 from .keywords import positional_operands
 from .layout import output_layouts, random_input_layouts, settle_layouts
-from .pieces import read_reshape_round_trips, read_single_cats, read_unit_pieces, read_whole_pieces
+from .pieces import (join_stacked_cats, name_squeezed_axes, read_reshape_round_trips, read_single_cats, read_unit_pieces,
+                     read_whole_pieces)
 
 log = logging.getLogger("ssm_compile")
 
@@ -355,7 +356,7 @@ class PassManager:
         for node, reason in einops_kept:
             ctx.miss("einops", reason, [node])
         for change in (keyword_changes + einops_changes + rewrite_local_writes(gm) + read_whole_pieces(gm)
-                       + read_reshape_round_trips(gm)
+                       + read_reshape_round_trips(gm) + name_squeezed_axes(gm) + join_stacked_cats(gm)
                        + read_single_cats(gm) + read_unit_pieces(gm)):
             log.info("ssm before the rewrites: %s", change)
         for name, fn in self.passes:

@@ -41,6 +41,19 @@ storage offset and storage, a view with x's exact metadata, as a whole piece is:
 read x (``read_reshape_round_trips``). A reshape that copied (a non-contiguous x) has its own
 storage and is left alone. Without this, a loop whose state round-trips through a flat shape
 had its state update start at the reshape, and the last step did not repeat the others.
+
+A bare ``x.squeeze()`` drops every size-1 axis of x. Where exactly one axis has size 1 and every
+other size is known not to be 1 (a symbolic size is not 1: dynamo specialises 0 and 1), it is
+``x.squeeze(axis)``, the same view, and ``name_squeezed_axes`` writes it so: the matchers read
+only a squeeze with its axis (zeta-style readouts, ``(H @ C.unsqueeze(-1)).squeeze()``, hid the
+skip after them). With two or more size-1 axes (batch 1) it is left as written.
+
+A loop that walks time in chunks, stacks each chunk's outputs and joins the chunks with ``cat``
+along the stacked axis (``cat([stack(ys_0, 1), stack(ys_1, 1), ...], 1)``) computes the stack of
+all the steps' outputs in order, with the same values, dtype, sizes and strides.
+``join_stacked_cats`` writes it as that one stack, so the scan matchers see every step's output
+collected, where each stack is read by the cat alone and runs in the cat's grad and autocast
+state (a stack under ``no_grad`` holds no history; the joined stack would).
 """
 from __future__ import annotations
 
@@ -260,6 +273,83 @@ def read_unit_pieces(gm: torch.fx.GraphModule) -> list[str]:
         if done:
             changes.append(f"{done} width-1 pieces of {base.name} along axis {axis} read as "
                            f"{base.name}.select({axis}, t).unsqueeze({axis})")
+    if changes:
+        graph.lint()
+        gm.recompile()
+    return changes
+
+
+def name_squeezed_axes(gm: torch.fx.GraphModule) -> list[str]:
+    """Write each bare ``x.squeeze()`` as ``x.squeeze(axis)`` where exactly one axis of x has size 1
+    (module docstring); a line each."""
+    graph = gm.graph
+    changes = []
+    for node in graph.nodes:
+        bare = (is_method(node, "squeeze") or is_call(node, torch.squeeze)) and len(node.args) == 1 and not node.kwargs
+        if not bare or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        v = val(node.args[0])
+        if not isinstance(v, torch.Tensor):
+            continue
+        ones = [i for i, s in enumerate(v.shape) if statically_known_true(s == 1)]
+        # Every other axis must be known not to be 1; a size the graph leaves open could be 1 at a
+        # call this graph serves, and bare squeeze() would drop it there.
+        if len(ones) != 1 or not all(statically_known_true(s != 1) for i, s in enumerate(v.shape) if i != ones[0]):
+            continue
+        node.args = (node.args[0], ones[0])
+        changes.append(f"{node.name} squeezes {node.args[0].name}'s only size-1 axis: read as squeeze({ones[0]})")
+    if changes:
+        gm.recompile()
+    return changes
+
+
+def _stack_axis(node: torch.fx.Node) -> int | None:
+    """The output axis along which ``node`` (``torch.stack(items, axis)``) stacks, made non-negative."""
+    if not is_call(node, torch.stack) or node.kwargs or not node.args or not isinstance(node.args[0], (list, tuple)):
+        return None
+    axis = node.args[1] if len(node.args) > 1 else 0
+    v = val(node)
+    if not isinstance(axis, int) or not isinstance(v, torch.Tensor):
+        return None
+    return axis % v.dim()
+
+
+def join_stacked_cats(gm: torch.fx.GraphModule) -> list[str]:
+    """Write ``cat([stack(xs, k), stack(ys, k), ...], k)`` as ``stack(xs + ys + ..., k)`` (module
+    docstring); a line each."""
+    graph = gm.graph
+    regions = ContextRegions(graph)
+    changes = []
+    for cat in list(graph.nodes):
+        if not is_call(cat, *_CATS) or cat.kwargs or not cat.args or not isinstance(cat.args[0], (list, tuple)):
+            continue
+        stacks = list(cat.args[0])
+        c = val(cat)
+        axis = cat.args[1] if len(cat.args) > 1 else 0
+        if len(stacks) < 2 or not isinstance(c, torch.Tensor) or not isinstance(axis, int):
+            continue
+        if not all(isinstance(s, torch.fx.Node) and _stack_axis(s) == axis % c.dim() for s in stacks):
+            continue
+        # The stacks must be read by this cat alone (once each) and run in its grad and autocast
+        # state: then nothing but the cat sees them, and the joined stack has the cat's history.
+        if any(list(s.users) != [cat] or stacks.count(s) != 1 for s in stacks):
+            continue
+        if regions.refusal([cat, *stacks]) is not None:
+            continue
+        items = [item for s in stacks for item in s.args[0]]
+        with graph.inserting_before(cat):
+            joined = graph.call_function(torch.stack, (items, axis % c.dim()))
+        joined.meta.update({k: v for k, v in cat.meta.items() if k not in ("val", "example_value")})
+        j = propagate_val(joined)
+        if j.dtype != c.dtype or not same_sizes(j.shape, c.shape) or not same_sizes(j.stride(), c.stride()):
+            graph.erase_node(joined)
+            continue
+        cat.replace_all_uses_with(joined)
+        graph.erase_node(cat)
+        for s in stacks:
+            graph.erase_node(s)
+        changes.append(f"{cat.name} joins {len(stacks)} stacks along their stacked axis {axis % c.dim()}: "
+                       f"read as one stack of their {len(items)} items")
     if changes:
         graph.lint()
         gm.recompile()

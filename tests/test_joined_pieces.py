@@ -1,0 +1,164 @@
+"""Two spellings of a loop's pieces that hid a rewrite (probe CT, run 64).
+
+- A bare ``squeeze()`` on the readout (zeta / kyegomez style, ``(H @ C.unsqueeze(-1)).squeeze()``)
+  where only the product's last axis has size 1 is ``squeeze(-1)``; the skip ``y + D*u`` after it was
+  neither folded nor named. ``name_squeezed_axes`` names the axis; with two size-1 axes (batch 1) the
+  squeeze is left as written.
+- A loop over chunks that stacks each chunk's outputs and joins the chunks with ``cat`` along the
+  stacked axis computes one stack of every step's output; the scan was left alone ("stack collects
+  only the first 4 of the recurrence's 11 per-step outputs"). ``join_stacked_cats`` writes it as that
+  stack, but only where the stacks are read by the cat alone and run in its grad mode.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ssm_compile
+from torch._dynamo.utils import counters
+from utils import check_compiled_against_fp64
+
+
+def discretize(u, delta, A, B):
+    return torch.exp(delta.unsqueeze(-1) * A), (delta * u).unsqueeze(-1) * B.unsqueeze(2)
+
+
+def inputs(batch=2, length=11, dim=6, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, length, dim, generator=g), F.softplus(torch.randn(batch, length, dim, generator=g)),
+            -torch.rand(dim, n, generator=g) - 0.3, torch.randn(batch, length, n, generator=g),
+            torch.randn(batch, length, n, generator=g), torch.randn(dim, generator=g)]
+
+
+def squeeze_then_skip(u, delta, A, B, C, D):
+    dA, dBu = discretize(u, delta, A, B)
+    h = torch.zeros_like(dA[:, 0])
+    hs = []
+    for t in range(u.shape[1]):
+        h = dA[:, t] * h + dBu[:, t]
+        hs.append(h)
+    y = (torch.stack(hs, 1) @ C.unsqueeze(-1)).squeeze()
+    return y + D * u
+
+
+def squeezed_step_readouts(u, delta, A, B, C, D):
+    dA, dBu = discretize(u, delta, A, B)
+    h = torch.zeros_like(dA[:, 0])
+    ys = []
+    for t in range(u.shape[1]):
+        h = dA[:, t] * h + dBu[:, t]
+        ys.append((h @ C[:, t, :, None]).squeeze())  # (b, d, 1) -> (b, d)
+    return torch.stack(ys, 1) + u * D
+
+
+def chunked(u, delta, A, B, C, D, chunk=4):
+    dA, dBu = discretize(u, delta, A, B)
+    h = torch.zeros_like(dA[:, 0])
+    outs = []
+    for c0 in range(0, u.shape[1], chunk):  # 11 steps: chunks of 4, 4 and a ragged 3
+        ys = []
+        for t in range(c0, min(c0 + chunk, u.shape[1])):
+            h = dA[:, t] * h + dBu[:, t]
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        outs.append(torch.stack(ys, dim=1))
+    return torch.cat(outs, dim=1) + u * D
+
+
+def chunked_negative_axis(u, delta, A, B, C, D, chunk=5):
+    dA, dBu = discretize(u, delta, A, B)
+    h = torch.zeros_like(dA[:, 0])
+    outs = []
+    for c0 in range(0, u.shape[1], chunk):
+        ys = [((h := dA[:, t] * h + dBu[:, t]) @ C[:, t, :, None])[..., 0] for t in range(c0, min(c0 + chunk, u.shape[1]))]
+        outs.append(torch.stack(ys, -2))  # (b, steps, d): axis -2 of the stack, -2 of the cat
+    return torch.cat(outs, -2) + u * D
+
+
+def chunked_first_without_grad(u, delta, A, B, C, D, chunk=4):
+    dA, dBu = discretize(u, delta, A, B)
+    h = torch.zeros_like(dA[:, 0])
+    outs = []
+    for c0 in range(0, u.shape[1], chunk):
+        ys = []
+        for t in range(c0, min(c0 + chunk, u.shape[1])):
+            h = dA[:, t] * h + dBu[:, t]
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        if c0 == 0:
+            with torch.no_grad():  # a stack outside the cat's grad mode: its output holds no history
+                outs.append(torch.stack(ys, 1))
+        else:
+            outs.append(torch.stack(ys, 1))
+    return torch.cat(outs, 1) + u * D
+
+
+def chunked_with_a_stack_returned(u, delta, A, B, C, D, chunk=4):
+    dA, dBu = discretize(u, delta, A, B)
+    h = torch.zeros_like(dA[:, 0])
+    outs = []
+    for c0 in range(0, u.shape[1], chunk):
+        ys = []
+        for t in range(c0, min(c0 + chunk, u.shape[1])):
+            h = dA[:, t] * h + dBu[:, t]
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        outs.append(torch.stack(ys, 1))
+    return torch.cat(outs, 1) + u * D, outs[0]
+
+
+def families(report):
+    return sorted(r.family for r in report.rewrites)
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (squeeze_then_skip, ["discretization", "readout", "scan_loop", "skip"]),
+    (squeezed_step_readouts, ["discretization", "readout", "scan_loop", "skip"]),
+], ids=["stacked-then-skip", "per-step"])
+def test_a_bare_squeeze_with_one_unit_axis_is_rewritten(fn, expected):
+    args = [a.requires_grad_() for a in inputs()]
+    report = ssm_compile.explain(fn, *args)
+    assert families(report) == expected, report.format(graphs=False)
+    check_compiled_against_fp64(fn, args)
+
+
+def test_a_bare_squeeze_with_two_unit_axes_is_left_as_written():
+    # Batch 1: squeeze() drops the batch axis too, so it is not squeeze(-1) and the skip after it
+    # broadcasts a (L, d) y against (1, L, d): the scan is still rewritten, the skip is not folded.
+    args = [a.requires_grad_() for a in inputs(batch=1)]
+    report = ssm_compile.explain(squeeze_then_skip, *args)
+    assert "scan_loop" in families(report) and "skip" not in families(report), report.format(graphs=False)
+    check_compiled_against_fp64(squeeze_then_skip, args)
+
+
+def test_a_bare_squeeze_under_dynamic_shapes():
+    # Symbolic batch, length and channels are known not to be 1, so the product's last axis is
+    # still the only size-1 axis.
+    compiled = torch.compile(squeeze_then_skip, backend="ssm", dynamic=True)
+    for length in (11, 7):
+        a = inputs(length=length, seed=length)
+        torch.testing.assert_close(compiled(*a), squeeze_then_skip(*a), rtol=1e-5, atol=1e-5)
+    assert counters["ssm"]["skip"] >= 1 and counters["ssm"]["scan_loop"] >= 1, dict(counters["ssm"])
+
+
+@pytest.mark.parametrize("fn", [chunked, chunked_negative_axis], ids=["stack-1", "stack-minus-3"])
+def test_chunks_stacked_then_joined_by_cat_are_one_scan(fn):
+    args = [a.requires_grad_() for a in inputs()]
+    report = ssm_compile.explain(fn, *args)
+    assert families(report).count("scan_loop") == 1 and "readout" in families(report), report.format(graphs=False)
+    check_compiled_against_fp64(fn, args)
+
+
+@pytest.mark.parametrize("fn", [chunked_first_without_grad, chunked_with_a_stack_returned],
+                         ids=["stack-under-no-grad", "stack-returned"])
+def test_stacks_the_cat_does_not_own_are_not_joined(fn):
+    args = [a.requires_grad_() for a in inputs()]
+    report = ssm_compile.explain(fn, *args)
+    assert "scan_loop" not in families(report), report.format(graphs=False)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*args)
+    ref = fn(*args)
+    outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+    for o, r in zip(outs, refs, strict=True):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    grads = [torch.randn_like(r) for r in refs]
+    got = torch.autograd.grad(outs, args, grads)
+    want = torch.autograd.grad(refs, args, grads)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
