@@ -347,6 +347,19 @@ def _left_weight_product(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, t
     return weight_product(node, lambda dims: dims >= 3)
 
 
+def _transposed_product(pre: torch.fx.Node) -> tuple[torch.fx.Node, Optional[tuple[int, int]]]:
+    """``(P, (i, j))`` when ``pre`` is ``P.transpose(i, j)`` and nothing else reads P (mamba.py's
+    ``(dt_proj.weight @ dt.transpose(1, 2)).transpose(1, 2)``); else ``(pre, None)``."""
+    if not (is_method(pre, "transpose") or is_call(pre, torch.transpose)) or len(pre.args) != 3 or pre.kwargs:
+        return pre, None
+    source, i, j = pre.args
+    if not isinstance(source, torch.fx.Node) or not isinstance(i, int) or not isinstance(j, int):
+        return pre, None
+    if list(source.users) != [pre]:
+        return pre, None
+    return source, (i, j)
+
+
 def _as_linear(graph: torch.fx.Graph, W: torch.fx.Node, T: torch.fx.Node) -> torch.fx.Node:
     """``linear(T.mT, W).mT``: the same products and sums as ``W @ T``, in the layout the rest
     of the block wants.
@@ -412,14 +425,16 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
         reads += [linear_args["input"], linear_args["weight"]]
     # Only when the product has no other user: otherwise the matmul stays for it, and a second
     # GEMM would cost more than the copy the linear saves.
-    product = _left_weight_product(fold.pre)
+    matmul, swap = _transposed_product(fold.pre)
+    product = _left_weight_product(matmul)
     if product is not None and not all(u in fold.nodes for u in fold.pre.users):
         product = None
     if product is not None:
         reads += list(product)
     # The softplus (and the linear or matmul recomputed at the scan) must have run under the
     # scan's grad mode / autocast / functorch state.
-    recomputed = [fold.linear] if fold.linear is not None else [fold.pre] if product is not None else []
+    recomputed = ([fold.linear] if fold.linear is not None else [fold.pre, matmul] if product is not None
+                  else [])
     refusal = context_refusal(graph, [scan, *fold.nodes, *recomputed], scan if recomputed else None)
     if refusal is not None:
         ctx.miss(FAMILY, refusal, [scan])
@@ -437,6 +452,9 @@ def _fold(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -> No
             propagate_val(pre)
         elif product is not None:
             pre = _as_linear(graph, *product)
+            if swap is not None:
+                pre = graph.call_method("transpose", (pre, *swap))
+                propagate_val(pre)
         new_delta = permute_view(graph, pre, fold.perm)
         if fold.flipped:
             new_delta = graph.call_method("flip", (new_delta, 2))

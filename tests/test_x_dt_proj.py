@@ -370,6 +370,8 @@ class XDt(nn.Module):
         elif self.variant == "einsum_dt_transposed":  # W_dt read as (R, dim): another product
             w = self.dt_proj.weight.reshape(self.R, -1)
             dt_pre = torch.einsum("blr,rd->bld", dt, w) + self.dt_proj.bias
+        elif self.variant == "mambapy":  # mamba.py's batched product, transposed back (probe CT, run 64)
+            dt_pre = (self.dt_proj.weight @ dt.transpose(1, 2)).transpose(1, 2) + self.dt_proj.bias
         elif self.variant in ("matmul_t", "matmul_T"):  # the linear written as a product (probe AI, run 49)
             w = self.dt_proj.weight
             dt_pre = dt @ (w.t() if self.variant == "matmul_t" else w.T) + self.dt_proj.bias
@@ -414,7 +416,7 @@ class XDt(nn.Module):
 @pytest.mark.parametrize("variant", ["split", "slice", "slice_from_the_end", "split_keywords", "rows", "rows_T",
                                      "bias_add_method", "matmul_t", "matmul_T", "einsum", "einsum_ellipsis",
                                      "tensor_split", "tensor_split_method", "split_empty_first",
-                                     "tensor_split_at_zero", "tensor_split_negative"])
+                                     "tensor_split_at_zero", "tensor_split_negative", "mambapy"])
 def test_forms_are_rewritten(variant):
     torch.manual_seed(0)
     model = XDt(variant)
