@@ -185,6 +185,28 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
     return None
 
 
+def _symbolic_columns(node: torch.fx.Node) -> Optional[str]:
+    """Why ``node``, a piece of a tensor's last axis whose bounds are sizes known only when the graph
+    runs (``x_dbl[:, :delta_rank]`` with ``delta_rank = W_dt.shape[1]`` under ``dynamic=True``), is
+    not read as x_proj's first R columns; None for any other node."""
+    bounds: list[Any] = []
+    indexed = _last_axis_index(node)
+    if indexed is not None and isinstance(indexed[1], slice):
+        bounds = [indexed[1].start, indexed[1].stop]
+    elif is_method(node, "narrow") or is_call(node, torch.narrow):
+        bounds = list(node.args[2:4])
+    elif is_call(node, operator.getitem) and (is_call(node.args[0], *_SPLITS)
+                                              or is_method(node.args[0], "split", "split_with_sizes")):
+        sizes = node.args[0].args[1] if len(node.args[0].args) > 1 else None
+        bounds = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
+    if not any(isinstance(b, (torch.fx.Node, torch.SymInt)) for b in bounds):
+        return None
+    return (f"dt_proj reads {node.name}, columns of x_proj's output whose bounds are sizes known only when the "
+            "graph runs (symbolic: under dynamic=True a weight passed as a plain tensor has symbolic sizes, an "
+            "nn.Parameter's stay static): the pass proves on static sizes that dt_proj reads exactly x_proj's "
+            "first R columns, R being dt_proj's weight's second size, so x_proj and dt_proj stay as they are")
+
+
 def _last_axis_index(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, Any]]:
     """``(x, i)`` when ``node`` is ``x[..., i]``, every axis but the last taken whole, else None."""
     if not (is_call(node, operator.getitem) and isinstance(node.args[0], torch.fx.Node)):
@@ -550,6 +572,7 @@ def match(scan: torch.fx.Node) -> Site | str | None:
     dt_proj = _value_source(delta)
     # ``W @ dt.t()`` reads both ways: as mamba_simple's rows product of the weight, and as
     # ``x @ w.t()`` with W as x. The reading whose low-rank operand is x_dbl's first columns holds.
+    symbolic = None
     for rows_product, dt_args in ((False, _linear(dt_proj)), (True, _rows_product(dt_proj))):
         if dt_args is None:
             continue
@@ -562,8 +585,9 @@ def match(scan: torch.fx.Node) -> Site | str | None:
         columns = _leading_columns(top.base)
         if columns is not None:
             break
+        symbolic = symbolic or _symbolic_columns(top.base)
     else:
-        return _later_piece(dt_proj, _axis_names(delta, dt_proj))
+        return _later_piece(dt_proj, _axis_names(delta, dt_proj)) or symbolic
     x_dbl, rank = columns
     x_args = _linear(x_dbl)
     if x_args is None:

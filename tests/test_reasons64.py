@@ -239,3 +239,35 @@ def test_dt_proj_over_a_piece_of_a_cat_names_the_piece(case):
     report = _explain_against_eager(_dt_block(lambda dt, B, w, b: F.linear(dt_of(dt, B), w, b)))
     assert "x_dt_proj" not in report.counts
     assert _misses(report, "x_dt_proj") == [reason]
+
+
+def dt_columns_by_weight_size(x, wx, wdt, bdt, A):
+    """mamba_inner_ref's functional style: the weights are arguments, dt's width is W_dt's."""
+    rank, n = wdt.shape[1], A.shape[1]
+    x_dbl = F.linear(x, wx)
+    dt, B, C = x_dbl[..., :rank], x_dbl[..., rank:rank + n], x_dbl[..., rank + n:]
+    delta = F.softplus(F.linear(dt, wdt) + bdt)
+    return selective_scan_fn(x.transpose(1, 2), delta.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2))
+
+
+def test_dt_columns_of_symbolic_width_say_so():
+    # Under dynamic=True the plain-tensor weights' sizes are symbolic, so the columns dt_proj reads
+    # end at a size known only at run time: the pass left x_proj and dt_proj alone with no reason
+    # (probe CT, run 64).
+    from ssm_compile.compiler import SSMBackend
+    from ssm_compile.config import SSMOptions
+    from ssm_compile.report import Report
+
+    g = torch.Generator().manual_seed(5)
+    dim, rank, n = 6, 2, 3
+    args = (torch.randn(2, 9, dim, generator=g), torch.randn(rank + 2 * n, dim, generator=g) / dim ** 0.5,
+            torch.randn(dim, rank, generator=g) / rank ** 0.5, torch.randn(dim, generator=g),
+            -torch.rand(dim, n, generator=g) - 0.5)
+    records = []
+    compiled = torch.compile(dt_columns_by_weight_size, dynamic=True,
+                             backend=SSMBackend(SSMOptions(inductor=False), on_graph=records.append))
+    torch.testing.assert_close(compiled(*args), dt_columns_by_weight_size(*args), rtol=1e-5, atol=1e-5)
+    report = Report(graphs=records, graph_breaks={})
+    assert not [r for r in report.rewrites if r.family == "x_dt_proj"], report.format(graphs=False)
+    assert any(m.family == "x_dt_proj" and "whose bounds are sizes known only when the graph runs" in m.reason
+               for m in report.misses), report.format(graphs=False)
