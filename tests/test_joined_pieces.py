@@ -50,17 +50,25 @@ def squeezed_step_readouts(u, delta, A, B, C, D):
     return torch.stack(ys, 1) + u * D
 
 
-def chunked(u, delta, A, B, C, D, chunk=4):
+def chunk_stacks(u, delta, A, B, C, chunk=4, first_without_grad=False):
+    """The scan over chunks of time (11 steps: 4, 4 and a ragged 3), the state carried across,
+    each chunk's outputs stacked along time; with ``first_without_grad`` the first chunk's stack
+    runs under ``no_grad``, outside the cat's grad mode (its output holds no history)."""
     dA, dBu = discretize(u, delta, A, B)
     h = torch.zeros_like(dA[:, 0])
     outs = []
-    for c0 in range(0, u.shape[1], chunk):  # 11 steps: chunks of 4, 4 and a ragged 3
+    for c0 in range(0, u.shape[1], chunk):
         ys = []
         for t in range(c0, min(c0 + chunk, u.shape[1])):
             h = dA[:, t] * h + dBu[:, t]
             ys.append((h * C[:, t, None, :]).sum(-1))
-        outs.append(torch.stack(ys, dim=1))
-    return torch.cat(outs, dim=1) + u * D
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not (first_without_grad and c0 == 0)):
+            outs.append(torch.stack(ys, dim=1))
+    return outs
+
+
+def chunked(u, delta, A, B, C, D):
+    return torch.cat(chunk_stacks(u, delta, A, B, C), dim=1) + u * D
 
 
 def chunked_negative_axis(u, delta, A, B, C, D, chunk=5):
@@ -73,33 +81,12 @@ def chunked_negative_axis(u, delta, A, B, C, D, chunk=5):
     return torch.cat(outs, -2) + u * D
 
 
-def chunked_first_without_grad(u, delta, A, B, C, D, chunk=4):
-    dA, dBu = discretize(u, delta, A, B)
-    h = torch.zeros_like(dA[:, 0])
-    outs = []
-    for c0 in range(0, u.shape[1], chunk):
-        ys = []
-        for t in range(c0, min(c0 + chunk, u.shape[1])):
-            h = dA[:, t] * h + dBu[:, t]
-            ys.append((h * C[:, t, None, :]).sum(-1))
-        if c0 == 0:
-            with torch.no_grad():  # a stack outside the cat's grad mode: its output holds no history
-                outs.append(torch.stack(ys, 1))
-        else:
-            outs.append(torch.stack(ys, 1))
-    return torch.cat(outs, 1) + u * D
+def chunked_first_without_grad(u, delta, A, B, C, D):
+    return torch.cat(chunk_stacks(u, delta, A, B, C, first_without_grad=True), 1) + u * D
 
 
-def chunked_with_a_stack_returned(u, delta, A, B, C, D, chunk=4):
-    dA, dBu = discretize(u, delta, A, B)
-    h = torch.zeros_like(dA[:, 0])
-    outs = []
-    for c0 in range(0, u.shape[1], chunk):
-        ys = []
-        for t in range(c0, min(c0 + chunk, u.shape[1])):
-            h = dA[:, t] * h + dBu[:, t]
-            ys.append((h * C[:, t, None, :]).sum(-1))
-        outs.append(torch.stack(ys, 1))
+def chunked_with_a_stack_returned(u, delta, A, B, C, D):
+    outs = chunk_stacks(u, delta, A, B, C)
     return torch.cat(outs, 1) + u * D, outs[0]
 
 

@@ -396,7 +396,7 @@ def test_state_size_one_is_rewritten():
     check(paper_scan, args, rewritten=1, ref=reference(*args)[0])
 
 
-def chained_loops(u, delta, A, B, C):
+def chained_parts(u, delta, A, B, C):
     """Two loops, the second continuing from the first's state, each with its own stack."""
     h = torch.zeros(u.shape[0], u.shape[2], B.shape[2])
     parts = []
@@ -406,20 +406,15 @@ def chained_loops(u, delta, A, B, C):
             h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
             ys.append((h * C[:, t, None, :]).sum(-1))
         parts.append(torch.stack(ys, dim=1))
-    return torch.cat(parts, dim=1)
+    return parts
+
+
+def chained_loops(u, delta, A, B, C):
+    return torch.cat(chained_parts(u, delta, A, B, C), dim=1)
 
 
 def chained_loops_apart(u, delta, A, B, C):
-    """The same two loops, their stacks returned apart."""
-    h = torch.zeros(u.shape[0], u.shape[2], B.shape[2])
-    parts = []
-    for lo, hi in ((0, 3), (3, u.shape[1])):
-        ys = []
-        for t in range(lo, hi):
-            h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
-            ys.append((h * C[:, t, None, :]).sum(-1))
-        parts.append(torch.stack(ys, dim=1))
-    return tuple(parts)
+    return tuple(chained_parts(u, delta, A, B, C))
 
 
 def test_chained_loops_joined_by_cat_are_one_scan():
