@@ -53,7 +53,9 @@ along the stacked axis (``cat([stack(ys_0, 1), stack(ys_1, 1), ...], 1)``) compu
 all the steps' outputs in order, with the same values, dtype, sizes and strides.
 ``join_stacked_cats`` writes it as that one stack, so the scan matchers see every step's output
 collected, where each stack is read by the cat alone and runs in the cat's grad and autocast
-state (a stack under ``no_grad`` holds no history; the joined stack would).
+state (a stack under ``no_grad`` holds no history; the joined stack would), and where nothing
+writes in place between the first stack and the cat (the joined stack reads every item where the
+cat runs).
 """
 from __future__ import annotations
 
@@ -66,8 +68,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (ContextRegions, is_call, is_method, metadata_mutated, metadata_writes, mutates, propagate_val,
-                       reads_alike_to_autograd, same_sizes, storage_of, unit_piece, val, written_args)
+from .fx_utils import (METADATA_MUTATIONS, ContextRegions, is_call, is_method, metadata_mutated, metadata_writes, mutates,
+                       propagate_val, reads_alike_to_autograd, same_sizes, storage_of, unit_piece, val, written_args)
 
 _SPLIT_FUNCTIONS = (torch.tensor_split, torch.split, torch.functional.split, torch.split_with_sizes, torch.chunk,
                     torch.hsplit, torch.vsplit, torch.dsplit)
@@ -314,11 +316,22 @@ def _stack_axis(node: torch.fx.Node) -> int | None:
     return axis % v.dim()
 
 
+def _writes(node: torch.fx.Node) -> bool:
+    """``node`` writes a tensor's values (in place, ``out=``) or its sizes and strides (``t_()``)."""
+    return mutates(node) or (node.op == "call_method" and node.target in METADATA_MUTATIONS)
+
+
+def _between(first: torch.fx.Node, last: torch.fx.Node, order: dict) -> list[torch.fx.Node]:
+    """The nodes strictly between ``first`` and ``last`` in graph order."""
+    return [n for n, i in order.items() if order[first] < i < order[last]]
+
+
 def join_stacked_cats(gm: torch.fx.GraphModule) -> list[str]:
     """Write ``cat([stack(xs, k), stack(ys, k), ...], k)`` as ``stack(xs + ys + ..., k)`` (module
     docstring); a line each."""
     graph = gm.graph
     regions = ContextRegions(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     changes = []
     for cat in list(graph.nodes):
         if not is_call(cat, *_CATS) or cat.kwargs or not cat.args or not isinstance(cat.args[0], (list, tuple)):
@@ -335,6 +348,12 @@ def join_stacked_cats(gm: torch.fx.GraphModule) -> list[str]:
         if any(list(s.users) != [cat] or stacks.count(s) != 1 for s in stacks):
             continue
         if regions.refusal([cat, *stacks]) is not None:
+            continue
+        # The joined stack reads every item where the cat runs, the first stacks' items later than
+        # they did: a write in between (``h[0] = 5``, ``x.add_(1)``, ``torch.mul(h, 3, out=h)``,
+        # ``h.t_()``) to an item, its base or a view of it would show in the joined stack only
+        # (probe CU). Any write there refuses the join; which memory it touches is not needed.
+        if any(_writes(n) for n in _between(min(stacks, key=order.__getitem__), cat, order)):
             continue
         items = [item for s in stacks for item in s.args[0]]
         with graph.inserting_before(cat):

@@ -186,25 +186,39 @@ def _leading_columns(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]
 
 
 def _symbolic_columns(node: torch.fx.Node) -> Optional[str]:
-    """Why ``node``, a piece of a tensor's last axis whose bounds are sizes known only when the graph
+    """Why ``node``, the first columns of a linear's output up to a size known only when the graph
     runs (``x_dbl[:, :delta_rank]`` with ``delta_rank = W_dt.shape[1]`` under ``dynamic=True``), is
     not read as x_proj's first R columns; None for any other node."""
-    bounds: list[Any] = []
+    def symbolic(b: Any) -> bool:
+        return isinstance(b, (torch.fx.Node, torch.SymInt))
+
+    source = width = None
     indexed = _last_axis_index(node)
     if indexed is not None and isinstance(indexed[1], slice):
-        bounds = [indexed[1].start, indexed[1].stop]
+        cut = indexed[1]
+        if cut.start in (None, 0) and cut.step in (None, 1) and symbolic(cut.stop):
+            source, width = indexed[0], cut.stop
     elif is_method(node, "narrow") or is_call(node, torch.narrow):
-        bounds = list(node.args[2:4])
-    elif is_call(node, operator.getitem) and (is_call(node.args[0], *_SPLITS)
-                                              or is_method(node.args[0], "split", "split_with_sizes")):
-        sizes = node.args[0].args[1] if len(node.args[0].args) > 1 else None
-        bounds = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
-    if not any(isinstance(b, (torch.fx.Node, torch.SymInt)) for b in bounds):
+        base, axis, start, length = (list(node.args) + [None] * 4)[:4]
+        if isinstance(base, torch.fx.Node) and _last_axis(axis, base) and start == 0 and symbolic(length):
+            source, width = base, length
+    elif is_call(node, operator.getitem) and node.args[1] == 0 and (
+            is_call(node.args[0], *_SPLITS) or is_method(node.args[0], "split", "split_with_sizes")):
+        split = node.args[0]
+        base, sizes, axis = (list(split.args) + [None, 0])[:3]
+        first = sizes[0] if isinstance(sizes, (list, tuple)) and sizes else sizes
+        if isinstance(base, torch.fx.Node) and _last_axis(axis, base) and symbolic(first):
+            source, width = base, first
+    if source is None:
         return None
-    return (f"dt_proj reads {node.name}, columns of x_proj's output whose bounds are sizes known only when the "
-            "graph runs (symbolic: under dynamic=True a weight passed as a plain tensor has symbolic sizes, an "
-            "nn.Parameter's stay static): the pass proves on static sizes that dt_proj reads exactly x_proj's "
-            "first R columns, R being dt_proj's weight's second size, so x_proj and dt_proj stay as they are")
+    if _linear(source) is None:
+        # Not x_proj's output whatever the width: the reason static sizes would get.
+        return _not_x_proj(source, width.name if isinstance(width, torch.fx.Node) else width)
+    return (f"dt_proj reads {node.name}, the first columns of x_proj's output {source.name} up to a size known "
+            "only when the graph runs (symbolic: under dynamic=True a weight passed as a plain tensor has "
+            "symbolic sizes, an nn.Parameter's stay static): the pass proves on static sizes that dt_proj reads "
+            "exactly x_proj's first R columns, R being dt_proj's weight's second size, so x_proj and dt_proj "
+            "stay as they are")
 
 
 def _last_axis_index(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, Any]]:

@@ -149,3 +149,59 @@ def test_stacks_the_cat_does_not_own_are_not_joined(fn):
     want = torch.autograd.grad(refs, args, grads)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# Writes between the first stack and the cat (probe CU): the joined stack would read the items
+# where the cat runs, after the write, where eager's first stack copied them before it.
+def setitem_between(x, y):
+    h = x * 2
+    a = torch.stack([h, y], 1)
+    h[0] = 5.0
+    return torch.cat([a, torch.stack([h, y], 1)], 1)
+
+
+def state_view_updated_in_place(x, W):
+    H = torch.zeros(x.shape[0], 2, 4)
+    h = H[:, 0]
+    parts = []
+    for lo, hi in ((0, 2), (2, 4)):
+        ys = []
+        for t in range(lo, hi):
+            h.mul_(0.5).add_(x[:, t] @ W)
+            ys.append(h)
+        parts.append(torch.stack(ys, 1))
+    return torch.cat(parts, 1)
+
+
+def callers_state_copied_into(x, a, state):
+    parts = []
+    for lo, hi in ((0, 3), (3, 6)):
+        ys = []
+        for t in range(lo, hi):
+            state.copy_(a * state + x[:, t])
+            ys.append(state)
+        parts.append(torch.stack(ys, 1))
+    return torch.cat(parts, 1)
+
+
+@pytest.mark.parametrize("fn, shapes, grad", [
+    (setitem_between, [(2, 3), (2, 3)], True),
+    (state_view_updated_in_place, [(2, 4, 4), (4, 4)], True),
+    (callers_state_copied_into, [(2, 6, 4), (4,), (2, 4)], False),
+], ids=["setitem", "view-state-in-place", "callers-state-copy_"])
+def test_stacks_with_a_write_before_the_cat_are_not_joined(fn, shapes, grad):
+    g = torch.Generator().manual_seed(7)
+    args = [torch.randn(*s, generator=g) for s in shapes]
+    eager_args = [a.clone().requires_grad_(grad) for a in args]
+    compiled_args = [a.clone().requires_grad_(grad) for a in args]
+    ref = fn(*eager_args)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="ssm")(*compiled_args)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(compiled_args, eager_args, strict=True):  # the caller's state as eager left it
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-6, atol=1e-6)
+    if grad:
+        dy = torch.randn_like(ref)
+        for got, want in zip(torch.autograd.grad(out, compiled_args, dy), torch.autograd.grad(ref, eager_args, dy),
+                             strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
