@@ -364,8 +364,11 @@ def join_stacked_cats(gm: torch.fx.GraphModule) -> list[str]:
             graph.erase_node(joined)
             continue
         cat.replace_all_uses_with(joined)
+        # The joined stack may itself be a stack of a later cat (nested cats): it runs where the cat did.
+        order[joined] = order.pop(cat)
         graph.erase_node(cat)
         for s in stacks:
+            del order[s]
             graph.erase_node(s)
         changes.append(f"{cat.name} joins {len(stacks)} stacks along their stacked axis {axis % c.dim()}: "
                        f"read as one stack of their {len(items)} items")

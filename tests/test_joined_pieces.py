@@ -205,3 +205,19 @@ def test_stacks_with_a_write_before_the_cat_are_not_joined(fn, shapes, grad):
         for got, want in zip(torch.autograd.grad(out, compiled_args, dy), torch.autograd.grad(ref, eager_args, dy),
                              strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def nested_cats_then_scan(u, delta, A, B, C, D):
+    # The inner cat becomes a stack that the outer cat joins in turn; the scan after it must keep
+    # its rewrite (the second join raised KeyError, and the graph lost every rewrite).
+    pieces = torch.cat([torch.cat([torch.stack([u, delta], 1), torch.stack([delta, u], 1)], 1),
+                        torch.stack([u, u], 1)], 1)
+    return chunked(u, delta, A, B, C, D) + pieces.sum(1)
+
+
+def test_nested_cats_of_stacks_are_joined_in_turn():
+    args = [a.requires_grad_() for a in inputs()]
+    report = ssm_compile.explain(nested_cats_then_scan, *args)
+    assert not [m for m in report.misses if "raised" in m.reason], report.format(graphs=False)
+    assert "scan_loop" in families(report), report.format(graphs=False)
+    check_compiled_against_fp64(nested_cats_then_scan, args)
