@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._higher_order_ops.associative_scan import associative_scan
-from utils import TOL, rel_err
+from utils import TOL, rel_err, scan_bdl
 
 import ssm_compile
 
@@ -27,23 +27,12 @@ def _rate(A_log):
     return A.unsqueeze(-1) if A.dim() == 1 else A
 
 
-def _scan_bdl(dA, dBu, u, B, C):
-    """The loop over precomputed (batch, dim, L, ·) decays and input terms, einsum readout: the
-    state's N is B's, whatever size-1 axis dA broadcasts."""
-    h = u.new_zeros(u.shape[0], u.shape[1], B.shape[1])
-    ys = []
-    for t in range(u.shape[2]):
-        h = dA[:, :, t] * h + dBu[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
-    return torch.stack(ys, dim=2)
-
-
 def loop_bdl(u, dt, A_log, B, C, D):
     """(batch, dim, L) activations, exp(Δ·A) and Δ·B·u precomputed, einsum readout."""
     delta = F.softplus(dt)
     dA = torch.exp(delta[..., None] * _rate(A_log)[:, None, :])
     dBu = (delta * u)[..., None] * B.transpose(1, 2)[:, None]
-    return _scan_bdl(dA, dBu, u, B, C) + u * D[:, None]
+    return scan_bdl(dA, dBu, u, B, C) + u * D[:, None]
 
 
 def loop_bld(u, dt, A_log, B, C, D):
@@ -231,7 +220,7 @@ def full_exp_unsqueezed(u, dt, A_log, B, C, D):
     delta = F.softplus(dt)
     dA = torch.exp(delta * -torch.exp(A_log)[:, None]).unsqueeze(-1)
     dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
-    return _scan_bdl(dA, dBu, u, B, C) + u * D[:, None]
+    return scan_bdl(dA, dBu, u, B, C) + u * D[:, None]
 
 
 HEADS, HEADDIM = 2, 3
@@ -316,7 +305,7 @@ def no_state_axis_from_B(u, dt, A_log, B, C, D):
     delta = F.softplus(dt)
     dA = torch.exp(delta[..., None] * -torch.exp(A_log)[:, None, :])
     dBu = (delta * u * B.sum(1)[:, None])[..., None]
-    return _scan_bdl(dA, dBu, u, B, C)
+    return scan_bdl(dA, dBu, u, B, C)
 
 
 def shared_B_and_A(u, dt, A_log, B, C, D):

@@ -197,3 +197,14 @@ def check_compiled_against_fp64(fn, args):
     want = torch.autograd.grad(refs, wide, [g.double() for g in grads])
     for g, w in zip(got, want, strict=True):
         assert rel_err(g, w) <= TOL[torch.float32]
+
+
+def scan_bdl(dA, dBu, u, B, C):
+    """The loop over precomputed (batch, dim, L, ·) decays and input terms, einsum readout: the
+    state's N is B's, whatever size-1 axis dA broadcasts."""
+    h = u.new_zeros(u.shape[0], u.shape[1], B.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, dim=2)
