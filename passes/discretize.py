@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .fx_utils import (detach_note, dtype_of, exp_node_behind, flip_dims, higher_order_op, hop_name, is_call, is_cast,
                        is_method, layout_source, named_args, ndim_of, parse_slice, protects_saved_input,
-                       squeezed_unit_piece, unit_piece, val, view_chain)
+                       squeezed_unit_piece, unit_piece, val, view_chain, view_perm)
 
 __all__ = [
     "Source",
@@ -467,6 +467,13 @@ class _Evaluator:
             return self._reshape_ones(x, out_shape, top)
         if is_call(node, operator.getitem):
             return self._getitem(node, x, src, top)
+        perm = view_perm(node)
+        if perm is not None:
+            # The other spellings of a permutation (``movedim``, ``swapdims``, ``.mT``, ``.t()``):
+            # the same values with axes relabelled, as permute above (probe CV: ``dBu.movedim(2,
+            # -1)`` was "not a product Δ·B·u" where the same movedim of exp(Δ·A) was seen through).
+            t = self.term(x, top)
+            return None if t is None else self._relabel(t, tuple(t.out[p] for p in perm))
         return None
 
     def _relabel(self, t: IndexTerm, out: tuple[int, ...]) -> IndexTerm:

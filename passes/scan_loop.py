@@ -206,6 +206,19 @@ def _leaf_key(node: torch.fx.Node, t: int, depth: int = 0) -> tuple:
     return ("node", node)
 
 
+def _may_have_key(node: torch.fx.Node, key: tuple) -> bool:
+    """False where ``_leaf_key(node, t)`` cannot equal ``key`` for any t, from what the key's
+    kind fixes (a time slice, or the node's op and target, or the node itself); True otherwise.
+    Keying a node walks its inputs and their writes: a search over every product of a graph
+    with many loops spent minutes there (a tiny Zamba, run 65), nearly all on nodes of another op."""
+    kind = key[0]
+    if kind == "slice":
+        return time_slice(node) is not None
+    if kind in ("op", "inv"):
+        return node.op == key[1] and node.target == key[2] and time_slice(node) is None
+    return node is key[1]
+
+
 def _args_match(tmpl: Any, cand: Any, bind: dict[torch.fx.Node, torch.fx.Node], t: int) -> bool:
     if isinstance(tmpl, torch.fx.Node):
         if tmpl in bind:
@@ -375,7 +388,7 @@ class LoopMatch:
     disc: Discretized
     state_roles: tuple[str, ...]            # roles of h_t's axes, e.g. ("b", "d", "n")
     init: torch.fx.Node | None              # initial state, None when it is zeros
-    C: Source                               # C_full and its axis roles
+    C: Source | None                        # C_full and its axis roles; None where no readout is used
     out: "Collected"                        # how the per-step outputs are collected
     h_last: torch.fx.Node
     last_users: list[torch.fx.Node]         # users of h_{L-1} outside the loop
@@ -508,7 +521,8 @@ def _collects(c: torch.fx.Node, y: torch.fx.Node) -> bool:
 
 @dataclasses.dataclass
 class Collected:
-    kind: str                               # "stack", "cat", "setitem", "copy_" or "states"
+    kind: str                               # "stack", "cat", "setitem", "copy_", "states", or
+                                            # "last state only" (no readout is used)
     out_node: torch.fx.Node                 # the value that holds all outputs after the loop
     out_users: list[torch.fx.Node]          # its users after the loop, to be redirected
     writes: list[torch.fx.Node]             # the collecting nodes, erased with the loop
@@ -843,6 +857,21 @@ def _find_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx.No
     return None
 
 
+def _uncollected_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node], state_roles: tuple[str, ...], L: int,
+                         disc: Discretized) -> torch.fx.Node | None:
+    """The first node after ``h0`` (not in ``exclude``, a few hops at most) that is a contraction
+    ``Σ_n h_0 · C_full[t=0]``, for readouts no stack/cat collects; else None."""
+    seen, frontier = {h0}, [h0]
+    for _ in range(6):
+        frontier = [u for n in frontier for u in n.users if u not in exclude and u not in seen]
+        seen.update(frontier)
+        found = next((n for n in frontier if not isinstance(_match_contraction(n, h0, state_roles, L, disc), str)),
+                     None)
+        if found is not None or not frontier:
+            return found
+    return None
+
+
 def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torch.fx.Node], h: list[torch.fx.Node],
                         state_roles: tuple[str, ...], L: int, disc: Discretized, pos: dict[torch.fx.Node, int]
                         ) -> tuple[Source, torch.fx.Node, Collected, list[list[torch.fx.Node]]] | str:
@@ -858,9 +887,16 @@ def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torc
     short = _c_too_short(c_src, L)
     if short is not None:
         return short
-    out = _collect(ys, y_roles, pos)
-    if isinstance(out, str):
-        return out
+    collected = any(_collects(c, ys[0]) for c in ys[0].users)
+    out = _collect(ys, y_roles, pos) if collected else None
+    if out is None or isinstance(out, str):
+        # The outputs are proved readouts, but not stored once each in one stack, cat or buffer
+        # (a cat of several loops' outputs, a cat grown step by step, ``select_scatter``, a sum
+        # over time): each y_t becomes the op's y at t (a size-1 axis the readout keeps, role
+        # "1", kept), and the user's code that collects them stays as it is, as for a readout
+        # inside a longer expression (``_match_readout_with_tail``).
+        roles = tuple("1" if r is None else r for r in y_roles) + ("t",)
+        out = Collected("per-step", y0, [], [], roles, ys)
     return c_src, c_base, out, readouts
 
 
@@ -1192,7 +1228,7 @@ def _of_one_step(node: Any, index: int, depth: int = 0) -> bool:
 
 
 def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
-               products: list[tuple[torch.fx.Node, Any, Any]], pos) -> LoopMatch | str | None:
+               products: _Products, pos) -> LoopMatch | str | None:
     """Try to prove that the recurrence anchored at ``anchor`` = ``a0 * H`` is a selective scan.
 
     Returns the match, a reason string, or None when ``a0 * H`` does not even start a chain
@@ -1221,7 +1257,8 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         for _, p, q in products:
             for a1, x in ((p, q), (q, p)):
                 if (isinstance(a1, torch.fx.Node) and isinstance(x, torch.fx.Node) and pos[x] > pos[H]
-                        and (found is None or pos[x] < pos[found]) and _leaf_key(a1, shift) == key0
+                        and (found is None or pos[x] < pos[found]) and _may_have_key(a1, key0)
+                        and products.leaf_key(a1, shift) == key0
                         and (x is source or _between(source, x, pos) is not None)):
                     found = x
         return found
@@ -1412,13 +1449,18 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
     if isinstance(buffered, str):
         return buffered
     step1 = set(steps[1])
+    # No readout at all: a loop that only carries the state to its end (a prefill that fills a
+    # cache, a chunk's state). The op then reads out nothing the program uses, and its last
+    # state stands for h_{L-1}; the checks below still prove that no earlier state or step value
+    # is used outside the recurrence.
+    last_only = False
     if stacked is None and buffered is None:
         y0 = _find_readout(h0, step1)
-        if y0 is None:
-            return "no per-step readout of the state is collected by stack/cat, and the states are not stacked"
-        rregion = _between(h0, y0, pos)
-        if rregion is None or step1.intersection(rregion):
-            return "the readout of step 0 depends on a later state"
+        last_only = y0 is None
+        if not last_only:
+            rregion = _between(h0, y0, pos)
+            if rregion is None or step1.intersection(rregion):
+                return "the readout of step 0 depends on a later state"
     if not per_step:
         if b_base is not None:
             # Checked at the loop's own length, which the walk above may have found shorter than
@@ -1435,6 +1477,15 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         if short is not None:
             return short
     state_roles = tuple(r for r in disc.a_roles if r != "t")
+    if last_only:
+        # A readout whose outputs no stack, cat or buffer collects (summed over time, written
+        # with ``select_scatter``): found as the contraction itself, then replaced step by step.
+        y0 = _uncollected_readout(h0, step1, state_roles, L, disc)
+        if y0 is not None:
+            rregion = _between(h0, y0, pos)
+            if rregion is None or step1.intersection(rregion):
+                return "the readout of step 0 depends on a later state"
+            last_only = False
     if stacked is not None or buffered is not None:
         found = (_match_stacked_readout(stacked, h, state_roles, L) if stacked is not None
                  else _match_buffered_readout(buffered, state_roles, L))
@@ -1451,6 +1502,11 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
             # The states' last slot and h_L are two tensors in the loop; the op's last state
             # would stand for both, and a write to one would show in the other.
             return "the last state is written in place after the loop, and the states' last slot is read too"
+    elif last_only:
+        c_src = c_base = None
+        out = Collected("last state only", h[-1], [], [], ("b", "d", "t"))
+        readouts = [[] for _ in range(L)]
+        last_views = []
     else:
         found = _match_step_readout(y0, h0, rregion, h, state_roles, L, disc, pos)
         if found == NOT_A_CONTRACTION:
@@ -1489,12 +1545,16 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
                 return f"step {t}'s readout value is used outside the loop"
     loop_nodes = set().union(*steps, *readouts)
     last_users = [u for u in h[-1].users if u not in loop_nodes and u not in collected_states]
+    if last_only and not last_users:
+        return "no per-step readout of the state is collected by stack/cat, the states are not stacked, and the last state is not used"
 
     # A, and a B or C without a time axis, are read once by the op: each must be one value for
     # every step. The walk matches a per-step computation on time slices (``C + u[:, :, t].mean(0)``,
     # ``sigmoid(B * u[:, :, t].mean(0))``) step by step, and a C read off the state
     # (``h.detach().mean(0)``) as part of the readout: neither is time-invariant (probe AG).
     for name, node in (("A", disc.A.node), ("B", disc.B.node), ("C", c_base)):
+        if name == "C" and c_src is None:
+            continue
         if name != "A" and (name == "B" and not disc.time_invariant_B or name == "C" and "t" in c_src.roles):
             continue
         varies = _varies_per_step(node, loop_nodes, L)
@@ -1506,7 +1566,9 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
 
     # The op reads its inputs once, where it is placed; a value mutated in place anywhere would
     # make that read differ from what the loop saw.
-    sources = {"u": disc.u.node, "delta": disc.delta.node, "A": disc.A.node, "B": disc.B.node, "C": c_base}
+    sources = {"u": disc.u.node, "delta": disc.delta.node, "A": disc.A.node, "B": disc.B.node}
+    if c_base is not None:
+        sources["C"] = c_base
     sources.update({name: node for name, node in (("A_full", a_base), ("B_full", b_base)) if node is not None})
     if init is not None:
         sources["initial state"] = init
@@ -1833,7 +1895,13 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     # A broadcast h_{-1} (e.g. a learned (dim, N) state shared by the batch) has the state's
     # trailing roles.
     init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
-    C = first_steps(graph, m.C, m.L)
+    if m.C is None:
+        # Only the last state is used: the op still reads a C, and a zero one shared by the
+        # channels (a stride-0 (dim, N) view of N zeros) makes its unused y cheap and finite.
+        n = _node(graph, "call_method", "size", m.disc.B.node, m.disc.B.roles.index("n"))
+        C = Source(_node(graph, "call_method", "new_zeros", m.disc.u.node, (n,)), ("n",))
+    else:
+        C = first_steps(graph, m.C, m.L)
     if m.out.kind == "states" and m.out.reversed_time and "t" in C.roles:
         # The states were stored last step first and read out with C in their slots' order: the
         # op's step s reads C at slot L-1-s (``_readout_of_states``).
@@ -1854,7 +1922,7 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     """Replace the loop by the op; on failure leave the graph as it was and say why."""
     graph = gm.graph
     d = m.disc
-    inputs = [d.u.node, d.delta.node, d.A.node, d.B.node, m.C.node] + ([m.init] if m.init is not None else [])
+    inputs = [d.u.node, d.delta.node, d.A.node, d.B.node] + [n for n in (m.C and m.C.node, m.init) if n is not None]
     last_input = max(inputs, key=pos.__getitem__)
     users = m.out.out_users + m.last_users + [u for v in m.last_views for u in v.users]
     users += [u for r in m.out.step_readouts for u in r.users]
@@ -1866,7 +1934,7 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     # The op must run under the grad mode / autocast / functorch state the loop ran under.
     regions = ContextRegions(graph)
     replaced = [*m.loop_nodes, *d.nodes, *m.out.writes]
-    sources = [d.u.node, d.delta.node, d.B.node, m.C.node]
+    sources = [d.u.node, d.delta.node, d.B.node] + ([m.C.node] if m.C is not None else [])
     # The op also stands in for what lies between its sources and the loop (casts on C the
     # readout was proved through): a rounding there is the program's too, also where the rounded
     # copy feeds another source as well (a rounded C summed into Δ: probe BJ, run 53, 1.7e-3 off).
@@ -2090,10 +2158,26 @@ def _key_slices(key: Any) -> list[tuple]:
     return []
 
 
-def _products(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, Any, Any]]:
+class _Products(list):
+    """``_products``' list, with the leaf keys of its factors computed so far: one search per
+    anchor goes over every product, and keys hold as long as the graph does (every change to
+    the graph computes the products anew)."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: dict[tuple[torch.fx.Node, int], tuple] = {}
+
+    def leaf_key(self, node: torch.fx.Node, t: int) -> tuple:
+        key = self.keys.get((node, t))
+        if key is None:
+            key = self.keys[node, t] = _leaf_key(node, t)
+        return key
+
+
+def _products(graph: torch.fx.Graph) -> _Products:
     """Every product ``p * q`` in the graph as (node, p, q): ``mul``, and the product inside
     ``addcmul(b, p, q)`` (value 1), which spells ``h = B_full[t] + A_full[t] * h`` in one call."""
-    found = []
+    found = _Products()
     for n in graph.nodes:
         if (is_call(n, *_MUL) or is_method(n, "mul")) and len(n.args) == 2 and not n.kwargs:
             found.append((n, n.args[0], n.args[1]))
@@ -2731,8 +2815,9 @@ def _rewrite_one(gm: torch.fx.GraphModule, ctx: PassContext, tried: set) -> bool
         ctx.rewrite(FAMILY, "unrolled h = A_full[t]*h + B_full[t]", m.loop_nodes, emitted, decision)
         ctx.rewrite("discretization", "exp(Δ·A), Δ·B·u", m.disc.nodes, emitted,
                     {"time_invariant_B": m.disc.time_invariant_B})
-        ctx.rewrite("readout", f"Σ_n h·C, {decision['collector']}", [], emitted,
-                    readout_decision(_layout(m.out.roles), m.out.out_node, m.C.roles))
+        if m.C is not None:
+            ctx.rewrite("readout", f"Σ_n h·C, {decision['collector']}", [], emitted,
+                        readout_decision(_layout(m.out.roles), m.out.out_node, m.C.roles))
         return True
     return False
 

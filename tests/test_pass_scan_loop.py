@@ -732,7 +732,6 @@ NEGATIVE = [
     pytest.param(different_delta, "none of which is A_full's Δ", id="different-delta"),
     pytest.param(per_step_input_lagged, "addend reads time 8 where its multiplier reads time 0", id="per-step-input"),
     pytest.param(readout_not_contraction, "readout is not a contraction", id="readout-tanh"),
-    pytest.param(stacked_twice, "not collected exactly once", id="stacked-twice"),
     pytest.param(mutated_source, "is mutated in place", id="mutated-source"),
     pytest.param(per_step_previous_input, "addend reads time 8 where its multiplier reads time 0",
                  id="per-step-previous-input"),

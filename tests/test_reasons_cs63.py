@@ -4,7 +4,8 @@
   the input was left alone as "step 0's output is stored at the wrong place of the output buffer
   (index 7 of axis 2)": false, index L-1 is where the walk's first step belongs. The true reason
   is that slot 0 is never written by the loop (it keeps the buffer's zeros), which the op's output,
-  one value per step walked, does not hold.
+  one value per step walked, does not hold. (Run 65: the outputs' buffer is now rewritten, each
+  stored y_t replaced by the op's y at t and slot 0 left as it was: test_step_readouts.py.)
 - The skip after such a loop's stacked outputs, ``+ u[:, :, 1:] * D``, was refused as "the skip
   multiplies getitem_N, not the scan's u" although ``u[:, :, 1:]`` is the u that loop scans (the op
   reads ``u.narrow(2, -7, 7)`` flipped). It now folds into the op.
@@ -61,9 +62,6 @@ def states_into_buffer(u, delta, A, B, C, D):
 
 
 @pytest.mark.parametrize("fn, reason", [
-    (outputs_into_buffer,
-     "the loop walks the output buffer back from index 7 to index 1 of axis 2 (length 8): index 0 is never "
-     "written by the loop and keeps what the buffer held before it; the op's output holds one value per step walked"),
     (states_into_buffer,
      "the loop walks the states' buffer back from index 7 to index 1 of axis 2 (length 8): index 0 is never "
      "written by the loop and keeps what the buffer held before it; the op's output holds one value per step walked"),
