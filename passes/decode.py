@@ -1617,13 +1617,22 @@ def find_window_write(copy: torch.fx.Node, order: dict[torch.fx.Node, int]) -> d
                        "same cache")
         return None
     shifts, dims = roll
-    if dims not in (-1, 2) or not isinstance(shifts, int):
+    if dims not in (-1, 2):
         raise Miss(f"the window is rolled with shifts={shifts!r}, dims={dims!r}, not along its last axis")
+    if not isinstance(shifts, int):
+        # (A Python int the trace made a symbol under dynamic=True, say; probe CV named the axis.)
+        raise Miss(f"the window is rolled along its last axis by shifts={shifts!r}, a value the graph does not "
+                   "fix: the op rolls by exactly one slot")
     after = [n for n in _last_slot_writes(cs, S) if order[n] > order[copy]]
     # transformers 4.39 writes x into the rolled copy before copying it into the cache, and reads
     # that copy out: the cache and the copy both end up holding the new window.
     rolled = _last_slot_writes(src, S)
     before = [n for n in rolled if order[n] < order[copy]]
+    if not after and not before and not (shifts == -1 or _same(shifts, S - 1)):
+        # Rolled the other way (newest input first, written at index 0): the shift is the reason,
+        # not a missing write at index -1 (probe CV).
+        raise Miss(f"the window is rolled with shifts={shifts}, not -1 (oldest input out at the front, its slot at "
+                   "the end for the one new input)")
     if not after and not before:
         late = [n.name for n in rolled]
         raise Miss("conv_state[..., -1] = x is written neither to the conv state after the copy_ nor to the "

@@ -24,7 +24,7 @@ from .inplace import caller_state_recurrences, rewrite_local_writes
 from .keywords import positional_operands
 from .layout import output_layouts, random_input_layouts, settle_layouts
 from .pieces import (join_stacked_cats, name_squeezed_axes, read_reshape_round_trips, read_single_cats, read_unit_pieces,
-                     read_whole_pieces)
+                     read_whole_pieces, whole_setitems_as_copies)
 
 log = logging.getLogger("ssm_compile")
 
@@ -349,7 +349,7 @@ class PassManager:
         # nodes' fake values, which a pass's replacements leave stale on the nodes after them.
         _attribute_reads_first(gm)
         # Operands by position first: every pass after it reads them so.
-        keyword_changes = positional_operands(gm) + drop_identity_conversions(gm)
+        keyword_changes = positional_operands(gm) + drop_identity_conversions(gm) + whole_setitems_as_copies(gm)
         callers_states = caller_state_recurrences(gm.graph)
         # einops calls next: the others and the matchers see only torch calls.
         einops_changes, einops_kept = expand_einops_calls(gm)

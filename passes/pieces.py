@@ -56,6 +56,12 @@ collected, where each stack is read by the cat alone and runs in the cat's grad 
 state (a stack under ``no_grad`` holds no history; the joined stack would), and where nothing
 writes in place between the first stack and the cat (the joined stack reads every item where the
 cat runs).
+
+``t[:] = v`` and ``t[...] = v`` (every index a whole slice or an ellipsis) write v into all of t,
+converting and broadcasting it as ``t.copy_(v)`` does (``Tensor.__setitem__`` does that copy):
+``whole_setitems_as_copies`` writes them so, and the passes that read a state or window write
+read one spelling (probe CV: ``conv_state[:] = torch.roll(conv_state, -1, -1)`` in a decode step
+was left alone with no reason, where ``conv_state.copy_(...)`` was rewritten).
 """
 from __future__ import annotations
 
@@ -301,6 +307,39 @@ def name_squeezed_axes(gm: torch.fx.GraphModule) -> list[str]:
         node.args = (node.args[0], ones[0])
         changes.append(f"{node.name} squeezes {node.args[0].name}'s only size-1 axis: read as squeeze({ones[0]})")
     if changes:
+        gm.recompile()
+    return changes
+
+
+def _whole_index(index, ndim: int) -> bool:
+    """``index`` selects all of a tensor of ``ndim`` axes: whole slices and at most one ellipsis."""
+    items = index if isinstance(index, tuple) else (index,)
+    whole = [isinstance(i, slice) and i == slice(None, None, None) for i in items]
+    ellipses = sum(i is Ellipsis for i in items)
+    return all(w or i is Ellipsis for w, i in zip(whole, items)) and ellipses <= 1 and sum(whole) <= ndim
+
+
+def whole_setitems_as_copies(gm: torch.fx.GraphModule) -> list[str]:
+    """Write each ``t[:] = v`` / ``t[...] = v`` of a tensor v as ``t.copy_(v)`` (module docstring);
+    a line each."""
+    graph = gm.graph
+    changes = []
+    for node in list(graph.nodes):
+        if not is_call(node, operator.setitem) or len(node.args) != 3 or node.kwargs or node.users:
+            continue
+        target, index, value = node.args
+        if not (isinstance(target, torch.fx.Node) and isinstance(value, torch.fx.Node)
+                and isinstance(val(target), torch.Tensor) and isinstance(val(value), torch.Tensor)
+                and _whole_index(index, val(target).dim())):
+            continue
+        with graph.inserting_before(node):
+            copy = graph.call_method("copy_", (target, value))
+        copy.meta = dict(node.meta)
+        copy.meta["val"] = val(target)
+        graph.erase_node(node)
+        changes.append(f"{copy.name}: {target.name}[{index!r}] = {value.name} written as {target.name}.copy_({value.name})")
+    if changes:
+        graph.lint()
         gm.recompile()
     return changes
 
