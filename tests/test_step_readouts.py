@@ -11,7 +11,7 @@ Each case is checked against eager in fp64, values and gradients.
 """
 import pytest
 import torch
-from test_pass_scan_loop import stacked_twice
+from test_pass_scan_loop import make_inputs as scan_loop_inputs, stacked_twice
 from test_reasons_cs63 import outputs_into_buffer
 from test_unseen import output_also_accumulated
 from test_unseen_scan4 import chained_loops_apart, loop_with
@@ -19,20 +19,9 @@ from utils import check_compiled_against_fp64
 
 from ssm_compile.report import explain
 
-BATCH, DIM, N, L = 2, 5, 3, 8
-
-
-def make_inputs(layout="bdl", seed=0):
-    """u, Δ, A, B, C: (batch, dim, L) and (batch, N, L), or (batch, L, dim) and (batch, L, N)."""
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randn(BATCH, DIM, L, generator=g)
-    delta = torch.rand(BATCH, DIM, L, generator=g) * 0.5 + 0.05
-    A = -torch.rand(DIM, N, generator=g) - 0.5
-    B = torch.randn(BATCH, N, L, generator=g)
-    C = torch.randn(BATCH, N, L, generator=g)
-    if layout == "bld":
-        u, delta, B, C = (x.transpose(1, 2).contiguous() for x in (u, delta, B, C))
-    return [x.requires_grad_() for x in (u, delta, A, B, C)]
+def make_inputs(layout="bdl"):
+    """u, Δ, A, B, C as test_pass_scan_loop makes them, each requiring grad."""
+    return [x.requires_grad_() for x in scan_loop_inputs(layout=layout)]
 
 
 def disc(u, delta, A, B):

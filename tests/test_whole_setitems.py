@@ -21,6 +21,17 @@ def make_inputs(seed=0):
             torch.randn(DIM, WIDTH, generator=g), torch.randn(DIM, generator=g))
 
 
+def run_step(step):
+    """``step`` through explain and eagerly, each on its own copy of one conv state, without grad:
+    (report, eager's output, the state explain's run left, the state eager's run left)."""
+    x, state, w, b = make_inputs()
+    mine, theirs = state.clone(), state.clone()
+    with torch.no_grad():
+        report = explain(step, x, mine, w, b)
+        want = step(x, theirs, w, b)
+    return report, want, mine, theirs
+
+
 def step_with(shift_window):
     """mamba_simple's decode step of the conv, the window shifted by ``shift_window``."""
     def step(x, conv_state, w, b):
@@ -48,12 +59,7 @@ def _copy(conv_state):
 
 @pytest.mark.parametrize("shift_window", [_whole, _ellipsis, _colons, _copy], ids=["[:]", "[...]", "[:,:,:]", "copy_"])
 def test_whole_setitem_window_shift_is_rewritten(shift_window):
-    fn = step_with(shift_window)
-    x, state, w, b = make_inputs()
-    mine, theirs = state.clone(), state.clone()
-    with torch.no_grad():
-        report = explain(fn, x, mine, w, b)
-        want = fn(x, theirs, w, b)
+    report, want, mine, theirs = run_step(step_with(shift_window))
     assert report.counts["conv_update"] == 1, report.format(graphs=False)
     assert torch.allclose(report.output, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(mine, theirs)
@@ -66,11 +72,7 @@ def test_partial_setitem_is_not_a_copy():
         conv_state[:, :, -1] = x
         return F.silu(torch.sum(conv_state * w, dim=-1) + b)
 
-    x, state, w, b = make_inputs()
-    mine, theirs = state.clone(), state.clone()
-    with torch.no_grad():
-        report = explain(step, x, mine, w, b)
-        want = step(x, theirs, w, b)
+    report, want, mine, theirs = run_step(step)
     assert report.counts["conv_update"] == 0, report.format(graphs=False)
     assert torch.equal(report.output, want) and torch.equal(mine, theirs)
 
@@ -125,11 +127,7 @@ def test_window_rolled_the_other_way_names_the_shift():
         conv_state[:, :, 0] = x
         return F.silu(torch.sum(conv_state * w.flip(-1), dim=-1) + b)
 
-    x, state, w, b = make_inputs()
-    mine, theirs = state.clone(), state.clone()
-    with torch.no_grad():
-        report = explain(step, x, mine, w, b)
-        want = step(x, theirs, w, b)
+    report, want, mine, theirs = run_step(step)
     assert report.counts["conv_update"] == 0, report.format(graphs=False)
     assert torch.equal(report.output, want) and torch.equal(mine, theirs)
     reasons = [m.reason for m in report.misses if m.family == "conv_update"]
