@@ -1027,11 +1027,20 @@ def view_perm(node: torch.fx.Node) -> list[int] | None:
         return [d % n for d in dims] if sorted(d % n for d in dims) == ident else None
     if is_method(node, "movedim", "moveaxis") or is_call(node, torch.movedim, torch.moveaxis):
         src, dst = node.args[1:3] if len(node.args) == 3 else (None, None)
-        if not isinstance(src, int) or not isinstance(dst, int):
+        src, dst = ([src], [dst]) if isinstance(src, int) and isinstance(dst, int) else (src, dst)
+        if (not isinstance(src, (list, tuple)) or not isinstance(dst, (list, tuple)) or len(src) != len(dst)
+                or not all(isinstance(d, int) for d in (*src, *dst))):
             return None
-        ident.pop(src % n)
-        ident.insert(dst % n, src % n)
-        return ident
+        src, dst = [d % n for d in src], [d % n for d in dst]
+        if len(set(src)) != len(src) or len(set(dst)) != len(dst):
+            return None
+        # torch.movedim: each source axis lands at its destination; the other axes keep their
+        # order in the places left (probe CW: ``movedim((2, 3), (3, 2))`` was not seen through).
+        perm: list[int | None] = [None] * n
+        for s_, d_ in zip(src, dst):
+            perm[d_] = s_
+        rest = iter(i for i in ident if i not in src)
+        return [next(rest) if p is None else p for p in perm]
     if is_method(node, "t") or is_call(node, torch.t):
         return ident[::-1] if n == 2 else (ident if n < 2 else None)
     if is_call(node, getattr) and node.args[1] == "mT" and n >= 2:

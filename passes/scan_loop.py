@@ -1895,7 +1895,12 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     # A broadcast h_{-1} (e.g. a learned (dim, N) state shared by the batch) has the state's
     # trailing roles.
     init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
-    if m.C is None:
+    if m.C is None and "g" in m.disc.B.roles:
+        # Only the last state is used, B in groups: the op reads C in B's groups, so a zero C
+        # shaped like B (probe CW: a time-invariant zero C made the op refuse the grouped B).
+        C = first_steps(graph, Source(_node(graph, "call_function", torch.zeros_like, m.disc.B.node),
+                                      m.disc.B.roles), m.L)
+    elif m.C is None:
         # Only the last state is used: the op still reads a C, and a zero one shared by the
         # channels (a stride-0 (dim, N) view of N zeros) makes its unused y cheap and finite.
         n = _node(graph, "call_method", "size", m.disc.B.node, m.disc.B.roles.index("n"))

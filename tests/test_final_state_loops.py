@@ -17,11 +17,11 @@ from ssm_compile.report import explain
 BATCH, DIM, N, L = 2, 5, 3, 7
 
 
-def make_inputs(length=L, seed=0):
+def make_inputs(length=L, seed=0, dim=DIM):
     g = torch.Generator().manual_seed(seed)
-    u = torch.randn(BATCH, DIM, length, generator=g)
-    delta = torch.rand(BATCH, DIM, length, generator=g) + 0.1
-    A = -torch.rand(DIM, N, generator=g) - 0.2
+    u = torch.randn(BATCH, dim, length, generator=g)
+    delta = torch.rand(BATCH, dim, length, generator=g) + 0.1
+    A = -torch.rand(dim, N, generator=g) - 0.2
     B = torch.randn(BATCH, N, length, generator=g)
     return [x.requires_grad_() for x in (u, delta, A, B)]
 
@@ -62,6 +62,16 @@ def last_token_readout(u, delta, A, B, C):
     return torch.einsum("bdn,bn->bd", h, C[:, :, -1])
 
 
+def grouped_B(u, delta, A, B):
+    """B in two groups over the channels (Mamba-2-style prefill), no C in the program: the op's
+    zero C takes B's groups (probe CW: a time-invariant zero C made the op refuse them)."""
+    Bg = torch.stack([B, B * 0.5], 1).repeat_interleave(u.shape[1] // 2, 1)
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    for t in range(u.shape[2]):
+        h = torch.exp(delta[:, :, t, None] * A) * h + delta[:, :, t, None] * Bg[:, :, :, t] * u[:, :, t, None]
+    return h
+
+
 def _c():
     return torch.randn(BATCH, N, L, generator=torch.Generator().manual_seed(3)).requires_grad_()
 
@@ -75,6 +85,7 @@ CASES = [
     pytest.param(precomputed, lambda: make_inputs(), id="precomputed-einsums"),
     pytest.param(from_state, lambda: make_inputs() + [_h0()], id="initial-state"),
     pytest.param(last_token_readout, lambda: make_inputs() + [_c()], id="last-token-readout"),
+    pytest.param(grouped_B, lambda: make_inputs(dim=4), id="grouped-B"),
 ]
 
 

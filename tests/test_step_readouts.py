@@ -108,6 +108,7 @@ CASES = [
     pytest.param(time_last(lambda x: x.movedim(2, -1)), "bdl", 1, id="movedim(2,-1)"),
     pytest.param(time_last(lambda x: x.swapdims(2, 3)), "bdl", 1, id="swapdims(2,3)"),
     pytest.param(time_last(lambda x: x.mT), "bdl", 1, id="mT"),
+    pytest.param(time_last(lambda x: x.movedim((2, 3), (3, 2))), "bdl", 1, id="movedim((2,3),(3,2))"),
     pytest.param(cat_grown_from_empty, "bdl", 1, id="cat-grown-from-empty"),
     pytest.param(cat_grown_from_none, "bdl", 1, id="cat-grown-from-None"),
     pytest.param(summed_over_time, "bdl", 1, id="summed-over-time"),
