@@ -858,18 +858,25 @@ def _find_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx.No
 
 
 def _uncollected_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node], state_roles: tuple[str, ...], L: int,
-                         disc: Discretized) -> torch.fx.Node | None:
+                         disc: Discretized) -> torch.fx.Node | str | None:
     """The first node after ``h0`` (not in ``exclude``, a few hops at most) that is a contraction
-    ``Σ_n h_0 · C_full[t=0]``, for readouts no stack/cat collects; else None."""
+    ``Σ_n h_0 · C_full[t=0]``, for readouts no stack/cat collects; else the reason of a
+    contraction with C read at another step (probe CW: a lagged readout summed over time was
+    said to use h_0 "outside the recurrence"), else None."""
     seen, frontier = {h0}, [h0]
+    lag = None
     for _ in range(6):
         frontier = [u for n in frontier for u in n.users if u not in exclude and u not in seen]
         seen.update(frontier)
-        found = next((n for n in frontier if not isinstance(_match_contraction(n, h0, state_roles, L, disc), str)),
-                     None)
-        if found is not None or not frontier:
-            return found
-    return None
+        for n in frontier:
+            proved = _match_contraction(n, h0, state_roles, L, disc)
+            if not isinstance(proved, str):
+                return n
+            if lag is None and "(lagged readout)" in proved:
+                lag = proved
+        if not frontier:
+            break
+    return lag
 
 
 def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torch.fx.Node], h: list[torch.fx.Node],
@@ -1481,6 +1488,8 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         # A readout whose outputs no stack, cat or buffer collects (summed over time, written
         # with ``select_scatter``): found as the contraction itself, then replaced step by step.
         y0 = _uncollected_readout(h0, step1, state_roles, L, disc)
+        if isinstance(y0, str):
+            return y0
         if y0 is not None:
             rregion = _between(h0, y0, pos)
             if rregion is None or step1.intersection(rregion):

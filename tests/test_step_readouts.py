@@ -145,3 +145,24 @@ def test_buffer_slot_the_reverse_loop_never_writes_keeps_its_value():
     assert torch.equal(report.output[:, :, 0], torch.zeros_like(u[:, :, 0]))
     assert length == u.shape[2]
     check_compiled_against_fp64(lambda *a: outputs_into_buffer(*a, D), args)
+
+
+def lagged_C_summed(u, delta, A, B, C):
+    """y_t = h_t·C_{t+1}, summed over time: not the op's y at any step."""
+    dA, dBu = disc(u, delta, A, B)
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    total = 0
+    for t in range(u.shape[2] - 1):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        total = total + torch.einsum("bdn,bn->bd", h, C[:, :, t + 1])
+    return total
+
+
+def test_lagged_readout_summed_is_left_alone_and_named():
+    # (Probe CW: the reason was "intermediate state h_0 is used outside the recurrence".)
+    args = make_inputs()
+    report = explain(lagged_C_summed, *args)
+    assert report.counts["scan_loop"] == 0, report.format(graphs=False)
+    assert any("uses C at time t+1 (lagged readout)" in m.reason for m in report.misses if m.family == "scan_loop"), \
+        report.format(graphs=False)
+    assert torch.equal(report.output, lagged_C_summed(*args))
