@@ -37,6 +37,10 @@ for s in "$@"; do
         # torch/triton/transformers, spread over its cores; needs pytest-xdist and execnet in .whl/.
         fullsuite) STEP_TIMEOUT=${FULL_TIMEOUT:-540} step fullsuite python3 -m pytest -q -p no:cacheprovider \
                        -n ${WORKERS:-14} --dist worksteal -rfEs tests ;;
+        # Named test files only (FILES="tests/a.py tests/b.py"), spread over the cores: for a call
+        # with too little device time left for the whole suite.
+        files) STEP_TIMEOUT=${FULL_TIMEOUT:-540} step files python3 -m pytest -q -p no:cacheprovider \
+                   -n ${WORKERS:-14} --dist worksteal -rfEs ${FILES} ;;
         # Host time per op call with real launches, and cProfile's split of it by function.
         host) step host bash -c 'python3 benchmarks/host_overhead_ops.py --cuda --profile && python3 benchmarks/host_overhead_scan.py --cuda' ;;
         # Nsight Compute on the scan kernels at the headline shape: per kernel the details page
