@@ -837,24 +837,22 @@ def read_through(loop_nodes: list[torch.fx.Node], sources: set[torch.fx.Node], p
     return seen
 
 
+def _levels_after(h0: torch.fx.Node, exclude: set[torch.fx.Node], hops: int) -> Iterator[list[torch.fx.Node]]:
+    """The nodes ``h0`` reaches through its users, one list per hop (each node once, none in
+    ``exclude``), for at most ``hops`` hops."""
+    seen, frontier = {h0}, [h0]
+    for _ in range(hops):
+        frontier = list(dict.fromkeys(u for n in frontier for u in n.users if u not in exclude and u not in seen))
+        if not frontier:
+            return
+        seen.update(frontier)
+        yield frontier
+
+
 def _find_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx.Node | None:
     """The first node after ``h0`` (not in ``exclude``) that a stack/cat collects."""
-    seen = {h0}
-    frontier = [h0]
-    for _ in range(32):
-        nxt = []
-        for n in frontier:
-            for u in n.users:
-                if u in exclude or u in seen:
-                    continue
-                seen.add(u)
-                if any(_collects(c, u) for c in u.users):
-                    return u
-                nxt.append(u)
-        if not nxt:
-            return None
-        frontier = nxt
-    return None
+    return next((u for level in _levels_after(h0, exclude, 32) for u in level
+                 if any(_collects(c, u) for c in u.users)), None)
 
 
 def _uncollected_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node], state_roles: tuple[str, ...], L: int,
@@ -863,19 +861,14 @@ def _uncollected_readout(h0: torch.fx.Node, exclude: set[torch.fx.Node], state_r
     ``Σ_n h_0 · C_full[t=0]``, for readouts no stack/cat collects; else the reason of a
     contraction with C read at another step (probe CW: a lagged readout summed over time was
     said to use h_0 "outside the recurrence"), else None."""
-    seen, frontier = {h0}, [h0]
     lag = None
-    for _ in range(6):
-        frontier = [u for n in frontier for u in n.users if u not in exclude and u not in seen]
-        seen.update(frontier)
-        for n in frontier:
+    for level in _levels_after(h0, exclude, 6):
+        for n in level:
             proved = _match_contraction(n, h0, state_roles, L, disc)
             if not isinstance(proved, str):
                 return n
             if lag is None and "(lagged readout)" in proved:
                 lag = proved
-        if not frontier:
-            break
     return lag
 
 
