@@ -535,18 +535,16 @@ class Collected:
     reversed_time: bool = False
 
 
-def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collected | str:
-    """Prove every y_t is stored once, in one place, at time index t, and nothing reads it early."""
+def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collected | None:
+    """Every y_t stored once, in one place, at time index t, with nothing reading it early: the
+    collection the op's y replaces whole. None otherwise: the caller then replaces each y_t alone
+    (``Collected("per-step")``) and keeps the user's collecting code, so no reason is needed."""
     c = next(c for c in ys[0].users if _collects(c, ys[0]))
     if is_call(c, *_COLLECTORS):
         items = list(c.args[0])
-        if items != ys and items == ys[:len(items)] and len(items) < len(ys):
-            return (f"{c.name} collects only the first {len(items)} of the recurrence's {len(ys)} per-step outputs "
-                    "(the state carried from one loop into another?): the op's output would need all of them "
-                    "in one stack/cat")
         backwards = len(ys) > 1 and items == ys[::-1]
         if (items != ys and not backwards) or any(set(y.users) != {c} for y in ys):
-            return "the per-step outputs are not collected exactly once, in time order"
+            return None
         dim = c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0)
         if is_call(c, torch.stack):
             roles = list(y_roles)
@@ -554,7 +552,7 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
         else:
             dim %= len(y_roles)
             if y_roles[dim] is not None:
-                return "cat joins the outputs along an axis that is not a new time axis"
+                return None
             roles = ["t" if i == dim else r for i, r in enumerate(y_roles)]
         # A size-1 axis each y_t keeps (``h @ C_t[..., None]``, ``sum(-1, keepdim=True)``) stays in
         # the stacked output: role "1", which the op's y gets as an added axis.
@@ -562,23 +560,23 @@ def _collect(ys: list[torch.fx.Node], y_roles: list[str | None], pos) -> Collect
         return Collected(c.target.__name__, c, list(c.users), [c], tuple(roles), reversed_time=backwards)
 
     # A preallocated buffer: out[:, :, t] = y_t, or out[:, t].copy_(y_t).
-    for t, y in enumerate(ys):
+    for y in ys:
         users = list(y.users)
         if len(users) != 1 or not _collects(users[0], y) or is_call(users[0], *_COLLECTORS):
-            return f"step {t}'s output is not stored exactly once"
+            return None
     stored = [(y, next(iter(y.users))) for y in ys]
     slots = _buffer_slots(stored, pos, "the output buffer", "step {t}'s output")
     backwards = False
     if isinstance(slots, str) and len(ys) > 1:
         # Stored last step first, out[:, L-1-t] = y_t: the op's y flipped in time.
-        flipped = _buffer_slots(stored, pos, "the output buffer", "step {t}'s output", backwards=True)
-        slots, backwards = (flipped, True) if not isinstance(flipped, str) else (slots, False)
+        slots = _buffer_slots(stored, pos, "the output buffer", "step {t}'s output", backwards=True)
+        backwards = True
     if isinstance(slots, str):
-        return slots
+        return None
     buf, axis, axis_map, writes = slots
     roles = ["t" if o is None else y_roles[o] for o in axis_map]
     if None in roles or len([o for o in axis_map if o is not None]) != len(y_roles):
-        return "the output buffer's axes do not match the per-step output's"
+        return None
     later = [u for u in buf.users if u not in set(writes)]
     return Collected(writes[-1].target if isinstance(writes[-1].target, str) else "setitem",
                      buf, later, writes, tuple(roles), reversed_time=backwards)
@@ -889,7 +887,7 @@ def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torc
         return short
     collected = any(_collects(c, ys[0]) for c in ys[0].users)
     out = _collect(ys, y_roles, pos) if collected else None
-    if out is None or isinstance(out, str):
+    if out is None:
         # The outputs are proved readouts, but not stored once each in one stack, cat or buffer
         # (a cat of several loops' outputs, a cat grown step by step, ``select_scatter``, a sum
         # over time): each y_t becomes the op's y at t (a size-1 axis the readout keeps, role
