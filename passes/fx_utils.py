@@ -463,9 +463,9 @@ def time_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
 
     Accepts ``x[:, :, i]``, ``x[..., i, :]``, ``x[:, None, :, i]``, ``x.select(axis, i)``, item i
     of ``x.unbind(axis)``, and a width-1 piece squeezed along its axis (``x.narrow(axis, i, 1)``,
-    ``x[:, :, i:i + 1]`` or item i of ``x.split(1, axis)``, then ``.squeeze(axis)``: the same
-    view as the select); negative indices are normalised, so ``x[:, -1]`` at step 0 reads as
-    index L-1 (and is refused as a lag).
+    ``x[:, :, i:i + 1]`` or item i of ``x.split(1, axis)``, then ``.squeeze(axis)`` or index 0
+    along the axis: the same view as the select); negative indices are normalised, so
+    ``x[:, -1]`` at step 0 reads as index L-1 (and is refused as a lag).
     """
     parsed = parse_slice(node)
     return None if parsed is None else parsed[:3]
@@ -501,7 +501,15 @@ def parse_slice(node: Any) -> tuple[torch.fx.Node, int, int, list[int | None]] |
         index = (slice(None),) * axis + (idx,)
     else:
         return None
-    return parse_index(base, index)
+    parsed = parse_index(base, index)
+    if parsed is not None and parsed[2] == 0:
+        # Index 0 of a width-1 piece along the same axis (``x[:, :, t:t + 1][:, :, 0]``, a
+        # ``chunk(L, 2)`` item's ``[:, :, 0]``) is the same view as the select of x at t, as the
+        # piece's squeeze is.
+        piece = unit_piece(parsed[0], parsed[1])
+        if piece is not None:
+            return piece[0], parsed[1], piece[2], parsed[3]
+    return parsed
 
 
 def squeezed_unit_piece(squeeze: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
