@@ -244,10 +244,16 @@ class _Evaluator:
             # exponent's matcher can hand the op a negated A.
             inner = self.term(node.args[0])
             return None if inner is None else dataclasses.replace(inner, sign=-inner.sign)
-        if is_cast(node) or (is_method(node, "contiguous", "clone") and len(node.args) == 1 and not node.kwargs):
+        copy = (is_method(node, "contiguous", "clone") and len(node.args) == 1
+                and set(node.kwargs) <= {"memory_format"})
+        if is_cast(node) or copy:
             # Same values: the op reads any strides, so the copy is not needed for the scan,
-            # unless it keeps what the op saves apart from memory the caller may write.
-            return None if protects_saved_input(node) else self.term(node.args[0])
+            # unless it keeps what the op saves apart from memory the caller may write. A copy
+            # (or a cast to the same dtype, ``.to(dtype, copy=True)``) of an exp is still that
+            # exp (probe CX: ``exp(Δ·A).clone()`` was "not exp(Δ·A)"); a cast that changes the
+            # dtype is not, as the exp's rounding is part of the value.
+            same = copy or dtype_of(node) == dtype_of(node.args[0])
+            return None if protects_saved_input(node) else self.term(node.args[0], top and same)
         if is_call(node, *_MUL) or is_method(node, "mul"):
             if len(node.args) != 2 or node.kwargs:
                 return None
@@ -949,8 +955,8 @@ def _match_full_decay(a_full: torch.fx.Node, ta: int, allow_neg: bool, prove_inp
     if at is None or at.exp_of is None:
         if is_cast(a_exp) and exp_node_behind(a_exp) is not None:
             return (f"A_full is exp(Δ·A) cast by {a_exp.name} from {dtype_of(a_exp.args[0])} to {dtype_of(a_exp)}: "
-                    "the op computes the decay in fp32 and never rounds it, so it would drop the rounding "
-                    "the program computes with")
+                    "the op computes the decay from Δ and A in its own precision (fp32, fp64 for fp64 inputs) and "
+                    "never rounds it to another dtype, so it would drop the rounding the program computes with")
         if (is_call(a_exp, torch.flip) or is_method(a_exp, "flip")) and exp_node_behind(a_exp.args[0]) is not None:
             # associative_scan over (dA.flip(t), dBu.flip(t)), flipped back after: a reverse scan.
             dims = a_exp.args[1] if len(a_exp.args) > 1 else a_exp.kwargs.get("dims")

@@ -898,6 +898,56 @@ def _match_step_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torc
     return c_src, c_base, out, readouts
 
 
+def _match_readout(y0: torch.fx.Node, h0: torch.fx.Node, rregion: list[torch.fx.Node], h: list[torch.fx.Node],
+                   state_roles: tuple[str, ...], L: int, disc: Discretized, pos: dict[torch.fx.Node, int]
+                   ) -> tuple[Source, torch.fx.Node, Collected, list[list[torch.fx.Node]]] | str:
+    """``_match_step_readout`` for the per-step output ``y0``, then a readout inside a longer
+    expression (``_match_readout_with_tail``); else the reason, the most specific one found."""
+    found = _match_step_readout(y0, h0, rregion, h, state_roles, L, disc, pos)
+    if found == NOT_A_CONTRACTION:
+        found = _match_readout_with_tail(y0, h0, rregion, h, state_roles, L, disc, pos) or found
+    if found == NOT_A_CONTRACTION:
+        found = next(filter(None, (loose_readout(n, h0) for n in rregion)), found + _detached_state_note(y0, h0))
+    return found
+
+
+def _state_use_reason(h: list[torch.fx.Node], steps: list[list[torch.fx.Node]], readout: list[torch.fx.Node],
+                      t: int, state_roles: tuple[str, ...], L: int, disc: Discretized,
+                      pos: dict[torch.fx.Node, int]) -> str | None:
+    """Why state h_t, used outside the recurrence and its proved readout, is not rewritten, where
+    the use is a readout of its own (probe CX): a second proved readout of the state (the op reads
+    each state out once), or a per-step output that no stack, cat or buffer collects and that is
+    no readout the matchers prove (the reason a collected one gets). None otherwise."""
+    ht = h[t]
+    nxt = set(steps[t + 1]) if t + 1 < L else set()
+    exclude = nxt | set(readout)
+    second = _uncollected_readout(ht, exclude, state_roles, L, disc)
+    if isinstance(second, torch.fx.Node):
+        first = f" besides its readout {readout[-1].name}" if readout else ""
+        return (f"state h_{t} is read out twice: {second.name} is a second contraction Σ_n h_{t}·C{first}; the op "
+                "reads each state out once, through one C, and returns no states for another readout")
+    if readout or t:
+        return None
+    # The per-step output: the values computed from h_t but from no later state, that a value
+    # computed from a later state (a running sum, a cat grown step by step) or an output reads.
+    later = set()
+    frontier = [h[t + 1]]
+    while frontier:
+        frontier = [u for n in frontier for u in n.users if u not in later]
+        later.update(frontier)
+    region = set()
+    for level in _levels_after(ht, exclude | later, 32):
+        region.update(level)
+    outs = sorted((n for n in region if any(u not in region for u in n.users)), key=pos.__getitem__)
+    if not outs:
+        return None
+    rregion = _between(ht, outs[0], pos)
+    if rregion is None:
+        return None
+    found = _match_readout(outs[0], ht, rregion, h, state_roles, L, disc, pos)
+    return found if isinstance(found, str) else None
+
+
 def _repeat_readout(rregion: list[torch.fx.Node], h0: torch.fx.Node, y0: torch.fx.Node, h: list[torch.fx.Node],
                     L: int) -> tuple[list[list[torch.fx.Node]], list[torch.fx.Node]] | tuple[str, None]:
     """Every step's copy of step 0's readout region (shifted by t) and its output y_t."""
@@ -1018,9 +1068,12 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
                 return (f"the readout's C at step 0 ({fc.node.name}) has no time axis but is computed from the "
                         "loop's own values (the state h_0): the readout is not linear in the state")
             if sorted(c_roles) != ["b", "n"]:
-                return (f"the readout reads the same C ({fc.node.name}, indexed by {c_roles}) at every step: "
-                        "ssm.selective_scan takes a C without a time axis as (dim, state), (state) or "
-                        "(batch, state)")
+                # Only step 0 is seen here: a C computed per step from other values (the previous
+                # step's readout, probe CX) has no time slice either.
+                return (f"the readout's C at step 0 ({fc.node.name}, indexed by {c_roles}) is no time slice of "
+                        "one tensor: read as the same C at every step, ssm.selective_scan takes a C without "
+                        "a time axis only as (dim, state), (state) or (batch, state); a C computed anew at "
+                        "every step from other values is no C the op reads")
         if len(set(c_roles)) != len(c_roles) or "n" not in c_roles:
             return f"the readout's time-invariant C ({fc.node.name}) is indexed by {c_roles}, not (dim, state)"
         # The same C at every step, (dim, N) or (N,) (mamba_ssm's is_variable_C=False), or one per
@@ -1032,10 +1085,11 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
     if c_idx != 0:
         # Only step 0 is seen here: C[..., t+k], C[..., t-1] (index L-1 at step 0) and a C read
         # at one fixed time look alike.
-        return (f"the readout of h_t uses C at time t{c_idx:+d} (lagged readout); step 0 reads C at time index "
-                f"{c_idx}, as C[..., t+k], C[..., t-k] wrapping around, a C read at one fixed time, a packed "
-                f"sequence's C[..., start+t] and a readout of the state before its update (C[t] with h_(t-1)) all "
-                f"do. A C sliced to the loop's steps first (C[..., start:end], read at t) is read at time t")
+        return (f"the readout of h_0 reads C at time index {c_idx}, not 0: a readout of C at time t{c_idx:+d} "
+                "(lagged readout) does, and so do C[..., t-k] wrapping around, C read in reverse time "
+                "(C[..., L-1-t]), a C read at one fixed time, a packed sequence's C[..., start+t] and a readout "
+                "of the state before its update (C[t] with h_(t-1)). A C sliced to the loop's steps first "
+                "(C[..., start:end], read at t) is read at time t")
     leaf_roles = [role.get(lab) for lab in rt.factor_labels(fc)]
     c_roles = ["t" if o is None else leaf_roles[o] for o in parse_slice(fc.node)[3]]
     if None in c_roles:
@@ -1508,11 +1562,7 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         readouts = [[] for _ in range(L)]
         last_views = []
     else:
-        found = _match_step_readout(y0, h0, rregion, h, state_roles, L, disc, pos)
-        if found == NOT_A_CONTRACTION:
-            found = _match_readout_with_tail(y0, h0, rregion, h, state_roles, L, disc, pos) or found
-        if found == NOT_A_CONTRACTION:
-            found = next(filter(None, (loose_readout(n, h0) for n in rregion)), found + _detached_state_note(y0, h0))
+        found = _match_readout(y0, h0, rregion, h, state_roles, L, disc, pos)
         if isinstance(found, str):
             return found
         c_src, c_base, out, readouts = found
@@ -1537,6 +1587,10 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
                     return (f"{what} is written in place ({op} at {written.name}, on "
                             f"{'it' if written.args[0] is n else 'a view of it'}): a reset or an update that "
                             "is not h = A_full[t]*h + B_full[t], which the scan passes do not rewrite")
+                if n is h[t]:
+                    why = _state_use_reason(h, steps, readouts[t], t, state_roles, L, disc, pos)
+                    if why is not None:
+                        return why
                 return f"{what} is used outside the recurrence"
         for n in readouts[t]:
             if out.step_readouts and n is out.step_readouts[t]:

@@ -145,7 +145,9 @@ def first_steps_of_longer_inputs(u, delta, A, B):
 
 
 @pytest.mark.parametrize("fn, reason", [
-    pytest.param(mid_state_used, "intermediate state h_0 is used outside the recurrence", id="mid-state-used"),
+    # Every state's sum, summed over time: a per-step output that is no readout Σ_n h_t·C_t (run 66:
+    # the reason named that output; it was "intermediate state h_0 is used outside the recurrence").
+    pytest.param(mid_state_used, "the readout is not a contraction of h_t with C_t", id="mid-state-used"),
     pytest.param(detached_each_step, "(detach)", id="detached-each-step"),
     pytest.param(clamped_midway, "step 3 does not repeat step 0's state update", id="clamped-at-t=2"),
     pytest.param(first_steps_of_longer_inputs, "l_b_ is read there or as a whole", id="prefix-B-read-later"),

@@ -197,7 +197,7 @@ def test_loop_shorter_than_every_source():
 
 
 @pytest.mark.parametrize("fn, reason", [
-    pytest.param(C_ahead, "uses C at time t+1 (lagged readout)", id="C-at-t+1"),
+    pytest.param(C_ahead, "C at time t+1 (lagged readout)", id="C-at-t+1"),
     pytest.param(C_behind, "counts from the end of a time axis of symbolic length", id="C-at-t-1"),
     pytest.param(fixed_C, "step 1's readout does not repeat step 0's", id="C-at-0"),
 ])

@@ -163,6 +163,6 @@ def test_lagged_readout_summed_is_left_alone_and_named():
     args = make_inputs()
     report = explain(lagged_C_summed, *args)
     assert report.counts["scan_loop"] == 0, report.format(graphs=False)
-    assert any("uses C at time t+1 (lagged readout)" in m.reason for m in report.misses if m.family == "scan_loop"), \
+    assert any("C at time t+1 (lagged readout)" in m.reason for m in report.misses if m.family == "scan_loop"), \
         report.format(graphs=False)
     assert torch.equal(report.output, lagged_C_summed(*args))

@@ -336,7 +336,7 @@ def test_a_C_per_batch_and_channel_is_left_alone_with_a_reason():
     args = _pass_inputs((BATCH, STATE, STEPS), (BATCH, DIM, STATE))
     report = explain(fn, *args)
     assert report.counts.get("scan_loop") is None
-    assert any("takes a C without a time axis as (dim, state), (state) or (batch, state)" in m.reason
+    assert any("takes a C without a time axis only as (dim, state), (state) or (batch, state)" in m.reason
                for m in report.misses), report.format(graphs=False)
     assert not compare_with_eager(fn, args)["scan_loop"]
 
