@@ -253,7 +253,10 @@ class _Evaluator:
             # exp (probe CX: ``exp(Δ·A).clone()`` was "not exp(Δ·A)"); a cast that changes the
             # dtype is not, as the exp's rounding is part of the value.
             same = copy or dtype_of(node) == dtype_of(node.args[0])
-            return None if protects_saved_input(node) else self.term(node.args[0], top and same)
+            # The op reads Δ and A, never the exp's value: a copy of the exp keeps nothing the op
+            # saves apart from the caller, so only a copy of a value the op would read must stay.
+            of_exp = top and same and self.allow_exp and _is_exp(node.args[0])
+            return None if protects_saved_input(node) and not of_exp else self.term(node.args[0], top and same)
         if is_call(node, *_MUL) or is_method(node, "mul"):
             if len(node.args) != 2 or node.kwargs:
                 return None
@@ -539,6 +542,10 @@ class _Evaluator:
         if t is None:
             return None
         return self._relabel(t, tuple(t.out[o[1]] if isinstance(o, tuple) else o for o in out))
+
+
+def _is_exp(node: Any) -> bool:
+    return is_call(node, torch.exp) or is_method(node, "exp")
 
 
 def index_term(node: torch.fx.Node, stop: Sequence[torch.fx.Node] = (), *, allow_exp: bool = False,

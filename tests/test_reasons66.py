@@ -138,3 +138,17 @@ def test_a_C_read_in_reverse_time_is_not_called_a_lag_alone():
     fn = _loop(lambda dA: dA, lambda h, C, t: torch.einsum("bdn,bn->bd", h, C[:, :, L - 1 - t]), _stack)
     _, reasons = _scan_misses(fn, inputs())
     assert any(f"reads C at time index {L - 1}, not 0" in r and "reverse time" in r for r in reasons), reasons
+
+
+def test_a_copy_of_a_returned_decay_is_the_exp_under_grad():
+    """The loop reads ``exp(Δ·A).clone()`` and the program returns the exp itself. A copy of a
+    caller-visible tensor read under grad is kept where the op would read that tensor; the op
+    reads Δ and A, never the exp, so this copy is looked through (it was "not exp(Δ·A)")."""
+    def fn(u, delta, A, B, C):
+        decay = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+        y = _loop(lambda dA: decay.clone())(u, delta, A, B, C)
+        return y, decay
+
+    report = explain(fn, *inputs())
+    assert report.counts.get("scan_loop") == 1, report.format(graphs=False)
+    check_compiled_against_fp64(fn, inputs(torch.float32))
