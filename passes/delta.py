@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .fx_utils import (HALF_DTYPES, Layout, behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding,
-                       dtype_of, flip_dims, higher_order_op, hop_name, is_call, is_lossless_cast, is_method,
+                       dtype_of, flip_dims, higher_order_op, hop_name, is_call, is_exp, is_lossless_cast, is_method,
                        layout_source, narrowed_by_program, permute_view, propagate_val, scan_args, named_args,
                        scan_nodes, set_scan_args, shape_of, view_chain, written_in_place)
 from .manager import PassContext, PassManager
@@ -305,10 +305,6 @@ def _whole_turns(node: torch.fx.Node, shifts: Any, dims: Any) -> bool:
             and all(isinstance(k, int) and int(n) > 0 and k % int(n) == 0 for k, n in zip(shifts, sizes)))
 
 
-def _is_exp(node: Any) -> bool:
-    return is_call(node, torch.exp) or is_method(node, "exp")
-
-
 def _softplus_written_out(node: torch.fx.Node) -> str | None:
     """Why not, when Δ is softplus written out, ``log1p(exp(x))`` or ``log(1 + exp(x))``: it
     overflows to inf where exp(x) does, where ``F.softplus`` (the op's) returns x, so the two
@@ -318,11 +314,11 @@ def _softplus_written_out(node: torch.fx.Node) -> str | None:
     inner = node.args[0]
     log1p = is_call(node, torch.log1p) or is_method(node, "log1p")
     if log1p:
-        written = _is_exp(inner)
+        written = is_exp(inner)
     else:
         operands = binary_operands(inner, ADD_TARGETS)
         written = operands is not None and any(
-            o == 1 and type(o) in (int, float) and _is_exp(p) for o, p in (operands, operands[::-1]))
+            o == 1 and type(o) in (int, float) and is_exp(p) for o, p in (operands, operands[::-1]))
     if not written:
         return None
     return (f"Δ is {node.name} = {'log1p(exp(x))' if log1p else 'log(1 + exp(x))'}, softplus "

@@ -30,7 +30,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .fx_utils import (detach_note, dtype_of, exp_node_behind, flip_dims, higher_order_op, hop_name, is_call, is_cast,
-                       is_method, layout_source, named_args, ndim_of, parse_slice, protects_saved_input,
+                       is_exp, is_method, layout_source, named_args, ndim_of, parse_slice, protects_saved_input,
                        squeezed_unit_piece, unit_piece, val, view_chain, view_perm)
 
 __all__ = [
@@ -228,7 +228,7 @@ class _Evaluator:
     def _structural(self, node: torch.fx.Node, top: bool) -> IndexTerm | None:
         # Each branch returns None when the node is not a pure relabelling/product; it then
         # becomes a leaf, which keeps the evaluator sound: it never claims more than it proved.
-        if top and self.allow_exp and (is_call(node, torch.exp) or is_method(node, "exp")):
+        if top and self.allow_exp and is_exp(node):
             if len(node.args) != 1 or node.kwargs:
                 # ``torch.exp(x, out=y)`` writes y: not read as an exp here (a leaf). (An exp by
                 # keyword, ``torch.exp(input=x)``, reaches here positional: passes/keywords.py.)
@@ -255,7 +255,7 @@ class _Evaluator:
             same = copy or dtype_of(node) == dtype_of(node.args[0])
             # The op reads Δ and A, never the exp's value: a copy of the exp keeps nothing the op
             # saves apart from the caller, so only a copy of a value the op would read must stay.
-            of_exp = top and same and self.allow_exp and _is_exp(node.args[0])
+            of_exp = top and same and self.allow_exp and is_exp(node.args[0])
             return None if protects_saved_input(node) and not of_exp else self.term(node.args[0], top and same)
         if is_call(node, *_MUL) or is_method(node, "mul"):
             if len(node.args) != 2 or node.kwargs:
@@ -542,10 +542,6 @@ class _Evaluator:
         if t is None:
             return None
         return self._relabel(t, tuple(t.out[o[1]] if isinstance(o, tuple) else o for o in out))
-
-
-def _is_exp(node: Any) -> bool:
-    return is_call(node, torch.exp) or is_method(node, "exp")
 
 
 def index_term(node: torch.fx.Node, stop: Sequence[torch.fx.Node] = (), *, allow_exp: bool = False,
@@ -1567,7 +1563,7 @@ def unscanned_discretizations(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """
     found = []
     for node in gm.graph.nodes:
-        if not (is_call(node, torch.exp) or is_method(node, "exp")):
+        if not is_exp(node):
             continue
         v = val(node)
         if not isinstance(v, torch.Tensor) or v.dim() != 4:

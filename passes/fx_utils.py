@@ -260,6 +260,11 @@ def proof_sum(left: sympy.Expr, right: sympy.Expr, refuse: Callable[[str], Excep
     return left + right
 
 
+def is_exp(node: Any) -> bool:
+    """``torch.exp(x)`` or ``x.exp()``."""
+    return is_call(node, torch.exp) or is_method(node, "exp")
+
+
 def is_cast(node: Any) -> bool:
     """A dtype cast (or a no-op ``.to(device=...)``): same values up to rounding, same axes."""
     if not is_method(node, *_CAST_METHODS):

@@ -69,6 +69,7 @@ from .fx_utils import (
     storage_of,
     storage_of_value,
     is_call,
+    is_exp,
     OP_ROUNDING,
     REVERSED_OUTPUT,
     dropped_rounding,
@@ -478,10 +479,6 @@ _NO_CHAIN = "no state chain: A_full[t=1] does not multiply a value computed from
 # or ``h = dBu[:, t] if h is None else ...``): match_loop's answer, which ``_rewrite_one`` takes up.
 _PEELED = ("the loop's first state is itself a time slice (h = B_full[t=0], then h = A_full[t]*h + B_full[t] "
            "from t = 1)")
-
-
-def _is_exp(node: Any) -> bool:
-    return is_call(node, torch.exp) or is_method(node, "exp")
 
 
 def _flip_in_every_step(a0: torch.fx.Node) -> str | None:
@@ -930,11 +927,7 @@ def _state_use_reason(h: list[torch.fx.Node], steps: list[list[torch.fx.Node]], 
         return None
     # The per-step output: the values computed from h_t but from no later state, that a value
     # computed from a later state (a running sum, a cat grown step by step) or an output reads.
-    later = set()
-    frontier = [h[t + 1]]
-    while frontier:
-        frontier = [u for n in frontier for u in n.users if u not in later]
-        later.update(frontier)
+    later = set().union(*_levels_after(h[t + 1], set(), len(pos)))
     region = set()
     for level in _levels_after(ht, exclude | later, 32):
         region.update(level)
@@ -1332,7 +1325,7 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
         return None
     if h0 is None:
         # (A decay of one value per channel, A (dim, 1), has size 1 along the states.)
-        if per_step and not (_is_exp(a0) and isinstance(val(H), torch.Tensor)
+        if per_step and not (is_exp(a0) and isinstance(val(H), torch.Tensor)
                              and _unit_broadcast(val(a0).shape, val(H).shape)):
             return None
         if per_step:
@@ -2772,7 +2765,7 @@ def _recurrence_reason(m: torch.fx.Node, c: Any, H: Any) -> str:
     slices = _key_slices(_leaf_key(c, 0)) if isinstance(c, torch.fx.Node) and ts is None else []
     if slices:
         first = {s[3] for s in slices}
-        if _is_exp(c) and len(first) == 1 and first != {0}:
+        if is_exp(c) and len(first) == 1 and first != {0}:
             k = next(iter(first))
             lagged = sorted(i for i in _addend_indices(m) if i != k)
             if lagged:
