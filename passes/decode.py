@@ -76,9 +76,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .delta import ADD_TARGETS, SUB_TARGETS, SignedSum, binary_operands, exact_sum, signed_sum
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
-                       dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_lossless_cast, is_metadata,
-                       is_method, is_ssm_op, mutates, named_args, node_order, op_region, pinned_int, propagate_val,
-                       silu_input, storage_of, target_name, time_slice, val, written_args)
+                       dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_exp, is_lossless_cast,
+                       is_metadata, is_method, is_ssm_op, mutates, named_args, node_order, op_region, pinned_int,
+                       propagate_val, silu_input, storage_of, target_name, time_slice, val, written_args)
 from .manager import PassContext, PassManager
 from .scan_loop import ONE_STEP
 
@@ -619,7 +619,7 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
             if inexact is not None:
                 raise Miss(inexact)
             near = _nearest_ancestors(h, limit=16)
-            if state in near and any(is_call(n, torch.exp) or is_method(n, "exp") for n in near):
+            if state in near and any(is_exp(n) for n in near):
                 raise Miss(f"the new state {target_name(h)} reads the state and a decay exp(...), but is not "
                            "state * dA + dBx: the state is masked, scaled or combined before the decay multiplies it")
             return None
@@ -644,7 +644,7 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
         if any(_writes(user) for user in state.users):
             return None  # a step that writes its state: the copy_ / in-place anchors' business
         exp_node = _peel(decay)[0]
-        if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
+        if not is_exp(exp_node):
             return None  # some other sum with an input in it: no sign of a decode step
         return Update("returned", state, node, reader, casts, decay, addend, [])
     return None
@@ -718,7 +718,7 @@ def _prove_discretization(u: Update) -> dict[str, Any]:
     chan = roles[1:-1]
     bc, cn = ("b", *chan), (*chan, "n")
     exp_node = _peel(u.decay)[0]
-    if not (is_call(exp_node, torch.exp) or is_method(exp_node, "exp")):
+    if not is_exp(exp_node):
         behind = exp_node_behind(exp_node)
         stepped = time_slice(exp_node)
         if behind is not None and stepped is not None and exp_node_behind(stepped[0]) is behind:

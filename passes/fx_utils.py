@@ -863,7 +863,7 @@ def exp_node_behind(node: Any, depth: int = 6) -> torch.fx.Node | None:
     for _ in range(depth):
         if not isinstance(node, torch.fx.Node) or not node.args:
             return None
-        if is_call(node, torch.exp) or is_method(node, "exp"):
+        if is_exp(node):
             return node
         if not (is_cast(node) or node.op in ("call_method", "call_function") and bare_name(node) in _ELEMENT_VIEWS):
             return None

@@ -350,7 +350,7 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
                             * arg(a[1], IDENTITY_FACTORS) * arg(a[2], IDENTITY_FACTORS))
         elif (is_call(n, torch.tanh) or is_method(n, "tanh")) and len(a) == 1:
             env[n] = sympy.tanh(arg(a[0]))
-        elif (is_call(n, torch.exp) or is_method(n, "exp")) and len(a) == 1:
+        elif is_exp(n) and len(a) == 1:
             env[n] = sympy.exp(arg(a[0]))
         elif (is_call(n, torch.sigmoid) or is_method(n, "sigmoid")) and len(a) == 1:
             env[n] = 1 / (1 + sympy.exp(-arg(a[0])))
@@ -2177,7 +2177,7 @@ def _closed_form_scans(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 def _feeds_from_exp(node: Any) -> bool:
     while isinstance(node, torch.fx.Node) and is_cast(node):
         node = node.args[0]
-    return isinstance(node, torch.fx.Node) and (is_call(node, torch.exp) or is_method(node, "exp"))
+    return isinstance(node, torch.fx.Node) and is_exp(node)
 
 
 def _reaches_exp(node: torch.fx.Node, depth: int) -> bool:
