@@ -820,7 +820,7 @@ def _state_operand(term: IndexTerm, factors: list[Factor], role: RoleMap, chan: 
     if per_group is None:
         return None
     src = grouped_source(per_group, ("b", "d", "n"))
-    return src.node if src is not None and src.roles == ("b", "g", "n") else per_group
+    return src.node if src.roles == ("b", "g", "n") else per_group
 
 
 def _split_x_B(term: IndexTerm, factors: list[Factor], role: RoleMap, chan: tuple[str, ...]

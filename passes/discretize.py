@@ -684,13 +684,26 @@ def _expand_reshape_group(node: torch.fx.Node, roles: Sequence[str]) -> Source |
     return None
 
 
-def grouped_source(node: torch.fx.Node, roles: Sequence[str]) -> Source | None:
-    """Undo a group broadcast: ``x.repeat_interleave(H, dim=k)`` along the dim axis -> x, axis k = "g".
+def grouped_source(node: torch.fx.Node, roles: Sequence[str]) -> Source:
+    """A per-channel B or C (``roles`` has "d") in the op's grouped layout, axis "g".
 
     Grouped B/C (batch, G, N, L) reach per-channel code repeated H = dim // G times along the
-    channel axis (channel d uses group d // H), which is exactly the op's grouped layout. The
-    einops spelling of the same broadcast (``_expand_reshape_group``) is undone too.
+    channel axis (channel d uses group d // H), which is exactly the op's grouped layout: a
+    ``x.repeat_interleave(H, dim=k)`` along the dim axis is undone to x, axis k = "g", and so is
+    the einops spelling of the same broadcast (``_expand_reshape_group``). Any other per-channel
+    value is itself the grouped layout with G = dim, one group per channel (mamba_ssm's
+    ``selective_scan_fn`` documents B (batch, G, N, L) with G = dim; its reference's einops repeat
+    then has H = 1, which dynamo's values make a view the evaluator looks through, probe CY): the
+    op reads it as it is. That covers a broadcast in another order too (``"b g n l -> b (h g) n
+    l"``, channel d reading group d % G): the op reads the program's own per-channel copy.
     """
+    undone = _undo_group_broadcast(node, roles)
+    if undone is not None:
+        return undone
+    return Source(node, tuple("g" if r == "d" else r for r in roles))
+
+
+def _undo_group_broadcast(node: torch.fx.Node, roles: Sequence[str]) -> Source | None:
     if not (is_call(node, torch.repeat_interleave) or is_method(node, "repeat_interleave")):
         return _expand_reshape_group(node, roles)
     x = node.args[0]
@@ -1223,9 +1236,6 @@ def _full_input(b_full: torch.fx.Node, tb: int, decay: _Decay) -> Discretized | 
         return "B_full: u must have exactly the axes (batch, dim, time)"
     if sorted(B_src.roles) == ["b", "d", "n", "t"]:
         B_src = grouped_source(B_src.node, B_src.roles)
-        if B_src is None:
-            return ("B_full: a per-channel B is only accepted as a group broadcast (repeat_interleave over dim, "
-                    "or its einops form 'b g ... -> b (g h) ...')")
     elif sorted(B_src.roles) != ["b", "n", "t"] and sorted(B_src.roles) not in _INVARIANT_B_ROLES:
         return (f"B_full: B must be indexed by (batch, state, time), (dim, state), (state) or (batch, state), "
                 f"got {B_src.roles}")
@@ -1504,8 +1514,6 @@ def _step_input(beta: torch.fx.Node, decay: _Decay, t0: int) -> Discretized | st
             B_src = view_source(base, roles)
             if sorted(roles) == ["b", "d", "n", "t"]:
                 B_src = grouped_source(B_src.node, B_src.roles)
-                if B_src is None:
-                    return "the state's addend: a per-channel B is only accepted as a group broadcast"
             elif sorted(roles) != ["b", "n", "t"]:
                 return f"the state's addend: B must be indexed by (batch, state, time), got {roles}"
         elif not found_delta:

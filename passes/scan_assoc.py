@@ -54,14 +54,14 @@ import torch.nn.functional as F
 
 from .discretize import Source, match_discretization
 from .fx_utils import (HOIST_BLOCKED, IDENTITY_FACTORS, IDENTITY_SUMMANDS, ContextRegions, addcmul_operands,
-                       dropped_rounding, dtype_of, exp_node_behind, float64_readout, hoist_before, is_call, is_method,
-                       mutates, node_order, pinned_int, proof_number, proof_sum, readout_decision, shape_of,
-                       time_prefix_source, val)
+                       dropped_rounding, dtype_of, exp_node_behind, float64_readout, grad_enabled_at, hoist_before,
+                       is_call, is_method, mutates, node_order, pinned_int, proof_number, proof_sum, readout_decision,
+                       shape_of, time_prefix_source, val)
 from .manager import PassContext, PassManager
 from .readout import split_state_users
 from .scan_inplace import InplaceMiss, find_inplace_scans
-from .scan_loop import (emit_or_refusal, emit_selective_scan, first_decay_bounded, first_steps_of, mutated,
-                        read_through, written_after)
+from .scan_loop import (emit_or_refusal, emit_selective_scan, first_decay_bounded, first_steps_of,
+                        group_layout_refusal, mutated, read_through, written_after)
 
 log = logging.getLogger("ssm_compile")
 
@@ -674,8 +674,10 @@ def rewrite_states(gm: torch.fx.GraphModule, ctx: PassContext, a_full: torch.fx.
     # readout ran under.
     graph = gm.graph
     replaced = [*scan_nodes, *disc.nodes, *readout_nodes, *lasts, all_states]
-    refusal = (dropped_rounding([*replaced, *reads], [disc.u.node, disc.delta.node, disc.B.node, readout.C],
-                                also_read=[disc.A.node], inputs_as_read=True)
+    refusal = (group_layout_refusal(disc, Source(readout.C, readout.C_roles), flip_C=False,
+                                    grad=grad_enabled_at(all_states))
+               or dropped_rounding([*replaced, *reads], [disc.u.node, disc.delta.node, disc.B.node, readout.C],
+                                   also_read=[disc.A.node], inputs_as_read=True)
                or ContextRegions(graph).refusal(replaced, anchor))
     if refusal is not None:
         # The scan was recognised: this miss, not explain's orphaned-exp(Δ·A) one, is the reason.

@@ -1095,8 +1095,6 @@ def _match_contraction(y0: torch.fx.Node, h0: torch.fx.Node, state_roles: tuple[
         return f"C_t broadcasts along a size-1 axis (axis roles {c_roles}); the op needs C as (batch, state, time)"
     if sorted(c_roles) == ["b", "d", "n", "t"]:
         c_src = grouped_source(c_base, c_roles)
-        if c_src is None:
-            return "a per-channel C_t is only accepted as a group broadcast (repeat_interleave over dim)"
     elif sorted(c_roles) == ["b", "n", "t"]:
         c_src = view_source(c_base, c_roles)
     else:
@@ -1700,6 +1698,45 @@ def _node(graph: torch.fx.Graph, op: str, target: Any, *args: Any) -> torch.fx.N
     return n
 
 
+def _per_channel(src: Source | None, disc: Discretized) -> bool:
+    """``src`` is B or C in the grouped layout with one group per channel (G = dim)."""
+    if src is None or "g" not in src.roles:
+        return False
+    dim = val(disc.u.node).shape[disc.u.roles.index("d")]
+    return statically_known_true(val(src.node).shape[src.roles.index("g")] == dim)
+
+
+def group_layout_refusal(disc: Discretized, C: Source | None, *, flip_C: bool, grad: bool) -> str | None:
+    """Why the op cannot read B and C in one grouped layout without a (batch, dim, N, L) tensor
+    of its own, or None.
+
+    A per-channel B or C (G = dim, ``grouped_source``) is read as the program has it, but the op
+    reads B and C with one G: a B or C shared by the channels then reaches it as a stride-0
+    per-channel view, whose gradient the op computes per channel, N values per channel and step.
+    A time flip (``Discretized.flip_time``, or ``flip_C``: C read in reversed order) copies a
+    per-channel tensor whole. ``grad``: gradients are recorded where the op runs.
+    """
+    groups = [(name, src, val(src.node).shape[src.roles.index("g")])
+              for name, src in (("B", disc.B), ("C", C)) if src is not None and "g" in src.roles]
+    if len(groups) == 2 and not statically_known_true(groups[0][2] == groups[1][2]):
+        return (f"B is read in {groups[0][2]} groups and C in {groups[1][2]}: ssm.selective_scan reads B and C with "
+                "one group count (one of them per channel and the other a group broadcast, or broadcasts of two "
+                "group counts)")
+    for name, src, _ in groups:
+        if not _per_channel(src, disc):
+            continue
+        if name == "B" and disc.flip_time or name == "C" and flip_C:
+            return (f"{name} is per channel (batch, dim, N, L) and read in reversed time: the op would read a "
+                    "flipped copy of it, a (batch, dim, N, L) tensor")
+        other, other_name = (C, "C") if name == "B" else (disc.B, "B")
+        shared = other is not None and "g" not in other.roles and "b" in other.roles
+        if shared and grad and val(other.node).requires_grad:
+            return (f"{name} is per channel (batch, dim, N, L) and {other_name} is shared by the channels, with "
+                    f"gradients recorded: the op reads B and C with one group count, so it would compute "
+                    f"{other_name}'s gradient per channel, a (batch, dim, N, L) tensor")
+    return None
+
+
 def emit_selective_scan(
     graph: torch.fx.Graph,
     disc: Discretized,
@@ -1942,14 +1979,16 @@ def _emit_scan(graph: torch.fx.Graph, m: LoopMatch) -> tuple[torch.fx.Node, torc
     # A broadcast h_{-1} (e.g. a learned (dim, N) state shared by the batch) has the state's
     # trailing roles.
     init = None if m.init is None else Source(m.init, m.state_roles[len(m.state_roles) - val(m.init).dim():])
-    if m.C is None and "g" in m.disc.B.roles:
+    if m.C is None and "g" in m.disc.B.roles and not _per_channel(m.disc.B, m.disc):
         # Only the last state is used, B in groups: the op reads C in B's groups, so a zero C
         # shaped like B (probe CW: a time-invariant zero C made the op refuse the grouped B).
         C = first_steps(graph, Source(_node(graph, "call_function", torch.zeros_like, m.disc.B.node),
                                       m.disc.B.roles), m.L)
     elif m.C is None:
         # Only the last state is used: the op still reads a C, and a zero one shared by the
-        # channels (a stride-0 (dim, N) view of N zeros) makes its unused y cheap and finite.
+        # channels (a stride-0 (dim, N) view of N zeros) makes its unused y cheap and finite. (A
+        # per-channel B, G = dim, is read with it too: a zero C like it would be N values per channel
+        # and step.)
         n = _node(graph, "call_method", "size", m.disc.B.node, m.disc.B.roles.index("n"))
         C = Source(_node(graph, "call_method", "new_zeros", m.disc.u.node, (n,)), ("n",))
     else:
@@ -1983,6 +2022,10 @@ def _emit(gm: torch.fx.GraphModule, m: LoopMatch, pos) -> str | None:
     anchor = last_input.next
     while anchor.op == "placeholder":
         anchor = anchor.next
+    layout = group_layout_refusal(d, m.C, flip_C=m.out.kind == "states" and m.out.reversed_time,
+                                  grad=grad_enabled_at(m.h_last))
+    if layout is not None:
+        return layout
     # The op must run under the grad mode / autocast / functorch state the loop ran under.
     regions = ContextRegions(graph)
     replaced = [*m.loop_nodes, *d.nodes, *m.out.writes]

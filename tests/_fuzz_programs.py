@@ -77,9 +77,10 @@ import torch
 #     elementwise add/mul (in-place iadd)".
 #   - all the states returned besides y (return y, hs): "the states are used by output, which is
 #     neither a readout Σ_n h·C nor the last state" (the op never materialises them).
-#   - a time flip of the expanded grouped B (B.repeat_interleave(...).flip(-1)): "a per-channel B
-#     is only accepted as a group broadcast (repeat_interleave over dim, ...)"; the grammar flips
-#     the (batch, G, N, L) B and expands it inside the scan instead.
+#   - a time flip of the expanded grouped B (B.repeat_interleave(...).flip(-1)): read per channel
+#     (G = dim), and under grad, next to the grammar's C, "B is per channel (batch, dim, N, L) and C
+#     is shared by the channels, with gradients recorded"; the grammar flips the (batch, G, N, L) B
+#     and expands it inside the scan instead.
 # Two more are drawn as "still a scan" mutations whose rewrite is not required (UNSUPPORTED).
 
 INITS = ("zeros", "zeros_f32", "new_zeros", "zeros_like", "bcast_zeros")
@@ -357,8 +358,8 @@ def _render(c: dict[str, str], mut: str | None) -> tuple[str, tuple[str, ...]]:
     if c["B"] == "grouped":
         # selective_scan_ref: B (batch, G, N, L) -> (batch, dim, N, L), each group's B shared by
         # dim // G consecutive channels. (Part of the scan, so that a second, time-flipped call
-        # flips the groups' B and expands it itself: a flip of the expanded B is refused, "a
-        # per-channel B is only accepted as a group broadcast".)
+        # flips the groups' B and expands it itself: a flip of the expanded B is read per channel,
+        # and refused under grad next to a C shared by the channels.)
         emit(f"B = B.repeat_interleave(u.shape[{3 - tax}] // B.shape[1], dim=1)")
     # Collected outputs are stacked along time, counted from the left or (neg_dims) the right.
     y_dim = tax - 3 if c["neg_dims"] == "yes" else tax

@@ -31,8 +31,9 @@ or not. Correct spellings the passes leave alone, with explain's reason
   iadd)". Not drawn.
 - all the states returned besides y: "the states are used by output, which is neither a readout
   Σ_n h·C nor the last state" (by design: the op never materialises them). Not drawn.
-- a time flip of an expanded grouped B: "a per-channel B is only accepted as a group broadcast".
-  Not drawn (the grammar flips the grouped B before expanding it).
+- a time flip of an expanded grouped B: the flipped copy is read per channel (G = dim), and next to a
+  C shared by the channels, under grad, "B is per channel (batch, dim, N, L) and C is shared by the
+  channels, with gradients recorded". Not drawn (the grammar flips the grouped B before expanding it).
 - A skip or gate written inside the loop is not folded (the user's per-step code stays after the
   op's y_t); a skip after the loop then follows a gated y, a gate after the loop follows y + D·u,
   and neither folds either. Not asserted.

@@ -289,7 +289,7 @@ def test_selective_scan_ref_grouped_end_to_end_with_inductor():
     assert_close(out, selective_scan_ref(*args))
 
 
-# --- groups: d // H is the op's mapping, d % G is not -------------------------------------------
+# --- groups: d // H is the op's mapping; any other per-channel B/C is read as it is (G = dim) -----
 
 def grouped_loop(u, delta, A, B, C):
     """selective_scan_ref's grouped branch on per-channel (batch, dim, N, L) B and C."""
@@ -398,17 +398,29 @@ def grouped_tiled_sum_readout(u, delta, A, B, C):
     return torch.stack(ys, dim=2)
 
 
-@pytest.mark.parametrize("fn, reason", [
-    pytest.param(grouped_einops_tiled, "per-channel B is only accepted as a group broadcast", id="einops-(h g)"),
-    pytest.param(grouped_vmamba_tiled, "per-channel B is only accepted as a group broadcast", id="repeat-(h g)"),
-    pytest.param(grouped_B_tiled_C_interleaved, "per-channel B is only accepted", id="B-tiled-C-interleaved"),
-    pytest.param(grouped_B_interleaved_C_tiled, "per-channel C_t is only accepted", id="B-interleaved-C-tiled"),
-    pytest.param(grouped_index_mod, "per-channel B is only accepted", id="index-d%G"),
-    pytest.param(grouped_tiled_sum_readout, "per-channel B is only accepted", id="tiled-sum-readout"),
-])
-def test_other_group_mappings_are_left_alone(fn, reason):
-    assert_left_alone(fn, make_grouped_inputs(), reason)
-    # One loop, one reason: the readout's h*C[t], which looks like a decay, adds none.
+@pytest.mark.parametrize("fn", [grouped_einops_tiled, grouped_vmamba_tiled, grouped_index_mod,
+                                grouped_tiled_sum_readout],
+                         ids=["einops-(h g)", "repeat-(h g)", "index-d%G", "tiled-sum-readout"])
+def test_other_group_mappings_are_read_per_channel(fn):
+    """Channel d reading group d % G is no group broadcast the op has, but the program's own
+    per-channel B and C are its grouped layout with G = dim: the op reads those copies."""
+    args = make_grouped_inputs()
+    cap = PassCapture(scan_loop)
+    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    assert [r.family for r in cap.ctx.rewrites] == list(SCAN)
+    assert_close(out, fn(*args))
+    scan = next(n for n in cap.gm.graph.nodes if n.target == torch.ops.ssm.selective_scan.default)
+    assert [tuple(n.meta["example_value"].shape) for n in scan.args[3:5]] == [(BATCH, DIM, N, L)] * 2
+
+
+@pytest.mark.parametrize("fn", [grouped_B_tiled_C_interleaved, grouped_B_interleaved_C_tiled],
+                         ids=["B-tiled-C-interleaved", "B-interleaved-C-tiled"])
+def test_B_and_C_in_two_group_counts_are_left_alone(fn):
+    """B per channel (G = dim) and C a group broadcast (G = 3), or the other way round: the op
+    reads B and C with one group count."""
+    assert_left_alone(fn, make_grouped_inputs(), f"B is read in {DIM} groups and C in {G}"
+                      if fn is grouped_B_tiled_C_interleaved else f"B is read in {G} groups and C in {DIM}")
+    # One loop, one reason.
     misses = [m.reason for m in explain(fn, *make_grouped_inputs()).misses if m.family == "scan_loop"]
     assert len(misses) == 1, misses
 

@@ -811,7 +811,8 @@ def chunk_precomputed(c_index):
 
 
 def per_channel(which):
-    """C or B per channel (batch, L, dim, N): the op only takes them as group broadcasts."""
+    """C or B per channel (batch, L, dim, N): the op reads it as B/C in groups with G = dim (the
+    other one, shared by the channels, as a stride-0 view: no gradient is recorded here)."""
     def fn(u, delta, A, B, C, X):
         h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])
         ys = []
@@ -860,8 +861,8 @@ STYLES = {
     "keep-mask-in-decay": (mask_in_decay, (keep_mask(),), 0),
     "chunk-precomputed": (chunk_precomputed(lambda c, i: c + i), (), None),
     "chunk-precomputed-C[i]-not-C[c+i]": (chunk_precomputed(lambda c, i: i), (), None),
-    "per-channel-C": (per_channel("C"), (extra((BATCH, L, DIM, N)),), 0),
-    "per-channel-B": (per_channel("B"), (extra((BATCH, L, DIM, N)),), 0),
+    "per-channel-C": (per_channel("C"), (extra((BATCH, L, DIM, N)),), 1),
+    "per-channel-B": (per_channel("B"), (extra((BATCH, L, DIM, N)),), 1),
     "per-batch-A": (per_batch_A, (-extra((BATCH, DIM, N)).abs() - 0.5,), 0),
 }
 
