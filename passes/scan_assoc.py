@@ -759,17 +759,99 @@ def _admissible_lengths(lengths: list[torch.SymInt]) -> tuple[sympy.Symbol, list
     (sym,) = symbols
     shape_env = lengths[0].node.shape_env
     bounds = shape_env.var_to_range[sym]
-    if bool(bounds.upper > bounds.lower + _MAX_LENGTHS):
-        return (f"the time length {sym} ranges over {bounds.lower}..{bounds.upper}; a scan whose "
-                f"ops depend on it is proved length by length, for at most {_MAX_LENGTHS} lengths")
     # Guards on other sizes too (batch, dim) are left out: that only admits more lengths, each of
-    # which is then proved, so the result stays sound.
-    guards = [g.expr for g in shape_env.guards if g.expr.free_symbols == {sym}]
-    admitted = [n for n in range(int(bounds.lower), int(bounds.upper) + 1)
+    # which is then proved, so the result stays sound. A guard on another input's length that
+    # dynamo later found equal to this one (``Eq(s16, s27)``) is read in this one's symbol.
+    guards = [e for e in (shape_env.replace(g.expr) for g in shape_env.guards) if e.free_symbols == {sym}]
+    upper = bounds.upper
+    for bound in (_guarded_upper(g, sym, int(bounds.lower)) for g in guards):
+        if bound is not None and bool(bound < upper):
+            upper = bound
+    if bool(upper > bounds.lower + _MAX_LENGTHS):
+        return (f"the time length {sym} ranges over {bounds.lower}..{upper}; a scan whose "
+                f"ops depend on it is proved length by length, for at most {_MAX_LENGTHS} lengths")
+    admitted = [n for n in range(int(bounds.lower), int(upper) + 1)
                 if all(bool(g.xreplace({sym: sympy.Integer(n)})) for g in guards)]
     if not admitted:
-        return f"no length of {sym} in {bounds.lower}..{bounds.upper} passes the graph's guards"
+        return f"no length of {sym} in {bounds.lower}..{upper} passes the graph's guards"
     return sym, admitted
+
+
+# Functions of one argument that never decrease as it grows (torch's sympy functions, by name:
+# ``OpaqueUnaryFn_log2`` is made at import).
+_NONDECREASING = ("CeilToInt", "FloorToInt", "TruncToInt", "RoundToInt", "ToFloat", "OpaqueUnaryFn_log2",
+                  "OpaqueUnaryFn_log", "OpaqueUnaryFn_exp", "OpaqueUnaryFn_sqrt")
+
+
+def _direction(e: sympy.Expr, sym: sympy.Symbol) -> Optional[int]:
+    """1 where ``e`` never decreases as ``sym`` grows, -1 where it never increases, 0 where it
+    does not depend on it, None where these rules cannot tell."""
+    if sym not in e.free_symbols:
+        return 0
+    if e == sym:
+        return 1
+    name = type(e).__name__
+    if name in _NONDECREASING and len(e.args) == 1:
+        return _direction(e.args[0], sym)
+    if name in ("FloorDiv", "IntTrueDiv", "FloatTrueDiv") and sym not in e.args[1].free_symbols:
+        return _direction(e.args[0], sym) if e.args[1].is_positive else None
+    if name == "PowByNatural" and sym not in e.args[0].free_symbols:
+        # A natural power of a base of at least 1 grows with the exponent.
+        return _direction(e.args[1], sym) if bool(e.args[0] >= 1) else None
+    if isinstance(e, sympy.Mul):
+        variable = [a for a in e.args if sym in a.free_symbols]
+        constant = sympy.Mul(*(a for a in e.args if sym not in a.free_symbols))
+        if len(variable) != 1 or not (constant.is_positive or constant.is_negative):
+            return None
+        inner = _direction(variable[0], sym)
+        return None if inner is None else inner * (1 if constant.is_positive else -1)
+    if isinstance(e, (sympy.Add, sympy.Max, sympy.Min)):
+        directions = {_direction(a, sym) for a in e.args} - {0}
+        return directions.pop() if len(directions) == 1 and None not in directions else None
+    return None
+
+
+def _guarded_upper(guard: sympy.Basic, sym: sympy.Symbol, lower: int) -> Optional[int]:
+    """The largest length from ``lower`` on that ``guard`` can admit, where a (relaxed) part of
+    it reads ``f(sym) <= 0`` with f never decreasing: past the first length where f is positive
+    it stays positive. dynamo's guards bound the length that way where its range does not
+    (mamba.py's ``2 ** ceil(log2(L)) == 16`` pins L to 9..16 while its range stays 2..int_oo).
+    None where no part does so within ``_MAX_LENGTHS`` lengths of ``lower``."""
+    parts = guard.args if isinstance(guard, sympy.And) else (guard,)
+    excesses = []
+    for r in parts:
+        if isinstance(r, (sympy.Eq, sympy.Le, sympy.Lt)):
+            excesses.append(r.lhs - r.rhs)
+        if isinstance(r, (sympy.Eq, sympy.Ge, sympy.Gt)):
+            excesses.append(r.rhs - r.lhs)
+    best = None
+    for f in excesses:
+        if _direction(f, sym) != 1:
+            continue
+
+        def admits(n: int) -> bool:
+            return bool(f.xreplace({sym: sympy.Integer(n)}) <= 0)
+
+        try:
+            if not admits(lower):
+                return lower - 1
+            good, step = lower, 1
+            while admits(good + step):
+                good += step
+                step *= 2
+                if good > lower + _MAX_LENGTHS:
+                    break
+            else:
+                # Between good (admitted) and good + step (not): halve the gap.
+                bad = good + step
+                while bad - good > 1:
+                    mid = (good + bad) // 2
+                    good, bad = (mid, bad) if admits(mid) else (good, mid)
+                best = good if best is None else min(best, good)
+        except TypeError:
+            # A value sympy cannot order: no bound from this part.
+            continue
+    return best
 
 
 def _summary(region: Region) -> tuple:

@@ -21,7 +21,12 @@ The proof is an abstract interpretation of the graph along the time axis, like t
   the strides and offset of each result say, for every axis of the view, which axis of the copy
   it walks and how. A view is accepted when each of its axes walks exactly one axis of the copy,
   and every axis other than time is walked whole and in order; time may be split, strided and
-  sliced freely.
+  sliced freely. An empty view (the top level of a down sweep that starts there, as the
+  Fleuret-style PScan of VMamba and zeta does) reads and writes nothing.
+* A symbolic time length (a recompile at a second length) is evaluated at every length the
+  graph's guards admit, and the scan proved at each. Any other symbolic size (a dynamic batch)
+  is taken at its traced value, where the views' symbolic sizes show that the proof holds at
+  every value: it may size only whole axes other than time, never time or an index.
 * Each time position of a buffer holds what it is in the algebra of ``h_t = a_t h_{t-1} + b_t``:
   ``("a", l, h)`` is ``a_l ... a_h``; ``("b", lo, hi, h)`` is ``Σ_{s=lo..hi} (a_{s+1} ... a_h) b_s``,
   the inputs of steps lo..hi carried to step h; a padding zero is ``ZERO``. Products and sums are
@@ -77,6 +82,9 @@ class _View:
     buffer: _Buffer
     coords: list[torch.Tensor]
     group: "_Group"
+    # The view's sizes as the graph has them, time lengths evaluated: what ``coords`` take at
+    # the traced value of any other symbolic size (a dynamic batch) holds only where these say so.
+    sizes: tuple[sympy.Expr, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -87,6 +95,7 @@ class _Group:
     sources: list[torch.fx.Node]               # what they copy (A_full, B_full)
     shape: tuple[int, ...]
     t_axis: int
+    sizes: tuple[sympy.Expr, ...]              # ``shape`` as the graph has it (see ``_View.sizes``)
     roles: dict[torch.fx.Node, str] = dataclasses.field(default_factory=dict)   # seed -> "a" / "b"
     nodes: list[torch.fx.Node] = dataclasses.field(default_factory=list)
     # (the reading node, the tracked value it reads, that value's axis roles and entries then)
@@ -95,6 +104,9 @@ class _Group:
     combined: bool = False                     # a product mixed the two copies
     written: set[int] = dataclasses.field(default_factory=set)   # ids of the buffers updated in place
     failure: Optional[str] = None
+    # An index or slice bound that depends on a symbolic size other than the time length, taken
+    # at its traced value to follow the rest: why the scan is not proved, unless it fails first.
+    indexed_by: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -118,11 +130,30 @@ class InplaceScan:
     proved_lengths: tuple[int, ...] = ()     # under a symbolic length: every length proved
 
 
+def _traced_value(sym: sympy.Symbol, shape_env: Any) -> sympy.Integer:
+    """The value dynamo traced the symbolic size ``sym`` at (a data-dependent size has none)."""
+    values = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    if sym not in values:
+        raise _Fail(f"a size of the scan, {sym}, is data-dependent")
+    return sympy.Integer(values[sym])
+
+
 def _geometry(view: _View, t_axis: int) -> tuple[tuple[Any, ...], list[int]]:
     """(the role of each axis of ``view``: the copied axis it walks or None for size 1, and the
     buffer positions of its elements in row-major order over the time axes); raises ``_Fail``
-    when an axis walks two copied axes, or a non-time axis is not walked whole and in order."""
+    when an axis walks two copied axes, or a non-time axis is not walked whole and in order.
+
+    A symbolic size other than the time length (a dynamic batch) is interpreted at its traced
+    value; the view is then accepted only where its sizes say the same at every value: a time
+    axis of a size that does not depend on it, and each axis of such a size walking the copied
+    axis of that very size (so whole, as the traced value shows)."""
     shape = view.coords[0].shape
+    if 0 in shape:
+        # An empty view (a sweep's top level, ``Xa[:, :, 1:, 0]`` of one pair) reads and writes nothing.
+        if 0 not in view.sizes:
+            raise _Fail("a view of the scan's buffers is empty at the traced value of a symbolic size, "
+                        "and not at every value")
+        return (None,) * len(shape), []
     roles: list[Any] = []
     for i, size in enumerate(shape):
         if size == 1:
@@ -131,6 +162,9 @@ def _geometry(view: _View, t_axis: int) -> tuple[tuple[Any, ...], list[int]]:
         walked = [k for k, c in enumerate(view.coords) if c.stride(i) != 0 and c.shape[i] > 1]
         if len(walked) != 1:
             raise _Fail("a view mixes the time axis with another axis")
+        if walked[0] == t_axis and view.sizes[i].free_symbols:
+            raise _Fail(f"a view of the scan's buffers walks the time axis over {view.sizes[i]}, a symbolic "
+                        "size other than the time length")
         roles.append(walked[0])
     for k, c in enumerate(view.coords):
         if k == t_axis or c.untyped_storage().nbytes() // 8 <= 1:
@@ -140,6 +174,9 @@ def _geometry(view: _View, t_axis: int) -> tuple[tuple[Any, ...], list[int]]:
         if (len(axes) != 1 or shape[axes[0]] != full or c.stride(axes[0]) != 1
                 or c.storage_offset() != 0):
             raise _Fail("a view of the scan's buffers does not cover a non-time axis whole")
+        if view.sizes[axes[0]] != view.group.sizes[k]:
+            raise _Fail(f"a view of the scan's buffers covers the axis of size {view.group.sizes[k]} whole only "
+                        f"at its traced value (the view's axis has size {view.sizes[axes[0]]})")
     index = tuple(slice(None) if r == t_axis else 0 for r in roles)
     positions = view.coords[t_axis][index].reshape(-1).tolist()
     return tuple(roles), positions
@@ -243,22 +280,40 @@ class _Interpreter:
         self.groups: list[_Group] = []
         self.symbolic: list[torch.SymInt] = []   # time lengths of copies seen without ``lengths``
 
-    def concrete(self, x: Any) -> Any:
+    def concrete(self, x: Any, shape: bool = False, index: Optional[_Group] = None) -> Any:
         """``x`` with its symbolic sizes (SymInts, or nodes computing them) evaluated at
-        ``self.lengths``; a size that stays symbolic raises ``_Fail``."""
+        ``self.lengths``; a size that stays symbolic raises ``_Fail``, unless ``x`` is a shape
+        (a tensor's, or a view's shape argument): there it is taken at its traced value, and
+        ``_geometry`` checks the view's symbolic sizes against the copies'. An index or a slice
+        bound of ``index``'s buffers is taken so too, but the time positions it picks may change
+        with the size, so the group is then not proved (``indexed_by``)."""
         if isinstance(x, (list, tuple)):
-            return type(x)(self.concrete(e) for e in x)
+            return type(x)(self.concrete(e, shape, index) for e in x)
         if isinstance(x, slice):
-            return slice(self.concrete(x.start), self.concrete(x.stop), self.concrete(x.step))
+            return slice(*(self.concrete(e, shape, index) for e in (x.start, x.stop, x.step)))
         v = val(x) if isinstance(x, torch.fx.Node) else x
         if isinstance(v, torch.SymInt):
             size = v.node.expr.xreplace(self.lengths or {})
+            if not size.is_Integer and index is not None and not shape:
+                index.indexed_by = index.indexed_by or (
+                    f"{size}, a symbolic size other than the time length, indexes or slices the scan's buffers "
+                    "(the time positions it picks may change with it, so the traced value proves nothing)")
+            if not size.is_Integer and (shape or index is not None):
+                traced = {s: _traced_value(s, v.node.shape_env) for s in size.free_symbols}
+                if any(n < 2 for n in traced.values()):
+                    raise _Fail(f"a size of the scan, {size}, is symbolic and was traced below 2")
+                size = size.xreplace(traced)
             if not size.is_Integer:
                 raise _Fail(f"a size of the scan, {size}, is symbolic")
             return int(size)
         if isinstance(x, torch.fx.Node):
             raise _Fail(f"{x.name} is not a size")
         return x
+
+    def sizes(self, node: torch.fx.Node) -> tuple[sympy.Expr, ...]:
+        """``node``'s shape as the graph has it, with the time lengths evaluated."""
+        return tuple(s.node.expr.xreplace(self.lengths or {}) if isinstance(s, torch.SymInt) else sympy.Integer(s)
+                     for s in shape_of(node))
 
     def run(self) -> list[_Group]:
         for node in self.gm.graph.nodes:
@@ -292,7 +347,7 @@ class _Interpreter:
     def _merge(self, groups: list[_Group]) -> _Group:
         first = groups[0]
         for other in groups[1:]:
-            if other.shape != first.shape:
+            if (other.shape, other.sizes) != (first.shape, first.sizes):
                 first.failure = first.failure or "the scan's two copies differ in shape"
             first.seeds += other.seeds
             first.sources += other.sources
@@ -302,6 +357,7 @@ class _Interpreter:
             first.written |= other.written
             first.roles.update(other.roles)
             first.failure = first.failure or other.failure
+            first.indexed_by = first.indexed_by or other.indexed_by
             for v in self.values.values():
                 if v.group is other:
                     v.group = first
@@ -309,33 +365,39 @@ class _Interpreter:
         return first
 
     def _maybe_seed(self, node: torch.fx.Node) -> None:
+        padded = is_call(node, F.pad, torch._C._nn.pad)
         if is_method(node, "clone") or is_call(node, torch.clone):
-            src, pad_after = node.args[0] if node.args else None, 0
             if node.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
                 return
-        elif is_call(node, F.pad, torch._C._nn.pad):
-            src = node.args[0] if node.args else None
-            pad_after = self._time_pad(node)
-            if pad_after is None:
-                return
-        else:
+        elif not padded:
             return
+        src = node.args[0] if node.args else None
         vs = val(src) if isinstance(src, torch.fx.Node) else None
         if not isinstance(vs, torch.Tensor) or vs.dim() != 4 or not vs.is_floating_point():
             return
+        # mamba.py pads to the next power of two by an amount computed from the length: known
+        # once the source's length is, as is the copy's.
+        for length in (shape_of(node)[self.t_axis], vs.shape[self.t_axis]):
+            try:
+                self.concrete(length)
+            except _Fail:
+                if self.lengths is None and isinstance(length, torch.SymInt):
+                    self.symbolic.append(length)
+                return
+        pad_after = self._time_pad(node) if padded else 0
+        if pad_after is None:
+            return
         try:
-            shape = self.concrete(tuple(shape_of(node)))
+            shape = self.concrete(tuple(shape_of(node)), shape=True)
         except _Fail:
-            length = shape_of(node)[self.t_axis]
-            if self.lengths is None and isinstance(length, torch.SymInt):
-                self.symbolic.append(length)
             return
         if shape[self.t_axis] < 2:
             return
-        group = _Group([node], [src], shape, self.t_axis, nodes=[node])
+        sizes = self.sizes(node)
+        group = _Group([node], [src], shape, self.t_axis, sizes, nodes=[node])
         self.groups.append(group)
         items = [("leaf", node, t) for t in range(shape[self.t_axis] - pad_after)] + [ZERO] * pad_after
-        self.values[node] = _View(_Buffer(items), self._coords(shape), group)
+        self.values[node] = _View(_Buffer(items), self._coords(shape), group, sizes)
 
     def _time_pad(self, node: torch.fx.Node) -> Optional[int]:
         """Zeros appended to the time axis alone by ``F.pad`` (None for any other padding)."""
@@ -361,8 +423,9 @@ class _Interpreter:
         return [torch.arange(size).as_strided(shape, [1 if i == k else 0 for i in range(len(shape))])
                 for k, size in enumerate(shape)]
 
-    def _temp(self, like: _View, items: list[Any], group: _Group) -> _View:
-        """A fresh tensor shaped like ``like``: its own buffer, laid out row-major over time."""
+    def _temp(self, node: torch.fx.Node, like: _View, items: list[Any], group: _Group) -> _View:
+        """``node``'s value, a fresh tensor shaped like ``like``: its own buffer, laid out
+        row-major over time."""
         t = self.t_axis
         shape = like.coords[0].shape
         time_axes = [i for i, c in enumerate(like.coords[t].stride()) if c != 0 and shape[i] > 1]
@@ -371,10 +434,12 @@ class _Interpreter:
             strides[i], step = step, step * shape[i]
         coords = list(like.coords)
         coords[t] = torch.arange(max(step, 1)).as_strided(shape, strides)
-        return _View(_Buffer(items), coords, group)
+        return _View(_Buffer(items), coords, group, self.sizes(node))
 
     def _apply_view(self, node: torch.fx.Node, view: _View) -> _View:
-        args = [None, *self.concrete(tuple(node.args[1:]))]
+        method = node.target if node.op == "call_method" else None
+        reshaped = method in ("view", "reshape") or node.target is torch.reshape
+        args = [None, *self.concrete(tuple(node.args[1:]), shape=reshaped, index=view.group)]
         if _has_node(node.kwargs):
             raise _Fail(f"{node.name} views the scan's buffers with sizes computed in the graph")
         # Only ops whose result is a view of their input: writes through it reach the buffer.
@@ -382,7 +447,6 @@ class _Interpreter:
         # and so does a reshape that cannot view; ``view(dtype)`` reinterprets the bytes.
         if is_call(node, operator.getitem):
             _check_basic_index(node, args[1])
-        method = node.target if node.op == "call_method" else None
         if method == "reshape" or node.target is torch.reshape:
             out = val(node)
             if not (isinstance(out, torch.Tensor) and out._is_view()):
@@ -397,9 +461,9 @@ class _Interpreter:
             else:
                 coords.append(node.target(c, *args[1:], **node.kwargs))
         # The coordinates must have followed the user's tensor exactly.
-        if tuple(coords[0].shape) != self.concrete(tuple(shape_of(node))):
+        if tuple(coords[0].shape) != self.concrete(tuple(shape_of(node)), shape=True):
             raise _Fail(f"{node.name} views the scan's buffers in a way the proof does not follow")
-        return _View(view.buffer, coords, view.group)
+        return _View(view.buffer, coords, view.group, self.sizes(node))
 
     def _transfer(self, node: torch.fx.Node, group: _Group) -> Optional[_View]:
         views = [self.values.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
@@ -429,9 +493,10 @@ class _Interpreter:
         if target is None or value is None:
             raise _Fail(f"{node.name} writes something else than the scan's own values into its buffers")
         if is_call(node, operator.setitem):
-            index = self.concrete(node.args[1])
+            index = self.concrete(node.args[1], index=group)
             _check_basic_index(node, index)
-            target = _View(target.buffer, [operator.getitem(c, index) for c in target.coords], group)
+            # Its sizes are the value's: dynamo guards that the value fits the target it traced.
+            target = _View(target.buffer, [operator.getitem(c, index) for c in target.coords], group, value.sizes)
         if target.coords[0].shape != value.coords[0].shape:
             raise _Fail(f"{node.name} copies a differently shaped value into the scan's buffers")
         roles_t, pos_t = _geometry(target, self.t_axis)
@@ -487,7 +552,7 @@ class _Interpreter:
             return self._exit(node, group)
         x, y = self._operands(node, views)
         is_mul = is_method(node, "mul") or is_call(node, *_MUL)
-        return self._temp(x, self._combine(node, group, x, y, is_mul), group)
+        return self._temp(node, x, self._combine(node, group, x, y, is_mul), group)
 
     def _in_place(self, node: torch.fx.Node, group: _Group, views: list[Optional[_View]]) -> _View:
         x, y = self._operands(node, views)
@@ -537,10 +602,12 @@ def _has_node(x: Any) -> bool:
     return bool(found)
 
 
-def _states(group: _Group, concrete: Callable[[Any], Any]) -> InplaceScan | str:
+def _states(group: _Group, concrete: Callable[..., Any]) -> InplaceScan | str:
     """The proved scan of ``group``, or why its exits are not the states of a scan."""
     if group.failure is not None:
         return group.failure
+    if group.indexed_by is not None:
+        return group.indexed_by
     roles = group.roles
     if sorted(roles.values()) != ["a", "b"] or len(group.seeds) != 2:
         return "the in-place scan does not update exactly one multiplier copy and one offset copy"
@@ -565,16 +632,21 @@ def _states(group: _Group, concrete: Callable[[Any], Any]) -> InplaceScan | str:
     seed = {r: s for s, r in roles.items()}
     b_full = group.sources[group.seeds.index(seed["b"])]
     a_full = group.sources[group.seeds.index(seed["a"])]
-    shape = concrete(tuple(shape_of(b_full)))
+    shape = concrete(tuple(shape_of(b_full)), shape=True)
     # Axis k of the states must walk axis k of the copies (B_full's layout), time at every step.
     layout = tuple(k if size > 1 else None for k, size in enumerate(shape))
     want = [("b", 0, t, t) for t in range(shape[group.t_axis])]
     for user, src, axes, items in group.exits:
         if src is not states:
             continue
-        if axes != layout or concrete(tuple(shape_of(states))) != shape:
+        entries = [_Algebra(group).norm(e) for e in items]
+        if axes == layout and 0 < len(entries) < len(want) and entries == want[1:len(entries) + 1]:
+            return ("the in-place scan's states are read from time 1 on: row 0 of its copies is an initial state "
+                    "(as mamba.py's PScan makes with H_0 concatenated ahead of the data), which the rewrite "
+                    "does not hand to the op as its initial_state")
+        if axes != layout or concrete(tuple(shape_of(states)), shape=True) != shape:
             return "the in-place scan's states are not laid out as B_full"
-        if [_Algebra(group).norm(e) for e in items] != want:
+        if entries != want:
             return (f"what {user.name} reads of the in-place scan is not the inclusive scan of "
                     "(A_full, B_full) at every step")
     for n in group.nodes:
@@ -610,14 +682,13 @@ def _at_every_length(gm: torch.fx.GraphModule, t_axis: int, lengths: list[torch.
     only if it is proved, the same way, at each of them."""
     found = admissible(lengths)
     if isinstance(found, str):
-        # Say so for the scans the graph holds at the length it was traced with.
+        # Say so for the scans the graph holds at the length it was traced with; a scan that is
+        # no scan there (a batch axis taken for time) keeps its own reason.
         env = lengths[0].node.shape_env
-        values = getattr(env, "backed_var_to_val", None) or env.var_to_val
-        hint = {s: sympy.Integer(values[s]) for s in lengths[0].node.expr.free_symbols}
+        hint = {s: _traced_value(s, env) for s in lengths[0].node.expr.free_symbols}
         traced = _proofs(gm, t_axis, hint)[0]
-        return {key: InplaceMiss(r.nodes[:1] if isinstance(r, InplaceScan) else r.seeds,
-                                 f"the time length is symbolic and not pinned by the graph's guards: {found}",
-                                 r.nodes)
+        return {key: InplaceMiss(r.nodes[:1], f"the time length is symbolic: {found}", r.nodes)
+                if isinstance(r, InplaceScan) else r
                 for key, r in traced.items()}
     sym, admitted = found
     proved: dict[tuple[str, ...], InplaceScan | InplaceMiss] = {}
