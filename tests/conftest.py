@@ -52,8 +52,49 @@ def _interpret_helpers_without_repatching() -> None:
     interpreter._patch_lang = patch_unless_patched
 
 
+def _interpret_scans_a_step_at_a_time() -> None:
+    """The interpreter runs a ``tl.associative_scan`` with a user combine (the kernels' linear
+    recurrence) one element at a time: for every element of the tile it wraps the element and its
+    predecessor's result as scalar tensors and calls the combine on them, so a [32, 4, 16, 4] tile
+    costs 8192 Python-level combines. That was about 70 % of an interpreted scan-backward test
+    (cProfile, Triton 3.9). A combine is elementwise by contract, so calling it once per step of
+    the scanned axis on the whole slice computes, element by element, the same operations on the
+    same operands in the same order: step k's slice is combine(result of step k-1, input k), step
+    0 is the input. Where the interpreter's scan differs from the one this replaces (no
+    ``ScanOps.generic_scan``, or a ``to_tensor`` helper it does not have), nothing is changed."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    scan_ops = getattr(interpreter, "ScanOps", None)
+    if scan_ops is None or not hasattr(scan_ops, "generic_scan") or not hasattr(scan_ops, "to_tensor"):
+        return
+
+    def generic_scan(self, input):
+        datas = [arg.handle.data for arg in input]
+        outs = [np.empty_like(d) for d in datas]
+        lead = (slice(None),) * self.axis
+        for out, data in zip(outs, datas):
+            out[lead + (0,)] = data[lead + (0,)]
+        for k in range(1, datas[0].shape[self.axis]):
+            acc = [self.to_tensor(out[lead + (k - 1,)], arg.dtype) for out, arg in zip(outs, input)]
+            cur = [self.to_tensor(data[lead + (k,)], arg.dtype) for data, arg in zip(datas, input)]
+            ret = self.combine_fn.fn(*acc, *cur)
+            for out, r in zip(outs, ret if isinstance(ret, tuple) else (ret,)):
+                value = r.handle.data if isinstance(r, tl.core.tensor) else r
+                # A 1-D scan's slice is one element, which to_tensor wraps as a 1-element array.
+                out[lead + (k,)] = value.reshape(out[lead + (k,)].shape) if np.ndim(value) else value
+        return [self.to_tensor(out, arg.dtype) for out, arg in zip(outs, input)]
+
+    # The element-at-a-time original stays reachable for tests/test_interpreter_scan.py, which
+    # checks the two bit for bit.
+    scan_ops.generic_scan_by_element = scan_ops.generic_scan
+    scan_ops.generic_scan = generic_scan
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpret_helpers_without_repatching()
+    _interpret_scans_a_step_at_a_time()
 
 # Under pytest-xdist (`-n 2`, what CI runs on its 2 cores) each worker process gets its share of
 # the cores for torch's intra-op threads, instead of every worker starting one thread per core
