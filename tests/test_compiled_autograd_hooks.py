@@ -21,7 +21,7 @@ from torch._dynamo import compiled_autograd
 from ssm_compile.compiler import backend
 from ssm_compile.report import explain
 
-BATCH, L, DIM, N = 2, 5, 4, 3
+BATCH, L, DIM, N = 2, 3, 4, 3
 
 
 def block(u, dt, A, B, C, D, z, dt_bias, hook_on):
