@@ -2220,7 +2220,7 @@ def _closed_form_scans(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 def _feeds_from_exp(node: Any) -> bool:
     while isinstance(node, torch.fx.Node) and is_cast(node):
         node = node.args[0]
-    return isinstance(node, torch.fx.Node) and is_exp(node)
+    return is_exp(node)
 
 
 def _reaches_exp(node: torch.fx.Node, depth: int) -> bool:

@@ -358,6 +358,17 @@ def vmamba_groups_tiled(t, heads):
     return t.view(b, 1, g, n, length).repeat(1, heads, 1, 1, 1).view(b, g * heads, n, length)
 
 
+def _rewritten_grouped_scan(fn):
+    """(the capture, its ssm.selective_scan node) of ``fn`` on grouped inputs, checked rewritten
+    and equal to eager."""
+    args = make_grouped_inputs()
+    cap = PassCapture(scan_loop)
+    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
+    assert [r.family for r in cap.ctx.rewrites] == list(SCAN)
+    assert_close(out, fn(*args))
+    return cap, next(n for n in cap.gm.graph.nodes if n.target == torch.ops.ssm.selective_scan.default)
+
+
 @pytest.mark.parametrize("spelling", [repeat_groups, vmamba_groups, none_expand_groups, unsqueeze_tile_flatten_groups],
                          ids=["einops", "view-repeat-view", "none-expand-reshape", "unsqueeze-tile-flatten"])
 def test_group_broadcast_spellings_reach_the_op_as_the_users_groups(spelling):
@@ -367,12 +378,7 @@ def test_group_broadcast_spellings_reach_the_op_as_the_users_groups(spelling):
         H = u.shape[1] // B.shape[1]
         return grouped_loop(u, delta, A, spelling(B, H), spelling(C, H))
 
-    args = make_grouped_inputs()
-    cap = PassCapture(scan_loop)
-    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
-    assert [r.family for r in cap.ctx.rewrites] == list(SCAN)
-    assert_close(out, fn(*args))
-    scan = next(n for n in cap.gm.graph.nodes if n.target == torch.ops.ssm.selective_scan.default)
+    cap, scan = _rewritten_grouped_scan(fn)
     # B and C go in as the (batch, G, N, L) tensors: no (batch, dim, N, L) copy or view is left.
     assert scan.args[3].name == "l_b_" and scan.args[4].name == "l_c_"
     assert not any(n.op == "call_method" and n.target in ("reshape", "repeat", "tile", "expand")
@@ -404,12 +410,7 @@ def grouped_tiled_sum_readout(u, delta, A, B, C):
 def test_other_group_mappings_are_read_per_channel(fn):
     """Channel d reading group d % G is no group broadcast the op has, but the program's own
     per-channel B and C are its grouped layout with G = dim: the op reads those copies."""
-    args = make_grouped_inputs()
-    cap = PassCapture(scan_loop)
-    out = torch.compile(fn, backend=cap, fullgraph=True)(*args)
-    assert [r.family for r in cap.ctx.rewrites] == list(SCAN)
-    assert_close(out, fn(*args))
-    scan = next(n for n in cap.gm.graph.nodes if n.target == torch.ops.ssm.selective_scan.default)
+    _, scan = _rewritten_grouped_scan(fn)
     assert [tuple(n.meta["example_value"].shape) for n in scan.args[3:5]] == [(BATCH, DIM, N, L)] * 2
 
 
