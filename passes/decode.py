@@ -77,10 +77,10 @@ from .delta import ADD_TARGETS, SUB_TARGETS, SignedSum, binary_operands, exact_s
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_exp, is_lossless_cast,
-                       is_metadata, is_method, is_ssm_op, mutates, named_args, node_order, op_region, pinned_int,
-                       propagate_val, silu_input, storage_of, target_name, time_slice, val, written_args)
+                       is_metadata, is_method, is_ssm_op, is_zeros, mutates, named_args, node_order, op_region,
+                       pinned_int, propagate_val, silu_input, storage_of, target_name, time_slice, val, written_args)
 from .manager import PassContext, PassManager
-from .scan_loop import ONE_STEP
+from .scan_loop import DEEP_STEP, ONE_STEP, decay_computed_in_step
 
 STATE_FAMILY = "state_update"
 CONV_FAMILY = "conv_update"
@@ -514,8 +514,27 @@ def _is_state(node: Any) -> bool:
 def _is_graph_input(node: Any) -> bool:
     # A state that comes from outside the graph: a decode step's cache, or its rows gathered by
     # index. Inside an unrolled loop the state is an intermediate, and a step of it is the scan
-    # passes' business.
+    # passes' business unless the step computes its own decay (``_is_step_state``).
     return _is_state(node) and (node.op in ("placeholder", "get_attr") or _gathered(node))
+
+
+def _new_state_of(node: Any, op_name: str) -> bool:
+    """``node`` is the new state (output 1) of a functional decode op named ``op_name``, which
+    this pass emitted for an earlier step that returned its new state."""
+    if not is_call(node, operator.getitem) or node.args[1] != 1:
+        return False
+    op = node.args[0]
+    return (isinstance(op, torch.fx.Node) and isinstance(op.target, torch._ops.OpOverload)
+            and op.target._schema.name == op_name)
+
+
+def _is_step_state(node: Any) -> bool:
+    """A state a decode step may read besides a graph input: the new state an earlier step's op
+    returned, or a fresh zeros tensor (mamba.py's ``h is None`` first step), as in several decode
+    steps compiled in one graph (``MambaLM.generate``'s loop over ``step``). ``find_update`` also
+    asks that the step compute its decay itself (``scan_loop.decay_computed_in_step``): a loop
+    over time slices is the scan passes' business."""
+    return _is_state(node) and (is_zeros(node) or _new_state_of(node, "ssm::selective_state_update_functional"))
 
 
 def _gathered(node: Any) -> bool:
@@ -637,10 +656,12 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
             return Update("in-place", mul.args[0], None, mul, [], mul.args[1], node.args[1], [mul, node])
         return None
     if is_call(node, *ADD_TARGETS, *SUB_TARGETS, torch.rsub, torch.addcmul) or is_method(node, "add", "sub", "addcmul"):
-        split = _split_update(node, _is_graph_input)
+        split = _split_update(node, lambda n: _is_graph_input(n) or _is_step_state(n))
         if split is None:
             return None
         state, reader, casts, decay, addend = split
+        if not _is_graph_input(state) and not decay_computed_in_step(_peel(decay)[0]):
+            return None
         if any(_writes(user) for user in state.users):
             return None  # a step that writes its state: the copy_ / in-place anchors' business
         exp_node = _peel(decay)[0]
@@ -943,6 +964,32 @@ def _state_writes(state: torch.fx.Node) -> list[torch.fx.Node]:
             if (n.args and n.args[0] is state and _writes(n)) or _decode_op_state(n) is state]
 
 
+def _alias_use_elsewhere(alias: torch.fx.Node, state: torch.fx.Node, writes: list[torch.fx.Node],
+                         order: dict) -> str | None:
+    """What makes ``alias`` (a value in ``state``'s memory, made between two of its ``writes``)
+    read or write the state elsewhere than at its own place in the node order: a use, through
+    further aliases, that writes in place or comes after the state's next write (and so sees a
+    later step's value). None when every use reads before that write: the alias then reads the
+    state exactly where it stands (HF's and Vim's ``ssm_state.to(dtype)`` before each step's
+    readout), a use of the state the node order places like any other."""
+    after = [w for w in writes if order[w] > order[alias]]
+    nxt = min(after, key=order.__getitem__) if after else None
+    seen, stack = set(), [alias]
+    while stack:
+        for user in stack.pop().users:
+            if user in seen or is_metadata(user):
+                continue
+            seen.add(user)
+            if mutates(user) and any(_shares_storage(a, state) for a in written_args(user)):
+                return f"{user.name} writes in place, a write of the state the node order does not show"
+            if nxt is not None and order.get(user, len(order)) > order[nxt]:
+                return f"{user.name} reads after {nxt.name}, the state's next write, though the alias stands before it"
+            # A tuple of views (``chunk``) or a view shares the memory: its uses are the alias's.
+            if _tensor(user) is None or _shares_storage(user, state):
+                stack.append(user)
+    return None
+
+
 def _step_window(state: torch.fx.Node, own_writes: list[torch.fx.Node], start: int, end: int,
                  order: dict) -> tuple[float, float, str | None]:
     """The node-order window (lo, hi) between the write to ``state`` before a step (whose reads
@@ -952,8 +999,9 @@ def _step_window(state: torch.fx.Node, own_writes: list[torch.fx.Node], start: i
 
     Outside the window every use of the state is separated from this step by another write, so
     it sees another step's value whatever this step's rewrite does. That holds only when each
-    use of the state is one the order can see: the state must have no aliases (views, casts to
-    its own dtype) besides its writes, and no other step's write may have a user but its own
+    use of the state is one the order can see: an alias of the state (a view, a cast to its own
+    dtype) besides its writes must be used where it stands (``_alias_use_elsewhere``), and no
+    other step's write may have a user but its own
     ``add_`` (``state.mul_(dA).add_(dBx)``). Else the window is the whole graph, as for one step,
     and the third item says why the steps could not be told apart (None where there are none).
     """
@@ -966,8 +1014,10 @@ def _step_window(state: torch.fx.Node, own_writes: list[torch.fx.Node], start: i
              "whole)")
     for n in state.users:
         if n not in writes and n.op != "output" and _shares_storage(n, state):
-            return (*whole, f"{steps}, and {n.name} is an alias of it (a view, or a cast to its own dtype), whose "
-                            "reads and writes the node order cannot place between the steps")
+            elsewhere = _alias_use_elsewhere(n, state, writes, order)
+            if elsewhere is not None:
+                return (*whole, f"{steps}, and {n.name} is an alias of it (a view, or a cast to its own dtype) "
+                                f"that {elsewhere}")
     for w in others:
         if _decode_op_state(w) is state:
             continue  # the decode ops return a fresh output, not the state
@@ -1340,6 +1390,9 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         # update's sum) as a one-step loop left alone; this rewrite accounts for it.
         step = [node, u.reader, *([u.h, *u.h.all_input_nodes] if u.h is not None else [])]
         ctx.withdraw("scan_loop", {n.name for n in step}, ONE_STEP)
+        # Steps that compute their own decay, chained in one graph: scan_loop named them as a
+        # recurrence left alone; each step is rewritten here.
+        ctx.withdraw("scan_loop", {n.name for n in step}, DEEP_STEP)
         _erase_unused(graph, m["chain"] + [m["readout_first"], last] + u.writes)
         order = node_order(graph)
         ctx.rewrite(STATE_FAMILY, f"state*exp(dt*A)+dt*B*x ({u.form}); C-readout"
@@ -1710,9 +1763,12 @@ def _match_window_readout(user: torch.fx.Node, src: torch.fx.Node) -> dict[str, 
 
 
 def _is_window_input(node: Any) -> bool:
-    """A 3-D conv state from outside the graph that the graph never writes (a step that returns
-    its new window instead, as mamba.py's ``MambaBlock.step`` does)."""
-    return (isinstance(node, torch.fx.Node) and (node.op in ("placeholder", "get_attr") or _gathered(node))
+    """A 3-D conv state that the graph never writes (a step that returns its new window instead,
+    as mamba.py's ``MambaBlock.step`` does): from outside the graph, fresh zeros, or the new
+    window an earlier step's op returned (steps compiled in one graph)."""
+    return (isinstance(node, torch.fx.Node)
+            and (node.op in ("placeholder", "get_attr") or _gathered(node) or is_zeros(node)
+                 or _new_state_of(node, "ssm::causal_conv1d_update_functional"))
             and _tensor(node) is not None and _tensor(node).dim() == 3
             and not any(_writes(user) for user in node.users))
 

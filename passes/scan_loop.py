@@ -108,6 +108,10 @@ ONE_STEP = ("a one-step loop is left alone: the decay is a slice of a tensor wit
             "step, or a sequence stepped one token at a time with each step's values computed on their own, "
             "which leaves no sequence-long A_full/B_full to scan)")
 NOT_A_CONTRACTION = "the readout is not a contraction of h_t with C_t"
+DEEP_STEP = ("a linear recurrence h = exp(·)*h + x in which every step computes its decay from values the pass "
+             "does not read as time slices of one tensor (computed from x[:, t] through more than six ops, as "
+             "x_proj and dt_proj applied inside the loop are): left alone; Δ, B and C computed for the whole "
+             "sequence before the loop are read step by step and proved")
 
 _MUL = (operator.mul, torch.mul)
 _COLLECTORS = (torch.stack, torch.cat)
@@ -2152,10 +2156,7 @@ def scan_loop_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     reported |= {name for x in ctx.misses[first_miss:] if x.family == FAMILY for name in x.nodes}
     deep = _deep_step_recurrence(muls, reported)
     if deep is not None:
-        ctx.miss(FAMILY, "a linear recurrence h = exp(·)*h + x in which every step computes its decay from values "
-                 "the pass does not read as time slices of one tensor (computed from x[:, t] through more than "
-                 "six ops, as x_proj and dt_proj applied inside the loop are): left alone; Δ, B and C computed "
-                 "for the whole sequence before the loop are read step by step and proved", [deep])
+        ctx.miss(FAMILY, DEEP_STEP, [deep])
     lerp = _lerp_recurrence(gm.graph)
     if lerp is not None:
         ctx.miss(FAMILY, "a linear recurrence written with torch.lerp (h = lerp(x_t, h, w_t) = w_t*h + "
@@ -2735,6 +2736,15 @@ def _unmatched_recurrences(muls: list[torch.fx.Node], reported: set[str], shift:
             yield m, c, H, len(chain)
 
 
+def decay_computed_in_step(c: Any) -> bool:
+    """``c`` is an exp that ``_leaf_key`` reads as no time slice: computed in its step from
+    per-step values, deeper than its depth (x_proj and dt_proj applied inside the loop, or a
+    decode step's own projections). A chain of such steps is no scan of time slices for this
+    pass; the decode pass takes each step (``passes/decode.py``)."""
+    return (isinstance(c, torch.fx.Node) and time_slice(c) is None and not _key_slices(_leaf_key(c, 0))
+            and exp_behind(c))
+
+
 def _deep_step_recurrence(muls: list[torch.fx.Node], reported: set[str]) -> torch.fx.Node | None:
     """The first product of a chain of three or more steps ``h' = c * h + x`` whose every ``c`` is
     an exp that ``_leaf_key`` reads as no time slice (computed in the step from per-step values,
@@ -2744,8 +2754,7 @@ def _deep_step_recurrence(muls: list[torch.fx.Node], reported: set[str]) -> torc
 
     def coefficient(m: torch.fx.Node, state: torch.fx.Node) -> Any:
         c = m.args[1] if m.args[0] is state else m.args[0]
-        unkeyed = isinstance(c, torch.fx.Node) and time_slice(c) is None and not _key_slices(_leaf_key(c, 0))
-        return c if unkeyed and exp_behind(c) else None
+        return c if decay_computed_in_step(c) else None
 
     def following(m: torch.fx.Node) -> torch.fx.Node | None:
         for a, _ in _addends(m):

@@ -60,17 +60,86 @@ class YChain(NamedTuple):
     perm: tuple[int, ...]
     nodes: list[torch.fx.Node]
     flipped: bool = False
+    # Where ``top`` is a bare ``squeeze()`` that drops leading size-1 axes (``_leading_squeeze``):
+    # the node before it, which holds y with the axes ``perm`` describes. None where ``top`` does.
+    full: Optional[torch.fx.Node] = None
+
+    @property
+    def value(self) -> torch.fx.Node:
+        """The node holding y in the layout ``perm`` describes: what a folded tail is replaced by."""
+        return self.top if self.full is None else self.full
 
 
 def follow_y(y: torch.fx.Node) -> YChain:
     top, perm, nodes = follow_views(y)
     (flip,) = top.users if len(top.users) == 1 else (None,)
     if flip is None or not flip.meta.get(REVERSED_OUTPUT) or _flip_axis(flip) != perm.index(2):
-        return YChain(top, perm, nodes)
+        return _squeezed(YChain(top, perm, nodes))
     # A reverse loop's outputs: the op ran over flipped time, and its y is flipped back. A skip
     # or gate after that flip folds with its u and z read flipped as well (``_unflipped``).
     end, after, more = follow_views(flip)
-    return YChain(end, tuple(perm[p] for p in after), [*nodes, flip, *more], True)
+    return _squeezed(YChain(end, tuple(perm[p] for p in after), [*nodes, flip, *more], True))
+
+
+def _adds_unit_axes(node: torch.fx.Node, src: torch.fx.Node) -> bool:
+    """``node`` is ``src`` with size-1 axes inserted and nothing else (``src[..., None]``,
+    ``src[None]``, ``src.unsqueeze(k)``)."""
+    if (is_method(node, "unsqueeze") or is_call(node, torch.unsqueeze)) and not node.kwargs:
+        return len(node.args) == 2 and node.args[0] is src and isinstance(node.args[1], int)
+    if not is_call(node, operator.getitem) or node.args[0] is not src:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return None in index and all(i is None or i is Ellipsis or i == slice(None) for i in index)
+
+
+def _leading_squeeze(top: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes of ``top.squeeze()``, a squeeze naming no axis, maybe of ``top`` with size-1 axes
+    inserted (``top[..., None].squeeze()``: a readout's kept axis), right after ``top``, where the
+    axes of ``top`` it drops are its leading ones; else []. zeta's ``selective_scan_seq`` reads
+    out ``(hs @ C.unsqueeze(-1)).squeeze()``, which at batch 1 drops the batch axis too.
+
+    A tail whose result has ``top``'s shape broadcasts the squeezed y back, and reads ``top``'s
+    values where ``top`` has them: broadcasting lines up the trailing axes, which are ``top``'s
+    own, in order, and the dropped leading axes, of size 1, are where it puts them back."""
+    nodes, node = [], top
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not _adds_unit_axes(user, node):
+            break
+        nodes.append(user)
+        node = user
+    if len(node.users) != 1:
+        return []
+    (squeeze,) = node.users
+    if not ((is_method(squeeze, "squeeze") or is_call(squeeze, torch.squeeze)) and squeeze.args[0] is node
+            and len(squeeze.args) == 1 and not squeeze.kwargs):
+        return []
+    full, kept = shape_of(top), shape_of(squeeze)
+    if full is None or kept is None or len(kept) > len(full):
+        return []
+    lead = len(full) - len(kept)
+    if not (all(statically_known_true(s == 1) for s in full[:lead])
+            and all(statically_known_true(a == b) for a, b in zip(full[lead:], kept))):
+        return []
+    return [*nodes, squeeze]
+
+
+def _squeezed(chain: YChain) -> YChain:
+    """``chain`` followed on through ``_leading_squeeze``'s nodes, if there are any."""
+    nodes = _leading_squeeze(chain.top)
+    if not nodes:
+        return chain
+    return chain._replace(top=nodes[-1], nodes=[*chain.nodes, *nodes], full=chain.top)
+
+
+def _drop_squeeze(chain: YChain) -> None:
+    """Erase the squeeze a fold left unused (``chain.top`` back to ``chain.full``): a later fold
+    (the gate after the skip) must find y with no other user."""
+    node = chain.top
+    while chain.full is not None and node is not chain.full and not node.users:
+        source = node.args[0]
+        node.graph.erase_node(node)
+        node = source
 
 
 def _flip_axis(node: Any) -> Optional[int]:
@@ -130,17 +199,18 @@ def _widen_chain(chain: YChain, dtype: torch.dtype) -> YChain:
     op's output before the tail instead of after, only loses what the op did not round.
     """
     graph = chain.top.graph
-    nodes = []
+    nodes, full = [], chain.full
     for node in chain.nodes:
         if _rounds_coarser(node, dtype):
             with graph.inserting_after(node):
                 wide = graph.call_method("to", (node.args[0], dtype))
             node.replace_all_uses_with(wide)
             graph.erase_node(node)
+            full = wide if node is full else full
             node = wide
         propagate_val(node)
         nodes.append(node)
-    return YChain(nodes[-1] if nodes else chain.top, chain.perm, nodes)
+    return YChain(nodes[-1] if nodes else chain.top, chain.perm, nodes, full=full)
 
 
 def _widening_refusal(scan: torch.fx.Node, chain: YChain, dtype: torch.dtype, folded: Any) -> str | None:
@@ -357,8 +427,12 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         factors = binary_operands(product, MUL_TARGETS)
         if factors is None:
             return _skip_after_a_sum(add, chain, u_op)
-    top_shape = shape_of(chain.top)
+    top_shape = shape_of(chain.value)
     if shape_of(add) != top_shape:
+        if chain.full is not None:
+            return (f"y reaches the skip through {chain.top.name}, a squeeze() that drops its leading size-1 axes, "
+                    f"and the skip's result {list(shape_of(add))} does not broadcast them back to y's "
+                    f"{list(top_shape)}: the op adds D·u to y in y's shape")
         return f"the skip broadcasts y from {list(top_shape)} to {list(shape_of(add))}"
     if other is None:
         product, sigma, views = None, tuple(range(len(top_shape))), []
@@ -536,13 +610,16 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if writer is not None:
         ctx.miss("skip", f"{writer} the D·u product the fold computes from u and D itself", [user])
         return False
-    args["D"] = _d_vector(gm.graph, skip.D, shape_of(chain.top)[chain.perm.index(1)], scan, args["u"])
+    args["D"] = _d_vector(gm.graph, skip.D, shape_of(chain.value)[chain.perm.index(1)], scan, args["u"])
     set_scan_args(scan, args)
     if widen_y:
         _widen_op_y(gm.graph, scan, args)
     chain = _widen_chain(chain, dtype_of(skip.add))
-    _replace_with(skip.add, chain.top)
+    _replace_with(skip.add, chain.value)
+    _drop_squeeze(chain)
     decision = {"perm": list(chain.perm)}
+    if chain.full is not None:
+        decision["y"] = "squeeze() of its leading size-1 axes, broadcast back by the skip"
     if widen_y:
         decision["u"] = "fp32 copy (eager sums y + D·u in fp32)"
     ctx.rewrite("skip", "y + u * D", skip.nodes, "ssm.selective_scan.default", decision)
@@ -635,8 +712,12 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
             return (f"the gate is {g.name} = {target_name(g)} of silu(z) and another value, not silu(z) itself: "
                     "the op computes y * silu(z)")
         return None
-    if shape_of(z) != shape_of(chain.top) or shape_of(out) != shape_of(chain.top):
-        return f"the gate's z has shape {shape_of(z)}, y has {shape_of(chain.top)}"
+    if chain.full is not None and shape_of(out) != shape_of(chain.value):
+        return (f"y reaches the gate through {chain.top.name}, a squeeze() that drops its leading size-1 axes, "
+                f"and the gate's result {list(shape_of(out))} does not broadcast them back to y's "
+                f"{list(shape_of(chain.value))}: the op gates y in y's shape")
+    if shape_of(z) != shape_of(chain.value) or shape_of(out) != shape_of(chain.value):
+        return f"the gate's z has shape {shape_of(z)}, y has {shape_of(chain.value)}"
     return Gate(out, z, nodes + [g])
 
 
@@ -702,8 +783,11 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if widen_y:
         _widen_op_y(gm.graph, scan, args)
     chain = _widen_chain(chain, dtype_of(gate.out))
-    _replace_with(gate.out, chain.top)
+    _replace_with(gate.out, chain.value)
+    _drop_squeeze(chain)
     decision = {"perm": list(chain.perm)}
+    if chain.full is not None:
+        decision["y"] = "squeeze() of its leading size-1 axes, broadcast back by the gate"
     if widen_y:
         decision["u"] = "fp32 copy (eager computes y·silu(z) in fp32)"
     if dtype_of(gate.z) in HALF_DTYPES:

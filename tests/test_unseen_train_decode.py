@@ -571,7 +571,8 @@ def step_inputs(steps=None):
     (four_in_place_steps, 4, 4, 0, None),
     (four_steps_state_reset_between, 4, 1, 4, ("state_update", "before its update")),
     (four_steps_view_written_between, 4, 0, 4, ("state_update", "is an alias of it (a view, or a cast to its own "
-                                                 "dtype), whose reads and writes the node order cannot place")),
+                                                 "dtype) that mul_ writes in place, a write of the state the node "
+                                                 "order does not show")),
     (four_steps_snapshot_between, 4, 1, 4, ("state_update", "before its update")),
     (readout_after_next_write, 2, 0, 0, ("state_update", "C-readout")),
     (conv_view_written_between, 4, 0, 0, ("conv_update", "times in this graph (decode steps compiled as a whole), "
