@@ -10,7 +10,7 @@ fp64; near-misses keep their reasons.
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from utils import TOL, check_compiled_against_fp64, rel_err
+from utils import TOL, check_explained_against_fp64, rel_err
 
 from ssm_compile.report import explain
 
@@ -96,7 +96,7 @@ def test_last_state_loop_is_rewritten(fn, inputs):
     assert report.counts["scan_loop"] == 1 and report.counts["discretization"] == 1, report.format(graphs=False)
     # No readout of the op is used: none is recorded.
     assert report.counts["readout"] == 0, report.format(graphs=False)
-    check_compiled_against_fp64(fn, args)
+    check_explained_against_fp64(report, fn, args)
 
 
 def test_last_state_loop_without_grad_and_at_new_lengths():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import ssm_compile
 from torch._dynamo.utils import counters
-from utils import check_compiled_against_fp64
+from utils import check_explained_against_fp64
 
 
 def discretize(u, delta, A, B):
@@ -102,7 +102,7 @@ def test_a_bare_squeeze_with_one_unit_axis_is_rewritten(fn, expected):
     args = [a.requires_grad_() for a in inputs()]
     report = ssm_compile.explain(fn, *args)
     assert families(report) == expected, report.format(graphs=False)
-    check_compiled_against_fp64(fn, args)
+    check_explained_against_fp64(report, fn, args)
 
 
 def test_a_bare_squeeze_with_two_unit_axes_is_left_as_written():
@@ -111,7 +111,7 @@ def test_a_bare_squeeze_with_two_unit_axes_is_left_as_written():
     args = [a.requires_grad_() for a in inputs(batch=1)]
     report = ssm_compile.explain(squeeze_then_skip, *args)
     assert "scan_loop" in families(report) and "skip" not in families(report), report.format(graphs=False)
-    check_compiled_against_fp64(squeeze_then_skip, args)
+    check_explained_against_fp64(report, squeeze_then_skip, args)
 
 
 def test_a_bare_squeeze_under_dynamic_shapes():
@@ -129,7 +129,7 @@ def test_chunks_stacked_then_joined_by_cat_are_one_scan(fn):
     args = [a.requires_grad_() for a in inputs()]
     report = ssm_compile.explain(fn, *args)
     assert families(report).count("scan_loop") == 1 and "readout" in families(report), report.format(graphs=False)
-    check_compiled_against_fp64(fn, args)
+    check_explained_against_fp64(report, fn, args)
 
 
 @pytest.mark.parametrize("fn", [chunked_first_without_grad, chunked_with_a_stack_returned],
@@ -223,4 +223,4 @@ def test_nested_cats_of_stacks_are_joined_in_turn():
     report = ssm_compile.explain(nested_cats_then_scan, *args)
     assert not [m for m in report.misses if "raised" in m.reason], report.format(graphs=False)
     assert "scan_loop" in families(report), report.format(graphs=False)
-    check_compiled_against_fp64(nested_cats_then_scan, args)
+    check_explained_against_fp64(report, nested_cats_then_scan, args)

@@ -21,7 +21,7 @@ result bit for bit (the skip left alone beside a rewritten loop: eager's in fp64
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import TOL, check_compiled_against_fp64, rel_err
+from utils import TOL, check_explained_against_fp64, rel_err
 
 from ssm_compile.kernels.selective_scan.op import selective_scan_fn
 from ssm_compile.report import explain
@@ -102,7 +102,7 @@ def test_skip_over_the_steps_a_reverse_suffix_loop_scans_folds(fn):
     report = explain(fn, *args)
     assert report.counts.get("scan_loop") == 1 and report.counts.get("skip") == 1, report.format(graphs=False)
     assert not [m for m in report.misses if m.family == "skip"], report.format(graphs=False)
-    check_compiled_against_fp64(fn, args)
+    check_explained_against_fp64(report, fn, args)
 
 
 def test_skip_over_other_steps_than_the_loop_scans_is_not_folded():

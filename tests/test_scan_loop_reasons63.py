@@ -20,7 +20,7 @@ result bit for bit.
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import check_compiled_against_fp64
+from utils import check_explained_against_fp64
 
 from ssm_compile.report import explain
 
@@ -85,7 +85,7 @@ def _check_rewritten(fn, args, family="scan_loop"):
     args = [a.clone().requires_grad_() for a in args]
     report = explain(fn, *args)
     assert report.counts.get(family) == 1, report.format(graphs=False)
-    check_compiled_against_fp64(fn, args)
+    check_explained_against_fp64(report, fn, args)
     return report
 
 

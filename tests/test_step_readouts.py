@@ -15,7 +15,7 @@ from test_pass_scan_loop import make_inputs as scan_loop_inputs, stacked_twice
 from test_reasons_cs63 import outputs_into_buffer
 from test_unseen import output_also_accumulated
 from test_unseen_scan4 import chained_loops_apart, loop_with
-from utils import check_compiled_against_fp64
+from utils import check_compiled_against_fp64, check_explained_against_fp64
 
 from ssm_compile.report import explain
 
@@ -130,7 +130,7 @@ def test_rewritten_with_values_and_gradients(fn, layout, scans):
     report = explain(fn, *args)
     assert report.counts["scan_loop"] == scans and report.counts["readout"] == scans, report.format(graphs=False)
     assert not [m for m in report.misses if m.family == "scan_loop"], report.format(graphs=False)
-    check_compiled_against_fp64(fn, args)
+    check_explained_against_fp64(report, fn, args)
 
 
 def test_buffer_slot_the_reverse_loop_never_writes_keeps_its_value():

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
 from test_pass_scan_inplace import _down, _padded_copies, _up_pairs
-from utils import (TOL, check_compiled_against_fp64, compile_with_passes, perturbed, rel_err, tiny_falcon_mamba,
+from utils import (TOL, check_explained_against_fp64, compile_with_passes, perturbed, rel_err, tiny_falcon_mamba,
                    tiny_jamba)
 
 from ssm_compile.compiler import backend
@@ -1037,7 +1037,7 @@ def test_reverse_walks_are_rewritten_over_flipped_inputs(fn):
     args = [a.requires_grad_() for a in make_inputs()]
     report = explain(fn, *args)
     assert [r.family for r in report.rewrites if r.family == "scan_loop"] == ["scan_loop"], report.format(graphs=False)
-    check_compiled_against_fp64(fn, args)
+    check_explained_against_fp64(report, fn, args)
 
 
 @pytest.mark.parametrize("fn, reason", NEAR_MISSES)

@@ -186,7 +186,25 @@ def check_compiled_against_fp64(fn, args):
     from ssm_compile.compiler import backend
 
     torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend(inductor=False), fullgraph=True)(*args)
+    check_against_fp64(torch.compile(fn, backend=backend(inductor=False), fullgraph=True)(*args), fn, args)
+
+
+def check_explained_against_fp64(report, fn, args):
+    """``check_compiled_against_fp64`` for ``report = explain(fn, *args)``, whose output is that
+    compile's (the same passes, no inductor), so ``fn`` is not compiled again."""
+    assert_one_graph(report)
+    check_against_fp64(report.output, fn, args)
+
+
+def assert_one_graph(report):
+    """What ``fullgraph=True`` asserts of a compile, for ``explain``'s (which compiles without it):
+    one graph, no graph break, no frame run eagerly."""
+    assert len(report.graphs) == 1 and not report.graph_breaks and not report.untraced, report.format(graphs=False)
+
+
+def check_against_fp64(out, fn, args):
+    """``out``, what compiled ``fn`` returned on ``args``, against eager in fp64: the outputs, and
+    the gradients of ``args`` under random output gradients (a tuple output output by output)."""
     wide = [a.detach().double().requires_grad_() for a in args]
     ref = fn(*wide)
     outs, refs = (list(out), list(ref)) if isinstance(out, tuple) else ([out], [ref])
