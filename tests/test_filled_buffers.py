@@ -14,11 +14,9 @@ Values and gradients are compared with eager in fp64 on random inputs, the refus
 """
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from torch._higher_order_ops.associative_scan import associative_scan
-from test_unseen_scan5 import compare_with_eager
+from test_unseen_scan5 import assert_matches_eager
 
-from ssm_compile.compiler import backend
 from ssm_compile.report import explain
 
 BATCH, CH, H, W, N = 2, 2, 2, 3, 3
@@ -107,21 +105,21 @@ def written_between(x, delta, A, B, C):
     return torch.stack(ys, dim=2)
 
 
-def compare(fn, args, family):
+def compare(fn, args):
+    """``explain(fn, *args)``, whose output (the compiled one) is eager's: values, and gradients
+    where the inputs need them."""
+    report = explain(fn, *args)
     if args[0].requires_grad:
-        return compare_with_eager(fn, args)[family]
-    torch._dynamo.reset()
-    counters.clear()
-    got = torch.compile(fn, backend=backend(inductor=False))(*args)
-    torch.testing.assert_close(got, fn(*args), rtol=1e-12, atol=1e-12)
-    torch._dynamo.reset()
-    return counters["ssm"][family]
+        assert_matches_eager(report.output, fn, args)
+    else:
+        torch.testing.assert_close(report.output, fn(*args), rtol=1e-12, atol=1e-12)
+    return report
 
 
 @pytest.mark.parametrize("fn, family", [(filled_then_viewed, "scan_loop"), (filled_then_viewed_twice, "scan_loop"),
                                         (filled_then_assoc, "scan_assoc")], ids=["loop", "loop-view", "assoc"])
 def test_a_source_filled_before_it_is_made_is_rewritten(fn, family):
-    assert compare(fn, inputs(), family) == 1
+    assert compare(fn, inputs()).counts[family] == 1
 
 
 def filled_then_skip_and_gate(x, delta, A, B, C):
@@ -135,9 +133,8 @@ def filled_then_skip_and_gate(x, delta, A, B, C):
 
 def test_a_skip_and_gate_read_from_filled_buffers_fold():
     # Any write to u's or z's memory used to refuse the folds, even one before u and z existed.
-    args = inputs()
-    assert compare(filled_then_skip_and_gate, args, "scan_loop") == 1
-    report = explain(filled_then_skip_and_gate, *args)
+    report = compare(filled_then_skip_and_gate, inputs())
+    assert report.counts["scan_loop"] == 1
     assert report.counts.get("skip") == 1 and report.counts.get("gate") == 1, report.format(graphs=False)
 
 
@@ -148,8 +145,8 @@ def test_a_skip_and_gate_read_from_filled_buffers_fold():
 def test_a_source_written_after_it_is_made_is_left_alone(fn, reason):
     # Eager's own backward refuses the written-between program (its einsum saved u): values only.
     args = inputs() if fn is viewed_then_filled else [a.detach() for a in inputs()]
-    assert compare(fn, args, "scan_loop") == 0
-    report = explain(fn, *args)
+    report = compare(fn, args)
+    assert report.counts["scan_loop"] == 0
     assert any(reason in m.reason for m in report.misses), report.format(graphs=False)
 
 
@@ -193,9 +190,9 @@ def state_written_after_the_loop(x, delta, A, B, C):
 def test_a_source_written_after_the_loop_is_rewritten(fn, skip):
     # Eager's own backward refuses these programs (the loop saved what is written): values only.
     args = [a.detach() for a in inputs()]
-    assert compare(fn, args, "scan_loop") == 1
+    report = compare(fn, args)
+    assert report.counts["scan_loop"] == 1
     if skip is not None:
-        report = explain(fn, *args)
         assert any(skip in m.reason for m in report.misses if m.family == "skip"), report.format(graphs=False)
 
 

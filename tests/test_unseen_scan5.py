@@ -107,22 +107,28 @@ def compare_with_eager(fn, args, tol=(1e-10, 1e-10), grad_tol=(1e-9, 1e-10)):
     """``fn`` compiled by the passes alone (the rewritten graph run eagerly) against eager: the
     output and every input's gradient, to (rtol, atol) ``tol`` and ``grad_tol``. Returns what
     the passes rewrote (``counters["ssm"]``)."""
+    torch._dynamo.reset()
+    counters.clear()
+    assert_matches_eager(torch.compile(fn, backend=backend(inductor=False))(*args), fn, args, tol, grad_tol)
+    return counters["ssm"]
+
+
+def assert_matches_eager(got, fn, args, tol=(1e-10, 1e-10), grad_tol=(1e-9, 1e-10)):
+    """``got``, what compiled ``fn`` returned on ``args`` (``explain``'s output is one), is
+    eager's, and so is every input's gradient through it, to (rtol, atol) ``tol`` and ``grad_tol``."""
     want = fn(*args)
     w = torch.randn_like(want)
     grads_want = torch.autograd.grad((want * w).sum(), args)
-    torch._dynamo.reset()
-    counters.clear()
-    got = torch.compile(fn, backend=backend(inductor=False))(*args)
     torch.testing.assert_close(got, want, rtol=tol[0], atol=tol[1])
     for g_got, g_want in zip(torch.autograd.grad((got * w).sum(), args), grads_want):
         torch.testing.assert_close(g_got, g_want, rtol=grad_tol[0], atol=grad_tol[1])
-    return counters["ssm"]
 
 
 def _check_rewritten_and_exact(fn, args, family="scan_loop"):
     report = explain(fn, *args)
     assert report.counts.get(family) == 1 and report.counts.get("readout") == 1, report.format(graphs=False)
-    assert compare_with_eager(fn, args)[family] == 1
+    assert_matches_eager(report.output, fn, args)
+    return report
 
 
 @pytest.mark.parametrize("fn", [prefix_loop, vecdot_loop, keepdim_loop, keepdim_kwarg_loop],
@@ -165,12 +171,10 @@ def test_loop_with_more_steps_than_a_source_reads_is_never_wrong():
 
     args = [u, longer[0], A, longer[1], longer[2]]
     want = f(*args)
-    torch._dynamo.reset()
-    got = torch.compile(f, backend=backend(inductor=False))(*args)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    report = explain(f, *args)
+    torch.testing.assert_close(report.output, want, rtol=1e-12, atol=1e-12)
     # Since run 65 the first L steps are the op (each y_t its y at t, the stack left as written),
     # and the wrapped-around steps after them stay as written, from the op's last state.
-    report = explain(f, *args)
     decisions = [r.decision for r in report.rewrites if r.family == "scan_loop"]
     assert [(d["L"], d["collector"]) for d in decisions] == [(u.shape[-1], "per-step")], report.format(graphs=False)
 
@@ -192,10 +196,8 @@ def test_prefix_loop_whose_last_step_differs_is_never_wrong():
         return torch.stack(ys, -1)
 
     want = f(*inputs())
-    torch._dynamo.reset()
-    got = torch.compile(f, backend=backend(inductor=False))(u, delta, A, B, C)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     report = explain(f, u, delta, A, B, C)
+    torch.testing.assert_close(report.output, want, rtol=1e-12, atol=1e-12)
     assert report.counts.get("scan_loop", 0) == 0, report.format(graphs=False)
     assert any("does not repeat" in m.reason for m in report.misses), report.format(graphs=False)
 
@@ -271,10 +273,8 @@ def test_decay_with_its_own_backward_is_left_alone_with_a_reason(wrap):
         report.format(graphs=False)
     want = f(*args)
     grads_want = torch.autograd.grad(want.square().sum(), args)
-    torch._dynamo.reset()
-    got = torch.compile(f, backend=backend(inductor=False))(*args)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for g_got, g_want in zip(torch.autograd.grad(got.square().sum(), args), grads_want):
+    torch.testing.assert_close(report.output, want, rtol=1e-12, atol=1e-12)
+    for g_got, g_want in zip(torch.autograd.grad(report.output.square().sum(), args), grads_want):
         torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12)
 
 
