@@ -14,7 +14,6 @@ import logging
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from test_pieces_and_staging import capture
 
 from ssm_compile.compiler import backend
@@ -95,17 +94,17 @@ def chunks_at_zero(u, delta, A, B, C):
 
 
 def compare(fn, args, *, rewrites):
+    """``explain(fn, *args)``: ``rewrites`` scans rewritten, and the output (the compiled one) and
+    its gradients eager's."""
     ref = fn(*args)
     ref_grads = torch.autograd.grad(ref.square().sum(), args)
-    counters.clear()
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend(inductor=False))(*args)
-    grads = torch.autograd.grad(out.square().sum(), args)
-    torch._dynamo.reset()
-    assert counters["ssm"]["scan_loop"] == rewrites
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    report = explain(fn, *args)
+    grads = torch.autograd.grad(report.output.square().sum(), args)
+    assert report.counts["scan_loop"] == rewrites
+    torch.testing.assert_close(report.output, ref, rtol=1e-12, atol=1e-12)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    return report
 
 
 @pytest.mark.parametrize("fn", [slices, narrows, splits, chunks, tensor_splits, selects_put_back],
@@ -119,8 +118,7 @@ def test_pieces_read_at_index_zero_are_the_steps(fn):
     """Index 0 of a width-1 piece along its axis is the step's select (run 66). Before, each piece
     was read as a tensor one step long, and the loop was left alone as "a one-step loop" (probe
     CV): a false reason for an L-step scan."""
-    compare(fn, inputs(), rewrites=1)
-    assert not explain(fn, *inputs()).misses
+    assert not compare(fn, inputs(), rewrites=1).misses
 
 
 def test_the_pieces_are_read_as_selects_put_back(caplog):
@@ -248,6 +246,5 @@ def test_a_state_with_the_time_axis_kept_is_named_in_the_reason():
             ys.append((h * C[:, None, :, t:t + 1].transpose(2, 3)).sum(-1))
         return torch.cat(ys, 2)
 
-    compare(full_terms, inputs(), rewrites=0)
-    report = str(explain(full_terms, *inputs()))
+    report = str(compare(full_terms, inputs(), rewrites=0))
     assert "with its time axis 2 kept at size 1, as x[:, t:t + 1] reads it" in report, report
