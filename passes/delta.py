@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from .fx_utils import (HALF_DTYPES, Layout, behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding,
                        dtype_of, flip_dims, higher_order_op, hop_name, is_call, is_exp, is_lossless_cast, is_method,
                        layout_source, narrowed_by_program, permute_view, propagate_val, scan_args, named_args,
-                       scan_nodes, set_scan_args, shape_of, view_chain, written_in_place)
+                       same_shape, scan_nodes, set_scan_args, shape_of, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "delta"
@@ -138,7 +138,7 @@ def match_bias(bias_b: Any, pre_shape: tuple, dim_axis: int, dim: int) -> Option
 def as_vector(graph: torch.fx.Graph, node: torch.fx.Node, dim: int, before: torch.fx.Node) -> torch.fx.Node:
     """``node`` (a ``match_bias`` result) as the (dim,) tensor the op reads, reshaped before
     ``before`` when it has size-1 axes; the reshape is a view, so gradients reach the parameter."""
-    if shape_of(node) == (dim,):
+    if same_shape(shape_of(node), (dim,)):
         return node
     with graph.inserting_before(before):
         vector = graph.call_method("reshape", (node, (dim,)))
@@ -225,7 +225,7 @@ def match_delta(delta: Any) -> DeltaFold | str | None:
     operands = binary_operands(pre, ADD_TARGETS)
     if operands is not None:
         for x, bias_b in (operands, operands[::-1]):
-            if shape_of(x) != shape_of(pre):
+            if not same_shape(shape_of(x), shape_of(pre)):
                 continue
             bias = match_bias(bias_b, shape_of(pre), dim_axis, dim)
             if bias is not None:

@@ -29,7 +29,7 @@ import torch.fx
 
 from .delta import LINEAR_TARGETS, MATMUL_TARGETS
 from .fx_utils import (context_refusal, grad_enabled_at, is_call, is_method, propagate_val, scan_args,
-                       scan_nodes, shape_of, val, written_in_place)
+                       same_sizes, scan_nodes, shape_of, val, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "fuse"
@@ -122,7 +122,7 @@ def check_fusable(scan: torch.fx.Node) -> FuseSite | str | None:
         xv = val(conv_args[0]) if conv_args is not None else None
         if conv_args is None:
             pass
-        elif not isinstance(xv, torch.Tensor) or xv.shape != uv.shape or xv.dtype != uv.dtype:
+        elif not isinstance(xv, torch.Tensor) or not same_sizes(xv.shape, uv.shape) or xv.dtype != uv.dtype:
             conv_args = None
         else:
             conv = u

@@ -286,7 +286,7 @@ def is_cast(node: Any) -> bool:
         and isinstance(src, torch.Tensor)
         and out.dtype in _FLOAT_DTYPES
         and src.dtype in _FLOAT_DTYPES
-        and out.shape == src.shape
+        and same_sizes(out.shape, src.shape)
         and out.device == src.device
     )
 
@@ -305,6 +305,14 @@ def same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
     """Whether two size (or stride) tuples are equal, SymInts only where provably so (no guard
     is added)."""
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def same_shape(a: Sequence[Any] | None, b: Sequence[Any] | None) -> bool:
+    """``same_sizes`` of two ``shape_of`` results, False where either is unknown. A plain ``==`` of
+    symbolic shapes adds a guard for every size it compares (``batch != dim`` when a (dim, 1) D is
+    compared with a (batch, dim, L) product), which recompiles the graph when a later call makes
+    them equal; a match must not narrow the shapes the graph serves."""
+    return a is not None and b is not None and same_sizes(a, b)
 
 
 def shape_of(node: Any) -> tuple | None:

@@ -40,8 +40,8 @@ from .fx_utils import (HALF_DTYPES, HOIST_BLOCKED, OP_ROUNDING, REVERSED_OUTPUT,
                        behind_lossless_casts, cast_dtype, context_refusal, dropped_rounding, dtype_of, first_read,
                        flip_dims, follow_views, higher_order_op, hoist_before, hop_name, inverse, is_call, is_method,
                        layout_source, narrowed_by_program, output_getitem, permute_view, propagate_val, same_prefix,
-                       same_suffix, scan_args, scan_nodes, set_scan_args, shape_of, silu_input, target_name, val,
-                       view_chain, written_in_place)
+                       same_shape, same_suffix, scan_args, scan_nodes, set_scan_args, shape_of, silu_input, target_name,
+                       val, view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 SIGMOID_TARGETS = (torch.sigmoid, torch.ops.aten.sigmoid, F.sigmoid)
@@ -428,7 +428,7 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         if factors is None:
             return _skip_after_a_sum(add, chain, u_op)
     top_shape = shape_of(chain.value)
-    if shape_of(add) != top_shape:
+    if not same_shape(shape_of(add), top_shape):
         if chain.full is not None:
             return (f"y reaches the skip through {chain.top.name}, a squeeze() that drops its leading size-1 axes, "
                     f"and the skip's result {list(shape_of(add))} does not broadcast them back to y's "
@@ -444,7 +444,7 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         return "y is flipped back along time after a reverse scan whose u the op does not read flipped"
     reasons = []
     for u_like, d_like in (factors, factors[::-1]):
-        if shape_of(u_like) != product_shape:
+        if not same_shape(shape_of(u_like), product_shape):
             continue
         D = match_bias(d_like, product_shape, dim_axis, product_shape[dim_axis])
         if D is None:
@@ -712,11 +712,11 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
             return (f"the gate is {g.name} = {target_name(g)} of silu(z) and another value, not silu(z) itself: "
                     "the op computes y * silu(z)")
         return None
-    if chain.full is not None and shape_of(out) != shape_of(chain.value):
+    if chain.full is not None and not same_shape(shape_of(out), shape_of(chain.value)):
         return (f"y reaches the gate through {chain.top.name}, a squeeze() that drops its leading size-1 axes, "
                 f"and the gate's result {list(shape_of(out))} does not broadcast them back to y's "
                 f"{list(shape_of(chain.value))}: the op gates y in y's shape")
-    if shape_of(z) != shape_of(chain.value) or shape_of(out) != shape_of(chain.value):
+    if not same_shape(shape_of(z), shape_of(chain.value)) or not same_shape(shape_of(out), shape_of(chain.value)):
         return f"the gate's z has shape {shape_of(z)}, y has {shape_of(chain.value)}"
     return Gate(out, z, nodes + [g])
 

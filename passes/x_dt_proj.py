@@ -50,8 +50,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .delta import LINEAR_TARGETS, MATMUL_TARGETS, weight_product
 from .fx_utils import (Layout, caller_storages, context_refusal, dtype_of, grad_enabled_at, is_call, is_cast,
                        is_lossless_cast, is_method, layout_source, mutates, named_args, node_order, propagate_val,
-                       protects_saved_input, scan_args, scan_nodes, shape_of, storage_of, target_name, val, view_chain,
-                       written_in_place)
+                       protects_saved_input, same_sizes, scan_args, scan_nodes, shape_of, storage_of, target_name, val,
+                       view_chain, written_in_place)
 from .manager import PassContext, PassManager
 
 FAMILY = "x_dt_proj"
@@ -519,7 +519,7 @@ def _value_copy(node: Any) -> bool:
         return False  # ``dt.to(other)``: other's dtype and device, read from a tensor
     v = val(src)
     return (isinstance(v, torch.Tensor) and v.dtype == out.dtype and v.device == out.device
-            and v.shape == out.shape)
+            and same_sizes(v.shape, out.shape))
 
 
 def _cat_head(node: torch.fx.Node) -> Optional[torch.fx.Node]:
