@@ -19,7 +19,8 @@ from torch._dynamo.utils import counters
 from .discretize import unscanned_discretizations
 from .einops_calls import expand_einops_calls
 from .fx_utils import INPLACE_OPERATORS, hop_name, mutates, val
-from .casts import drop_identity_conversions, fold_round_trip_casts, fold_widening_casts_into_ops
+from .casts import (drop_identity_conversions, fold_round_trip_casts, fold_widening_casts_into_ops,
+                    narrow_widened_op_reads)
 from .inplace import caller_state_recurrences, rewrite_local_writes
 from .keywords import positional_operands
 from .layout import output_layouts, random_input_layouts, settle_layouts
@@ -316,8 +317,9 @@ class PassManager:
         if ctx.rewrites:
             # Innermost first: a subgraph's outputs are what its caller's graph reads.
             for module, layouts, draws in reversed(list(zip(modules, traced, random_inputs))):
-                folds = (read_single_cats(module, same_strides=False) + fold_round_trip_casts(module)
-                         + fold_widening_casts_into_ops(module))
+                # (narrow_widened_op_reads leaves round trips for fold_round_trip_casts: in this order.)
+                folds = (read_single_cats(module, same_strides=False) + narrow_widened_op_reads(module)
+                         + fold_round_trip_casts(module) + fold_widening_casts_into_ops(module))
                 if folds:
                     _eliminate_dead_code(module)
                 for change in folds + settle_layouts(module, layouts, draws):
