@@ -621,7 +621,8 @@ def _try_skip(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if chain.full is not None:
         decision["y"] = "squeeze() of its leading size-1 axes, broadcast back by the skip"
     if widen_y:
-        decision["u"] = "fp32 copy (eager sums y + D·u in fp32)"
+        decision["u"] = ("fp32 copy (eager sums y + D·u in fp32; u itself where the program casts the result back, "
+                         "casts.narrow_widened_op_reads)")
     ctx.rewrite("skip", "y + u * D", skip.nodes, "ssm.selective_scan.default", decision)
     return True
 
@@ -789,7 +790,8 @@ def _try_gate(gm: torch.fx.GraphModule, ctx: PassContext, scan: torch.fx.Node) -
     if chain.full is not None:
         decision["y"] = "squeeze() of its leading size-1 axes, broadcast back by the gate"
     if widen_y:
-        decision["u"] = "fp32 copy (eager computes y·silu(z) in fp32)"
+        decision["u"] = ("fp32 copy (eager computes y·silu(z) in fp32; u itself where the program casts the result "
+                         "back, casts.narrow_widened_op_reads)")
     if dtype_of(gate.z) in HALF_DTYPES:
         # Eager computes silu of a 16-bit z in that dtype and rounds it; the op keeps it in fp32
         # (a rounding no finer than z's own, which ``dropped_rounding`` lets go). Said, not hidden.
