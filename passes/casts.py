@@ -175,8 +175,11 @@ def narrow_widened_op_reads(gm: torch.fx.GraphModule) -> list[str]:
         narrow = dtype_of(src) if isinstance(src, torch.fx.Node) else None
         if narrow not in _NARROW_FLOATS or not _only_narrowed(y, narrow):
             continue
+        # The op's own rule for the dtype it computes in (fp64 where an input is fp64).
+        from ssm_compile.kernels.selective_scan.cpu import compute_dtype
+
         tensors = [val(a) for a in pytree.tree_leaves((op.args, op.kwargs)) if isinstance(a, torch.fx.Node)]
-        if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in tensors):
+        if compute_dtype(*[t for t in tensors if isinstance(t, torch.Tensor)]) != torch.float32:
             continue
         if (written_in_place(graph, [src, cast]) is not None or context_refusal(graph, [cast, op]) is not None
                 or protects_saved_input(cast)):
