@@ -60,8 +60,8 @@ class YChain(NamedTuple):
     perm: tuple[int, ...]
     nodes: list[torch.fx.Node]
     flipped: bool = False
-    # Where ``top`` is a bare ``squeeze()`` that drops leading size-1 axes (``_leading_squeeze``):
-    # the node before it, which holds y with the axes ``perm`` describes. None where ``top`` does.
+    # Where ``top`` is a bare ``squeeze()`` (``_bare_squeeze``): the node before it, which holds y
+    # with the axes ``perm`` describes. None where ``top`` does.
     full: Optional[torch.fx.Node] = None
 
     @property
@@ -92,15 +92,13 @@ def _adds_unit_axes(node: torch.fx.Node, src: torch.fx.Node) -> bool:
     return None in index and all(i is None or i is Ellipsis or i == slice(None) for i in index)
 
 
-def _leading_squeeze(top: torch.fx.Node) -> list[torch.fx.Node]:
+def _bare_squeeze(top: torch.fx.Node) -> list[torch.fx.Node]:
     """The nodes of ``top.squeeze()``, a squeeze naming no axis, maybe of ``top`` with size-1 axes
     inserted (``top[..., None].squeeze()``: a readout's kept axis), right after ``top``, where the
-    axes of ``top`` it drops are its leading ones; else []. zeta's ``selective_scan_seq`` reads
-    out ``(hs @ C.unsqueeze(-1)).squeeze()``, which at batch 1 drops the batch axis too.
-
-    A tail whose result has ``top``'s shape broadcasts the squeezed y back, and reads ``top``'s
-    values where ``top`` has them: broadcasting lines up the trailing axes, which are ``top``'s
-    own, in order, and the dropped leading axes, of size 1, are where it puts them back."""
+    axes of ``top`` it keeps are known (every size is provably 1 or is kept); else []. zeta's
+    ``selective_scan_seq`` reads out ``(hs @ C.unsqueeze(-1)).squeeze()``, which at batch 1 drops
+    the batch axis too, and with one channel the dim axis. Whether a tail after it can fold is
+    ``_squeeze_refusal``'s to say."""
     nodes, node = [], top
     while len(node.users) == 1:
         (user,) = node.users
@@ -115,21 +113,46 @@ def _leading_squeeze(top: torch.fx.Node) -> list[torch.fx.Node]:
             and len(squeeze.args) == 1 and not squeeze.kwargs):
         return []
     full, kept = shape_of(top), shape_of(squeeze)
-    if full is None or kept is None or len(kept) > len(full):
+    if full is None or kept is None:
         return []
-    lead = len(full) - len(kept)
-    if not (all(statically_known_true(s == 1) for s in full[:lead])
-            and all(statically_known_true(a == b) for a, b in zip(full[lead:], kept))):
+    if not same_shape([s for s in full if not statically_known_true(s == 1)], kept):
         return []
     return [*nodes, squeeze]
 
 
 def _squeezed(chain: YChain) -> YChain:
-    """``chain`` followed on through ``_leading_squeeze``'s nodes, if there are any."""
-    nodes = _leading_squeeze(chain.top)
+    """``chain`` followed on through ``_bare_squeeze``'s nodes, if there are any."""
+    nodes = _bare_squeeze(chain.top)
     if not nodes:
         return chain
     return chain._replace(top=nodes[-1], nodes=[*chain.nodes, *nodes], full=chain.top)
+
+
+def _squeeze_refusal(chain: YChain, result: torch.fx.Node, term: str, does: str) -> str | None:
+    """Why the ``term`` (skip or gate) whose value is ``result`` cannot fold through the squeeze of
+    y at the chain's top (the op ``does`` what the term does, in y's shape), or None: no squeeze,
+    or one the term undoes.
+
+    Broadcasting lines up trailing axes and puts size-1 axes back in front only. So the squeezed y
+    broadcast back holds y's values where y has them exactly when the axes the squeeze dropped are
+    y's leading ones (the kept axes, padded with ones in front, are y's shape), and the term then
+    reads y's values as the op's output would give them when its result has y's shape. A squeeze
+    that drops any other axis (one channel, one step, a size-1 axis in the middle) cannot be
+    undone by broadcasting: whatever the term computes, its result is not y's shape with y's
+    values in it, so it is left as written."""
+    if chain.full is None:
+        return None
+    full, kept, got = shape_of(chain.full), shape_of(chain.top), shape_of(result)
+    if same_shape((1,) * (len(full) - len(kept)) + kept, full):
+        if same_shape(got, full):
+            return None
+        return (f"y reaches the {term} through {chain.top.name}, a squeeze() that drops its leading size-1 axes, "
+                f"and the {term}'s result {list(got)} does not broadcast them back to y's {list(full)}: "
+                f"the op {does} in y's shape")
+    dropped = [i for i, s in enumerate(full) if statically_known_true(s == 1)]
+    return (f"y reaches the {term} through {chain.top.name}, a squeeze() that drops y's size-1 axes {dropped} of "
+            f"{list(full)}, not only leading ones: broadcasting puts size-1 axes back in front only, so the "
+            f"{term}'s result {list(got)} cannot hold y's values where y has them, and the op {does} in y's shape")
 
 
 def _drop_squeeze(chain: YChain) -> None:
@@ -428,11 +451,10 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         if factors is None:
             return _skip_after_a_sum(add, chain, u_op)
     top_shape = shape_of(chain.value)
+    refusal = _squeeze_refusal(chain, add, "skip", "adds D·u to y")
+    if refusal is not None:
+        return refusal
     if not same_shape(shape_of(add), top_shape):
-        if chain.full is not None:
-            return (f"y reaches the skip through {chain.top.name}, a squeeze() that drops its leading size-1 axes, "
-                    f"and the skip's result {list(shape_of(add))} does not broadcast them back to y's "
-                    f"{list(top_shape)}: the op adds D·u to y in y's shape")
         return f"the skip broadcasts y from {list(top_shape)} to {list(shape_of(add))}"
     if other is None:
         product, sigma, views = None, tuple(range(len(top_shape))), []
@@ -713,10 +735,9 @@ def match_gate(mul: torch.fx.Node, chain: YChain) -> Gate | str | None:
             return (f"the gate is {g.name} = {target_name(g)} of silu(z) and another value, not silu(z) itself: "
                     "the op computes y * silu(z)")
         return None
-    if chain.full is not None and not same_shape(shape_of(out), shape_of(chain.value)):
-        return (f"y reaches the gate through {chain.top.name}, a squeeze() that drops its leading size-1 axes, "
-                f"and the gate's result {list(shape_of(out))} does not broadcast them back to y's "
-                f"{list(shape_of(chain.value))}: the op gates y in y's shape")
+    refusal = _squeeze_refusal(chain, out, "gate", "gates y")
+    if refusal is not None:
+        return refusal
     if not same_shape(shape_of(z), shape_of(chain.value)) or not same_shape(shape_of(out), shape_of(chain.value)):
         return f"the gate's z has shape {shape_of(z)}, y has {shape_of(chain.value)}"
     return Gate(out, z, nodes + [g])
