@@ -78,7 +78,8 @@ from .discretize import Factor, IndexTerm, grouped_source, index_term, product_p
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_exp, is_lossless_cast,
                        is_metadata, is_method, is_ssm_op, is_zeros, mutates, named_args, node_order, op_region,
-                       pinned_int, propagate_val, silu_input, storage_of, target_name, time_slice, val, written_args)
+                       pinned_int, propagate_val, silu_input, storage_of, target_name, time_slice, val, written_args,
+                       written_in_place)
 from .manager import PassContext, PassManager
 from .scan_loop import DEEP_STEP, ONE_STEP, decay_computed_in_step
 
@@ -1278,6 +1279,30 @@ def _call_update(graph: torch.fx.Graph, op: Any, functional_op: Any, args: tuple
     return node, y, new
 
 
+# The functional twins, by name: the ops exist only once ``kernels.decode.op.register()`` ran.
+_FUNCTIONAL_UPDATES = ("ssm::selective_state_update_functional", "ssm::causal_conv1d_update_functional")
+
+
+def _read_in_place_of_copy(graph: torch.fx.Graph, state: torch.fx.Node) -> bool:
+    """Whether a step that returns its new state may hand its op ``state`` itself rather than the
+    copy taken where the step reads it (which keeps later writes to the state from the op, whose
+    read lands at the step's readout).
+
+    That copy is needless when ``state`` is the new state an earlier step's functional op returned
+    (through views: the heads layout's ``unflatten``), a buffer no caller holds, and nothing writes
+    its memory in place once it is made: it then holds one value wherever it is read. Chained
+    steps in one graph (mamba.py's ``step`` over several tokens) took one copy of the
+    (batch, dim, N) state and of the conv window per step. The functional op only reads it, so
+    other reads of it, after the step or returned, are left as they were."""
+    node = state
+    while is_method(node, "unflatten", "view", "flatten") and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    op = node.args[0] if is_call(node, operator.getitem) and node.args[1] == 1 else None
+    fresh = (is_ssm_op(op) and isinstance(op.target, torch._ops.OpOverload)
+             and op.target._schema.name in _FUNCTIONAL_UPDATES)
+    return fresh and written_in_place(graph, [node, state], after_made=True) is None
+
+
 def _flatten(graph: torch.fx.Graph, node: torch.fx.Node, axis: int) -> torch.fx.Node:
     """``node.flatten(axis, axis + 1)``: the (heads, headdim) axes as one channel axis."""
     out = graph.call_method("flatten", (node, axis, axis + 1))
@@ -1348,7 +1373,7 @@ def state_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         out_dtype = _tensor(last).dtype
         state = m["state"]
-        if u.form == "returned":
+        if u.form == "returned" and not _read_in_place_of_copy(graph, state):
             # The step does not write its state: the op reads a copy taken where the step reads
             # the state, so later writes to it, if any, are not seen.
             with graph.inserting_before(u.reader):
@@ -1997,7 +2022,7 @@ def window_update_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         out_dtype = _tensor(last).dtype
         cs = m["cs"]
-        if m["form"] == "returned":
+        if m["form"] == "returned" and not _read_in_place_of_copy(graph, cs):
             # The step leaves its input window alone: the op reads a copy taken before the
             # window's first read.
             with graph.inserting_before(min(m["cs"].users, key=order.__getitem__)):

@@ -6,14 +6,23 @@
   size-1 axes back in front only, so no skip or gate after such a squeeze holds y's values in
   y's shape: each is left as written, with a reason that says what was squeezed. A squeeze of
   the leading axes alone (batch 1) still folds.
+- mamba.py's ``step`` over several tokens in one graph (``test_decode68``): each step after the
+  first handed its op a copy of the state and of the conv window the step before returned, a
+  fresh buffer nothing else writes. That copy is gone; one is kept where the program writes the
+  previous state.
 
 Values and gradients are compared with eager in fp64 on random inputs.
 """
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import check_explained_against_fp64
+from test_decode68 import D_MODEL, DIM, W, MambaPyBlock, generate_steps
+from utils import TOL, check_explained_against_fp64, rel_err
 
+from ssm_compile.kernels.decode import op as decode_op
+from ssm_compile.passes.decode import _read_in_place_of_copy
 from ssm_compile.report import explain
 
 L, N = 5, 3
@@ -75,3 +84,39 @@ def test_tail_after_a_squeeze_of_y(batch, dim, skip, gate, folded, family, reaso
     else:
         assert not [m for m in report.misses if m.family in ("skip", "gate")], report.format(graphs=False)
     check_explained_against_fp64(report, fn, args)
+
+
+# --- chained decode steps: no copy of the previous step's new state ----------------------------
+
+def test_chained_steps_copy_no_fresh_state():
+    decode_op.register()
+    block = MambaPyBlock()
+    g = torch.Generator().manual_seed(8)
+    xs, inputs0 = torch.randn(2, 3, D_MODEL, generator=g), torch.randn(2, DIM, W - 1, generator=g)
+    report = explain(generate_steps, block, xs, inputs0)
+    assert report.counts["state_update"] == 3 and report.counts["conv_update"] == 3, report.format(graphs=False)
+    for o, r in zip(report.output, generate_steps(block, xs, inputs0), strict=True):
+        assert rel_err(o, r) <= TOL[torch.float32]
+    # The first step's state (zeros) and window (an input) are copied; the later ones, each the
+    # step before's op output, are not.
+    assert report.graphs[0].after.count(".clone()") == 2, report.graphs[0].after
+
+
+def test_written_fresh_state_is_still_copied():
+    # The matchers refuse a step whose state the program writes (test_decode68); the copy's own
+    # condition is checked here on a graph made by hand: the new state an op returned, then
+    # written in place, is no longer one value wherever it is read.
+    decode_op.register()
+    graph = torch.fx.Graph()
+    state = graph.placeholder("state")
+    state.meta["val"] = torch.randn(2, DIM, N)
+    op = graph.call_function(torch.ops.ssm.selective_state_update_functional.default, (state,))
+    op.meta["val"] = (torch.randn(2, DIM), torch.randn(2, DIM, N))
+    new = graph.call_function(operator.getitem, (op, 1))
+    new.meta["val"] = op.meta["val"][1]
+    heads = graph.call_method("unflatten", (new, 1, (2, DIM // 2)))
+    heads.meta["val"] = new.meta["val"].unflatten(1, (2, DIM // 2))
+    assert _read_in_place_of_copy(graph, new) and _read_in_place_of_copy(graph, heads)
+    assert not _read_in_place_of_copy(graph, state)
+    graph.call_method("mul_", (heads, 2.0))
+    assert not _read_in_place_of_copy(graph, new) and not _read_in_place_of_copy(graph, heads)
