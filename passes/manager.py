@@ -156,6 +156,29 @@ def _eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _drop_rewritten_step_chains(gm: torch.fx.GraphModule, ctx: PassContext, misses_before: int) -> None:
+    """Take scan_loop's ``NO_STEP_CHAIN`` misses of this graph off the nodes a later pass rewrote
+    away (a miss left with none goes). Per-head decode steps on slices of one stacked state (HF Zamba's
+    ``for head in range(n_heads)`` over ``cache[:, head]``, each head with its own decay) read to
+    scan_loop as a chain whose step 1 recomputes its exp; the decode pass then rewrites each step
+    into ``ssm.selective_state_update``, and no recurrence is left for the reason to speak of. Kept,
+    it was a near-miss of a graph whose every step was rewritten, and it turned off inductor's CPU
+    vectorisation for the whole decode graph (``compiler._unvectorised_cpu_recurrence``)."""
+    # (Here, not at import: scan_loop imports this module.)
+    from .scan_loop import FAMILY, NO_STEP_CHAIN
+
+    left = {n.name for n in gm.graph.nodes}
+    kept = []
+    for m in ctx.misses[misses_before:]:
+        if m.family == FAMILY and m.reason == NO_STEP_CHAIN and m.nodes:
+            # (One miss holds every place the reason was met: only the rewritten ones go.)
+            m.nodes = [name for name in m.nodes if name in left]
+            if not m.nodes:
+                continue
+        kept.append(m)
+    ctx.misses[misses_before:] = kept
+
+
 def _remove_dead_nodes(graph: torch.fx.Graph) -> None:
     """Dead-code elimination of ``graph`` alone with ``_removable_if_unused``. Not FX's
     ``eliminate_dead_code``: whatever purity test it is given, it then recurses into the
@@ -370,6 +393,7 @@ class PassManager:
                 # would take it for a user of the values it read (the next scan's Δ·u product of
                 # this scan's y looked like a gate on y).
                 _remove_dead_nodes(gm.graph)
+        _drop_rewritten_step_chains(gm, ctx, misses_before)
         left = set(gm.graph.nodes) if callers_states else set()
         for write in callers_states:
             if write in left:  # not a decode loop the decode pass rewrote step by step

@@ -108,6 +108,12 @@ ONE_STEP = ("a one-step loop is left alone: the decay is a slice of a tensor wit
             "step, or a sequence stepped one token at a time with each step's values computed on their own, "
             "which leaves no sequence-long A_full/B_full to scan)")
 NOT_A_CONTRACTION = "the readout is not a contraction of h_t with C_t"
+# A product exp(·)[i] * H whose next "step" computes its exp from other values: per-head decode
+# steps on one stacked cache (HF Zamba's ``for head in range(n_heads)`` over ``cache[:, head]``)
+# read like that, and the decode pass takes each of them (it withdraws this at its steps).
+NO_STEP_CHAIN = ("no state chain: step 1's exp(...) is not step 0's with every time index + 1 (a value recomputed "
+                 "in every step that is not a time slice, or one computed from time slices through more than six "
+                 "ops, such as a projection applied inside the loop?)")
 DEEP_STEP = ("a linear recurrence h = exp(·)*h + x in which every step computes its decay from values the pass "
              "does not read as time slices of one tensor (computed from x[:, t] through more than six ops, as "
              "x_proj and dt_proj applied inside the loop are): left alone; Δ, B and C computed for the whole "
@@ -1342,9 +1348,7 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
             # exp(...) of time slices multiplying a state-shaped value looks like a step; say why
             # it is not one (e.g. a loop-invariant value such as -A recomputed in every step is a
             # different node per step, and only time slices are compared shifted).
-            return ("no state chain: step 1's exp(...) is not step 0's with every time index + 1 "
-                    "(a value recomputed in every step that is not a time slice, or one computed from time "
-                    "slices through more than six ops, such as a projection applied inside the loop?)")
+            return NO_STEP_CHAIN
         sa, sh = time_slice(a0), time_slice(H)
         if sa is not None and _made_by_step_at(H, sa[0], sa[1], 1, depth=3) is not None:
             return _reverse_walk_reason(_reverse_walk_start(H, sa[0], sa[1]), 0, val(sa[0]).shape[sa[1]])
