@@ -10,10 +10,8 @@ off eager on outputs of about 5. The manager now removes dead nodes of each grap
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
-from ssm_compile.compiler import backend
 from ssm_compile.report import explain
 
 
@@ -56,17 +54,16 @@ def test_a_write_inside_a_body_survives_a_rewrite_around_it(name):
     fn = BODIES[name]
     ref = fn(x, w, b)
     want = torch.autograd.grad(ref.sum(), [x, w, b])
-    torch._dynamo.reset()
-    counters.clear()
-    out = torch.compile(fn, backend=backend(inductor=False))(x, w, b)
+    report = explain(fn, x, w, b)
+    out = report.output
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    if name == "cond" and not counters["ssm"]["conv1d"]:
+    if name == "cond" and not report.counts["conv1d"]:
         # torch 2.11's torch.cond does not run on the fake tensors the layout check gives the
         # rewritten graph ("Mixing fake modes NYI", benchmarks/repros/cond_body_write_torch211.py),
         # so the graph compiles without rewrites: correct (asserted above), nothing rewritten to test.
-        reasons = [m.reason for m in explain(fn, x, w, b).misses]
+        reasons = [m.reason for m in report.misses]
         assert any("Mixing fake modes" in r for r in reasons), reasons
         pytest.skip(f"torch {torch.__version__}: torch.cond does not run on the layout check's fake tensors")
-    assert counters["ssm"]["conv1d"] == 1, dict(counters["ssm"])
+    assert report.counts["conv1d"] == 1, report.format(graphs=False)
     for got, exp in zip(torch.autograd.grad(out.sum(), [x, w, b]), want, strict=True):
         torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)

@@ -287,15 +287,15 @@ def test_mixed_layer_configs_each_rewritten():
     ids = tokens(length=10)
     with torch.no_grad():
         ref = model(ids)
-        out = torch.compile(model, backend=backend(inductor=False))(ids)
-    assert rel_err(out, ref) <= TOL[torch.float32]
-    assert {f: counters["ssm"][f] for f in SCAN_FAMILIES} == per_layer(len(MIXED_LAYERS)), fired()
-    with torch.no_grad():
         report = explain(model, ids)
-    assert report.counts == counters["ssm"] and not report.graph_breaks, report.format(graphs=False)
+    assert rel_err(report.output, ref) <= TOL[torch.float32]
+    # Every family the passes fire (those of explain's compile are the backend's): each layer's
+    # scan families and its x_proj/dt_proj pair, nothing else.
+    assert dict(report.counts) == per_layer(len(MIXED_LAYERS)) | {"x_dt_proj": len(MIXED_LAYERS)}, \
+        report.format(graphs=False)
+    assert not report.graph_breaks, report.format(graphs=False)
     conv_widths = sorted(r.decision.get("W") for r in report.rewrites if r.family == "conv1d")
     assert conv_widths == [2, 2, 4, 4], report.format(graphs=False)
-    assert rel_err(report.output, ref) <= TOL[torch.float32]
 
 
 # --- a Jamba-like hybrid, and a Mamba block inside a module with dropout ---------------------

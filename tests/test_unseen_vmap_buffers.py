@@ -19,7 +19,6 @@ Every case checks the outputs (and, where there is a parameter, the gradients) a
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 
 import ssm_compile
 
@@ -92,9 +91,7 @@ def test_scan_inside_vmap_over_directions_is_refused_with_a_reason_and_matches_e
     want = f(us, deltas, A, Bs, Cs)
     torch.testing.assert_close(report.output, want)
     (grad_want,) = torch.autograd.grad(want.square().sum(), A)
-    torch._dynamo.reset()
-    got = torch.compile(f, backend=ssm_compile.backend(inductor=False))(us, deltas, A, Bs, Cs)
-    (grad_got,) = torch.autograd.grad(got.square().sum(), A)
+    (grad_got,) = torch.autograd.grad(report.output.square().sum(), A)
     torch.testing.assert_close(grad_got, grad_want)
 
 
@@ -124,23 +121,19 @@ def test_state_copied_into_a_buffer_under_grad_mode_keeps_the_rewrite(grad_mode)
         cache.copy_(h)  # a recurrent cache written in place, as HF's cache_params does
         return y
 
-    cache = torch.zeros(2, 6, 4)
+    W_eager, W_comp = W.clone().requires_grad_(grad_mode), W.clone().requires_grad_(grad_mode)
+    cache_eager, cache_comp = torch.zeros(2, 6, 4), torch.zeros(2, 6, 4)
     with torch.set_grad_enabled(grad_mode):
-        report = ssm_compile.explain(f, u, delta, A, B, C, W.requires_grad_(grad_mode), cache.clone())
+        y_eager = f(u, delta, A, B, C, W_eager, cache_eager)
+        report = ssm_compile.explain(f, u, delta, A, B, C, W_comp, cache_comp)
     assert report.counts["scan_loop"] == 1, report.format(graphs=False)
-
-    torch._dynamo.reset()
-    counters.clear()
-    W_eager, W_comp = W.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
-    cache_eager, cache_comp = cache.clone(), cache.clone()
-    y_eager = f(u, delta, A, B, C, W_eager, cache_eager)
-    y_comp = torch.compile(f, backend=ssm_compile.backend(inductor=False))(u, delta, A, B, C, W_comp, cache_comp)
-    assert counters["ssm"]["scan_loop"] == 1
+    y_comp = report.output
     torch.testing.assert_close(y_comp, y_eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache_comp, cache_eager, rtol=1e-5, atol=1e-5)
-    (y_eager.square().sum() + cache_eager.sum()).backward()
-    (y_comp.square().sum() + cache_comp.sum()).backward()
-    torch.testing.assert_close(W_comp.grad, W_eager.grad, rtol=1e-4, atol=1e-5)
+    if grad_mode:
+        (y_eager.square().sum() + cache_eager.sum()).backward()
+        (y_comp.square().sum() + cache_comp.sum()).backward()
+        torch.testing.assert_close(W_comp.grad, W_eager.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_torch_scan_higher_order_op_is_reported():
