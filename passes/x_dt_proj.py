@@ -278,6 +278,34 @@ def _chunk_leading(chunk: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
     return source, min(-(-width // chunks), width)
 
 
+# How many ops back from dt_proj's input a function of x_proj's first columns is named (a
+# weighted RMS norm is about six: pow, mean, add, rsqrt, mul, mul by the weight).
+_FUNCTION_DEPTH = 8
+
+
+def _deep_function(dt_proj: torch.fx.Node) -> Optional[str]:
+    """Why not, when dt_proj (a linear) reads a value computed from x_proj's first columns through
+    more ops than ``_later_piece`` looks at (HF Jamba's ``dt_layernorm(time_step)``, a weighted RMS
+    norm: probe DA, no reason was given), within ``_FUNCTION_DEPTH`` ops; else None. Asked after
+    ``_later_piece``, whose reasons for a piece of a cat or of a split are the closer ones."""
+    found = _linear(dt_proj)
+    if found is None or not isinstance(found[0], torch.fx.Node):
+        return None
+    low = _read_through_copies(found[0])[0].base
+    seen, frontier = {low}, [low]
+    for _ in range(_FUNCTION_DEPTH):
+        frontier = [a for n in frontier if n.op in ("call_function", "call_method")
+                    for a in n.all_input_nodes if a not in seen]
+        seen.update(frontier)
+        for node in frontier:
+            columns = _leading_columns(_read_through_copies(node, allow_casts=True)[0].base)
+            if columns is not None and _linear(columns[0]) is not None:
+                return (f"dt_proj reads {low.name}, computed from x_proj's first columns {node.name} through "
+                        "several ops, not the columns themselves: ssm.x_dt_proj computes the two products "
+                        "back to back, so they stay as they are")
+    return None
+
+
 def _later_piece(dt_proj: torch.fx.Node, axis_names: dict[int, str]) -> Optional[str]:
     """Why not, when dt_proj (a linear) reads a function of x_proj's first columns, a piece of a
     split of x_proj's output other than the first (``B, C, dt = x_dbl.split([N, N, R], -1)``, probe
@@ -601,7 +629,7 @@ def match(scan: torch.fx.Node) -> Site | str | None:
             break
         symbolic = symbolic or _symbolic_columns(top.base)
     else:
-        return _later_piece(dt_proj, _axis_names(delta, dt_proj)) or symbolic
+        return _later_piece(dt_proj, _axis_names(delta, dt_proj)) or symbolic or _deep_function(dt_proj)
     x_dbl, rank = columns
     x_args = _linear(x_dbl)
     if x_args is None:

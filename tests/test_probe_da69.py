@@ -7,6 +7,10 @@
   that kept none, and the compiler, reading that miss, compiled Zamba's whole decode graph with
   inductor's CPU vectorisation off (``cpp.simdlen=1``). The miss is now taken off the steps the
   decode pass rewrote (``manager._drop_rewritten_step_chains``).
+- HF Jamba normalises x_proj's Δ columns (``dt_layernorm``, a weighted RMS norm) before dt_proj:
+  x_dt_proj, which computes dt_proj of the columns themselves, was left alone with no reason
+  (only a function one op deep was named). A function of the columns within a few ops is now
+  named (``x_dt_proj._deep_function``).
 """
 import torch
 import torch.nn.functional as F
@@ -48,3 +52,44 @@ def test_per_head_decode_steps_leave_no_scan_loop_miss():
     assert "cpp.simdlen" not in report.graphs[0].options.get("inductor_config", {}), report.graphs[0].options
     torch.testing.assert_close(report.output, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_state, want_state, rtol=1e-6, atol=1e-6)
+
+
+# --- x_dt_proj: dt_proj of a normed Δ (HF Jamba's dt_layernorm) -----------------------------
+
+class NormedDtBlock(torch.nn.Module):
+    """mamba-minimal's block with Jamba's weighted RMS norm on x_proj's Δ columns before dt_proj."""
+
+    def __init__(self, dim=8, n=4, rank=2):
+        super().__init__()
+        self.rank, self.n = rank, n
+        self.x_proj = torch.nn.Linear(dim, rank + 2 * n, bias=False)
+        self.dt_proj = torch.nn.Linear(rank, dim)
+        self.dt_norm = torch.nn.Parameter(torch.rand(rank) + 0.5)
+        self.A_log = torch.nn.Parameter(torch.rand(dim, n).log())
+
+    def forward(self, x):  # (batch, L, dim)
+        dt, B, C = self.x_proj(x).split([self.rank, self.n, self.n], dim=-1)
+        dt = self.dt_norm * (dt * torch.rsqrt(dt.pow(2).mean(-1, keepdim=True) + 1e-6))
+        delta = F.softplus(self.dt_proj(dt))
+        dA = torch.exp(delta[..., None] * -torch.exp(self.A_log))
+        dBu = delta[..., None] * B[:, :, None, :] * x[..., None]
+        h = x.new_zeros(x.shape[0], x.shape[2], self.n)
+        ys = []
+        for t in range(x.shape[1]):
+            h = dA[:, t] * h + dBu[:, t]
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        return torch.stack(ys, 1)
+
+
+def test_dt_proj_of_a_normed_delta_says_why_x_dt_proj_is_left_alone():
+    """The norm is several ops deep: x_dt_proj, which computes dt_proj of the columns themselves,
+    was left alone without a reason (probe DA, HF Jamba)."""
+    torch.manual_seed(0)
+    block = NormedDtBlock()
+    x = torch.randn(2, 6, 8)
+    report = explain(block, x)
+    assert report.counts["scan_loop"] == 1 and not report.counts.get("x_dt_proj"), report.format(graphs=False)
+    reasons = [m.reason for m in report.misses if m.family == "x_dt_proj"]
+    assert any("computed from x_proj's first columns" in r for r in reasons), report.format(graphs=False)
+    with torch.no_grad():
+        torch.testing.assert_close(report.output, block(x), rtol=1e-5, atol=1e-6)
