@@ -37,6 +37,9 @@ for s in "$@"; do
         # torch/triton/transformers, spread over its cores; needs pytest-xdist and execnet in .whl/.
         fullsuite) STEP_TIMEOUT=${FULL_TIMEOUT:-540} step fullsuite python3 -m pytest -q -p no:cacheprovider \
                        -n ${WORKERS:-14} --dist worksteal -rfEs tests ;;
+        # The 130m forward (and with SPEED_ARGS=--train a training step) against the last recorded
+        # figure for the card: run it after fullsuite, which checks values but not speed.
+        speed) step speed python3 benchmarks/speed_check.py ${SPEED_ARGS:-} ;;
         # Named test files only (FILES="tests/a.py tests/b.py"), spread over the cores: for a call
         # with too little device time left for the whole suite.
         files) STEP_TIMEOUT=${FULL_TIMEOUT:-540} step files python3 -m pytest -q -p no:cacheprovider \
