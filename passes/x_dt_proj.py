@@ -306,6 +306,33 @@ def _deep_function(dt_proj: torch.fx.Node) -> Optional[str]:
     return None
 
 
+def _per_head_products(dt_proj: torch.fx.Node) -> Optional[str]:
+    """Why not, when Δ is one head's slice of a batched dt_proj of the first columns of a batched
+    x_proj, else None. HF Zamba keeps one x_proj and one dt_proj weight per head (``(H, R + 2N, hd)``,
+    ``(H, hd, R)``), applies both to every head at once (``W[:, None] @ x``) and runs one scan per
+    head on ``time_step[head]``: probe DB, no reason was given. The op takes one 2-D weight per
+    product; each head's slice is such a pair, but the graph computes every head in one batched
+    product, which a rewrite at each head's scan would split into H."""
+    if not (is_call(dt_proj, operator.getitem) and isinstance(dt_proj.args[0], torch.fx.Node)
+            and _is_int(dt_proj.args[1])):
+        return None
+    product = dt_proj.args[0]
+    if not is_call(product, *MATMUL_TARGETS) or len(product.args) != 2 or product.kwargs or any(
+            len(shape_of(a) or ()) < 3 for a in product.args):
+        return None
+    for operand in product.args:
+        columns = _leading_columns(layout_source(operand, allow_casts=False).base)
+        if columns is None:
+            continue
+        x_proj = layout_source(columns[0], allow_casts=False).base
+        if is_call(x_proj, *MATMUL_TARGETS) and all(len(shape_of(a) or ()) >= 3 for a in x_proj.args):
+            return (f"Δ is one head's slice ({dt_proj.name}) of {product.name}, a dt_proj batched over heads (one "
+                    f"weight per head) of the first {columns[1]} columns of {x_proj.name}, an x_proj batched the "
+                    "same way: ssm.x_dt_proj takes one 2-D weight per product, and these products compute every "
+                    "head at once, so they stay as they are")
+    return None
+
+
 def _later_piece(dt_proj: torch.fx.Node, axis_names: dict[int, str]) -> Optional[str]:
     """Why not, when dt_proj (a linear) reads a function of x_proj's first columns, a piece of a
     split of x_proj's output other than the first (``B, C, dt = x_dbl.split([N, N, R], -1)``, probe
@@ -629,7 +656,8 @@ def match(scan: torch.fx.Node) -> Site | str | None:
             break
         symbolic = symbolic or _symbolic_columns(top.base)
     else:
-        return _later_piece(dt_proj, _axis_names(delta, dt_proj)) or symbolic or _deep_function(dt_proj)
+        return (_later_piece(dt_proj, _axis_names(delta, dt_proj)) or symbolic or _deep_function(dt_proj)
+                or _per_head_products(dt_proj))
     x_dbl, rank = columns
     x_args = _linear(x_dbl)
     if x_args is None:
