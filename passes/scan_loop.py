@@ -289,6 +289,10 @@ def _walk(template: list[torch.fx.Node], bind: dict[torch.fx.Node, torch.fx.Node
 # The symbolic proof of one step
 # ---------------------------------------------------------------------------------------------
 
+# Factories that read only their input's shape, dtype and device.
+_NEW_LIKE = (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like)
+
+
 class _NotElementwise(Exception):
     pass
 
@@ -364,6 +368,12 @@ def _sym_eval(region: list[torch.fx.Node], h_prev: torch.fx.Node, H: sympy.Symbo
             env[n] = sympy.exp(arg(a[0]))
         elif (is_call(n, torch.sigmoid) or is_method(n, "sigmoid")) and len(a) == 1:
             env[n] = 1 / (1 + sympy.exp(-arg(a[0])))
+        elif (is_call(n, *_NEW_LIKE) or is_method(n, "new_zeros", "new_ones", "new_empty", "new_full")) and any(
+                isinstance(x, torch.fx.Node) and x in env and H in env[x].free_symbols for x in a[:1]):
+            # zeros_like(h) reads only h's shape: a second state started from it between two of h's
+            # steps is what the step reads (probe DB: "uses zeros_like" named no second state).
+            raise _NotElementwise(f"{name} of the state: a second recurrence started from a tensor of h's shape "
+                                  "whose states h's update reads?")
         else:
             raise _NotElementwise(str(name))
         _state_enters_once(n, a, env, H, name)
@@ -1345,6 +1355,12 @@ def match_loop(anchor: torch.fx.Node, a0: torch.fx.Node, H: torch.fx.Node,
             flipped = _flip_in_every_step(a0)
             if flipped is not None:
                 return flipped
+            if _of_one_step(H, first[3]) and written_in_place(H.graph, [H]) is None:
+                # exp(k[:, t]) * v[:, t] (RWKV-4's e^k·v): two of one step's inputs, no state, so
+                # no chain to miss; the loop's real anchor, if any, gives its own reason (probe DB:
+                # "no state chain" was said of it). A slice written in place is a state kept in a
+                # caller's buffer (Zamba's cache[:, head], which the decode pass takes up).
+                return None
             # exp(...) of time slices multiplying a state-shaped value looks like a step; say why
             # it is not one (e.g. a loop-invariant value such as -A recomputed in every step is a
             # different node per step, and only time slices are compared shifted).

@@ -8,8 +8,16 @@ in fp64, and the Mamba-like ones a true reason. What the probe found:
 - HF Zamba's per-head x_proj/dt_proj (one weight per head, applied to every head at once by a
   batched matmul ``W[:, None] @ x``; one scan per head on ``time_step[head]``): x_dt_proj gave no
   reason. It now names the batched products (``x_dt_proj._per_head_products``).
+- RWKV-4's WKV loop: its ``exp(k[:, t]) * v[:, t]``, a product of one step's inputs, was taken
+  for a scan's first step and got "no state chain: step 1's exp(...) is not step 0's with every
+  time index + 1", which is false (it is, and there is no state). Such a product now gets no
+  reason of its own; the decayed states ``a`` and ``b`` keep theirs.
+- A second Mamba state started from ``torch.zeros_like(h)`` and added into h's update: "the state
+  update uses an op that is not an elementwise add/mul (zeros_like)", which no step does. The
+  reason now says that a tensor of h's shape starts a second recurrence that h's update reads.
 """
 import torch
+import torch.nn.functional as F
 
 import ssm_compile
 from ssm_compile.report import explain
@@ -39,3 +47,55 @@ def test_per_head_batched_x_and_dt_proj_get_a_reason():
     assert len(reasons) == HEADS and all("batched over heads" in r and "one 2-D weight per product" in r
                                          for r in reasons), report.format(graphs=False)
     torch.testing.assert_close(report.output, per_head_projections(*args), rtol=1e-6, atol=1e-6)
+
+
+def rwkv4_wkv(k, v, w, u):
+    """RWKV-4's WKV in its naive form: two states with one time-invariant decay exp(-exp(w))."""
+    decay = torch.exp(-torch.exp(w))
+    a = k.new_zeros(k.shape[0], k.shape[2])
+    b = k.new_zeros(k.shape[0], k.shape[2])
+    outs = []
+    for t in range(k.shape[1]):
+        ek, euk = torch.exp(k[:, t]), torch.exp(u + k[:, t])
+        outs.append((a + euk * v[:, t]) / (b + euk))
+        a = decay * a + ek * v[:, t]
+        b = decay * b + ek
+    return torch.stack(outs, 1)
+
+
+def test_rwkv4_input_products_get_no_state_chain_reason():
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(BATCH, L, HEAD_DIM, generator=g), torch.randn(BATCH, L, HEAD_DIM, generator=g),
+            torch.randn(HEAD_DIM, generator=g), torch.randn(HEAD_DIM, generator=g)]
+    report = explain(rwkv4_wkv, *args)
+    assert not report.counts, report.format(graphs=False)
+    assert report.misses and not any("no state chain" in m.reason for m in report.misses), report.format(graphs=False)
+    assert all("whose Δ has no time axis" in m.reason for m in report.misses), report.format(graphs=False)
+    torch.testing.assert_close(report.output, rwkv4_wkv(*args), rtol=0, atol=0)
+
+
+def second_state_feeds_first(u, dt, A_log, B, C):
+    """A Mamba-1 scan whose update also adds a second Mamba state h2 (not one selective scan)."""
+    delta = F.softplus(dt)
+    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, -torch.exp(A_log)))
+    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    h = u.new_zeros(u.shape[0], u.shape[1], A_log.shape[1])
+    h2 = torch.zeros_like(h)
+    ys = []
+    for t in range(u.shape[2]):
+        h2 = dA[:, :, t] * h2 + dBu[:, :, t]
+        h = dA[:, :, t] * h + dBu[:, :, t] + 0.5 * h2
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, 2)
+
+
+def test_second_state_from_zeros_like_is_named():
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(BATCH, HEAD_DIM, L, generator=g), torch.randn(BATCH, HEAD_DIM, L, generator=g),
+            torch.rand(HEAD_DIM, N, generator=g).log(), torch.randn(BATCH, N, L, generator=g),
+            torch.randn(BATCH, N, L, generator=g)]
+    report = explain(second_state_feeds_first, *args)
+    assert not report.counts, report.format(graphs=False)
+    assert any("zeros_like of the state: a second recurrence" in m.reason for m in report.misses
+               if m.family == "scan_loop"), report.format(graphs=False)
+    torch.testing.assert_close(report.output, second_state_feeds_first(*args), rtol=0, atol=0)
