@@ -73,7 +73,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .delta import ADD_TARGETS, SUB_TARGETS, SignedSum, binary_operands, exact_sum, signed_sum
+from .delta import ADD_TARGETS, MUL_TARGETS, SUB_TARGETS, SignedSum, binary_operands, exact_sum, signed_sum
 from .discretize import Factor, IndexTerm, grouped_source, index_term, product_parts, two_sides
 from .fx_utils import (INPLACE_OPERATORS, addcmul_operands, bare_name, context_refusal, depthwise_weight,
                        dropped_rounding, exp_behind, exp_node_behind, is_call, is_cast, is_exp, is_lossless_cast,
@@ -667,9 +667,22 @@ def find_update(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Update 
             return None  # a step that writes its state: the copy_ / in-place anchors' business
         exp_node = _peel(decay)[0]
         if not is_exp(exp_node):
+            scaled = _scaled_exp(exp_node)
+            if scaled is not None:
+                # A step that decays its state by exp(dt * A) times a factor (``state * dA * 0.99 +
+                # dBx``): probe DB found it left alone with no reason (the copy_ form says why).
+                raise Miss(f"the state decay is {exp_node.name} = {scaled.name} times another factor, not exp(dt * A) "
+                           "itself: the op decays the state by exp(dt * A) alone")
             return None  # some other sum with an input in it: no sign of a decode step
         return Update("returned", state, node, reader, casts, decay, addend, [])
     return None
+
+
+def _scaled_exp(node: Any) -> torch.fx.Node | None:
+    """The exp that ``node``, a product, multiplies by another factor, or None."""
+    if not (is_call(node, *MUL_TARGETS) or is_method(node, "mul")) or len(node.args) != 2:
+        return None
+    return next((f for f in (_peel(a)[0] for a in node.args) if is_exp(f)), None)
 
 
 class RoleMap(dict):

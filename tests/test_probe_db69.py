@@ -15,6 +15,8 @@ in fp64, and the Mamba-like ones a true reason. What the probe found:
 - A second Mamba state started from ``torch.zeros_like(h)`` and added into h's update: "the state
   update uses an op that is not an elementwise add/mul (zeros_like)", which no step does. The
   reason now says that a tensor of h's shape starts a second recurrence that h's update reads.
+- A decode step that returns ``state * exp(dt·A) * 0.99 + dt·B·x`` was left alone with no reason
+  (the ``copy_`` form of the same step had one); it now says the decay is exp(dt·A) times a factor.
 """
 import torch
 import torch.nn.functional as F
@@ -99,3 +101,24 @@ def test_second_state_from_zeros_like_is_named():
     assert any("zeros_like of the state: a second recurrence" in m.reason for m in report.misses
                if m.family == "scan_loop"), report.format(graphs=False)
     torch.testing.assert_close(report.output, second_state_feeds_first(*args), rtol=0, atol=0)
+
+
+def leaky_decode_step(state, x, dt, A_log, B, C):
+    """One Mamba-1 decode step whose decay is exp(Δ·A)·0.99 (not the op's function)."""
+    delta = F.softplus(dt)
+    dA = torch.exp(delta[..., None] * -torch.exp(A_log)) * 0.99
+    state = state * dA + delta[..., None] * B[:, None, :] * x[..., None]
+    return (state * C[:, None, :]).sum(-1), state
+
+
+def test_scaled_decode_decay_gets_a_reason():
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(BATCH, HEAD_DIM, N, generator=g), torch.randn(BATCH, HEAD_DIM, generator=g),
+            torch.randn(BATCH, HEAD_DIM, generator=g), torch.rand(HEAD_DIM, N, generator=g).log(),
+            torch.randn(BATCH, N, generator=g), torch.randn(BATCH, N, generator=g)]
+    report = explain(leaky_decode_step, *args)
+    assert not report.counts, report.format(graphs=False)
+    assert [m.family for m in report.misses] == ["state_update"], report.format(graphs=False)
+    assert "times another factor, not exp(dt * A)" in report.misses[0].reason, report.format(graphs=False)
+    for got, want in zip(report.output, leaky_decode_step(*args), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
