@@ -29,9 +29,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_utils import (detach_note, dtype_of, exp_node_behind, flip_dims, higher_order_op, hop_name, is_call, is_cast,
-                       is_exp, is_method, layout_source, named_args, ndim_of, parse_slice, protects_saved_input,
-                       squeezed_unit_piece, unit_piece, val, view_chain, view_perm)
+from .fx_utils import (bare_name, detach_note, dtype_of, exp_node_behind, flip_dims, higher_order_op, hop_name, is_call,
+                       is_cast, is_exp, is_method, layout_source, named_args, ndim_of, parse_slice,
+                       protects_saved_input, squeezed_unit_piece, unit_piece, val, view_chain, view_perm)
 
 __all__ = [
     "Source",
@@ -1183,6 +1183,13 @@ def _full_decay(ta: int, a_perm, a_views: list, at: IndexTerm | None, stops: tup
     return decays
 
 
+def _same_call(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are two nodes of one call on the same arguments (for a reason only)."""
+    return (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a is not b and a.op == b.op
+            and a.op in ("call_function", "call_method") and a.target == b.target and a.args == b.args
+            and a.kwargs == b.kwargs)
+
+
 def _full_input(b_full: torch.fx.Node, tb: int, decay: _Decay) -> Discretized | str:
     """B_full's half of the proof: ``b_full == Δ · B · u`` with the decay's Δ."""
     vb = val(b_full)
@@ -1202,8 +1209,15 @@ def _full_input(b_full: torch.fx.Node, tb: int, decay: _Decay) -> Discretized | 
         elif f.node is decay.delta.node:
             deltas.append((f, decay.delta.roles))
     if not deltas:
+        delta = decay.delta.node
+        twin = next((f.node for f in bt.factors if _same_call(f.node, delta)), None)
+        if twin is not None:
+            # F.softplus(dt) written twice, once for each term (probe DB: "or another Δ?" was said).
+            return (f"B_full's Δ {twin.name} is a second call of {bare_name(delta)} on A_full's Δ's inputs, not "
+                    f"{delta.name} itself: the proof matches Δ by node; compute Δ once and use it in both terms "
+                    "to have the scan rewritten")
         names = ", ".join(f.node.name for f in bt.factors)
-        return (f"B_full is a product of ({names}), none of which is A_full's Δ ({decay.delta.node.name}): not the "
+        return (f"B_full is a product of ({names}), none of which is A_full's Δ ({delta.name}): not the "
                 "Δ·B·u of the Euler discretisation (exact ZOH's (exp(Δ·A) - 1) / A · B, or another Δ?)")
     b_out = bt.out_labels()
     if len(set(b_out)) != 4:

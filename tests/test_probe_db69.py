@@ -17,6 +17,9 @@ in fp64, and the Mamba-like ones a true reason. What the probe found:
   reason now says that a tensor of h's shape starts a second recurrence that h's update reads.
 - A decode step that returns ``state * exp(dt·A) * 0.99 + dt·B·x`` was left alone with no reason
   (the ``copy_`` form of the same step had one); it now says the decay is exp(dt·A) times a factor.
+- A Mamba-1 scan that calls ``F.softplus(dt)`` once for the decay and again for the input term
+  (the same Δ, two nodes) was left alone with "none of which is A_full's Δ ... or another Δ?"; the
+  reason now says the Δ is computed twice and that computing it once gets the scan rewritten.
 """
 import torch
 import torch.nn.functional as F
@@ -122,3 +125,27 @@ def test_scaled_decode_decay_gets_a_reason():
     assert "times another factor, not exp(dt * A)" in report.misses[0].reason, report.format(graphs=False)
     for got, want in zip(report.output, leaky_decode_step(*args), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def delta_computed_twice(u, dt, A_log, B, C):
+    """A Mamba-1 scan whose Δ = softplus(dt) is computed once for each term."""
+    dA = torch.exp(torch.einsum("bdl,dn->bdln", F.softplus(dt), -torch.exp(A_log)))
+    dBu = torch.einsum("bdl,bnl,bdl->bdln", F.softplus(dt), B, u)
+    h = u.new_zeros(u.shape[0], u.shape[1], A_log.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        h = dA[:, :, t] * h + dBu[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    return torch.stack(ys, 2)
+
+
+def test_delta_computed_twice_is_named():
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(BATCH, HEAD_DIM, L, generator=g), torch.randn(BATCH, HEAD_DIM, L, generator=g),
+            torch.rand(HEAD_DIM, N, generator=g).log(), torch.randn(BATCH, N, L, generator=g),
+            torch.randn(BATCH, N, L, generator=g)]
+    report = explain(delta_computed_twice, *args)
+    assert not report.counts, report.format(graphs=False)
+    assert any("is a second call of softplus on A_full's Δ's inputs" in m.reason for m in report.misses
+               if m.family == "scan_loop"), report.format(graphs=False)
+    torch.testing.assert_close(report.output, delta_computed_twice(*args), rtol=0, atol=0)
