@@ -72,8 +72,9 @@ def test_tail_after_a_squeeze_of_y(batch, dim, skip, gate, folded, family, reaso
     args = [a.requires_grad_() for a in [*tensors, *(t for t in (D, z) if t is not None)]]
 
     def fn(*a):
-        x, delta, A, B, C, *rest = a
-        return seq_scan(x, delta, A, B, C, rest.pop(0) if skip else None, rest.pop(0) if gate else None,
+        # Indexed, not popped: torch 2.11's dynamo makes a starred target a tuple.
+        x, delta, A, B, C = a[:5]
+        return seq_scan(x, delta, A, B, C, a[5] if skip else None, a[5 + skip] if gate else None,
                         squeeze_terms=family is not None)
 
     report = explain(fn, *args)
