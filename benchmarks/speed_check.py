@@ -28,6 +28,7 @@ from common import copy_bandwidth_gbs, event_median_ms, matmul_tflops, median_ms
 # (card name fragment, part) -> (ms, where it was measured).
 REFERENCE_MS = {
     ("H100", "forward"): (15.25, "run 68, call 3 (profiles/bench_e2e_forward_h100_run68_call3.md)"),
+    ("H100", "train"): (87.27, "run 69, call 1 (profiles/speed_check_h100_run69.md)"),
     ("H200", "forward"): (14.47, "run 51 (profiles/bench_e2e_forward_h200_run51.md)"),
     ("H200", "train"): (77.94, "run 33, call 3 (profiles/probe_e2e_options_train_run33_call3.md)"),
 }
