@@ -306,6 +306,40 @@ def _deep_function(dt_proj: torch.fx.Node) -> Optional[str]:
     return None
 
 
+def _dt_proj_of_columns(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a linear (with or without a bias) of x_proj's first columns."""
+    if not is_call(node, *LINEAR_TARGETS):
+        return False
+    low = named_args(node, ("input", "weight", "bias")).get("input")
+    if not isinstance(low, torch.fx.Node):
+        return False
+    columns = _leading_columns(_read_through_copies(low)[0].base)
+    return columns is not None and _linear(columns[0]) is not None
+
+
+def _function_of_dt_proj(source: torch.fx.Node) -> Optional[str]:
+    """Why not, when Δ's producer ``source`` is not dt_proj but a function of it within
+    ``_FUNCTION_DEPTH`` ops (``exp(dt_proj(dt))``, ``relu(...)``, ``softplus(...).clamp(min)``,
+    a second bias the delta pass left in Δ; probe DC: no reason was given), or dt_proj itself
+    with a bias the delta pass did not move into the scan; else None. Asked last: the other
+    reasons name a closer cause."""
+    if _dt_proj_of_columns(source):
+        return (f"dt_proj {source.name} keeps its bias (the delta pass did not move it into the scan): "
+                "ssm.x_dt_proj computes the bias-free product, so the two products stay as they are")
+    seen, frontier = {source}, [source]
+    for _ in range(_FUNCTION_DEPTH):
+        frontier = [a for n in frontier if n.op in ("call_function", "call_method")
+                    for a in n.all_input_nodes if a not in seen]
+        seen.update(frontier)
+        for node in frontier:
+            if _dt_proj_of_columns(node):
+                return (f"Δ is {source.name} = {target_name(source)} of a value computed from dt_proj {node.name} "
+                        "(of x_proj's first columns), not dt_proj itself up to its bias and softplus, which the "
+                        "scan takes: ssm.x_dt_proj replaces a dt_proj that is Δ, so the two products stay as "
+                        "they are")
+    return None
+
+
 def _per_head_products(dt_proj: torch.fx.Node) -> Optional[str]:
     """Why not, when Δ is one head's slice of a batched dt_proj of the first columns of a batched
     x_proj, else None. HF Zamba keeps one x_proj and one dt_proj weight per head (``(H, R + 2N, hd)``,
@@ -657,7 +691,7 @@ def match(scan: torch.fx.Node) -> Site | str | None:
         symbolic = symbolic or _symbolic_columns(top.base)
     else:
         return (_later_piece(dt_proj, _axis_names(delta, dt_proj)) or symbolic or _deep_function(dt_proj)
-                or _per_head_products(dt_proj))
+                or _per_head_products(dt_proj) or _function_of_dt_proj(dt_proj))
     x_dbl, rank = columns
     x_args = _linear(x_dbl)
     if x_args is None:
