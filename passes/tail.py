@@ -449,7 +449,7 @@ def match_skip(add: torch.fx.Node, chain: YChain, u_op: Any) -> Skip | str | Non
         product, sigma, views = behind.base, behind.perm, view_chain(other, behind.base)
         factors = binary_operands(product, MUL_TARGETS)
         if factors is None:
-            return _skip_after_a_sum(add, chain, u_op)
+            return _skip_by_einsum(product, chain, u_op) or _skip_after_a_sum(add, chain, u_op)
     top_shape = shape_of(chain.value)
     refusal = _squeeze_refusal(chain, add, "skip", "adds D·u to y")
     if refusal is not None:
@@ -578,6 +578,22 @@ def _product_of(node: Any, u: torch.fx.Node) -> bool:
     """``node`` is a two-factor product with a factor that is ``u`` (through views and casts)."""
     factors = binary_operands(node, MUL_TARGETS)
     return factors is not None and any(isinstance(f, torch.fx.Node) and layout_source(f).base is u for f in factors)
+
+
+def _skip_by_einsum(product: Any, chain: YChain, u_op: Any) -> str | None:
+    """Why not, when the term added to y is an einsum of the scan's u (``einsum('bld,d->bld', u,
+    D)``, probe DC: no reason before). The skip is proved only from a product ``u * D`` (or
+    ``addcmul``), whose factors the proof reads; an einsum's operands would need their labels
+    mapped to y's axes first, and autocast treats einsum as one of its lower-precision ops
+    (``fx_utils._AUTOCAST_LOWP``) where it leaves a product alone, so the two are not one
+    computation everywhere."""
+    if not is_call(product, torch.einsum, torch.functional.einsum):
+        return None
+    u = _user_u(u_op, chain)
+    if not any(isinstance(f, torch.fx.Node) and layout_source(f).base is u for f in product.args[1:]):
+        return None
+    return (f"the term added to y is {product.name} = torch.einsum({product.args[0]!r}, ...) of the scan's u: "
+            "the pass reads a D·u skip only as a product u * D (or torch.addcmul), so it is left as written")
 
 
 def _skip_after_a_sum(add: torch.fx.Node, chain: YChain, u_op: Any) -> str | None:

@@ -48,3 +48,29 @@ def test_delta_a_function_of_dt_proj_gets_a_reason(kind, reason):
     assert report.counts["scan_loop"] == 1 and not report.counts.get("x_dt_proj"), report.format(graphs=False)
     assert any(m.family == "x_dt_proj" and reason in m.reason for m in report.misses), report.format(graphs=False)
     check_explained_against_fp64(report, fn, args)
+
+
+def test_skip_spelled_as_an_einsum_gets_a_reason():
+    """``y + einsum('bld,d->bld', x, D)`` is D·u, but the pass proves a skip only from a product
+    (``tail._skip_by_einsum`` says why): it is left as written, and until probe DC had no reason."""
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(BATCH, L, DIM, generator=g), torch.randn(BATCH, L, DIM, generator=g).sigmoid(),
+            torch.rand(DIM, N, generator=g).log(), torch.randn(BATCH, L, N, generator=g),
+            torch.randn(BATCH, L, N, generator=g), torch.randn(DIM, generator=g)]
+    args = [a.requires_grad_() for a in args]
+
+    def fn(x, delta, A_log, B, C, D):
+        dA = torch.exp(torch.einsum("bld,dn->bldn", delta, -torch.exp(A_log)))
+        dBu = torch.einsum("bld,bln,bld->bldn", delta, B, x)
+        h = x.new_zeros(BATCH, DIM, N)
+        ys = []
+        for t in range(L):
+            h = dA[:, t] * h + dBu[:, t]
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))
+        return torch.stack(ys, 1) + torch.einsum("bld,d->bld", x, D)
+
+    report = explain(fn, *args)
+    assert report.counts["scan_loop"] == 1 and not report.counts.get("skip"), report.format(graphs=False)
+    assert any(m.family == "skip" and "torch.einsum('bld,d->bld'" in m.reason and "only as a product" in m.reason
+               for m in report.misses), report.format(graphs=False)
+    check_explained_against_fp64(report, fn, args)
