@@ -292,18 +292,23 @@ def _deep_function(dt_proj: torch.fx.Node) -> Optional[str]:
     if found is None or not isinstance(found[0], torch.fx.Node):
         return None
     low = _read_through_copies(found[0])[0].base
-    seen, frontier = {low}, [low]
-    for _ in range(_FUNCTION_DEPTH):
+    for node in _inputs_within(low, _FUNCTION_DEPTH):
+        columns = _leading_columns(_read_through_copies(node, allow_casts=True)[0].base)
+        if columns is not None and _linear(columns[0]) is not None:
+            return (f"dt_proj reads {low.name}, computed from x_proj's first columns {node.name} through "
+                    "several ops, not the columns themselves: ssm.x_dt_proj computes the two products "
+                    "back to back, so they stay as they are")
+    return None
+
+
+def _inputs_within(node: torch.fx.Node, depth: int):
+    """The nodes ``node`` is computed from, nearest first, up to ``depth`` ops back (each once)."""
+    seen, frontier = {node}, [node]
+    for _ in range(depth):
         frontier = [a for n in frontier if n.op in ("call_function", "call_method")
                     for a in n.all_input_nodes if a not in seen]
         seen.update(frontier)
-        for node in frontier:
-            columns = _leading_columns(_read_through_copies(node, allow_casts=True)[0].base)
-            if columns is not None and _linear(columns[0]) is not None:
-                return (f"dt_proj reads {low.name}, computed from x_proj's first columns {node.name} through "
-                        "several ops, not the columns themselves: ssm.x_dt_proj computes the two products "
-                        "back to back, so they stay as they are")
-    return None
+        yield from frontier
 
 
 def _dt_proj_of_columns(node: torch.fx.Node) -> bool:
@@ -326,17 +331,12 @@ def _function_of_dt_proj(source: torch.fx.Node) -> Optional[str]:
     if _dt_proj_of_columns(source):
         return (f"dt_proj {source.name} keeps its bias (the delta pass did not move it into the scan): "
                 "ssm.x_dt_proj computes the bias-free product, so the two products stay as they are")
-    seen, frontier = {source}, [source]
-    for _ in range(_FUNCTION_DEPTH):
-        frontier = [a for n in frontier if n.op in ("call_function", "call_method")
-                    for a in n.all_input_nodes if a not in seen]
-        seen.update(frontier)
-        for node in frontier:
-            if _dt_proj_of_columns(node):
-                return (f"Δ is {source.name} = {target_name(source)} of a value computed from dt_proj {node.name} "
-                        "(of x_proj's first columns), not dt_proj itself up to its bias and softplus, which the "
-                        "scan takes: ssm.x_dt_proj replaces a dt_proj that is Δ, so the two products stay as "
-                        "they are")
+    for node in _inputs_within(source, _FUNCTION_DEPTH):
+        if _dt_proj_of_columns(node):
+            return (f"Δ is {source.name} = {target_name(source)} of a value computed from dt_proj {node.name} "
+                    "(of x_proj's first columns), not dt_proj itself up to its bias and softplus, which the "
+                    "scan takes: ssm.x_dt_proj replaces a dt_proj that is Δ, so the two products stay as "
+                    "they are")
     return None
 
 
