@@ -767,7 +767,12 @@ def cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
         dtype = node.kwargs["dtype"]
         if dtype in _FLOAT_DTYPES:
             return dtype
-    if is_method(node, "type_as") and len(node.args) == 2:
+    # ``x.to(other)`` takes other's dtype and device: a float dtype cast like ``type_as`` where
+    # ``is_cast`` proves the device unchanged (probe DD: ``y.to(u) + u * D`` left the skip and
+    # gate unfolded, with no reason, where ``y.to(u.dtype)`` folded).
+    template = is_method(node, "to") and len(node.args) == 2 and not node.kwargs \
+        and isinstance(val(node.args[1]), torch.Tensor) and is_cast(node)
+    if template or (is_method(node, "type_as") and len(node.args) == 2):
         out = val(node)
         return out.dtype if isinstance(out, torch.Tensor) and out.dtype in _FLOAT_DTYPES else None
     return None
